@@ -1,0 +1,3 @@
+from weightsvc._cli import main
+
+main()

@@ -1,0 +1,185 @@
+"""`weightsvc bench`: the figures of DESIGN §8 as ratios against a baseline measured in the same run.
+
+Transfer part (this module): the service runs as a separate process, as it does in production.
+- T2: push an fp32 model until committed (export included) vs raw TCP loopback on the same bytes.
+- T1: pull the committed version (gRPC and HTTP, checksums verified) vs raw TCP on the served bytes.
+- M1: the server's peak RSS against 1.25 x retained bytes + 300 MiB.
+Raw TCP is two Python processes moving a preallocated buffer with sendall/recv_into: the best a
+Python peer can do on this machine, so a ratio of 1.0 means "as fast as the socket".
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
+
+TENSOR_MIB = 16  # a typical transformer matrix (2048 x 2048 fp32)
+TARGETS = {"T1": 0.5, "T2": 0.4}
+_RECV_PIECE = 4 << 20
+
+
+def _recv_exactly(sock: socket.socket, buf: memoryview) -> None:
+    got = 0
+    while got < len(buf):
+        n = sock.recv_into(buf[got : got + _RECV_PIECE])
+        if n == 0:
+            raise ConnectionError("peer closed early")
+        got += n
+
+
+def _tcp_peer(port: int, nbytes: int, send: bool) -> None:
+    """The other end of the raw-TCP baseline, in its own process."""
+    buf = bytearray(nbytes)
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        if send:
+            s.sendall(buf)
+        else:
+            _recv_exactly(s, memoryview(buf))
+            s.sendall(b"k")  # the receiver has every byte: the clock stops here
+
+
+def raw_tcp_seconds(nbytes: int, *, download: bool) -> float:
+    """Seconds to move `nbytes` over loopback between two processes (download: peer sends)."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(1)
+        buf = bytearray(nbytes)
+        peer = ctx.Process(target=_tcp_peer, args=(ls.getsockname()[1], nbytes, download))
+        peer.start()
+        conn, _ = ls.accept()
+        with conn:
+            start = time.perf_counter()
+            if download:
+                _recv_exactly(conn, memoryview(buf))
+            else:
+                conn.sendall(buf)
+                conn.recv(1)
+            elapsed = time.perf_counter() - start
+        peer.join()
+    return elapsed
+
+
+def _model(size_mib: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    n = max(1, size_mib // TENSOR_MIB)
+    side = int((TENSOR_MIB << 20) // 4) // 2048
+    return {f"layers.{i}.weight": torch.randn(side, 2048, generator=gen) * 0.02 for i in range(n)}
+
+
+class _ServerProcess:
+    def __init__(self, retain: int) -> None:
+        cmd = [sys.executable, "-m", "weightsvc", "serve", "--grpc-port", "0", "--http-port", "0",
+               "--retain", str(retain), "--log-level", "warning"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # blocks until the service is ready
+        if not line.startswith("weightsvc ready"):
+            self.proc.kill()
+            raise RuntimeError(f"weightsvc serve did not start: {line!r}")
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.grpc, self.http = fields["grpc"], fields["http"]
+
+    def peak_rss_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM in /proc")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _best(fn: Callable[[], float], repeat: int) -> float:
+    return min(fn() for _ in range(repeat))
+
+
+def run_bench(*, size_mib: int = 1024, repeat: int = 3, retain: int = 4,
+              log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    say = log or (lambda _m: None)
+    model = _model(size_mib)
+    master_bytes = sum(t.numel() * 4 for t in model.values())
+    say(f"model: {len(model)} tensors, {master_bytes / 2**20:.0f} MiB fp32")
+    server = _ServerProcess(retain)
+    try:
+        learner = LearnerClient(server.grpc)
+        step = [0]
+
+        def push_once() -> float:
+            step[0] += 1
+            start = time.perf_counter()
+            learner.push(step[0], model)
+            return time.perf_counter() - start
+
+        push_once()  # warm-up: kernel compile, allocator
+        # Enough pushes that retention is full when the peak RSS is read.
+        push_s = min(push_once() for _ in range(max(repeat, retain)))
+        served_bytes = InferenceClient(server.http).manifest().data_bytes
+        say(f"push: {master_bytes / push_s / 1e9:.2f} GB/s")
+
+        def pull_once(target: str) -> float:
+            client = InferenceClient(target)
+            start = time.perf_counter()
+            manifest, data = client.pull_data()
+            tensors_from_data(manifest, data)  # checksum verification is part of a pull
+            elapsed = time.perf_counter() - start
+            client.close()
+            return elapsed
+
+        pull_grpc_s = _best(lambda: pull_once(server.grpc), repeat)
+        pull_http_s = _best(lambda: pull_once(server.http), repeat)
+        say(f"pull: grpc {served_bytes / pull_grpc_s / 1e9:.2f} GB/s, http {served_bytes / pull_http_s / 1e9:.2f} GB/s")
+        peak = server.peak_rss_bytes()
+        retained = sum(v.data_bytes for v in InferenceClient(server.http).versions())
+        learner.close()
+    finally:
+        server.close()
+
+    tcp_up_s = _best(lambda: raw_tcp_seconds(master_bytes, download=False), repeat)
+    tcp_down_s = _best(lambda: raw_tcp_seconds(served_bytes, download=True), repeat)
+    say(f"raw tcp: up {master_bytes / tcp_up_s / 1e9:.2f} GB/s, down {served_bytes / tcp_down_s / 1e9:.2f} GB/s")
+    bound = 1.25 * retained + (300 << 20)
+    t1_grpc, t1_http = tcp_down_s / pull_grpc_s, tcp_down_s / pull_http_s
+    result: dict[str, Any] = {
+        "T1": round(max(t1_grpc, t1_http), 3),
+        "T1_grpc": round(t1_grpc, 3),
+        "T1_http": round(t1_http, 3),
+        "T2": round(tcp_up_s / push_s, 3),
+        "M1": round(peak / bound, 3),
+        "details": {
+            "master_mib": master_bytes >> 20,
+            "served_mib": served_bytes >> 20,
+            "rounding": "sr",
+            "format": "bf16",
+            "push_gbps": round(master_bytes / push_s / 1e9, 3),
+            "pull_grpc_gbps": round(served_bytes / pull_grpc_s / 1e9, 3),
+            "pull_http_gbps": round(served_bytes / pull_http_s / 1e9, 3),
+            "raw_tcp_up_gbps": round(master_bytes / tcp_up_s / 1e9, 3),
+            "raw_tcp_down_gbps": round(served_bytes / tcp_down_s / 1e9, 3),
+            "peak_rss_mib": peak >> 20,
+            "m1_bound_mib": int(bound) >> 20,
+            "retained_mib": retained >> 20,
+            "cpus": os.cpu_count(),
+        },
+    }
+    result["report"] = {
+        "T1": {"what": "pull vs raw TCP (best of gRPC/HTTP)", "value": f"{result['T1']:.2f}x", "target": ">= 0.5x"},
+        "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
+        "T1_http": {"what": "pull over HTTP vs raw TCP", "value": f"{t1_http:.2f}x", "target": ""},
+        "T2": {"what": "push fp32 -> committed vs raw TCP", "value": f"{result['T2']:.2f}x", "target": ">= 0.4x"},
+        "M1": {"what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",
+               "value": f"{result['M1']:.2f}", "target": "<= 1.0"},
+    }
+    return result

@@ -1,0 +1,223 @@
+"""The `weightsvc` command line. Exit code 0 on success; otherwise one line on stderr and 1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+from rich.table import Table
+
+from weightsvc._log import configure_logging
+from weightsvc.errors import WeightsvcError
+
+app = typer.Typer(
+    name="weightsvc",
+    help="Weight broadcast for RL fine-tuning: fp32 masters in, Fair Cast served copies out.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str) -> None:
+    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+@contextmanager
+def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    """A rich transfer bar on stderr; yields the callback that advances it by a byte count."""
+    if not enabled or not err.is_terminal:
+        yield lambda _n: None
+        return
+    with Progress(
+        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+        console=err, transient=True,
+    ) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(envvar="WEIGHTSVC_HOST", help="Address to bind.")] = "127.0.0.1",
+    grpc_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_GRPC_PORT", help="gRPC port (0 picks one).")] = 50051,
+    http_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_HTTP_PORT", help="HTTP port (0 picks one).")] = 8080,
+    data_dir: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_DATA_DIR",
+                                                  help="Persist committed versions here.")] = None,
+    format: Annotated[str, typer.Option(envvar="WEIGHTSVC_FORMAT", help="Served format.")] = "bf16",
+    rounding: Annotated[str, typer.Option(envvar="WEIGHTSVC_ROUNDING", help="Rounding rule: sr or rtn.")] = "sr",
+    seed: Annotated[int, typer.Option(envvar="WEIGHTSVC_SEED", help="Seed of the rounding RNG.")] = 0,
+    device: Annotated[str, typer.Option(envvar="WEIGHTSVC_DEVICE", help="Export device.")] = "auto",
+    retain: Annotated[int, typer.Option(envvar="WEIGHTSVC_RETAIN", help="Versions kept per model.")] = 4,
+    allow_nonfinite: Annotated[bool, typer.Option(envvar="WEIGHTSVC_ALLOW_NONFINITE",
+                                                  help="Accept masters with NaN/Inf.")] = False,
+    log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
+) -> None:
+    """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
+    from weightsvc._server import Server
+    from weightsvc._settings import Settings
+
+    try:
+        settings = Settings(
+            host=host, grpc_port=grpc_port, http_port=http_port, data_dir=data_dir, format=format,
+            rounding=rounding, seed=seed, device=device, retain=retain, allow_nonfinite=allow_nonfinite,
+            log_level=log_level,
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        fail(f"--{'-'.join(str(p) for p in first['loc']).replace('_', '-')}: {first['msg']}")
+    configure_logging(settings.log_level)
+
+    async def run() -> None:
+        server = Server(settings)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await server.start()
+        # One machine-readable line on stdout, for scripts that started us with port 0.
+        print(f"weightsvc ready grpc={server.grpc_target} http={server.http_url}", flush=True)
+        await stop.wait()
+        logging.getLogger("weightsvc").info("shutting down")
+        await server.stop()
+
+    try:
+        asyncio.run(run())
+    except OSError as e:
+        fail(str(e))
+
+
+@app.command()
+def push(
+    file: Annotated[Path, typer.Argument(help="fp32 (or exactly widenable bf16/fp16) safetensors file.")],
+    step: Annotated[int, typer.Option(help="The learner's step: the version number.")],
+    model: Annotated[str, typer.Option(help="Model name.")] = "default",
+    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = "127.0.0.1:50051",
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Push fp32 master weights; prints the committed version."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from weightsvc.client import LearnerClient
+
+    try:
+        state = load_file(str(file))
+    except (OSError, SafetensorError) as e:
+        fail(f"cannot read {file}: {e}")
+    total = sum(t.numel() * 4 for t in state.values())
+    try:
+        with LearnerClient(target) as client, progress_bar(f"push step {step}", total, progress) as bar:
+            info = client.push(step, state, model=model, progress=bar)
+    except (WeightsvcError, TypeError) as e:
+        fail(str(e))
+    verb = "committed" if info.created else "already committed (identical content)"
+    out.print(f"{verb}: model {info.model} version {info.version} ({info.tensor_count} tensors, "
+              f"{info.data_bytes} served bytes, {info.format}/{info.rounding})", highlight=False)
+
+
+@app.command()
+def pull(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Output safetensors file.")],
+    model: Annotated[str, typer.Option(help="Model name.")] = "default",
+    version: Annotated[str, typer.Option(help="Version number or 'latest'.")] = "latest",
+    target: Annotated[str | None, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = None,
+    url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+) -> None:
+    """Pull a served version into a safetensors file (checksums verified)."""
+    from weightsvc.client import InferenceClient
+
+    if (target is None) == (url is None):
+        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
+    try:
+        with InferenceClient(url or target or "") as client:
+            size = client.manifest(model, version).data_bytes
+            with progress_bar(f"pull {model}@{version}", size, progress) as bar:
+                manifest = client.pull_file(output, model, version, progress=bar)
+    except WeightsvcError as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot write {output}: {e}")
+    out.print(f"pulled model {manifest.model} version {manifest.version} -> {output} "
+              f"({len(manifest.tensors)} tensors, checksums verified)", highlight=False)
+
+
+@app.command()
+def status(
+    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET",
+                                        help="gRPC HOST:PORT or http://HOST:PORT.")] = "127.0.0.1:50051",
+    model: Annotated[str | None, typer.Option(help="Only this model.")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Models and their retained versions."""
+    from weightsvc.client import InferenceClient
+
+    try:
+        with InferenceClient(target) as client:
+            models = [m for m in client.models() if model is None or m["model"] == model]
+            if model is not None and not models:
+                fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
+            report: list[dict[str, Any]] = [
+                {**m, "versions": [v.__dict__ for v in client.versions(m["model"])]} for m in models
+            ]
+    except WeightsvcError as e:
+        fail(str(e))
+    if json_out:
+        print(json.dumps({"models": report}, indent=2))
+        return
+    if not report:
+        out.print("no models committed yet")
+        return
+    table = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed")
+    for m in report:
+        for v in m["versions"]:
+            import datetime as dt
+
+            when = dt.datetime.fromtimestamp(v["committed_unix"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            latest = " (latest)" if v["version"] == m["latest_version"] else ""
+            table.add_row(m["model"], f"{v['version']}{latest}", v["format"], v["rounding"],
+                          str(v["tensor_count"]), f"{v['data_bytes']:,}", when)
+    out.print(table)
+
+
+@app.command()
+def bench(
+    size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB.")] = 1024,
+    repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 3,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by figure id.")] = False,
+) -> None:
+    """Transfer benchmarks (DESIGN §8): T1 pull and T2 push vs raw TCP loopback, M1 server RSS."""
+    from weightsvc._bench import run_bench
+
+    configure_logging("warning")
+    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else err.print)
+    report = result.pop("report")
+    if json_out:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table("id", "figure", "value", "target")
+    for key, row in report.items():
+        table.add_row(key, row["what"], row["value"], row["target"])
+    out.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

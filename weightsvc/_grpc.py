@@ -1,0 +1,161 @@
+"""gRPC adapter: translates weightsvc.v1 messages to core calls; errors are mapped once, below."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+
+from weightsvc._manifest import Manifest, TensorSpec, parse_version_ref
+from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
+from weightsvc.errors import InvalidArgument, WeightsvcError
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+SERVICE_NAME = "weightsvc.v1.WeightService"
+
+
+def manifest_to_proto(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        model=m.model,
+        version=m.version,
+        format=m.format,
+        rounding=m.rounding,
+        seed=m.seed,
+        committed_unix=m.committed_unix,
+        data_bytes=m.data_bytes,
+        master_digest=m.master_digest,
+        tensors=[
+            pb.ServedTensor(
+                name=t.name, shape=t.shape, dtype=t.dtype, offset=t.offset, nbytes=t.nbytes,
+                checksum=t.checksum,
+            )
+            for t in m.tensors
+        ],
+    )
+
+
+def info_to_proto(m: Manifest) -> pb.VersionInfo:
+    return pb.VersionInfo(**m.info())
+
+
+def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Map WeightsvcError to its status code and message, for unary and streaming handlers."""
+
+    async def abort(context: grpc.aio.ServicerContext, e: WeightsvcError) -> None:
+        await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except WeightsvcError as e:
+                await abort(context, e)
+
+        return stream
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except WeightsvcError as e:
+            await abort(context, e)
+
+    return unary
+
+
+class WeightServicer(pb_grpc.WeightServiceServicer):
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    @_abort_on_domain_error
+    async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
+        version, created = await self.service.push(_push_messages(request_iterator))
+        return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
+
+    @_abort_on_domain_error
+    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
+        chunk = self.service.settings.chunk_bytes
+        with self.service.pulling(request.model, parse_version_ref(request.version), "grpc") as version:
+            yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
+            data = version.data
+            for offset in range(0, len(data), chunk):
+                piece = data[offset : offset + chunk].tobytes()
+                yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=piece))
+                self.service.count_pulled(request.model, "grpc", len(piece))
+
+    @_abort_on_domain_error
+    async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[pb.ModelSummary(**m) for m in self.service.models()])
+
+    @_abort_on_domain_error
+    async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:
+        return pb.ListVersionsResponse(versions=[info_to_proto(m) for m in self.service.versions(request.model)])
+
+    @_abort_on_domain_error
+    async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> pb.Manifest:
+        return manifest_to_proto(self.service.manifest(request.model, parse_version_ref(request.version)))
+
+    @_abort_on_domain_error
+    async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.VersionEvent]:
+        after = request.after_version if request.HasField("after_version") else None
+        async for manifest in self.service.watch(request.model, after):
+            yield pb.VersionEvent(version=info_to_proto(manifest))
+
+    @_abort_on_domain_error
+    async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
+        latest = self.service.ack(request.model, request.version, request.client_id or context.peer())
+        return pb.AckResponse(latest_version=latest)
+
+
+async def _push_messages(requests: AsyncIterator[pb.PushRequest]) -> AsyncIterator[PushMessage]:
+    async for req in requests:
+        kind = req.WhichOneof("kind")
+        if kind == "chunk":
+            yield PushChunk(req.chunk.tensor, req.chunk.offset, req.chunk.data)
+        elif kind == "header":
+            h = req.header
+            yield PushHeader(
+                model=h.model,
+                step=h.step,
+                tensors=tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in h.tensors),
+            )
+        elif kind == "commit":
+            yield PushCommit()
+        else:
+            raise InvalidArgument("empty push message: set one of header, chunk, commit", reason="bad_chunk")
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+async def start_grpc(service: Service, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server (WeightService + health); returns it and the bound port."""
+    server = grpc.aio.server(options=grpc_options(service.settings.max_message_bytes))
+    pb_grpc.add_WeightServiceServicer_to_server(WeightServicer(service), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC to {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound
+
+
+async def stop_grpc(server: grpc.aio.Server, grace: float = 2.0) -> None:
+    await asyncio.shield(server.stop(grace))

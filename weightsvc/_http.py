@@ -1,0 +1,145 @@
+"""HTTP adapter (FastAPI): health, metrics, version lists, manifests and safetensors downloads."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from weightsvc._manifest import parse_version_ref
+from weightsvc._service import Service
+from weightsvc._store import Version
+from weightsvc.errors import WeightsvcError
+
+# Pieces handed to the server per send: large enough to keep per-call overhead low, small enough
+# to keep the event loop responsive.
+PIECE_BYTES = 4 << 20
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def _error(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+
+
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """[start, end) of a single `bytes=` range; None for the whole file. ValueError if unsatisfiable."""
+    if not header:
+        return None
+    m = _RANGE.match(header.strip())
+    if m is None:
+        return None  # several ranges or another unit: RFC 9110 lets us send the whole file
+    first, last = m.groups()
+    if first == "" and last == "":
+        raise ValueError(header)
+    if first == "":
+        start, end = max(0, size - int(last)), size
+    else:
+        start, end = int(first), size if last == "" else min(size, int(last) + 1)
+    if start >= size or start >= end:
+        raise ValueError(header)
+    return start, end
+
+
+class VersionFileResponse(Response):
+    """Streams [start, end) of a version's safetensors file straight from its buffers."""
+
+    def __init__(self, service: Service, version: Version, start: int, end: int, status: int) -> None:
+        m = version.manifest
+        headers = {
+            "content-length": str(end - start),
+            "accept-ranges": "bytes",
+            "etag": f'"{m.model}-{m.version}-{m.master_digest.rsplit(":", 1)[-1]}"',
+            "x-weightsvc-model": m.model,
+            "x-weightsvc-version": str(m.version),
+            "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
+        }
+        if status == 206:
+            headers["content-range"] = f"bytes {start}-{end - 1}/{version.size}"
+        super().__init__(status_code=status, headers=headers, media_type="application/octet-stream")
+        self.service, self.version, self.start, self.end = service, version, start, end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        m = self.version.manifest
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        with self.service.pulling(m.model, m.version, "http"):
+            for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                self.service.count_pulled(m.model, "http", len(piece))
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
+    app = FastAPI(title="weightsvc", version="1", docs_url="/docs", redoc_url=None)
+
+    @app.exception_handler(WeightsvcError)
+    async def _domain(_: Request, e: WeightsvcError) -> JSONResponse:
+        return _error(e.http_status, e.grpc_code, e.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
+        return _error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        return _error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if is_ready():
+            return JSONResponse({"status": "ready"})
+        return _error(503, "UNAVAILABLE", "weightsvc is starting")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"models": service.models()}
+
+    @app.get("/v1/models/{model}/versions")
+    async def versions(model: str) -> dict[str, Any]:
+        return {"model": model, "versions": [m.info() for m in service.versions(model)]}
+
+    @app.get("/v1/models/{model}/versions/{version}/manifest")
+    async def manifest(model: str, version: str) -> dict[str, Any]:
+        return service.manifest(model, parse_version_ref(version)).to_dict()
+
+    @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None)
+    async def safetensors(model: str, version: str, request: Request) -> Response:
+        held = service.store.get(model, parse_version_ref(version))
+        try:
+            span = _parse_range(request.headers.get("range"), held.size)
+        except ValueError:
+            resp = _error(416, "OUT_OF_RANGE", f"range {request.headers.get('range')!r} is outside "
+                          f"the {held.size} bytes of model {model!r} version {held.manifest.version}")
+            resp.headers["content-range"] = f"bytes */{held.size}"
+            return resp
+        start, end = span or (0, held.size)
+        return VersionFileResponse(service, held, start, end, 206 if span else 200)
+
+    @app.get("/v1/models/{model}/clients")
+    async def clients(model: str) -> dict[str, Any]:
+        latest = service.store.latest(model)
+        return {
+            "model": model,
+            "latest_version": latest,
+            "clients": [
+                {"client_id": c.client_id, "version": c.version, "acked_unix": c.acked_unix,
+                 "lag_versions": None if latest is None else latest - c.version}
+                for c in service.clients(model)
+            ],
+        }
+
+    return app

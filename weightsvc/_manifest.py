@@ -1,0 +1,159 @@
+"""What a version is: its manifest, and the safetensors framing of its served bytes.
+
+A committed version is one safetensors file: an 8-byte header length, a JSON header whose
+`__metadata__` carries the manifest, then the data section with every served tensor back to back.
+The same bytes are held in memory, written to the data dir, streamed over HTTP, and rebuilt by
+clients that pulled over gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import xxhash
+
+from weightsvc.errors import DataLoss, InvalidArgument
+
+# safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+MASTER_DTYPE = "F32"
+SERVED_DTYPE_NAMES = {"bf16": "BF16"}
+
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+METADATA_KEY = "weightsvc.manifest"
+
+
+def check_model_name(model: str) -> str:
+    # Model names become file names and URL segments: keep them plain.
+    if not _MODEL_NAME.match(model):
+        raise InvalidArgument(
+            f"model name {model!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            reason="invalid_header",
+        )
+    return model
+
+
+def parse_version_ref(ref: str | int | None) -> int | None:
+    """`None` for latest; a positive int for a version number."""
+    if ref is None or ref == "" or ref == "latest":
+        return None
+    if isinstance(ref, int) or ref.isdigit():
+        return int(ref)
+    raise InvalidArgument(f"version {ref!r} is neither a version number nor 'latest'")
+
+
+def checksum(data: Any) -> str:
+    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def verify(name: str, data: Any, expected: str, *, where: str) -> None:
+    got = checksum(data)
+    if got != expected:
+        raise DataLoss(f"{where}: tensor {name!r} checksum mismatch (got {got}, manifest says {expected})")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A master tensor as the learner declares it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = MASTER_DTYPE
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class ServedTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  # into the data section
+    nbytes: int
+    checksum: str = ""
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    version: int
+    format: str
+    rounding: str
+    seed: int
+    committed_unix: float
+    data_bytes: int
+    master_digest: str
+    tensors: tuple[ServedTensor, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tensors"] = [{**t, "shape": list(t["shape"])} for t in d["tensors"]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
+        tensors = tuple(ServedTensor(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
+        return cls(**{**d, "tensors": tensors})
+
+    def info(self) -> dict[str, Any]:
+        """The short form used in version lists and events."""
+        return {
+            "model": self.model,
+            "version": self.version,
+            "format": self.format,
+            "rounding": self.rounding,
+            "committed_unix": self.committed_unix,
+            "tensor_count": len(self.tensors),
+            "data_bytes": self.data_bytes,
+        }
+
+    def safetensors_header(self) -> bytes:
+        """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes."""
+        header: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(self.to_dict())}}
+        for t in self.tensors:
+            header[t.name] = {
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "data_offsets": [t.offset, t.offset + t.nbytes],
+            }
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw)) + raw
+
+
+def layout(specs: list[TensorSpec], served_dtype: str) -> tuple[list[ServedTensor], int]:
+    """Place served tensors back to back in declaration order; returns them and the data size."""
+    size = DTYPE_SIZES[served_dtype]
+    out, offset = [], 0
+    for s in specs:
+        nbytes = s.numel * size
+        out.append(ServedTensor(s.name, s.shape, served_dtype, offset, nbytes))
+        offset += nbytes
+    return out, offset
+
+
+def read_safetensors_header(prefix: bytes) -> tuple[int, dict[str, Any]]:
+    """(data section start, header dict) of a safetensors file given its first bytes."""
+    if len(prefix) < 8:
+        raise InvalidArgument("not a safetensors file: shorter than 8 bytes")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > 100 << 20 or len(prefix) < 8 + n:
+        raise InvalidArgument(f"not a safetensors file: header length {n} is out of range")
+    return 8 + n, json.loads(prefix[8 : 8 + n])
+
+
+def manifest_from_header(header: dict[str, Any]) -> Manifest:
+    meta = header.get("__metadata__") or {}
+    if METADATA_KEY not in meta:
+        raise InvalidArgument("safetensors file carries no weightsvc manifest")
+    return Manifest.from_dict(json.loads(meta[METADATA_KEY]))

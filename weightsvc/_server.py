@@ -1,0 +1,133 @@
+"""Runs the core with its two transports (gRPC and HTTP) on one event loop.
+
+Nothing heavy runs on the loop: exports, checksums and file writes go to threads, so one process
+serves both protocols.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+
+from weightsvc._grpc import start_grpc, stop_grpc
+from weightsvc._http import create_app
+from weightsvc._service import Service
+from weightsvc._settings import Settings
+
+log = logging.getLogger("weightsvc.server")
+T = TypeVar("T")
+
+
+class Server:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.service: Service | None = None
+        self.ready = False
+        self.grpc_port = 0
+        self.http_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._http: uvicorn.Server | None = None
+        self._http_task: asyncio.Task[None] | None = None
+
+    @property
+    def grpc_target(self) -> str:
+        return f"{self.settings.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.settings.host}:{self.http_port}"
+
+    async def start(self) -> None:
+        s = self.settings
+        self.service = Service(s)
+        restored = await asyncio.to_thread(self.service.restore)
+        if restored:
+            log.info("restored %d committed versions from %s", restored, s.data_dir)
+        self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port)
+        sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((s.host, s.http_port))
+        self.http_port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            create_app(self.service, is_ready=lambda: self.ready),
+            http="httptools", lifespan="off", log_config=None, access_log=False,
+        )
+        self._http = uvicorn.Server(config)
+        config.load()
+        # serve() would also install signal handlers; the CLI owns those, so drive the phases here.
+        self._http.lifespan = config.lifespan_class(config)
+        await self._http.startup(sockets=[sock])
+        # uvicorn's tick loop (Date header, shutdown flag); we stop it through should_exit.
+        self._http_task = asyncio.create_task(self._http.main_loop())
+        self.ready = True
+        log.info(
+            "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s",
+            self.grpc_target, self.http_url, s.format, s.rounding, s.retain, s.data_dir,
+        )
+
+    async def stop(self) -> None:
+        self.ready = False
+        if self._http is not None and self._http_task is not None:
+            self._http.should_exit = True
+            await self._http_task
+            await self._http.shutdown()
+        if self._grpc is not None:
+            await stop_grpc(self._grpc)
+        if self.service is not None:
+            await asyncio.to_thread(self.service.close)
+
+
+class BackgroundServer:
+    """A Server on its own event-loop thread: for the demo, the bench and in-process tests.
+
+    with BackgroundServer(Settings(grpc_port=0, http_port=0)) as srv:
+        LearnerClient(srv.grpc_target).push(...)
+    """
+
+    def __init__(self, settings: Settings) -> None:
+        self.server = Server(settings)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="weightsvc-loop", daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        self.call(self.server.start())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.call(self.server.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+            self.loop.close()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = 60) -> T:
+        """Run a coroutine on the server's loop and wait for its result."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise
+
+    @property
+    def service(self) -> Service:
+        assert self.server.service is not None
+        return self.server.service
+
+    @property
+    def grpc_target(self) -> str:
+        return self.server.grpc_target
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url

@@ -1,0 +1,57 @@
+"""The one settings object. Every field can come from a CLI flag or a `WEIGHTSVC_*` variable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from weightsvc.rounding import FORMATS, ROUNDINGS, ExportSpec
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WEIGHTSVC_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(50051, ge=0, le=65535)
+    http_port: int = Field(8080, ge=0, le=65535)
+    data_dir: Path | None = None
+    format: str = "bf16"
+    rounding: str = "sr"
+    seed: int = Field(0, ge=0, lt=1 << 64)
+    device: str = "auto"
+    retain: int = Field(4, ge=1)
+    # gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB accepted,
+    # plus room for the header of a model with tens of thousands of tensors.
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20)
+    max_message_bytes: int = Field(8 << 20, ge=64 << 10)
+    allow_nonfinite: bool = False
+    # A push that sends nothing for this long is abandoned and freed.
+    push_idle_timeout_s: float = Field(120.0, gt=0)
+    log_level: str = "info"
+
+    @field_validator("format")
+    @classmethod
+    def _format(cls, v: str) -> str:
+        if v not in FORMATS:
+            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(FORMATS)}")
+        return v
+
+    @field_validator("rounding")
+    @classmethod
+    def _rounding(cls, v: str) -> str:
+        if v not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {v!r}; choose one of {', '.join(ROUNDINGS)}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v not in ("auto", "cpu"):
+            raise ValueError(f"unknown device {v!r}; this build exports on 'cpu' ('auto' picks it)")
+        return v
+
+    @property
+    def export_spec(self) -> ExportSpec:
+        return ExportSpec(self.format, self.rounding, self.seed)

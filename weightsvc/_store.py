@@ -1,0 +1,263 @@
+"""The version store: committed versions per model, retention, persistence, events and acks.
+
+All methods run on the service's event loop; file writes go to a thread. A `Version` is immutable
+once committed; evicting it only drops the store's reference, so a pull that still holds it
+finishes from the same bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import struct
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from weightsvc._manifest import (
+    Manifest,
+    check_model_name,
+    manifest_from_header,
+    read_safetensors_header,
+    verify,
+)
+from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.metrics import Metrics
+
+log = logging.getLogger("weightsvc.store")
+
+MAX_CLIENTS_PER_MODEL = 10_000
+
+
+@dataclass(frozen=True, eq=False)
+class Version:
+    manifest: Manifest
+    header: bytes  # the safetensors prefix
+    data: memoryview  # the data section (uint8)
+    owner: Any  # keeps the buffer behind `data` alive (a tensor or an mmap)
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + len(self.data)
+
+    def file_range(self, start: int, end: int, piece: int) -> Iterator[memoryview]:
+        """Pieces of at most `piece` bytes covering [start, end) of the safetensors file."""
+        head = memoryview(self.header)
+        while start < end:
+            if start < len(head):
+                stop = min(end, len(head), start + piece)
+                yield head[start:stop]
+            else:
+                stop = min(end, start + piece)
+                yield self.data[start - len(head) : stop - len(head)]
+            start = stop
+
+    def tensor_data(self, name: str) -> memoryview:
+        for t in self.manifest.tensors:
+            if t.name == name:
+                return self.data[t.offset : t.offset + t.nbytes]
+        raise KeyError(name)
+
+
+@dataclass
+class ClientAck:
+    client_id: str
+    version: int
+    acked_unix: float
+
+
+class VersionStore:
+    def __init__(self, *, retain: int, data_dir: Path | None, metrics: Metrics) -> None:
+        self.retain = retain
+        self.data_dir = data_dir
+        self.metrics = metrics
+        self._versions: dict[str, dict[int, Version]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._changed = asyncio.Condition()
+        self._clients: dict[str, dict[str, ClientAck]] = {}
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def models(self) -> list[str]:
+        return sorted(m for m, vs in self._versions.items() if vs)
+
+    def latest(self, model: str) -> int | None:
+        vs = self._versions.get(model)
+        return max(vs) if vs else None
+
+    def versions(self, model: str) -> list[Version]:
+        vs = self._versions.get(model)
+        if not vs:
+            raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
+        return [vs[k] for k in sorted(vs)]
+
+    def get(self, model: str, version: int | None) -> Version:
+        """A committed version; `None` means the latest."""
+        vs = self._versions.get(model)
+        if not vs:
+            raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
+        if version is None:
+            return vs[max(vs)]
+        if version not in vs:
+            kept = ", ".join(map(str, sorted(vs)))
+            raise NotFound(f"model {model!r} has no version {version} (retained: {kept})")
+        return vs[version]
+
+    def check_step(self, model: str, step: int) -> None:
+        """A push may target a step above the latest, or an existing one (idempotent re-push)."""
+        latest = self.latest(model)
+        if latest is not None and step < latest and step not in self._versions[model]:
+            raise FailedPrecondition(
+                f"model {model!r}: step {step} is not above the latest version {latest}",
+                reason="step_not_above_latest",
+            )
+
+    # ---- commit ------------------------------------------------------------------------------
+
+    async def commit(self, version: Version) -> tuple[Version, bool]:
+        """Make `version` visible. Returns (the committed version, created)."""
+        m = version.manifest
+        async with self._locks.setdefault(m.model, asyncio.Lock()):
+            vs = self._versions.setdefault(m.model, {})
+            existing = vs.get(m.version)
+            if existing is not None:
+                if existing.manifest.master_digest == m.master_digest:
+                    return existing, False
+                raise AlreadyExists(
+                    f"model {m.model!r} version {m.version} is already committed with different "
+                    f"content (master digest {existing.manifest.master_digest}, pushed {m.master_digest})",
+                    reason="content_conflict",
+                )
+            latest = max(vs) if vs else None
+            if latest is not None and m.version < latest:
+                raise FailedPrecondition(
+                    f"model {m.model!r}: step {m.version} is not above the latest version {latest}",
+                    reason="step_not_above_latest",
+                )
+            if self.data_dir is not None:
+                # Durable before visible: a version reported committed survives a crash.
+                await asyncio.to_thread(self._write, version)
+            vs[m.version] = version
+            evicted = self._evict(m.model)
+        self._update_gauges(m.model)
+        self.metrics.versions_committed.labels(m.model).inc()
+        if evicted and self.data_dir is not None:
+            await asyncio.to_thread(self._unlink, m.model, evicted)
+        async with self._changed:
+            self._changed.notify_all()
+        return version, True
+
+    def _evict(self, model: str) -> list[int]:
+        vs = self._versions[model]
+        evicted = sorted(vs)[: max(0, len(vs) - self.retain)]
+        for v in evicted:
+            del vs[v]  # a pull that holds the Version keeps its bytes alive until it ends
+        return evicted
+
+    def _update_gauges(self, model: str) -> None:
+        vs = self._versions.get(model, {})
+        self.metrics.retained_versions.labels(model).set(len(vs))
+        self.metrics.retained_bytes.labels(model).set(sum(v.manifest.data_bytes for v in vs.values()))
+        if vs:
+            self.metrics.latest_version.labels(model).set(max(vs))
+
+    # ---- events and acks ---------------------------------------------------------------------
+
+    async def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]:
+        """Every retained version above `after` (all when None), then each new one as it commits."""
+        last = -1 if after is None else after
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(lambda: (self.latest(model) or -1) > last)
+                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > last]
+            for manifest in newer:
+                yield manifest
+                last = manifest.version
+
+    def ack(self, model: str, version: int, client_id: str) -> int:
+        latest = self.latest(model)
+        if latest is None:
+            raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
+        if version < 0 or version > latest:
+            raise InvalidArgument(
+                f"model {model!r}: cannot ack version {version}, the latest committed is {latest}"
+            )
+        if not client_id or len(client_id) > 256:
+            raise InvalidArgument("ack needs a client_id of 1-256 characters")
+        clients = self._clients.setdefault(model, {})
+        clients.pop(client_id, None)
+        clients[client_id] = ClientAck(client_id, version, time.time())
+        while len(clients) > MAX_CLIENTS_PER_MODEL:  # bounded memory: forget the longest-silent
+            clients.pop(next(iter(clients)))
+        return latest
+
+    def clients(self, model: str) -> list[ClientAck]:
+        return list(self._clients.get(model, {}).values())
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    def _path(self, model: str, version: int) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / "models" / model / f"{version:020d}.safetensors"
+
+    def _write(self, version: Version) -> None:
+        path = self._path(version.manifest.model, version.manifest.version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(version.header)
+            f.write(version.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _unlink(self, model: str, versions: list[int]) -> None:
+        for v in versions:
+            self._path(model, v).unlink(missing_ok=True)
+
+    def restore(self) -> int:
+        """Load committed versions from the data dir; returns how many. Skips damaged files."""
+        if self.data_dir is None:
+            return 0
+        root = self.data_dir / "models"
+        count = 0
+        for model_dir in sorted(root.iterdir()) if root.is_dir() else []:
+            for tmp in model_dir.glob(".*.tmp"):
+                tmp.unlink()  # a write that never reached its rename: never committed
+            for path in sorted(model_dir.glob("*.safetensors")):
+                try:
+                    version = self._load(path)
+                    check_model_name(version.manifest.model)
+                except Exception as e:  # one damaged file must not take the others down
+                    log.error("skipping %s: %s", path, e)
+                    continue
+                self._versions.setdefault(version.manifest.model, {})[version.manifest.version] = version
+                count += 1
+            model = model_dir.name
+            if model in self._versions:
+                self._unlink(model, self._evict(model))
+                self._update_gauges(model)
+        return count
+
+    @staticmethod
+    def _load(path: Path) -> Version:
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_len,) = struct.unpack("<Q", mm[:8])
+        start, header = read_safetensors_header(mm[: 8 + min(header_len, 100 << 20)])
+        manifest = manifest_from_header(header)
+        data = memoryview(mm)[start:]
+        if len(data) != manifest.data_bytes:
+            raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
+        for t in manifest.tensors:
+            verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
+        return Version(manifest, bytes(mm[:start]), data, mm)

@@ -1,0 +1,354 @@
+"""Python clients: `LearnerClient` pushes fp32 masters, `InferenceClient` pulls served copies.
+
+    LearnerClient("host:50051").push(step, model.state_dict())
+    weights = InferenceClient("host:50051").pull()             # gRPC
+    weights = InferenceClient("http://host:8080").pull()       # HTTP
+
+Every pulled tensor is verified against the checksum in the version's manifest. Server errors
+arrive as `weightsvc.errors` exceptions carrying the server's message.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import grpc
+import torch
+
+from weightsvc._manifest import (
+    MASTER_DTYPE,
+    Manifest,
+    ServedTensor,
+    read_safetensors_header,
+    verify,
+)
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, Unavailable, WeightsvcError
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+__all__ = ["InferenceClient", "LearnerClient", "VersionInfo"]
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
+_EXACT_TO_F32 = (torch.float32, torch.bfloat16, torch.float16)
+Progress = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    model: str
+    version: int
+    format: str
+    rounding: str
+    committed_unix: float
+    tensor_count: int
+    data_bytes: int
+    created: bool = True
+
+    @classmethod
+    def from_proto(cls, info: pb.VersionInfo, created: bool = True) -> VersionInfo:
+        return cls(info.model, info.version, info.format, info.rounding, info.committed_unix,
+                   info.tensor_count, info.data_bytes, created)
+
+
+def _raise(e: grpc.RpcError) -> NoReturn:
+    code = e.code().name if e.code() else "UNKNOWN"
+    cls = BY_GRPC_CODE.get(code, WeightsvcError)
+    err = cls(f"{code}: {e.details()}")
+    err.grpc_code = code
+    raise err from None
+
+
+def _channel(target: str) -> grpc.Channel:
+    target = target.removeprefix("grpc://")
+    return grpc.insecure_channel(
+        target,
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+    )
+
+
+def manifest_from_proto(m: pb.Manifest) -> Manifest:
+    return Manifest(
+        model=m.model, version=m.version, format=m.format, rounding=m.rounding, seed=m.seed,
+        committed_unix=m.committed_unix, data_bytes=m.data_bytes, master_digest=m.master_digest,
+        tensors=tuple(
+            ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors
+        ),
+    )
+
+
+def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[str, torch.Tensor]:
+    """Verify each served tensor's checksum and return views of `data` as torch tensors."""
+    out: dict[str, torch.Tensor] = {}
+    view = memoryview(data)
+    where = f"model {manifest.model!r} version {manifest.version}"
+    for t in manifest.tensors:
+        piece = view[t.offset : t.offset + t.nbytes]
+        verify(t.name, piece, t.checksum, where=where)
+        dtype = _TORCH_DTYPES[t.dtype]
+        if t.nbytes == 0:
+            out[t.name] = torch.empty(t.shape, dtype=dtype)
+        else:
+            out[t.name] = torch.frombuffer(piece, dtype=dtype).view(t.shape)
+    return out
+
+
+def _as_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in _EXACT_TO_F32:
+        raise TypeError(f"tensor {name!r} is {tensor.dtype}; push float32 masters (bf16/fp16 widen exactly)")
+    return tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+
+
+class LearnerClient:
+    """Pushes fp32 masters to weightsvc over gRPC."""
+
+    def __init__(self, target: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None):
+        self.target = target
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self._channel = _channel(target)
+        self._stub = pb_grpc.WeightServiceStub(self._channel)
+
+    def push(
+        self,
+        step: int,
+        state_dict: Mapping[str, torch.Tensor],
+        model: str = "default",
+        *,
+        progress: Progress | None = None,
+    ) -> VersionInfo:
+        """Stream the masters of `step`; returns once the version is committed (or raises)."""
+        for name, t in state_dict.items():
+            if t.dtype not in _EXACT_TO_F32:
+                _as_master(name, t)  # raises with the tensor's name
+        header = pb.PushHeader(
+            model=model,
+            step=step,
+            tensors=[pb.TensorSpec(name=n, shape=list(t.shape), dtype=MASTER_DTYPE) for n, t in state_dict.items()],
+        )
+
+        def requests() -> Iterator[pb.PushRequest]:
+            yield pb.PushRequest(header=header)
+            for name, tensor in state_dict.items():
+                raw = memoryview(_as_master(name, tensor).view(torch.uint8).numpy())
+                for offset in range(0, len(raw), self.chunk_bytes):
+                    piece = raw[offset : offset + self.chunk_bytes].tobytes()
+                    yield pb.PushRequest(chunk=pb.Chunk(tensor=name, offset=offset, data=piece))
+                    if progress:
+                        progress(len(piece))
+            yield pb.PushRequest(commit=pb.PushCommit())
+
+        try:
+            resp = self._stub.Push(requests(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        return VersionInfo.from_proto(resp.version, resp.created)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> LearnerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class InferenceClient:
+    """Pulls served copies. `target` is "host:port" for gRPC or "http://host:port" for HTTP."""
+
+    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self._http = target.startswith(("http://", "https://"))
+        if self._http:
+            self._url = urllib.parse.urlsplit(target)
+        else:
+            self._channel = _channel(target)
+            self._stub = pb_grpc.WeightServiceStub(self._channel)
+
+    # ---- pulls -------------------------------------------------------------------------------
+
+    def pull(
+        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The served tensors of a version (checksums verified), by name."""
+        manifest, data = self.pull_data(model, version, progress=progress)
+        return tensors_from_data(manifest, data)
+
+    def pull_file(
+        self, path: str | Path, model: str = "default", version: int | str = "latest",
+        *, progress: Progress | None = None,
+    ) -> Manifest:
+        """Write a version as a safetensors file (checksums verified first); returns its manifest."""
+        manifest, data = self.pull_data(model, version, progress=progress)
+        tensors_from_data(manifest, data)
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.part")
+        with open(tmp, "wb") as f:
+            f.write(manifest.safetensors_header())
+            f.write(data)
+        tmp.replace(path)
+        return manifest
+
+    def pull_data(
+        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+    ) -> tuple[Manifest, bytearray]:
+        """The manifest and the raw data section of a version (not yet verified)."""
+        if self._http:
+            return self._http_pull(model, str(version), progress)
+        try:
+            stream = self._stub.Pull(pb.PullRequest(model=model, version=str(version)), timeout=self.timeout)
+            first = next(stream)
+            manifest = manifest_from_proto(first.manifest)
+            data = bytearray(manifest.data_bytes)
+            view = memoryview(data)
+            received = 0
+            for resp in stream:
+                chunk = resp.chunk
+                n = len(chunk.data)
+                view[chunk.offset : chunk.offset + n] = chunk.data
+                received += n
+                if progress:
+                    progress(n)
+        except grpc.RpcError as e:
+            _raise(e)
+        if received != manifest.data_bytes:
+            raise DataLoss(f"model {model!r} version {manifest.version}: stream ended after "
+                           f"{received} of {manifest.data_bytes} bytes")
+        return manifest, data
+
+    def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+        conn_cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(self._url.hostname or "127.0.0.1", self._url.port, timeout=self.timeout)
+        try:
+            conn.request("GET", self._url.path.rstrip("/") + path, headers=headers or {})
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            conn.close()
+            raise Unavailable(f"UNAVAILABLE: {self.target}: {e}") from None
+        if resp.status >= 400:
+            body = resp.read()
+            conn.close()
+            try:
+                err = json.loads(body)["error"]
+                code, message = err["code"], err["message"]
+            except (ValueError, KeyError, TypeError):
+                code, message = "UNKNOWN", body[:200].decode(errors="replace")
+            raise BY_GRPC_CODE.get(code, WeightsvcError)(f"{code}: {message} (HTTP {resp.status})")
+        return resp
+
+    def _get_json(self, path: str) -> Any:
+        resp = self._request(path)
+        try:
+            return json.loads(resp.read())
+        finally:
+            resp.close()
+
+    def _http_pull(self, model: str, version: str, progress: Progress | None) -> tuple[Manifest, bytearray]:
+        q = urllib.parse.quote
+        # Resolve "latest" to a number first so the manifest and the bytes are of one version.
+        manifest = Manifest.from_dict(self._get_json(f"/v1/models/{q(model)}/versions/{q(version)}/manifest"))
+        resp = self._request(f"/v1/models/{q(model)}/versions/{manifest.version}/safetensors")
+        try:
+            head = resp.read(8)
+            start, _ = read_safetensors_header(head + resp.read(int.from_bytes(head, "little")))
+            data = bytearray(manifest.data_bytes)
+            view = memoryview(data)
+            received = 0
+            while received < len(data):
+                n = resp.readinto(view[received : received + (4 << 20)])
+                if not n:
+                    break
+                received += n
+                if progress:
+                    progress(n)
+        except (OSError, http.client.HTTPException) as e:
+            raise Unavailable(f"UNAVAILABLE: {self.target}: pull broke off: {e}") from None
+        finally:
+            resp.close()
+        if received != manifest.data_bytes:
+            raise DataLoss(f"model {model!r} version {manifest.version}: body ended after "
+                           f"{received} of {manifest.data_bytes} bytes")
+        return manifest, data
+
+    # ---- metadata ----------------------------------------------------------------------------
+
+    def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
+        if self._http:
+            q = urllib.parse.quote
+            return Manifest.from_dict(self._get_json(f"/v1/models/{q(model)}/versions/{q(str(version))}/manifest"))
+        try:
+            return manifest_from_proto(
+                self._stub.GetManifest(pb.GetManifestRequest(model=model, version=str(version)), timeout=self.timeout)
+            )
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def versions(self, model: str = "default") -> list[VersionInfo]:
+        if self._http:
+            body = self._get_json(f"/v1/models/{urllib.parse.quote(model)}/versions")
+            return [VersionInfo(**v) for v in body["versions"]]
+        try:
+            resp = self._stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        return [VersionInfo.from_proto(v) for v in resp.versions]
+
+    def models(self) -> list[dict[str, Any]]:
+        if self._http:
+            return list(self._get_json("/v1/models")["models"])
+        try:
+            resp = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        return [{"model": m.model, "latest_version": m.latest_version, "versions": list(m.versions)}
+                for m in resp.models]
+
+    # ---- gRPC only: watch and ack -------------------------------------------------------------
+
+    def _grpc_only(self, what: str) -> None:
+        if self._http:
+            raise ValueError(f"{what} needs a gRPC target (host:port), not {self.target}")
+
+    def watch(self, model: str = "default", after: int | None = None) -> Iterator[VersionInfo]:
+        """Each retained version above `after` (all when None), then each new one as it commits."""
+        self._grpc_only("watch")
+        req = pb.WatchRequest(model=model)
+        if after is not None:
+            req.after_version = after
+        try:
+            for event in self._stub.Watch(req):
+                yield VersionInfo.from_proto(event.version)
+        except grpc.RpcError as e:
+            _raise(e)
+
+    def ack(self, model: str, version: int, client_id: str | None = None) -> int:
+        """Tell the service this client has loaded `version`; returns the latest version."""
+        self._grpc_only("ack")
+        client_id = client_id or f"{socket.gethostname()}-{id(self):x}"
+        try:
+            resp = self._stub.Ack(pb.AckRequest(model=model, version=version, client_id=client_id),
+                                  timeout=self.timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        return int(resp.latest_version)
+
+    def close(self) -> None:
+        if not self._http:
+            self._channel.close()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,77 @@
+"""Domain errors. Each transport maps them once: gRPC status codes in `_grpc`, HTTP in `_http`.
+
+Messages name the model, version, tensor and the rule that was broken; `reason` is a short,
+bounded token used as the label of the rejected-push metric.
+"""
+
+from __future__ import annotations
+
+
+class WeightsvcError(Exception):
+    grpc_code = "INTERNAL"
+    http_status = 500
+
+    def __init__(self, message: str, *, reason: str = "other") -> None:
+        super().__init__(message)
+        self.message = message
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(WeightsvcError):
+    grpc_code = "INVALID_ARGUMENT"
+    http_status = 400
+
+
+class NotFound(WeightsvcError):
+    grpc_code = "NOT_FOUND"
+    http_status = 404
+
+
+class FailedPrecondition(WeightsvcError):
+    grpc_code = "FAILED_PRECONDITION"
+    http_status = 409
+
+
+class AlreadyExists(WeightsvcError):
+    grpc_code = "ALREADY_EXISTS"
+    http_status = 409
+
+
+class ResourceExhausted(WeightsvcError):
+    grpc_code = "RESOURCE_EXHAUSTED"
+    http_status = 413
+
+
+class Unavailable(WeightsvcError):
+    grpc_code = "UNAVAILABLE"
+    http_status = 503
+
+
+class Cancelled(WeightsvcError):
+    grpc_code = "CANCELLED"
+    http_status = 499
+
+
+class DataLoss(WeightsvcError):
+    """A checksum did not match: the bytes received are not the bytes committed."""
+
+    grpc_code = "DATA_LOSS"
+    http_status = 500
+
+
+BY_GRPC_CODE: dict[str, type[WeightsvcError]] = {
+    cls.grpc_code: cls
+    for cls in (
+        InvalidArgument,
+        NotFound,
+        FailedPrecondition,
+        AlreadyExists,
+        ResourceExhausted,
+        Unavailable,
+        Cancelled,
+        DataLoss,
+    )
+}

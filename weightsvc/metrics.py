@@ -1,0 +1,74 @@
+"""Prometheus metrics: one registry per service, base units, bounded labels.
+
+Labels are limited to model, format, rounding, transport and a fixed set of reasons; never a
+client id or a tensor name.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
+REJECT_REASONS = (
+    "invalid_header",
+    "bad_chunk",
+    "incomplete",
+    "nonfinite",
+    "step_not_above_latest",
+    "content_conflict",
+    "too_large",
+    "aborted",
+    "other",
+)
+
+_EXPORT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.latest_version = Gauge(
+            "weightsvc_latest_version", "Latest committed version (the learner's step) per model",
+            ["model"], registry=r,
+        )
+        self.retained_versions = Gauge(
+            "weightsvc_retained_versions", "Committed versions held per model", ["model"], registry=r
+        )
+        self.retained_bytes = Gauge(
+            "weightsvc_retained_bytes", "Served bytes held for committed versions", ["model"], registry=r
+        )
+        self.versions_committed = Counter(
+            "weightsvc_versions_committed", "Versions committed", ["model"], registry=r
+        )
+        self.push_bytes = Counter(
+            "weightsvc_push_bytes", "Master bytes received from learners", ["model"], registry=r
+        )
+        self.pull_bytes = Counter(
+            "weightsvc_pull_bytes", "Served bytes sent to pullers", ["model", "transport"], registry=r
+        )
+        self.pushes_rejected = Counter(
+            "weightsvc_pushes_rejected", "Pushes that did not commit, by reason", ["reason"], registry=r
+        )
+        self.pushes_in_flight = Gauge(
+            "weightsvc_pushes_in_flight", "Pushes being received or exported", registry=r
+        )
+        self.staged_bytes = Gauge(
+            "weightsvc_staged_bytes", "Bytes held by pushes that have not committed", registry=r
+        )
+        self.pulls_in_flight = Gauge(
+            "weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r
+        )
+        self.export_seconds = Histogram(
+            "weightsvc_export_seconds", "Time to export one tensor (Fair Cast + checksums)",
+            ["format", "rounding"], buckets=_EXPORT_BUCKETS, registry=r,
+        )
+        self.saturated_elements = Counter(
+            "weightsvc_export_saturated_elements", "Finite master elements clamped to the format's max",
+            ["model", "format"], registry=r,
+        )
+        for reason in REJECT_REASONS:
+            self.pushes_rejected.labels(reason)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,97 @@
+"""Fair Cast: the one entry point that turns an fp32 master into its served copy.
+
+The service, the CLI and learners all call `export` / `fair_cast`, so the served bits are the same
+wherever they are computed (DESIGN §3). Functions here are pure: tensors in, tensors out, every key
+explicit (seed, version, name, flat offset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from weightsvc.rounding._cpu import bf16_export
+from weightsvc.rounding._keys import tensor_key
+
+FORMATS = ("bf16",)
+ROUNDINGS = ("rtn", "sr")
+SERVED_DTYPES = {"bf16": torch.bfloat16}
+
+__all__ = ["FORMATS", "ROUNDINGS", "ExportSpec", "ExportStats", "export", "fair_cast", "tensor_key"]
+
+
+@dataclass(frozen=True)
+class ExportSpec:
+    """How a model is exported: the target format, the rounding rule and the RNG seed."""
+
+    format: str = "bf16"
+    rounding: str = "sr"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown rounding {self.rounding!r}; choose one of {', '.join(ROUNDINGS)}")
+        if not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed {self.seed} is outside [0, 2**64)")
+
+    @property
+    def served_dtype(self) -> torch.dtype:
+        return SERVED_DTYPES[self.format]
+
+
+@dataclass(frozen=True)
+class ExportStats:
+    nonfinite: int  # NaN/Inf elements in the master
+    saturated: int  # finite elements clamped to the format's max
+
+
+def export(
+    master: torch.Tensor,
+    out: torch.Tensor,
+    spec: ExportSpec,
+    *,
+    version: int,
+    name: str,
+    offset: int = 0,
+) -> ExportStats:
+    """Write the served copy of `master` into `out` (same number of elements, served dtype).
+
+    `offset` is the flat index of master's first element within the whole tensor `name`, so a
+    shard or a chunk exports to exactly the bits the whole tensor would.
+    """
+    if master.dtype != torch.float32:
+        raise TypeError(f"tensor {name!r}: master must be float32, got {master.dtype}")
+    if master.device.type != "cpu" or out.device.type != "cpu":
+        raise NotImplementedError(f"tensor {name!r}: only the CPU kernel exists so far")
+    if out.dtype != spec.served_dtype or out.numel() != master.numel() or not out.is_contiguous():
+        raise ValueError(
+            f"tensor {name!r}: out must be a contiguous {spec.served_dtype} of {master.numel()} elements"
+        )
+    src = master.contiguous().reshape(-1).view(torch.int32).numpy().view(np.uint32)
+    dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    k0, k1 = tensor_key(spec.seed, version, name)
+    nonfinite, saturated = bf16_export(
+        src, dst, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.rounding == "sr"
+    )
+    return ExportStats(int(nonfinite), int(saturated))
+
+
+def fair_cast(
+    master: torch.Tensor,
+    *,
+    format: str = "bf16",
+    rounding: str = "sr",
+    seed: int = 0,
+    version: int,
+    name: str,
+    offset: int = 0,
+) -> torch.Tensor:
+    """The served copy of `master` (same shape), exactly as the service would serve it."""
+    spec = ExportSpec(format, rounding, seed)
+    out = torch.empty(master.shape, dtype=spec.served_dtype)
+    export(master, out, spec, version=version, name=name, offset=offset)
+    return out
