@@ -10,7 +10,6 @@ Python peer can do on this machine, so a ratio of 1.0 means "as fast as the sock
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 
+from weightsvc._memory import alloc
 from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
 
 TENSOR_MIB = 16  # a typical transformer matrix (2048 x 2048 fp32)
@@ -37,36 +37,49 @@ def _recv_exactly(sock: socket.socket, buf: memoryview) -> None:
         got += n
 
 
-def _tcp_peer(port: int, nbytes: int, send: bool) -> None:
-    """The other end of the raw-TCP baseline, in its own process."""
-    buf = bytearray(nbytes)
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        if send:
-            s.sendall(buf)
-        else:
-            _recv_exactly(s, memoryview(buf))
-            s.sendall(b"k")  # the receiver has every byte: the clock stops here
+def _fresh(nbytes: int) -> memoryview:
+    return alloc(nbytes)  # as the clients allocate their receive buffers: both pay the same
+
+
+# The other end of the raw-TCP baseline, in its own process (argv: port, nbytes, send|recv).
+_PEER = """
+import socket, sys
+port, nbytes, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+buf = memoryview(bytearray(nbytes))
+with socket.create_connection(("127.0.0.1", port)) as s:
+    if mode == "send":
+        s.sendall(buf)
+    else:
+        got = 0
+        while got < nbytes:
+            n = s.recv_into(buf[got:got + (4 << 20)])
+            if not n:
+                raise SystemExit("sender closed early")
+            got += n
+        s.sendall(b"k")  # every byte is in: the clock stops here
+"""
 
 
 def raw_tcp_seconds(nbytes: int, *, download: bool) -> float:
-    """Seconds to move `nbytes` over loopback between two processes (download: peer sends)."""
-    ctx = mp.get_context("spawn")
+    """Seconds to move `nbytes` over loopback between two processes (download: the peer sends)."""
     with socket.socket() as ls:
         ls.bind(("127.0.0.1", 0))
         ls.listen(1)
-        buf = bytearray(nbytes)
-        peer = ctx.Process(target=_tcp_peer, args=(ls.getsockname()[1], nbytes, download))
-        peer.start()
+        port = ls.getsockname()[1]
+        peer = subprocess.Popen([sys.executable, "-c", _PEER, str(port), str(nbytes), "send" if download else "recv"])
         conn, _ = ls.accept()
         with conn:
-            start = time.perf_counter()
             if download:
-                _recv_exactly(conn, memoryview(buf))
+                start = time.perf_counter()
+                _recv_exactly(conn, _fresh(nbytes))
             else:
+                buf = memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy())
+                start = time.perf_counter()
                 conn.sendall(buf)
                 conn.recv(1)
             elapsed = time.perf_counter() - start
-        peer.join()
+        if peer.wait(60) != 0:
+            raise RuntimeError("raw TCP peer failed")
     return elapsed
 
 
@@ -79,8 +92,20 @@ def _model(size_mib: int) -> dict[str, torch.Tensor]:
 
 class _ServerProcess:
     def __init__(self, retain: int) -> None:
-        cmd = [sys.executable, "-m", "weightsvc", "serve", "--grpc-port", "0", "--http-port", "0",
-               "--retain", str(retain), "--log-level", "warning"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "weightsvc",
+            "serve",
+            "--grpc-port",
+            "0",
+            "--http-port",
+            "0",
+            "--retain",
+            str(retain),
+            "--log-level",
+            "warning",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # blocks until the service is ready
@@ -106,8 +131,9 @@ def _best(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
-def run_bench(*, size_mib: int = 1024, repeat: int = 3, retain: int = 4,
-              log: Callable[[str], Any] | None = None) -> dict[str, Any]:
+def run_bench(
+    *, size_mib: int = 1024, repeat: int = 3, retain: int = 4, log: Callable[[str], Any] | None = None
+) -> dict[str, Any]:
     say = log or (lambda _m: None)
     model = _model(size_mib)
     master_bytes = sum(t.numel() * 4 for t in model.values())
@@ -179,7 +205,10 @@ def run_bench(*, size_mib: int = 1024, repeat: int = 3, retain: int = 4,
         "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
         "T1_http": {"what": "pull over HTTP vs raw TCP", "value": f"{t1_http:.2f}x", "target": ""},
         "T2": {"what": "push fp32 -> committed vs raw TCP", "value": f"{result['T2']:.2f}x", "target": ">= 0.4x"},
-        "M1": {"what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",
-               "value": f"{result['M1']:.2f}", "target": "<= 1.0"},
+        "M1": {
+            "what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",
+            "value": f"{result['M1']:.2f}",
+            "target": "<= 1.0",
+        },
     }
     return result

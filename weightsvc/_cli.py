@@ -44,8 +44,12 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda _n: None
         return
     with Progress(
-        "[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-        console=err, transient=True,
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
     ) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n: bar.advance(task, n)
@@ -56,15 +60,17 @@ def serve(
     host: Annotated[str, typer.Option(envvar="WEIGHTSVC_HOST", help="Address to bind.")] = "127.0.0.1",
     grpc_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_GRPC_PORT", help="gRPC port (0 picks one).")] = 50051,
     http_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_HTTP_PORT", help="HTTP port (0 picks one).")] = 8080,
-    data_dir: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_DATA_DIR",
-                                                  help="Persist committed versions here.")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(envvar="WEIGHTSVC_DATA_DIR", help="Persist committed versions here.")
+    ] = None,
     format: Annotated[str, typer.Option(envvar="WEIGHTSVC_FORMAT", help="Served format.")] = "bf16",
     rounding: Annotated[str, typer.Option(envvar="WEIGHTSVC_ROUNDING", help="Rounding rule: sr or rtn.")] = "sr",
     seed: Annotated[int, typer.Option(envvar="WEIGHTSVC_SEED", help="Seed of the rounding RNG.")] = 0,
     device: Annotated[str, typer.Option(envvar="WEIGHTSVC_DEVICE", help="Export device.")] = "auto",
     retain: Annotated[int, typer.Option(envvar="WEIGHTSVC_RETAIN", help="Versions kept per model.")] = 4,
-    allow_nonfinite: Annotated[bool, typer.Option(envvar="WEIGHTSVC_ALLOW_NONFINITE",
-                                                  help="Accept masters with NaN/Inf.")] = False,
+    allow_nonfinite: Annotated[
+        bool, typer.Option(envvar="WEIGHTSVC_ALLOW_NONFINITE", help="Accept masters with NaN/Inf.")
+    ] = False,
     log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
@@ -73,8 +79,16 @@ def serve(
 
     try:
         settings = Settings(
-            host=host, grpc_port=grpc_port, http_port=http_port, data_dir=data_dir, format=format,
-            rounding=rounding, seed=seed, device=device, retain=retain, allow_nonfinite=allow_nonfinite,
+            host=host,
+            grpc_port=grpc_port,
+            http_port=http_port,
+            data_dir=data_dir,
+            format=format,
+            rounding=rounding,
+            seed=seed,
+            device=device,
+            retain=retain,
+            allow_nonfinite=allow_nonfinite,
             log_level=log_level,
         )
     except ValidationError as e:
@@ -126,8 +140,11 @@ def push(
     except (WeightsvcError, TypeError) as e:
         fail(str(e))
     verb = "committed" if info.created else "already committed (identical content)"
-    out.print(f"{verb}: model {info.model} version {info.version} ({info.tensor_count} tensors, "
-              f"{info.data_bytes} served bytes, {info.format}/{info.rounding})", highlight=False)
+    out.print(
+        f"{verb}: model {info.model} version {info.version} ({info.tensor_count} tensors, "
+        f"{info.data_bytes} served bytes, {info.format}/{info.rounding})",
+        highlight=False,
+    )
 
 
 @app.command()
@@ -153,14 +170,18 @@ def pull(
         fail(str(e))
     except OSError as e:
         fail(f"cannot write {output}: {e}")
-    out.print(f"pulled model {manifest.model} version {manifest.version} -> {output} "
-              f"({len(manifest.tensors)} tensors, checksums verified)", highlight=False)
+    out.print(
+        f"pulled model {manifest.model} version {manifest.version} -> {output} "
+        f"({len(manifest.tensors)} tensors, checksums verified)",
+        highlight=False,
+    )
 
 
 @app.command()
 def status(
-    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET",
-                                        help="gRPC HOST:PORT or http://HOST:PORT.")] = "127.0.0.1:50051",
+    target: Annotated[
+        str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT or http://HOST:PORT.")
+    ] = "127.0.0.1:50051",
     model: Annotated[str | None, typer.Option(help="Only this model.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
@@ -190,8 +211,15 @@ def status(
 
             when = dt.datetime.fromtimestamp(v["committed_unix"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
-            table.add_row(m["model"], f"{v['version']}{latest}", v["format"], v["rounding"],
-                          str(v["tensor_count"]), f"{v['data_bytes']:,}", when)
+            table.add_row(
+                m["model"],
+                f"{v['version']}{latest}",
+                v["format"],
+                v["rounding"],
+                str(v["tensor_count"]),
+                f"{v['data_bytes']:,}",
+                when,
+            )
     out.print(table)
 
 

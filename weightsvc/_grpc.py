@@ -14,11 +14,14 @@ from grpc_health.v1._async import HealthServicer
 
 from weightsvc._manifest import Manifest, TensorSpec, parse_version_ref
 from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
+from weightsvc._wire import ChunkView, Malformed, decode_push_request, encode_chunk, encode_message
 from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 SERVICE_NAME = "weightsvc.v1.WeightService"
+PUSH_METHOD = f"/{SERVICE_NAME}/Push"
+PULL_METHOD = f"/{SERVICE_NAME}/Pull"
 
 
 def manifest_to_proto(m: Manifest) -> pb.Manifest:
@@ -33,7 +36,11 @@ def manifest_to_proto(m: Manifest) -> pb.Manifest:
         master_digest=m.master_digest,
         tensors=[
             pb.ServedTensor(
-                name=t.name, shape=t.shape, dtype=t.dtype, offset=t.offset, nbytes=t.nbytes,
+                name=t.name,
+                shape=t.shape,
+                dtype=t.dtype,
+                offset=t.offset,
+                nbytes=t.nbytes,
                 checksum=t.checksum,
             )
             for t in m.tensors
@@ -83,15 +90,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
 
     @_abort_on_domain_error
-    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse]:
+    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse | bytes]:
         chunk = self.service.settings.chunk_bytes
         with self.service.pulling(request.model, parse_version_ref(request.version), "grpc") as version:
             yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
             data = version.data
             for offset in range(0, len(data), chunk):
-                piece = data[offset : offset + chunk].tobytes()
-                yield pb.PullResponse(chunk=pb.Chunk(offset=offset, data=piece))
-                self.service.count_pulled(request.model, "grpc", len(piece))
+                piece = data[offset : offset + chunk]
+                yield encode_chunk("", offset, piece)  # pre-encoded: one copy, not three
+                self.service.count_pulled(version.manifest.model, "grpc", len(piece))
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -117,8 +124,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return pb.AckResponse(latest_version=latest)
 
 
-async def _push_messages(requests: AsyncIterator[pb.PushRequest]) -> AsyncIterator[PushMessage]:
+async def _push_messages(
+    requests: AsyncIterator[pb.PushRequest | ChunkView | Malformed],
+) -> AsyncIterator[PushMessage]:
     async for req in requests:
+        if isinstance(req, ChunkView):  # the bulk path: views into the received message
+            yield PushChunk(req.tensor, req.offset, req.data)
+            continue
+        if isinstance(req, Malformed):
+            raise InvalidArgument(req.reason, reason="bad_chunk")
         kind = req.WhichOneof("kind")
         if kind == "chunk":
             yield PushChunk(req.chunk.tensor, req.chunk.offset, req.chunk.data)
@@ -145,7 +159,33 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 async def start_grpc(service: Service, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server (WeightService + health); returns it and the bound port."""
     server = grpc.aio.server(options=grpc_options(service.settings.max_message_bytes))
-    pb_grpc.add_WeightServiceServicer_to_server(WeightServicer(service), server)
+    servicer = WeightServicer(service)
+    handlers = {
+        # The bulk methods use the zero-copy chunk framing of `_wire`.
+        "Push": grpc.stream_unary_rpc_method_handler(
+            servicer.Push,
+            request_deserializer=decode_push_request,
+            response_serializer=pb.PushResponse.SerializeToString,
+        ),
+        "Pull": grpc.unary_stream_rpc_method_handler(
+            servicer.Pull,
+            request_deserializer=pb.PullRequest.FromString,
+            response_serializer=encode_message,
+        ),
+    }
+    for name, request, response, kind in (
+        ("ListModels", pb.ListModelsRequest, pb.ListModelsResponse, grpc.unary_unary_rpc_method_handler),
+        ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsResponse, grpc.unary_unary_rpc_method_handler),
+        ("GetManifest", pb.GetManifestRequest, pb.Manifest, grpc.unary_unary_rpc_method_handler),
+        ("Watch", pb.WatchRequest, pb.VersionEvent, grpc.unary_stream_rpc_method_handler),
+        ("Ack", pb.AckRequest, pb.AckResponse, grpc.unary_unary_rpc_method_handler),
+    ):
+        handlers[name] = kind(
+            getattr(servicer, name),
+            request_deserializer=request.FromString,
+            response_serializer=response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     bound = server.add_insecure_port(f"{host}:{port}")

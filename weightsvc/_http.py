@@ -122,8 +122,12 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         try:
             span = _parse_range(request.headers.get("range"), held.size)
         except ValueError:
-            resp = _error(416, "OUT_OF_RANGE", f"range {request.headers.get('range')!r} is outside "
-                          f"the {held.size} bytes of model {model!r} version {held.manifest.version}")
+            resp = _error(
+                416,
+                "OUT_OF_RANGE",
+                f"range {request.headers.get('range')!r} is outside "
+                f"the {held.size} bytes of model {model!r} version {held.manifest.version}",
+            )
             resp.headers["content-range"] = f"bytes */{held.size}"
             return resp
         start, end = span or (0, held.size)
@@ -136,8 +140,12 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             "model": model,
             "latest_version": latest,
             "clients": [
-                {"client_id": c.client_id, "version": c.version, "acked_unix": c.acked_unix,
-                 "lag_versions": None if latest is None else latest - c.version}
+                {
+                    "client_id": c.client_id,
+                    "version": c.version,
+                    "acked_unix": c.acked_unix,
+                    "lag_versions": None if latest is None else latest - c.version,
+                }
                 for c in service.clients(model)
             ],
         }

@@ -12,7 +12,9 @@ stream breaks, times out or is rejected, the staging buffers are dropped and not
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -20,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import xxhash
 
 from weightsvc import rounding
@@ -35,6 +36,7 @@ from weightsvc._manifest import (
     checksum,
     layout,
 )
+from weightsvc._memory import alloc
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
 from weightsvc.errors import Cancelled, InvalidArgument, WeightsvcError
@@ -44,9 +46,10 @@ log = logging.getLogger("weightsvc.service")
 
 MAX_TENSORS = 1_000_000
 MAX_NAME_CHARS = 1024
-# Tensors received but not yet exported, per push: bounds staging memory, and pushes back on the
+# Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
 # learner (gRPC flow control) when export is slower than the network.
-MAX_PENDING_EXPORTS = 2
+MAX_PENDING_CHUNKS = 8
+MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class PushHeader:
 class PushChunk:
     tensor: str
     offset: int
-    data: bytes
+    data: bytes | memoryview
 
 
 @dataclass(frozen=True)
@@ -71,40 +74,48 @@ class PushCommit:
 PushMessage = PushHeader | PushChunk | PushCommit
 
 
-@dataclass
-class _Exported:
-    checksum: str
-    master_digest: str
-    nonfinite: int
-    saturated: int
-
-
 class _StagedTensor:
     def __init__(self, spec: TensorSpec, slot: ServedTensor) -> None:
         self.spec = spec
         self.slot = slot
         self.nbytes = spec.numel * DTYPE_SIZES[spec.dtype]
-        self.received = 0
-        self.master: torch.Tensor | None = None
-        self.export: asyncio.Future[_Exported] | None = None
+        self.received = 0  # bytes accepted on the loop
+        # Filled by the export worker, chunk by chunk, in arrival order:
+        self.master_digest = xxhash.xxh3_128()
+        self.nonfinite = 0
+        self.saturated = 0
+        self.checksum = ""
 
 
 class PushSession:
-    """One learner's push, from header to commit. Owns its staging memory until it ends."""
+    """One learner's push, from header to commit. Owns its staging memory until it ends.
 
-    def __init__(self, service: Service, header: PushHeader) -> None:
+    Export is elementwise with the flat element index as a key, so each chunk is exported into
+    its slot of the data section as it arrives; the master is never assembled.
+    """
+
+    def __init__(
+        self, service: Service, header: PushHeader, data: memoryview, data_bytes: int, slots: list[ServedTensor]
+    ) -> None:
         self.service = service
         self.header = header
         self.spec = service.settings.export_spec
-        slots, self.data_bytes = layout(list(header.tensors), SERVED_DTYPE_NAMES[self.spec.format])
-        self.tensors = {s.name: _StagedTensor(s, slot) for s, slot in zip(header.tensors, slots)}
-        self.data = torch.empty(self.data_bytes, dtype=torch.uint8)
-        self.staged_bytes = self.data_bytes
-        service.metrics.staged_bytes.inc(self.staged_bytes)
-        self.pending: list[asyncio.Future[_Exported]] = []
+        self.data = data
+        self.data_bytes = data_bytes
+        self.tensors = {s.name: _StagedTensor(s, slot) for s, slot in zip(header.tensors, slots, strict=True)}
+        self.staged_bytes = 0
+        self._stage(data_bytes)
+        self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.export_seconds = 0.0
         for t in self.tensors.values():
             if t.nbytes == 0:
-                self._start_export(t, torch.empty(t.spec.shape, dtype=torch.float32))
+                t.checksum = checksum(b"")
+
+    @classmethod
+    async def open(cls, service: Service, header: PushHeader) -> PushSession:
+        slots, data_bytes = layout(list(header.tensors), SERVED_DTYPE_NAMES[service.settings.export_spec.format])
+        data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
+        return cls(service, header, data, data_bytes, slots)
 
     def _where(self) -> str:
         return f"model {self.header.model!r} step {self.header.step}"
@@ -112,9 +123,7 @@ class PushSession:
     async def add_chunk(self, chunk: PushChunk) -> None:
         t = self.tensors.get(chunk.tensor)
         if t is None:
-            raise InvalidArgument(
-                f"{self._where()}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk"
-            )
+            raise InvalidArgument(f"{self._where()}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
         if chunk.offset != t.received:
             raise InvalidArgument(
                 f"{self._where()}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
@@ -128,47 +137,50 @@ class PushSession:
                 f"its declared shape {list(t.spec.shape)} of {t.spec.dtype} holds ({t.nbytes} bytes)",
                 reason="bad_chunk",
             )
-        if t.master is None:
-            t.master = torch.empty(t.spec.numel, dtype=torch.float32)
-            self._stage(t.nbytes)
-        t.master.view(torch.uint8).numpy()[t.received : t.received + n] = np.frombuffer(chunk.data, np.uint8)
+        if n % MASTER_ITEMSIZE:
+            raise InvalidArgument(
+                f"{self._where()}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
+                f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
+                reason="bad_chunk",
+            )
         t.received += n
         self.service.metrics.push_bytes.labels(self.header.model).inc(n)
-        if t.received == t.nbytes:
-            master, t.master = t.master.view(t.spec.shape), None
-            self._start_export(t, master)
-            while sum(not f.done() for f in self.pending) > MAX_PENDING_EXPORTS:
-                await asyncio.wait(self.pending, return_when=asyncio.FIRST_COMPLETED)
+        self._stage(n)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.service.executor, self._export_chunk, t, chunk.offset, chunk.data
+        )
+        fut.add_done_callback(lambda _f: self._stage(-n))
+        self.pending.append(fut)
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        if len(self.pending) > MAX_PENDING_CHUNKS:
+            await self.pending[0]
 
     def _stage(self, nbytes: int) -> None:
         self.staged_bytes += nbytes
         self.service.metrics.staged_bytes.inc(nbytes)
 
-    def _start_export(self, t: _StagedTensor, master: torch.Tensor) -> None:
-        loop = asyncio.get_running_loop()
-        t.export = loop.run_in_executor(self.service.executor, self._export, t, master)
-        self.pending.append(t.export)
-        # The master's bytes are freed by the worker once exported; count them out there.
-        t.export.add_done_callback(lambda _f, n=t.nbytes: self._stage(-n) if t.nbytes else None)
-
-    def _export(self, t: _StagedTensor, master: torch.Tensor) -> _Exported:
-        """Worker thread: Fair Cast into the tensor's slot, then checksum served and master bytes."""
+    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
+        """Worker thread: Fair Cast one chunk into the tensor's slot; chunks come in order."""
         start = time.perf_counter()
-        slot = t.slot
-        served = self.data[slot.offset : slot.offset + slot.nbytes].view(self.spec.served_dtype)
-        stats = rounding.export(
-            master.reshape(-1), served, self.spec, version=self.header.step, name=t.spec.name
+        master = np.frombuffer(data, dtype=np.float32)
+        served = np.frombuffer(self.data, dtype=np.uint8, count=t.slot.nbytes, offset=t.slot.offset)
+        size = DTYPE_SIZES[t.slot.dtype]
+        first = byte_offset // MASTER_ITEMSIZE
+        stats = rounding.export_array(
+            master,
+            served[first * size : (first + master.size) * size],
+            self.spec,
+            version=self.header.step,
+            name=t.spec.name,
+            offset=first,
         )
-        result = _Exported(
-            checksum=checksum(self.data[slot.offset : slot.offset + slot.nbytes].numpy()),
-            master_digest=xxhash.xxh3_128_hexdigest(master.reshape(-1).view(torch.uint8).numpy()),
-            nonfinite=stats.nonfinite,
-            saturated=stats.saturated,
-        )
-        self.service.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(
-            time.perf_counter() - start
-        )
-        return result
+        t.master_digest.update(data)
+        t.nonfinite += stats.nonfinite
+        t.saturated += stats.saturated
+        if byte_offset + len(data) == t.nbytes:
+            t.checksum = checksum(served)
+        self.export_seconds += time.perf_counter() - start
 
     async def commit(self) -> tuple[Version, bool]:
         missing = [t for t in self.tensors.values() if t.received < t.nbytes]
@@ -180,8 +192,9 @@ class PushSession:
                 reason="incomplete",
             )
         await asyncio.gather(*self.pending)
-        done = {name: t.export.result() for name, t in self.tensors.items()}  # type: ignore[union-attr]
-        bad = [(n, e.nonfinite) for n, e in done.items() if e.nonfinite]
+        self.pending.clear()
+        self.service.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.export_seconds)
+        bad = [(t.spec.name, t.nonfinite) for t in self.tensors.values() if t.nonfinite]
         if bad and not self.service.settings.allow_nonfinite:
             listed = ", ".join(f"{n!r} ({c} NaN/Inf)" for n, c in bad[:10])
             more = f" and {len(bad) - 10} more tensors" if len(bad) > 10 else ""
@@ -192,8 +205,9 @@ class PushSession:
             )
         # Order-independent digest of the master: names, shapes and fp32 bytes.
         h = xxhash.xxh3_128()
-        for name in sorted(done):
-            h.update(f"{name}\x00{list(self.tensors[name].spec.shape)}\x00{done[name].master_digest}\n".encode())
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            h.update(f"{name}\x00{list(t.spec.shape)}\x00{t.master_digest.hexdigest()}\n".encode())
         manifest = Manifest(
             model=self.header.model,
             version=self.header.step,
@@ -203,14 +217,11 @@ class PushSession:
             committed_unix=time.time(),
             data_bytes=self.data_bytes,
             master_digest="xxh3_128:" + h.hexdigest(),
-            tensors=tuple(
-                ServedTensor(**{**t.slot.__dict__, "checksum": done[name].checksum})
-                for name, t in self.tensors.items()
-            ),
+            tensors=tuple(dataclasses.replace(t.slot, checksum=t.checksum) for t in self.tensors.values()),
         )
-        saturated = sum(e.saturated for e in done.values())
-        version = Version(manifest, manifest.safetensors_header(), memoryview(self.data.numpy()), self.data)
+        version = Version(manifest, manifest.safetensors_header(), self.data, self.data.obj)
         committed, created = await self.service.store.commit(version)
+        saturated = sum(t.saturated for t in self.tensors.values())
         if created and saturated:
             self.service.metrics.saturated_elements.labels(manifest.model, manifest.format).inc(saturated)
         return committed, created
@@ -218,11 +229,10 @@ class PushSession:
     async def close(self) -> None:
         """Release the staging memory; waits for exports already running so none writes after."""
         await asyncio.gather(*self.pending, return_exceptions=True)
-        for t in self.tensors.values():
-            t.master = None
+        self.pending.clear()
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self.data = memoryview(b"")
 
 
 def validate_header(header: PushHeader) -> None:
@@ -245,8 +255,7 @@ def validate_header(header: PushHeader) -> None:
         seen.add(t.name)
         if t.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
-                f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} "
-                f"(known: {', '.join(DTYPE_SIZES)})",
+                f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} (known: {', '.join(DTYPE_SIZES)})",
                 reason="invalid_header",
             )
         if t.dtype != MASTER_DTYPE:
@@ -269,7 +278,9 @@ class Service:
         self.metrics = Metrics()
         self.store = VersionStore(retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics)
         # One export at a time: the kernel itself uses every core.
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsvc-export")
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
+        )
         self._pushes: set[PushSession] = set()
         self._pushes_changed = asyncio.Condition()
 
@@ -292,7 +303,7 @@ class Service:
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
             validate_header(header)
             self.store.check_step(header.model, header.step)
-            session = PushSession(self, header)
+            session = await PushSession.open(self, header)
             self._pushes.add(session)
             while True:
                 msg = await self._next(messages, idle)
@@ -308,7 +319,10 @@ class Service:
             log.info(
                 "%s model=%s version=%d tensors=%d bytes=%d",
                 "committed" if created else "idempotent push of",
-                header.model, header.step, len(header.tensors), session.data_bytes,
+                header.model,
+                header.step,
+                len(header.tensors),
+                session.data_bytes,
             )
             return version, created
         except WeightsvcError as e:
@@ -345,8 +359,13 @@ class Service:
         out = []
         for model in self.store.models():
             vs = self.store.versions(model)
-            out.append({"model": model, "latest_version": vs[-1].manifest.version,
-                        "versions": [v.manifest.version for v in vs]})
+            out.append(
+                {
+                    "model": model,
+                    "latest_version": vs[-1].manifest.version,
+                    "versions": [v.manifest.version for v in vs],
+                }
+            )
         return out
 
     def versions(self, model: str) -> list[Manifest]:

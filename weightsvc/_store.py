@@ -172,8 +172,9 @@ class VersionStore:
         last = -1 if after is None else after
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: (self.latest(model) or -1) > last)
-                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > last]
+                floor = last
+                await self._changed.wait_for(lambda: (self.latest(model) or -1) > floor)
+                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > floor]
             for manifest in newer:
                 yield manifest
                 last = manifest.version
@@ -183,9 +184,7 @@ class VersionStore:
         if latest is None:
             raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
         if version < 0 or version > latest:
-            raise InvalidArgument(
-                f"model {model!r}: cannot ack version {version}, the latest committed is {latest}"
-            )
+            raise InvalidArgument(f"model {model!r}: cannot ack version {version}, the latest committed is {latest}")
         if not client_id or len(client_id) > 256:
             raise InvalidArgument("ack needs a client_id of 1-256 characters")
         clients = self._clients.setdefault(model, {})

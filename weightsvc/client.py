@@ -29,9 +29,14 @@ from weightsvc._manifest import (
     read_safetensors_header,
     verify,
 )
+from weightsvc._memory import alloc
+from weightsvc._wire import ChunkView, decode_pull_response, encode_chunk, encode_message
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, Unavailable, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+PUSH_METHOD = "/weightsvc.v1.WeightService/Push"
+PULL_METHOD = "/weightsvc.v1.WeightService/Pull"
 
 __all__ = ["InferenceClient", "LearnerClient", "VersionInfo"]
 
@@ -55,8 +60,16 @@ class VersionInfo:
 
     @classmethod
     def from_proto(cls, info: pb.VersionInfo, created: bool = True) -> VersionInfo:
-        return cls(info.model, info.version, info.format, info.rounding, info.committed_unix,
-                   info.tensor_count, info.data_bytes, created)
+        return cls(
+            info.model,
+            info.version,
+            info.format,
+            info.rounding,
+            info.committed_unix,
+            info.tensor_count,
+            info.data_bytes,
+            created,
+        )
 
 
 def _raise(e: grpc.RpcError) -> NoReturn:
@@ -77,12 +90,20 @@ def _channel(target: str) -> grpc.Channel:
 
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
     return Manifest(
-        model=m.model, version=m.version, format=m.format, rounding=m.rounding, seed=m.seed,
-        committed_unix=m.committed_unix, data_bytes=m.data_bytes, master_digest=m.master_digest,
-        tensors=tuple(
-            ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors
-        ),
+        model=m.model,
+        version=m.version,
+        format=m.format,
+        rounding=m.rounding,
+        seed=m.seed,
+        committed_unix=m.committed_unix,
+        data_bytes=m.data_bytes,
+        master_digest=m.master_digest,
+        tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
     )
+
+
+def _buffer(nbytes: int) -> memoryview:
+    return alloc(nbytes)
 
 
 def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[str, torch.Tensor]:
@@ -115,7 +136,10 @@ class LearnerClient:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self._channel = _channel(target)
-        self._stub = pb_grpc.WeightServiceStub(self._channel)
+        # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
+        self._push = self._channel.stream_unary(
+            PUSH_METHOD, request_serializer=encode_message, response_deserializer=pb.PushResponse.FromString
+        )
 
     def push(
         self,
@@ -135,19 +159,19 @@ class LearnerClient:
             tensors=[pb.TensorSpec(name=n, shape=list(t.shape), dtype=MASTER_DTYPE) for n, t in state_dict.items()],
         )
 
-        def requests() -> Iterator[pb.PushRequest]:
+        def requests() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header)
             for name, tensor in state_dict.items():
                 raw = memoryview(_as_master(name, tensor).view(torch.uint8).numpy())
                 for offset in range(0, len(raw), self.chunk_bytes):
-                    piece = raw[offset : offset + self.chunk_bytes].tobytes()
-                    yield pb.PushRequest(chunk=pb.Chunk(tensor=name, offset=offset, data=piece))
+                    piece = raw[offset : offset + self.chunk_bytes]
+                    yield encode_chunk(name, offset, piece)
                     if progress:
                         progress(len(piece))
             yield pb.PushRequest(commit=pb.PushCommit())
 
         try:
-            resp = self._stub.Push(requests(), timeout=self.timeout)
+            resp = self._push(requests(), timeout=self.timeout)
         except grpc.RpcError as e:
             _raise(e)
         return VersionInfo.from_proto(resp.version, resp.created)
@@ -174,6 +198,11 @@ class InferenceClient:
         else:
             self._channel = _channel(target)
             self._stub = pb_grpc.WeightServiceStub(self._channel)
+            self._pull = self._channel.unary_stream(
+                PULL_METHOD,
+                request_serializer=pb.PullRequest.SerializeToString,
+                response_deserializer=decode_pull_response,
+            )
 
     # ---- pulls -------------------------------------------------------------------------------
 
@@ -185,8 +214,12 @@ class InferenceClient:
         return tensors_from_data(manifest, data)
 
     def pull_file(
-        self, path: str | Path, model: str = "default", version: int | str = "latest",
-        *, progress: Progress | None = None,
+        self,
+        path: str | Path,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        progress: Progress | None = None,
     ) -> Manifest:
         """Write a version as a safetensors file (checksums verified first); returns its manifest."""
         manifest, data = self.pull_data(model, version, progress=progress)
@@ -201,29 +234,36 @@ class InferenceClient:
 
     def pull_data(
         self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
-    ) -> tuple[Manifest, bytearray]:
+    ) -> tuple[Manifest, memoryview]:
         """The manifest and the raw data section of a version (not yet verified)."""
         if self._http:
             return self._http_pull(model, str(version), progress)
         try:
-            stream = self._stub.Pull(pb.PullRequest(model=model, version=str(version)), timeout=self.timeout)
+            stream = self._pull(pb.PullRequest(model=model, version=str(version)), timeout=self.timeout)
             first = next(stream)
             manifest = manifest_from_proto(first.manifest)
-            data = bytearray(manifest.data_bytes)
-            view = memoryview(data)
+            data = _buffer(manifest.data_bytes)
             received = 0
-            for resp in stream:
-                chunk = resp.chunk
+            for chunk in stream:
+                if not isinstance(chunk, ChunkView):
+                    raise DataLoss(f"model {model!r} version {manifest.version}: unexpected {chunk!r} in pull")
                 n = len(chunk.data)
-                view[chunk.offset : chunk.offset + n] = chunk.data
+                if chunk.offset < 0 or chunk.offset + n > len(data):
+                    raise DataLoss(
+                        f"model {model!r} version {manifest.version}: chunk at {chunk.offset} "
+                        f"outside the {len(data)}-byte data section"
+                    )
+                data[chunk.offset : chunk.offset + n] = chunk.data
                 received += n
                 if progress:
                     progress(n)
         except grpc.RpcError as e:
             _raise(e)
         if received != manifest.data_bytes:
-            raise DataLoss(f"model {model!r} version {manifest.version}: stream ended after "
-                           f"{received} of {manifest.data_bytes} bytes")
+            raise DataLoss(
+                f"model {model!r} version {manifest.version}: stream ended after "
+                f"{received} of {manifest.data_bytes} bytes"
+            )
         return manifest, data
 
     def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
@@ -253,19 +293,18 @@ class InferenceClient:
         finally:
             resp.close()
 
-    def _http_pull(self, model: str, version: str, progress: Progress | None) -> tuple[Manifest, bytearray]:
+    def _http_pull(self, model: str, version: str, progress: Progress | None) -> tuple[Manifest, memoryview]:
         q = urllib.parse.quote
         # Resolve "latest" to a number first so the manifest and the bytes are of one version.
         manifest = Manifest.from_dict(self._get_json(f"/v1/models/{q(model)}/versions/{q(version)}/manifest"))
         resp = self._request(f"/v1/models/{q(model)}/versions/{manifest.version}/safetensors")
         try:
             head = resp.read(8)
-            start, _ = read_safetensors_header(head + resp.read(int.from_bytes(head, "little")))
-            data = bytearray(manifest.data_bytes)
-            view = memoryview(data)
+            read_safetensors_header(head + resp.read(int.from_bytes(head, "little")))  # validates the framing
+            data = _buffer(manifest.data_bytes)
             received = 0
             while received < len(data):
-                n = resp.readinto(view[received : received + (4 << 20)])
+                n = resp.readinto(data[received : received + (4 << 20)])
                 if not n:
                     break
                 received += n
@@ -276,8 +315,10 @@ class InferenceClient:
         finally:
             resp.close()
         if received != manifest.data_bytes:
-            raise DataLoss(f"model {model!r} version {manifest.version}: body ended after "
-                           f"{received} of {manifest.data_bytes} bytes")
+            raise DataLoss(
+                f"model {model!r} version {manifest.version}: body ended after "
+                f"{received} of {manifest.data_bytes} bytes"
+            )
         return manifest, data
 
     # ---- metadata ----------------------------------------------------------------------------
@@ -310,8 +351,9 @@ class InferenceClient:
             resp = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             _raise(e)
-        return [{"model": m.model, "latest_version": m.latest_version, "versions": list(m.versions)}
-                for m in resp.models]
+        return [
+            {"model": m.model, "latest_version": m.latest_version, "versions": list(m.versions)} for m in resp.models
+        ]
 
     # ---- gRPC only: watch and ack -------------------------------------------------------------
 
@@ -336,8 +378,9 @@ class InferenceClient:
         self._grpc_only("ack")
         client_id = client_id or f"{socket.gethostname()}-{id(self):x}"
         try:
-            resp = self._stub.Ack(pb.AckRequest(model=model, version=version, client_id=client_id),
-                                  timeout=self.timeout)
+            resp = self._stub.Ack(
+                pb.AckRequest(model=model, version=version, client_id=client_id), timeout=self.timeout
+            )
         except grpc.RpcError as e:
             _raise(e)
         return int(resp.latest_version)
@@ -351,4 +394,3 @@ class InferenceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -29,8 +29,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.latest_version = Gauge(
-            "weightsvc_latest_version", "Latest committed version (the learner's step) per model",
-            ["model"], registry=r,
+            "weightsvc_latest_version",
+            "Latest committed version (the learner's step) per model",
+            ["model"],
+            registry=r,
         )
         self.retained_versions = Gauge(
             "weightsvc_retained_versions", "Committed versions held per model", ["model"], registry=r
@@ -38,34 +40,29 @@ class Metrics:
         self.retained_bytes = Gauge(
             "weightsvc_retained_bytes", "Served bytes held for committed versions", ["model"], registry=r
         )
-        self.versions_committed = Counter(
-            "weightsvc_versions_committed", "Versions committed", ["model"], registry=r
-        )
-        self.push_bytes = Counter(
-            "weightsvc_push_bytes", "Master bytes received from learners", ["model"], registry=r
-        )
+        self.versions_committed = Counter("weightsvc_versions_committed", "Versions committed", ["model"], registry=r)
+        self.push_bytes = Counter("weightsvc_push_bytes", "Master bytes received from learners", ["model"], registry=r)
         self.pull_bytes = Counter(
             "weightsvc_pull_bytes", "Served bytes sent to pullers", ["model", "transport"], registry=r
         )
         self.pushes_rejected = Counter(
             "weightsvc_pushes_rejected", "Pushes that did not commit, by reason", ["reason"], registry=r
         )
-        self.pushes_in_flight = Gauge(
-            "weightsvc_pushes_in_flight", "Pushes being received or exported", registry=r
-        )
-        self.staged_bytes = Gauge(
-            "weightsvc_staged_bytes", "Bytes held by pushes that have not committed", registry=r
-        )
-        self.pulls_in_flight = Gauge(
-            "weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r
-        )
+        self.pushes_in_flight = Gauge("weightsvc_pushes_in_flight", "Pushes being received or exported", registry=r)
+        self.staged_bytes = Gauge("weightsvc_staged_bytes", "Bytes held by pushes that have not committed", registry=r)
+        self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
         self.export_seconds = Histogram(
-            "weightsvc_export_seconds", "Time to export one tensor (Fair Cast + checksums)",
-            ["format", "rounding"], buckets=_EXPORT_BUCKETS, registry=r,
+            "weightsvc_export_seconds",
+            "Time to export one tensor (Fair Cast + checksums)",
+            ["format", "rounding"],
+            buckets=_EXPORT_BUCKETS,
+            registry=r,
         )
         self.saturated_elements = Counter(
-            "weightsvc_export_saturated_elements", "Finite master elements clamped to the format's max",
-            ["model", "format"], registry=r,
+            "weightsvc_export_saturated_elements",
+            "Finite master elements clamped to the format's max",
+            ["model", "format"],
+            registry=r,
         )
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)

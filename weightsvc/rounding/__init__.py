@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -19,7 +20,17 @@ FORMATS = ("bf16",)
 ROUNDINGS = ("rtn", "sr")
 SERVED_DTYPES = {"bf16": torch.bfloat16}
 
-__all__ = ["FORMATS", "ROUNDINGS", "ExportSpec", "ExportStats", "export", "fair_cast", "tensor_key"]
+__all__ = [
+    "FORMATS",
+    "ROUNDINGS",
+    "ExportSpec",
+    "ExportStats",
+    "export",
+    "export_array",
+    "fair_cast",
+    "tensor_key",
+    "use_threads",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,43 @@ class ExportStats:
     saturated: int  # finite elements clamped to the format's max
 
 
+def use_threads(n: int) -> None:
+    """Threads the CPU kernels may use when called from this thread.
+
+    A server shares its cores with the network: a kernel that spreads over every core stalls at
+    its barriers whenever the event loop takes one of them, so the service exports on one.
+    """
+    numba.set_num_threads(n)
+
+
+def export_array(
+    master: np.ndarray,
+    out: np.ndarray,
+    spec: ExportSpec,
+    *,
+    version: int,
+    name: str,
+    offset: int = 0,
+) -> ExportStats:
+    """Array form of `export`: `master` a 1-D float32 array (read-only is fine), `out` a writable
+    1-D array of the served bytes (uint8 or a same-width integer view)."""
+    if master.dtype != np.float32 or master.ndim != 1:
+        raise TypeError(f"tensor {name!r}: master must be a 1-D float32 array, got {master.dtype}")
+    served = out.view(np.uint16)
+    if served.size != master.size:
+        raise ValueError(f"tensor {name!r}: out holds {served.size} elements, master has {master.size}")
+    k0, k1 = tensor_key(spec.seed, version, name)
+    nonfinite, saturated = bf16_export(
+        master.view(np.uint32),
+        served,
+        np.uint32(k0),
+        np.uint32(k1),
+        np.uint64(offset),
+        spec.rounding == "sr",
+    )
+    return ExportStats(int(nonfinite), int(saturated))
+
+
 def export(
     master: torch.Tensor,
     out: torch.Tensor,
@@ -68,16 +116,15 @@ def export(
     if master.device.type != "cpu" or out.device.type != "cpu":
         raise NotImplementedError(f"tensor {name!r}: only the CPU kernel exists so far")
     if out.dtype != spec.served_dtype or out.numel() != master.numel() or not out.is_contiguous():
-        raise ValueError(
-            f"tensor {name!r}: out must be a contiguous {spec.served_dtype} of {master.numel()} elements"
-        )
-    src = master.contiguous().reshape(-1).view(torch.int32).numpy().view(np.uint32)
-    dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
-    k0, k1 = tensor_key(spec.seed, version, name)
-    nonfinite, saturated = bf16_export(
-        src, dst, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.rounding == "sr"
+        raise ValueError(f"tensor {name!r}: out must be a contiguous {spec.served_dtype} of {master.numel()} elements")
+    return export_array(
+        master.detach().contiguous().reshape(-1).numpy(),
+        out.reshape(-1).view(torch.int16).numpy(),
+        spec,
+        version=version,
+        name=name,
+        offset=offset,
     )
-    return ExportStats(int(nonfinite), int(saturated))
 
 
 def fair_cast(

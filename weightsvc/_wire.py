@@ -1,0 +1,125 @@
+"""Zero-copy protobuf framing of the bulk `Chunk` messages.
+
+Push and Pull carry almost all bytes in `Chunk` messages. Going through protobuf objects costs two
+extra copies per chunk (bytes -> message -> wire, and back); on a 2-core machine that halves the
+throughput. These helpers read and write the same wire format directly: a chunk is encoded from a
+memoryview with one join, and decoded into memoryview slices of the received buffer. Every other
+message goes through the generated classes, and any peer that speaks plain protobuf interoperates.
+
+Wire format (weightsvc.proto): PushRequest.chunk and PullResponse.chunk are field 2 (length
+delimited) holding Chunk {1: tensor string, 2: offset int64 varint, 3: data bytes}.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError
+
+from weightsvc.v1 import weightsvc_pb2 as pb
+
+_CHUNK_FIELD = 2
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    tensor: str
+    offset: int
+    data: memoryview
+
+
+@dataclass(frozen=True)
+class Malformed:
+    reason: str
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise DecodeError("truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def encode_chunk(tensor: str, offset: int, data: memoryview | bytes) -> bytes:
+    """Serialized PushRequest/PullResponse with field `chunk` set (identical to protobuf's bytes)."""
+    inner = bytearray()
+    if tensor:
+        name = tensor.encode()
+        inner += b"\x0a" + _varint(len(name)) + name
+    if offset:
+        inner += b"\x10" + _varint(offset & 0xFFFFFFFFFFFFFFFF)
+    if len(data):
+        inner += b"\x1a" + _varint(len(data))
+    size = len(inner) + len(data)
+    return b"".join((b"\x12", _varint(size), inner, data))
+
+
+def decode_chunk(raw: bytes) -> ChunkView | None:
+    """The chunk of a serialized PushRequest/PullResponse as views into `raw`; None if not a chunk."""
+    buf = memoryview(raw)
+    if not buf or buf[0] != (_CHUNK_FIELD << 3 | 2):
+        return None
+    size, pos = _read_varint(buf, 1)
+    end = pos + size
+    if end != len(buf):
+        return None  # more fields follow: let protobuf handle the general case
+    tensor, offset, data = "", 0, buf[0:0]
+    while pos < end:
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            if field == 2:
+                offset = value - (1 << 64) if value >= 1 << 63 else value
+        elif wire == 2:
+            n, pos = _read_varint(buf, pos)
+            if pos + n > end:
+                raise DecodeError("truncated field")
+            if field == 1:
+                tensor = bytes(buf[pos : pos + n]).decode()
+            elif field == 3:
+                data = buf[pos : pos + n]
+            pos += n
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        else:
+            raise DecodeError(f"unsupported wire type {wire}")
+    if pos != end:
+        raise DecodeError("truncated chunk")
+    return ChunkView(tensor, offset, data)
+
+
+def decode_push_request(raw: bytes) -> pb.PushRequest | ChunkView | Malformed:
+    try:
+        return decode_chunk(raw) or pb.PushRequest.FromString(raw)
+    except (DecodeError, UnicodeDecodeError) as e:
+        return Malformed(f"malformed PushRequest: {e}")
+
+
+def decode_pull_response(raw: bytes) -> pb.PullResponse | ChunkView:
+    return decode_chunk(raw) or pb.PullResponse.FromString(raw)
+
+
+def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
+    """Serializer for streams that mix generated messages with pre-encoded chunks."""
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()
