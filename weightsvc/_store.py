@@ -8,6 +8,7 @@ finishes from the same bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import mmap
 import os
@@ -172,12 +173,15 @@ class VersionStore:
         last = -1 if after is None else after
         while True:
             async with self._changed:
-                floor = last
-                await self._changed.wait_for(lambda: (self.latest(model) or -1) > floor)
-                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > floor]
+                await self._changed.wait_for(functools.partial(self._has_above, model, last))
+                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > last]
             for manifest in newer:
                 yield manifest
                 last = manifest.version
+
+    def _has_above(self, model: str, version: int) -> bool:
+        latest = self.latest(model)
+        return latest is not None and latest > version
 
     def ack(self, model: str, version: int, client_id: str) -> int:
         latest = self.latest(model)
