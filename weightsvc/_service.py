@@ -305,6 +305,8 @@ class Service:
             self.store.check_step(header.model, header.step)
             session = await PushSession.open(self, header)
             self._pushes.add(session)
+            async with self._pushes_changed:
+                self._pushes_changed.notify_all()
             while True:
                 msg = await self._next(messages, idle)
                 if isinstance(msg, PushChunk):
@@ -348,10 +350,10 @@ class Service:
         except TimeoutError:
             raise Cancelled(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
 
-    async def wait_no_pushes(self) -> None:
-        """Return once no push is staged (their memory released)."""
+    async def wait_pushes(self, count: int) -> None:
+        """Return once exactly `count` pushes are staged (0: every staging buffer released)."""
         async with self._pushes_changed:
-            await self._pushes_changed.wait_for(lambda: not self._pushes)
+            await self._pushes_changed.wait_for(lambda: len(self._pushes) == count)
 
     # ---- reads -------------------------------------------------------------------------------
 

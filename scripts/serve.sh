@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Quick start: set up, then run the service on the embedded default (in-memory registry, CPU export).
+# Extra arguments go to `weightsvc serve` (e.g. --data-dir ./data --rounding rtn).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+exec .venv/bin/weightsvc serve "$@"

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Set up, then run the whole test suite and the linter. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+# Later parts (the shared registry) test against a real Redis on 127.0.0.1:6379: start one if none answers.
+if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1); then
+  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
+fi
+.venv/bin/python -m ruff check weightsvc tests scripts
+.venv/bin/python -m pytest -q "$@"

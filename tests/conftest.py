@@ -1,0 +1,62 @@
+"""Shared fixtures: real servers on port 0 (in-process, on their own loop thread)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightsvc import InferenceClient, LearnerClient, Settings
+from weightsvc._server import BackgroundServer
+
+
+def start_server(**overrides: object) -> BackgroundServer:
+    settings = Settings(**{"grpc_port": 0, "http_port": 0, **overrides})
+    return BackgroundServer(settings).__enter__()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[BackgroundServer]:
+    """One service per test module; tests keep apart by using their own model names."""
+    srv = start_server()
+    yield srv
+    srv.__exit__(None, None, None)
+
+
+@pytest.fixture
+def model(request: pytest.FixtureRequest) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100]
+
+
+@pytest.fixture
+def learner(server: BackgroundServer) -> Iterator[LearnerClient]:
+    with LearnerClient(server.grpc_target) as client:
+        yield client
+
+
+@pytest.fixture
+def puller(server: BackgroundServer) -> Iterator[InferenceClient]:
+    with InferenceClient(server.grpc_target) as client:
+        yield client
+
+
+def make_masters(seed: int = 0, scale: float = 0.02) -> dict[str, torch.Tensor]:
+    """A small transformer-shaped state dict of fp32 masters, odd sizes included."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {
+        "embed.weight": (97, 64),
+        "layers.0.attn.qkv.weight": (192, 64),
+        "layers.0.mlp.up.weight": (300, 64),  # 76,800 bytes: several chunks at 16 KiB
+        "layers.0.norm.weight": (64,),
+        "lm_head.bias": (97,),
+        "scalar": (),
+    }
+    return {name: torch.randn(shape, generator=gen) * scale for name, shape in shapes.items()}
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"

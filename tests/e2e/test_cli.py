@@ -1,0 +1,139 @@
+"""Drive the `weightsvc` command as a user would: a real `serve` process, push, pull, status, bench."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import make_masters
+from weightsvc.rounding import fair_cast
+
+EXE = Path(sys.executable).with_name("weightsvc")
+CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightsvc"]
+
+
+def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout)
+
+
+class Serve:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([*CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # the ready line, printed once both servers listen
+        assert line.startswith("weightsvc ready "), (line, self.proc.stderr.read() if self.proc.stderr else "")
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        self.target, self.url = fields["grpc"], fields["http"]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    srv = Serve("--data-dir", str(tmp_path_factory.mktemp("data")))
+    yield srv
+    assert srv.stop() == 0  # SIGTERM is a clean shutdown
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    masters = make_masters(seed=11)
+    path = tmp_path_factory.mktemp("ckpt") / "masters.safetensors"
+    save_file(masters, str(path))
+    return path, masters
+
+
+def one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    return lines[0]
+
+
+def test_push_pull_status(served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> None:
+    path, masters = checkpoint
+    pushed = cli("push", str(path), "--model", "cli", "--step", "3", "--target", served.target)
+    assert pushed.returncode == 0, pushed.stderr
+    assert "committed: model cli version 3" in pushed.stdout
+
+    for how, where in (("--target", served.target), ("--url", served.url)):
+        out = tmp_path / f"{how[2:]}.safetensors"
+        pulled = cli("pull", "--model", "cli", "--version", "latest", "-o", str(out), how, where)
+        assert pulled.returncode == 0, pulled.stderr
+        assert "checksums verified" in pulled.stdout
+        served_copy = load_file(str(out))
+        for name, m in masters.items():
+            expected = fair_cast(m, rounding="sr", version=3, name=name)
+            assert np.array_equal(served_copy[name].view(torch.int16).numpy(), expected.view(torch.int16).numpy())
+    assert (tmp_path / "target.safetensors").read_bytes() == (tmp_path / "url.safetensors").read_bytes()
+
+    status = cli("status", "--target", served.target, "--json")
+    assert status.returncode == 0, status.stderr
+    report = {m["model"]: m for m in json.loads(status.stdout)["models"]}
+    assert report["cli"]["latest_version"] == 3
+    assert [v["version"] for v in report["cli"]["versions"]] == [3]
+    table = cli("status", "--target", served.url, "--model", "cli")
+    assert table.returncode == 0 and "cli" in table.stdout and "3 (latest)" in table.stdout
+
+
+def test_errors_are_one_line_and_nonzero(served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]],
+                                         tmp_path: Path) -> None:
+    path, _ = checkpoint
+    assert cli("push", str(path), "--model", "errs", "--step", "5", "--target", served.target).returncode == 0
+    line = one_error_line(cli("push", str(path), "--model", "errs", "--step", "4", "--target", served.target))
+    assert "FAILED_PRECONDITION" in line and "step 4 is not above the latest version 5" in line
+    line = one_error_line(cli("pull", "--model", "nope", "-o", str(tmp_path / "x"), "--target", served.target))
+    assert "NOT_FOUND: unknown model 'nope'" in line
+    line = one_error_line(cli("pull", "--model", "errs", "--version", "9", "-o", str(tmp_path / "x"),
+                              "--url", served.url))
+    assert "has no version 9" in line and "HTTP 404" in line
+    line = one_error_line(cli("pull", "-o", str(tmp_path / "x")))
+    assert "exactly one of --target" in line
+    line = one_error_line(cli("push", str(tmp_path / "missing.safetensors"), "--step", "1",
+                              "--target", served.target))
+    assert "cannot read" in line
+    line = one_error_line(cli("status", "--target", "127.0.0.1:1"))
+    assert "UNAVAILABLE" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_serve_rejects_bad_settings() -> None:
+    line = one_error_line(cli("serve", "--rounding", "nearest", "--grpc-port", "0", "--http-port", "0"))
+    assert "unknown rounding 'nearest'" in line
+
+
+def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, _ = checkpoint
+    data = tmp_path / "data"
+    first = Serve("--data-dir", str(data))
+    assert cli("push", str(path), "--step", "1", "--target", first.target).returncode == 0
+    assert cli("pull", "-o", str(tmp_path / "a.safetensors"), "--url", first.url).returncode == 0
+    assert first.stop() == 0
+    second = Serve("--data-dir", str(data))
+    try:
+        assert cli("pull", "-o", str(tmp_path / "b.safetensors"), "--target", second.target).returncode == 0
+    finally:
+        second.stop()
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+
+
+def test_bench_json_has_the_transfer_figures() -> None:
+    result = cli("bench", "--size-mib", "32", "--repeat", "1", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key in ("T1", "T1_grpc", "T1_http", "T2", "M1"):
+        assert isinstance(figures[key], float) and figures[key] > 0, key
+    assert figures["details"]["master_mib"] == 32

@@ -1,0 +1,210 @@
+"""Every bad input gets its status code and a message naming what was wrong; nothing half-visible."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import math
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import make_masters
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._server import BackgroundServer
+from weightsvc.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    WeightsvcError,
+)
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+
+def raw_push(target: str, messages: list[pb.PushRequest]) -> grpc.RpcError:
+    """Send a hand-made Push stream; returns the error it must end with."""
+    options = [("grpc.max_send_message_length", 64 << 20)]
+    with grpc.insecure_channel(target, options=options) as channel, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.WeightServiceStub(channel).Push(iter(messages))
+    return info.value  # type: ignore[return-value]
+
+
+def header(model: str, step: int = 1, tensors: list[tuple[str, list[int], str]] | None = None) -> pb.PushRequest:
+    specs = [pb.TensorSpec(name=n, shape=s, dtype=d) for n, s, d in (tensors or [("w", [4], "F32")])]
+    return pb.PushRequest(header=pb.PushHeader(model=model, step=step, tensors=specs))
+
+
+def chunk(tensor: str, data: bytes, offset: int = 0) -> pb.PushRequest:
+    return pb.PushRequest(chunk=pb.Chunk(tensor=tensor, offset=offset, data=data))
+
+
+COMMIT = pb.PushRequest(commit=pb.PushCommit())
+FOUR_FLOATS = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+
+
+def assert_nothing_visible(server: BackgroundServer, model: str) -> None:
+    with pytest.raises(NotFound, match=f"unknown model '{model}'"):
+        InferenceClient(server.grpc_target).versions(model)
+    server.call(server.service.wait_pushes(0))
+    assert server.service.metrics.staged_bytes._value.get() == 0
+
+
+def http_error(url: str, path: str) -> tuple[int, dict[str, str]]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    return resp.status, body["error"]
+
+
+# ---- unknown model or version ---------------------------------------------------------------
+
+
+def test_unknown_model_and_version(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
+    for target in (server.grpc_target, server.http_url):
+        client = InferenceClient(target)
+        with pytest.raises(NotFound, match=f"NOT_FOUND: unknown model '{model}'"):
+            client.pull(model)
+    learner.push(1, make_masters(), model=model)
+    with pytest.raises(NotFound, match=rf"model '{model}' has no version 2 \(retained: 1\)"):
+        InferenceClient(server.grpc_target).pull(model, 2)
+    status, err = http_error(server.http_url, f"/v1/models/{model}/versions/2/manifest")
+    assert status == 404 and err["code"] == "NOT_FOUND" and "has no version 2" in err["message"]
+    status, err = http_error(server.http_url, f"/v1/models/{model}/versions/two/safetensors")
+    assert status == 400 and "'two' is neither a version number nor 'latest'" in err["message"]
+    status, err = http_error(server.http_url, "/v2/nothing")
+    assert status == 404 and err["message"] == "no route GET /v2/nothing"
+
+
+# ---- versions -------------------------------------------------------------------------------
+
+
+def test_step_not_above_latest(learner: LearnerClient, model: str) -> None:
+    masters = make_masters()
+    learner.push(5, masters, model=model)
+    learner.push(6, masters, model=model)
+    with pytest.raises(FailedPrecondition, match=f"model '{model}': step 4 is not above the latest version 6"):
+        learner.push(4, masters, model=model)
+
+
+def test_same_step_with_different_content(learner: LearnerClient, puller: InferenceClient, model: str) -> None:
+    learner.push(5, make_masters(seed=1), model=model)
+    before = puller.manifest(model, 5)
+    with pytest.raises(AlreadyExists, match=f"model '{model}' version 5 is already committed with different content"):
+        learner.push(5, make_masters(seed=2), model=model)
+    assert puller.manifest(model, 5) == before  # the committed version is untouched
+
+
+# ---- malformed streams ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case, messages, message",
+    [
+        ("short", lambda m: [header(m), chunk("w", FOUR_FLOATS[:8]), COMMIT],
+         "commit of an incomplete push: 'w' has 8 of 16 bytes"),
+        ("long", lambda m: [header(m), chunk("w", FOUR_FLOATS + FOUR_FLOATS), COMMIT],
+         "tensor 'w': 32 bytes received, more than its declared shape [4] of F32 holds (16 bytes)"),
+        ("unknown dtype", lambda m: [header(m, tensors=[("w", [4], "F99")]), COMMIT],
+         "tensor 'w' has unknown dtype 'F99'"),
+        ("not a master dtype", lambda m: [header(m, tensors=[("w", [4], "BF16")]), COMMIT],
+         "tensor 'w' is BF16; masters are pushed as F32"),
+        ("duplicate", lambda m: [header(m, tensors=[("w", [4], "F32"), ("w", [4], "F32")]), COMMIT],
+         "tensor 'w' is declared twice"),
+        ("undeclared", lambda m: [header(m), chunk("v", FOUR_FLOATS), COMMIT],
+         "chunk for undeclared tensor 'v'"),
+        ("gap", lambda m: [header(m), chunk("w", FOUR_FLOATS[:8], offset=8), COMMIT],
+         "tensor 'w': chunk at byte offset 8, expected 0"),
+        ("split element", lambda m: [header(m), chunk("w", FOUR_FLOATS[:6]), COMMIT],
+         "a chunk of 6 bytes splits an element"),
+        ("no header", lambda m: [chunk("w", FOUR_FLOATS), COMMIT], "a push must start with its header"),
+        ("two headers", lambda m: [header(m), header(m), COMMIT], "a second header"),
+        ("no tensors", lambda m: [pb.PushRequest(header=pb.PushHeader(model=m, step=1)), COMMIT],
+         "the push declares no tensors"),
+        ("bad model name", lambda m: [header("../etc"), COMMIT], "model name '../etc' is invalid"),
+        ("negative dim", lambda m: [header(m, tensors=[("w", [-1, 4], "F32")]), COMMIT],
+         "tensor 'w' has a negative dimension"),
+        ("empty message", lambda m: [header(m), pb.PushRequest(), COMMIT], "empty push message"),
+    ],
+)
+def test_malformed_push_is_invalid_argument(server: BackgroundServer, model: str, case: str,
+                                            messages: object, message: str) -> None:
+    err = raw_push(server.grpc_target, messages(model))  # type: ignore[operator]
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert message in err.details()
+    assert_nothing_visible(server, model)
+
+
+def test_stream_without_commit_leaves_nothing(server: BackgroundServer, model: str) -> None:
+    err = raw_push(server.grpc_target, [header(model), chunk("w", FOUR_FLOATS)])
+    assert err.code() == grpc.StatusCode.CANCELLED
+    assert "the stream ended without a commit" in err.details()
+    assert_nothing_visible(server, model)
+
+
+@pytest.mark.parametrize("bad, count", [(math.nan, 3), (math.inf, 1), (-math.inf, 2)])
+def test_nonfinite_master_is_rejected_with_names_and_counts(
+    server: BackgroundServer, learner: LearnerClient, model: str, bad: float, count: int
+) -> None:
+    masters = make_masters()
+    masters["layers.0.mlp.up.weight"].view(-1)[:count] = bad
+    with pytest.raises(InvalidArgument, match=rf"'layers.0.mlp.up.weight' \({count} NaN/Inf\)"):
+        learner.push(1, masters, model=model)
+    assert_nothing_visible(server, model)
+
+
+def test_message_over_the_limit(server: BackgroundServer, model: str) -> None:
+    too_big = b"\0" * (server.service.settings.max_message_bytes + 4)
+    err = raw_push(server.grpc_target, [header(model, tensors=[("w", [len(too_big) // 4], "F32")]),
+                                        chunk("w", too_big), COMMIT])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "larger than max" in err.details()
+    assert_nothing_visible(server, model)
+    with pytest.raises(ResourceExhausted):
+        LearnerClient(server.grpc_target, chunk_bytes=len(too_big)).push(1, {"w": torch.zeros(len(too_big) // 4)},
+                                                                          model=model)
+
+
+def test_client_that_disconnects_mid_push_leaves_nothing(server: BackgroundServer, model: str) -> None:
+    """The learner dies after sending part of a push: nothing visible, staging memory released."""
+    sent = threading.Event()
+    never = threading.Event()
+
+    def stream() -> Iterator[pb.PushRequest]:
+        yield header(model, tensors=[("w", [1 << 20], "F32")])
+        yield chunk("w", b"\0" * (1 << 20))
+        sent.set()
+        never.wait(60)  # the learner hangs until its channel is torn down
+
+    channel = grpc.insecure_channel(server.grpc_target)
+    call = pb_grpc.WeightServiceStub(channel).Push.future(stream())
+    assert sent.wait(30)
+    server.call(server.service.wait_pushes(1))  # the server holds the staged push
+    assert server.service.metrics.staged_bytes._value.get() > 0
+    call.cancel()
+    channel.close()
+    never.set()
+    assert_nothing_visible(server, model)
+
+
+def test_rejected_pushes_are_counted_by_reason(server: BackgroundServer, model: str) -> None:
+    counter = server.service.metrics.pushes_rejected
+    before = counter.labels("bad_chunk")._value.get()
+    raw_push(server.grpc_target, [header(model), chunk("nope", FOUR_FLOATS), COMMIT])
+    assert counter.labels("bad_chunk")._value.get() == before + 1
+
+
+def test_client_errors_are_domain_errors(server: BackgroundServer) -> None:
+    with pytest.raises(TypeError, match=r"tensor 'ids' is torch\.int64"):
+        LearnerClient(server.grpc_target).push(1, {"ids": torch.arange(3)})
+    with pytest.raises(WeightsvcError, match="UNAVAILABLE"):
+        InferenceClient("127.0.0.1:1", timeout=2).pull()

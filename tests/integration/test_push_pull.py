@@ -1,0 +1,238 @@
+"""Push fp32 masters and pull the served copy back, over real gRPC and HTTP servers on port 0."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import urllib.parse
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import load
+
+from tests.conftest import make_masters, start_server
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._server import BackgroundServer
+from weightsvc.rounding import fair_cast
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy()
+
+
+def assert_served(pulled: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], step: int,
+                  rounding: str = "sr", seed: int = 0) -> None:
+    assert sorted(pulled) == sorted(masters)
+    for name, m in masters.items():
+        expected = fair_cast(m, rounding=rounding, seed=seed, version=step, name=name)
+        assert pulled[name].dtype == torch.bfloat16 and pulled[name].shape == m.shape, name
+        assert np.array_equal(bits(pulled[name]), bits(expected)), name
+
+
+def http_get(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+def test_push_then_pull_over_grpc_and_http_gives_the_fair_cast_bits(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    masters = make_masters()
+    info = learner.push(5, masters, model=model)
+    assert (info.model, info.version, info.created) == (model, 5, True)
+    assert (info.format, info.rounding, info.tensor_count) == ("bf16", "sr", len(masters))
+    over_grpc = InferenceClient(server.grpc_target).pull(model)
+    over_http = InferenceClient(server.http_url).pull(model, 5)
+    assert_served(over_grpc, masters, 5)
+    assert_served(over_http, masters, 5)
+
+
+def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str) -> None:
+    masters = make_masters(seed=3)
+    with LearnerClient(server.grpc_target, chunk_bytes=4096) as small, \
+         LearnerClient(server.grpc_target) as big:
+        small.push(1, masters, model=model + "-a")
+        big.push(1, masters, model=model + "-b")
+    puller = InferenceClient(server.grpc_target)
+    a, b = puller.manifest(model + "-a", 1), puller.manifest(model + "-b", 1)
+    assert [t.checksum for t in a.tensors] == [t.checksum for t in b.tensors]
+    assert a.master_digest == b.master_digest
+
+
+def test_idempotent_push_returns_the_committed_version(learner: LearnerClient, puller: InferenceClient,
+                                                      model: str) -> None:
+    masters = make_masters()
+    first = learner.push(3, masters, model=model)
+    again = learner.push(3, masters, model=model)
+    assert first.created and not again.created
+    assert again.committed_unix == first.committed_unix
+    assert [v.version for v in puller.versions(model)] == [3]
+
+
+def test_versions_manifest_and_models(learner: LearnerClient, puller: InferenceClient, model: str) -> None:
+    masters = make_masters()
+    for step in (1, 2, 10):
+        learner.push(step, masters, model=model)
+    assert [v.version for v in puller.versions(model)] == [1, 2, 10]
+    manifest = puller.manifest(model, "latest")
+    assert manifest.version == 10 and manifest.rounding == "sr" and manifest.format == "bf16"
+    assert [t.name for t in manifest.tensors] == list(masters)
+    assert all(t.checksum.startswith("xxh3_64:") for t in manifest.tensors)
+    assert sum(t.nbytes for t in manifest.tensors) == manifest.data_bytes
+    summary = next(m for m in puller.models() if m["model"] == model)
+    assert summary == {"model": model, "latest_version": 10, "versions": [1, 2, 10]}
+
+
+def test_http_json_routes(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
+    learner.push(4, make_masters(), model=model)
+    status, headers, body = http_get(server.http_url, f"/v1/models/{model}/versions")
+    assert status == 200 and headers["content-type"] == "application/json"
+    versions = json.loads(body)["versions"]
+    assert [v["version"] for v in versions] == [4]
+    status, _, body = http_get(server.http_url, f"/v1/models/{model}/versions/latest/manifest")
+    assert status == 200 and json.loads(body)["version"] == 4
+    status, _, body = http_get(server.http_url, "/v1/models")
+    assert any(m["model"] == model for m in json.loads(body)["models"])
+    assert http_get(server.http_url, "/healthz")[0] == 200
+    assert http_get(server.http_url, "/readyz")[0] == 200
+
+
+def test_safetensors_download_is_valid_and_supports_ranges(server: BackgroundServer, learner: LearnerClient,
+                                                           model: str) -> None:
+    masters = make_masters()
+    learner.push(8, masters, model=model)
+    path = f"/v1/models/{model}/versions/8/safetensors"
+    status, headers, whole = http_get(server.http_url, path)
+    assert status == 200 and headers["accept-ranges"] == "bytes"
+    assert headers["x-weightsvc-version"] == "8" and int(headers["content-length"]) == len(whole)
+    assert_served(load(whole), masters, 8)
+
+    status, headers, part = http_get(server.http_url, path, {"Range": "bytes=100-1099"})
+    assert status == 206 and part == whole[100:1100]
+    assert headers["content-range"] == f"bytes 100-1099/{len(whole)}"
+    status, _, tail = http_get(server.http_url, path, {"Range": "bytes=-300"})
+    assert status == 206 and tail == whole[-300:]
+    status, _, rest = http_get(server.http_url, path, {"Range": f"bytes={len(whole) - 5}-"})
+    assert status == 206 and rest == whole[-5:]
+    status, headers, body = http_get(server.http_url, path, {"Range": f"bytes={len(whole)}-"})
+    assert status == 416 and headers["content-range"] == f"bytes */{len(whole)}"
+    assert b"outside the" in body
+
+
+def test_grpc_and_http_files_are_identical(server: BackgroundServer, learner: LearnerClient, model: str,
+                                           tmp_path: Path) -> None:
+    out = tmp_path
+    learner.push(2, make_masters(), model=model)
+    InferenceClient(server.grpc_target).pull_file(out / "g.safetensors", model)
+    InferenceClient(server.http_url).pull_file(out / "h.safetensors", model)
+    assert (out / "g.safetensors").read_bytes() == (out / "h.safetensors").read_bytes()
+
+
+def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes() -> None:
+    srv = start_server(retain=2, chunk_bytes=4096)
+    try:
+        masters = make_masters()
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, masters, model="r")
+        # Start pulling version 1, hold the stream after its first chunk, then evict version 1.
+        puller = InferenceClient(srv.grpc_target)
+        first_chunk = threading.Event()
+        resume = threading.Event()
+
+        def progress(_n: int) -> None:
+            if not first_chunk.is_set():
+                first_chunk.set()
+                resume.wait(30)
+
+        result: dict[str, object] = {}
+        t = threading.Thread(target=lambda: result.update(w=puller.pull("r", 1, progress=progress)))
+        t.start()
+        assert first_chunk.wait(30)
+        for step in (2, 3, 4):
+            learner.push(step, masters, model="r")
+        assert [v.version for v in puller.versions("r")] == [3, 4]
+        resume.set()
+        t.join(30)
+        assert_served(result["w"], masters, 1)  # type: ignore[arg-type]
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient,
+                                                model: str) -> None:
+    masters = make_masters()
+    learner.push(1, masters, model=model)
+    events = InferenceClient(server.grpc_target).watch(model)
+    assert next(events).version == 1
+    learner.push(2, masters, model=model)
+    assert next(events).version == 2
+    after = InferenceClient(server.grpc_target).watch(model, after=2)
+    learner.push(7, masters, model=model)
+    assert next(after).version == 7
+
+
+def test_ack_returns_latest_and_lists_the_client(server: BackgroundServer, learner: LearnerClient,
+                                                model: str) -> None:
+    masters = make_masters()
+    learner.push(1, masters, model=model)
+    learner.push(2, masters, model=model)
+    assert InferenceClient(server.grpc_target).ack(model, 1, "pod-7") == 2
+    _, _, body = http_get(server.http_url, f"/v1/models/{model}/clients")
+    clients = json.loads(body)["clients"]
+    assert [(c["client_id"], c["version"], c["lag_versions"]) for c in clients] == [("pod-7", 1, 1)]
+
+
+def test_grpc_health_service(server: BackgroundServer) -> None:
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "weightsvc.v1.WeightService"):
+            resp = stub.Check(health_pb2.HealthCheckRequest(service=service))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_after_push_and_pull(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
+    masters = make_masters()
+    learner.push(6, masters, model=model)
+    InferenceClient(server.grpc_target).pull(model)
+    InferenceClient(server.http_url).pull(model)
+    status, headers, body = http_get(server.http_url, "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
+    master_bytes = sum(t.numel() * 4 for t in masters.values())
+    served_bytes = InferenceClient(server.grpc_target).manifest(model).data_bytes
+    assert samples[("weightsvc_latest_version", (("model", model),))] == 6
+    assert samples[("weightsvc_push_bytes_total", (("model", model),))] == master_bytes
+    for transport in ("grpc", "http"):
+        pulled = samples[("weightsvc_pull_bytes_total", (("model", model), ("transport", transport)))]
+        assert pulled >= served_bytes
+    assert samples[("weightsvc_export_seconds_count", (("format", "bf16"), ("rounding", "sr")))] >= 1
+    assert ("weightsvc_pushes_rejected_total", (("reason", "nonfinite"),)) in samples
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_serve_rounding_and_seed(rounding: str) -> None:
+    srv = start_server(rounding=rounding, seed=42)
+    try:
+        masters = make_masters()
+        LearnerClient(srv.grpc_target).push(9, masters)
+        pulled = InferenceClient(srv.grpc_target).pull()
+        assert_served(pulled, masters, 9, rounding=rounding, seed=42)
+        manifest = InferenceClient(srv.http_url).manifest()
+        assert (manifest.rounding, manifest.seed) == (rounding, 42)
+    finally:
+        srv.__exit__(None, None, None)

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load
+
+from weightsvc._manifest import (
+    Manifest,
+    ServedTensor,
+    check_model_name,
+    manifest_from_header,
+    parse_version_ref,
+    read_safetensors_header,
+)
+from weightsvc.errors import InvalidArgument
+
+
+def test_header_is_valid_safetensors_and_carries_the_manifest() -> None:
+    a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    b = torch.ones(4, dtype=torch.bfloat16)
+    data = a.view(torch.uint8).reshape(-1).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes()
+    m = Manifest("m", 3, "bf16", "sr", 0, 1.5, len(data), "xxh3_128:0",
+                 (ServedTensor("a", (2, 3), "BF16", 0, 12), ServedTensor("b", (4,), "BF16", 12, 8)))
+    header = m.safetensors_header()
+    assert len(header) % 8 == 0
+    loaded = load(header + data)
+    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)
+    start, parsed = read_safetensors_header(header)
+    assert start == len(header)
+    assert manifest_from_header(parsed) == m
+
+
+@pytest.mark.parametrize("ref, expected", [("latest", None), ("", None), (None, None), ("12", 12), (7, 7)])
+def test_version_refs(ref: object, expected: int | None) -> None:
+    assert parse_version_ref(ref) == expected  # type: ignore[arg-type]
+
+
+def test_bad_version_ref() -> None:
+    with pytest.raises(InvalidArgument, match="'v3' is neither a version number nor 'latest'"):
+        parse_version_ref("v3")
+
+
+@pytest.mark.parametrize("name", ["", "../etc", "a/b", ".hidden", "x" * 129, "sp ace"])
+def test_model_names_that_cannot_be_paths_are_refused(name: str) -> None:
+    with pytest.raises(InvalidArgument, match="model name"):
+        check_model_name(name)
