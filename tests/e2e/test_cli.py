@@ -27,8 +27,12 @@ def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 class Serve:
     def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([*CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [*CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # the ready line, printed once both servers listen
         assert line.startswith("weightsvc ready "), (line, self.proc.stderr.read() if self.proc.stderr else "")
@@ -89,21 +93,22 @@ def test_push_pull_status(served: Serve, checkpoint: tuple[Path, dict[str, torch
     assert table.returncode == 0 and "cli" in table.stdout and "3 (latest)" in table.stdout
 
 
-def test_errors_are_one_line_and_nonzero(served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]],
-                                         tmp_path: Path) -> None:
+def test_errors_are_one_line_and_nonzero(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
     path, _ = checkpoint
     assert cli("push", str(path), "--model", "errs", "--step", "5", "--target", served.target).returncode == 0
     line = one_error_line(cli("push", str(path), "--model", "errs", "--step", "4", "--target", served.target))
     assert "FAILED_PRECONDITION" in line and "step 4 is not above the latest version 5" in line
     line = one_error_line(cli("pull", "--model", "nope", "-o", str(tmp_path / "x"), "--target", served.target))
     assert "NOT_FOUND: unknown model 'nope'" in line
-    line = one_error_line(cli("pull", "--model", "errs", "--version", "9", "-o", str(tmp_path / "x"),
-                              "--url", served.url))
+    line = one_error_line(
+        cli("pull", "--model", "errs", "--version", "9", "-o", str(tmp_path / "x"), "--url", served.url)
+    )
     assert "has no version 9" in line and "HTTP 404" in line
     line = one_error_line(cli("pull", "-o", str(tmp_path / "x")))
     assert "exactly one of --target" in line
-    line = one_error_line(cli("push", str(tmp_path / "missing.safetensors"), "--step", "1",
-                              "--target", served.target))
+    line = one_error_line(cli("push", str(tmp_path / "missing.safetensors"), "--step", "1", "--target", served.target))
     assert "cannot read" in line
     line = one_error_line(cli("status", "--target", "127.0.0.1:1"))
     assert "UNAVAILABLE" in line

@@ -110,34 +110,61 @@ def test_same_step_with_different_content(learner: LearnerClient, puller: Infere
 @pytest.mark.parametrize(
     "case, messages, message",
     [
-        ("short", lambda m: [header(m), chunk("w", FOUR_FLOATS[:8]), COMMIT],
-         "commit of an incomplete push: 'w' has 8 of 16 bytes"),
-        ("long", lambda m: [header(m), chunk("w", FOUR_FLOATS + FOUR_FLOATS), COMMIT],
-         "tensor 'w': 32 bytes received, more than its declared shape [4] of F32 holds (16 bytes)"),
-        ("unknown dtype", lambda m: [header(m, tensors=[("w", [4], "F99")]), COMMIT],
-         "tensor 'w' has unknown dtype 'F99'"),
-        ("not a master dtype", lambda m: [header(m, tensors=[("w", [4], "BF16")]), COMMIT],
-         "tensor 'w' is BF16; masters are pushed as F32"),
-        ("duplicate", lambda m: [header(m, tensors=[("w", [4], "F32"), ("w", [4], "F32")]), COMMIT],
-         "tensor 'w' is declared twice"),
-        ("undeclared", lambda m: [header(m), chunk("v", FOUR_FLOATS), COMMIT],
-         "chunk for undeclared tensor 'v'"),
-        ("gap", lambda m: [header(m), chunk("w", FOUR_FLOATS[:8], offset=8), COMMIT],
-         "tensor 'w': chunk at byte offset 8, expected 0"),
-        ("split element", lambda m: [header(m), chunk("w", FOUR_FLOATS[:6]), COMMIT],
-         "a chunk of 6 bytes splits an element"),
+        (
+            "short",
+            lambda m: [header(m), chunk("w", FOUR_FLOATS[:8]), COMMIT],
+            "commit of an incomplete push: 'w' has 8 of 16 bytes",
+        ),
+        (
+            "long",
+            lambda m: [header(m), chunk("w", FOUR_FLOATS + FOUR_FLOATS), COMMIT],
+            "tensor 'w': 32 bytes received, more than its declared shape [4] of F32 holds (16 bytes)",
+        ),
+        (
+            "unknown dtype",
+            lambda m: [header(m, tensors=[("w", [4], "F99")]), COMMIT],
+            "tensor 'w' has unknown dtype 'F99'",
+        ),
+        (
+            "not a master dtype",
+            lambda m: [header(m, tensors=[("w", [4], "BF16")]), COMMIT],
+            "tensor 'w' is BF16; masters are pushed as F32",
+        ),
+        (
+            "duplicate",
+            lambda m: [header(m, tensors=[("w", [4], "F32"), ("w", [4], "F32")]), COMMIT],
+            "tensor 'w' is declared twice",
+        ),
+        ("undeclared", lambda m: [header(m), chunk("v", FOUR_FLOATS), COMMIT], "chunk for undeclared tensor 'v'"),
+        (
+            "gap",
+            lambda m: [header(m), chunk("w", FOUR_FLOATS[:8], offset=8), COMMIT],
+            "tensor 'w': chunk at byte offset 8, expected 0",
+        ),
+        (
+            "split element",
+            lambda m: [header(m), chunk("w", FOUR_FLOATS[:6]), COMMIT],
+            "a chunk of 6 bytes splits an element",
+        ),
         ("no header", lambda m: [chunk("w", FOUR_FLOATS), COMMIT], "a push must start with its header"),
         ("two headers", lambda m: [header(m), header(m), COMMIT], "a second header"),
-        ("no tensors", lambda m: [pb.PushRequest(header=pb.PushHeader(model=m, step=1)), COMMIT],
-         "the push declares no tensors"),
+        (
+            "no tensors",
+            lambda m: [pb.PushRequest(header=pb.PushHeader(model=m, step=1)), COMMIT],
+            "the push declares no tensors",
+        ),
         ("bad model name", lambda m: [header("../etc"), COMMIT], "model name '../etc' is invalid"),
-        ("negative dim", lambda m: [header(m, tensors=[("w", [-1, 4], "F32")]), COMMIT],
-         "tensor 'w' has a negative dimension"),
+        (
+            "negative dim",
+            lambda m: [header(m, tensors=[("w", [-1, 4], "F32")]), COMMIT],
+            "tensor 'w' has a negative dimension",
+        ),
         ("empty message", lambda m: [header(m), pb.PushRequest(), COMMIT], "empty push message"),
     ],
 )
-def test_malformed_push_is_invalid_argument(server: BackgroundServer, model: str, case: str,
-                                            messages: object, message: str) -> None:
+def test_malformed_push_is_invalid_argument(
+    server: BackgroundServer, model: str, case: str, messages: object, message: str
+) -> None:
     err = raw_push(server.grpc_target, messages(model))  # type: ignore[operator]
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
     assert message in err.details()
@@ -164,14 +191,16 @@ def test_nonfinite_master_is_rejected_with_names_and_counts(
 
 def test_message_over_the_limit(server: BackgroundServer, model: str) -> None:
     too_big = b"\0" * (server.service.settings.max_message_bytes + 4)
-    err = raw_push(server.grpc_target, [header(model, tensors=[("w", [len(too_big) // 4], "F32")]),
-                                        chunk("w", too_big), COMMIT])
+    err = raw_push(
+        server.grpc_target, [header(model, tensors=[("w", [len(too_big) // 4], "F32")]), chunk("w", too_big), COMMIT]
+    )
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max" in err.details()
     assert_nothing_visible(server, model)
     with pytest.raises(ResourceExhausted):
-        LearnerClient(server.grpc_target, chunk_bytes=len(too_big)).push(1, {"w": torch.zeros(len(too_big) // 4)},
-                                                                          model=model)
+        LearnerClient(server.grpc_target, chunk_bytes=len(too_big)).push(
+            1, {"w": torch.zeros(len(too_big) // 4)}, model=model
+        )
 
 
 def test_client_that_disconnects_mid_push_leaves_nothing(server: BackgroundServer, model: str) -> None:

@@ -79,7 +79,8 @@ def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) 
     srv = start_server(data_dir=data_dir)
     try:
         script = tmp_path / "learner.py"
-        script.write_text(textwrap.dedent(f"""
+        script.write_text(
+            textwrap.dedent(f"""
             import sys, threading
             import torch
             from weightsvc import LearnerClient
@@ -90,7 +91,8 @@ def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) 
                     print("mid-push", flush=True)
                     threading.Event().wait()  # hang here until killed
             LearnerClient({srv.grpc_target!r}).push(1, masters, model="killed", progress=progress)
-        """))
+        """)
+        )
         learner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
         assert learner.stdout is not None
         assert learner.stdout.readline().strip() == "mid-push"

@@ -26,8 +26,9 @@ def bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy()
 
 
-def assert_served(pulled: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], step: int,
-                  rounding: str = "sr", seed: int = 0) -> None:
+def assert_served(
+    pulled: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], step: int, rounding: str = "sr", seed: int = 0
+) -> None:
     assert sorted(pulled) == sorted(masters)
     for name, m in masters.items():
         expected = fair_cast(m, rounding=rounding, seed=seed, version=step, name=name)
@@ -60,8 +61,7 @@ def test_push_then_pull_over_grpc_and_http_gives_the_fair_cast_bits(
 
 def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str) -> None:
     masters = make_masters(seed=3)
-    with LearnerClient(server.grpc_target, chunk_bytes=4096) as small, \
-         LearnerClient(server.grpc_target) as big:
+    with LearnerClient(server.grpc_target, chunk_bytes=4096) as small, LearnerClient(server.grpc_target) as big:
         small.push(1, masters, model=model + "-a")
         big.push(1, masters, model=model + "-b")
     puller = InferenceClient(server.grpc_target)
@@ -70,8 +70,9 @@ def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str
     assert a.master_digest == b.master_digest
 
 
-def test_idempotent_push_returns_the_committed_version(learner: LearnerClient, puller: InferenceClient,
-                                                      model: str) -> None:
+def test_idempotent_push_returns_the_committed_version(
+    learner: LearnerClient, puller: InferenceClient, model: str
+) -> None:
     masters = make_masters()
     first = learner.push(3, masters, model=model)
     again = learner.push(3, masters, model=model)
@@ -108,8 +109,9 @@ def test_http_json_routes(server: BackgroundServer, learner: LearnerClient, mode
     assert http_get(server.http_url, "/readyz")[0] == 200
 
 
-def test_safetensors_download_is_valid_and_supports_ranges(server: BackgroundServer, learner: LearnerClient,
-                                                           model: str) -> None:
+def test_safetensors_download_is_valid_and_supports_ranges(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
     masters = make_masters()
     learner.push(8, masters, model=model)
     path = f"/v1/models/{model}/versions/8/safetensors"
@@ -130,8 +132,9 @@ def test_safetensors_download_is_valid_and_supports_ranges(server: BackgroundSer
     assert b"outside the" in body
 
 
-def test_grpc_and_http_files_are_identical(server: BackgroundServer, learner: LearnerClient, model: str,
-                                           tmp_path: Path) -> None:
+def test_grpc_and_http_files_are_identical(
+    server: BackgroundServer, learner: LearnerClient, model: str, tmp_path: Path
+) -> None:
     out = tmp_path
     learner.push(2, make_masters(), model=model)
     InferenceClient(server.grpc_target).pull_file(out / "g.safetensors", model)
@@ -169,8 +172,7 @@ def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes() -> None:
         srv.__exit__(None, None, None)
 
 
-def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient,
-                                                model: str) -> None:
+def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
     masters = make_masters()
     learner.push(1, masters, model=model)
     events = InferenceClient(server.grpc_target).watch(model)
@@ -182,8 +184,7 @@ def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learne
     assert next(after).version == 7
 
 
-def test_ack_returns_latest_and_lists_the_client(server: BackgroundServer, learner: LearnerClient,
-                                                model: str) -> None:
+def test_ack_returns_latest_and_lists_the_client(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
     masters = make_masters()
     learner.push(1, masters, model=model)
     learner.push(2, masters, model=model)

@@ -19,8 +19,17 @@ def test_header_is_valid_safetensors_and_carries_the_manifest() -> None:
     a = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
     b = torch.ones(4, dtype=torch.bfloat16)
     data = a.view(torch.uint8).reshape(-1).numpy().tobytes() + b.view(torch.uint8).numpy().tobytes()
-    m = Manifest("m", 3, "bf16", "sr", 0, 1.5, len(data), "xxh3_128:0",
-                 (ServedTensor("a", (2, 3), "BF16", 0, 12), ServedTensor("b", (4,), "BF16", 12, 8)))
+    m = Manifest(
+        "m",
+        3,
+        "bf16",
+        "sr",
+        0,
+        1.5,
+        len(data),
+        "xxh3_128:0",
+        (ServedTensor("a", (2, 3), "BF16", 0, 12), ServedTensor("b", (4,), "BF16", 12, 8)),
+    )
     header = m.safetensors_header()
     assert len(header) % 8 == 0
     loaded = load(header + data)

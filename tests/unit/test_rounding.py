@@ -96,8 +96,11 @@ def test_keys_change_the_bits_and_nothing_else_does() -> None:
     base = bits16(fair_cast(master, rounding="sr", seed=1, version=2, name="w"))
     torch.manual_seed(123)  # the global generator is never used
     assert np.array_equal(base, bits16(fair_cast(master, rounding="sr", seed=1, version=2, name="w")))
-    for other in (dict(seed=2, version=2, name="w"), dict(seed=1, version=3, name="w"),
-                  dict(seed=1, version=2, name="v")):
+    for other in (
+        dict(seed=2, version=2, name="w"),
+        dict(seed=1, version=3, name="w"),
+        dict(seed=1, version=2, name="v"),
+    ):
         assert not np.array_equal(base, bits16(fair_cast(master, rounding="sr", **other)))
 
 
