@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import signal
@@ -207,9 +208,7 @@ def status(
     table = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed")
     for m in report:
         for v in m["versions"]:
-            import datetime as dt
-
-            when = dt.datetime.fromtimestamp(v["committed_unix"], dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+            when = dt.datetime.fromtimestamp(v["committed_unix"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
             table.add_row(
                 m["model"],

@@ -282,6 +282,7 @@ class Service:
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
         self._pushes: set[PushSession] = set()
+        self._releasing: set[asyncio.Future[None]] = set()
         self._pushes_changed = asyncio.Condition()
 
     def restore(self) -> int:
@@ -336,15 +337,24 @@ class Service:
         finally:
             self.metrics.pushes_in_flight.dec()
             if session is not None:
-                await session.close()
-                self._pushes.discard(session)
-                async with self._pushes_changed:
-                    self._pushes_changed.notify_all()
+                # A cancelled handler may be cancelled again while it cleans up: release the staging
+                # memory in a task of its own so that it always completes.
+                release = asyncio.ensure_future(self._release(session))
+                self._releasing.add(release)
+                release.add_done_callback(self._releasing.discard)
+                await asyncio.shield(release)
+
+    async def _release(self, session: PushSession) -> None:
+        await session.close()
+        self._pushes.discard(session)
+        async with self._pushes_changed:
+            self._pushes_changed.notify_all()
 
     @staticmethod
     async def _next(messages: AsyncIterator[PushMessage], idle: float) -> PushMessage | None:
         try:
-            return await asyncio.wait_for(anext(messages), idle)
+            async with asyncio.timeout(idle):
+                return await anext(messages)
         except StopAsyncIteration:
             return None
         except TimeoutError:

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import make_masters
+from tests.conftest import make_masters, start_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._server import BackgroundServer
 from weightsvc.errors import (
@@ -237,3 +237,23 @@ def test_client_errors_are_domain_errors(server: BackgroundServer) -> None:
         LearnerClient(server.grpc_target).push(1, {"ids": torch.arange(3)})
     with pytest.raises(WeightsvcError, match="UNAVAILABLE"):
         InferenceClient("127.0.0.1:1", timeout=2).pull()
+
+
+def test_stalled_push_times_out_and_leaves_nothing(model: str) -> None:
+    srv = start_server(push_idle_timeout_s=0.3)
+    release = threading.Event()
+
+    def stream() -> Iterator[pb.PushRequest]:
+        yield header(model)
+        release.wait(60)  # a learner that stops sending without closing its stream
+
+    try:
+        with grpc.insecure_channel(srv.grpc_target) as channel, pytest.raises(grpc.RpcError) as info:
+            pb_grpc.WeightServiceStub(channel).Push(stream())
+        release.set()
+        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert "push stalled: nothing received for 0.3 s" in info.value.details()
+        assert_nothing_visible(srv, model)
+    finally:
+        release.set()
+        srv.__exit__(None, None, None)
