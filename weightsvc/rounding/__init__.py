@@ -3,22 +3,28 @@
 The service, the CLI and learners all call `export` / `fair_cast`, so the served bits are the same
 wherever they are computed (DESIGN §3). Functions here are pure: tensors in, tensors out, every key
 explicit (seed, version, name, flat offset).
+
+torch is imported only by the tensor functions: the service exports from numpy views and does not
+pay torch's ~200 MiB of resident memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
-import torch
 
 from weightsvc.rounding._cpu import bf16_export
 from weightsvc.rounding._keys import tensor_key
 
+if TYPE_CHECKING:
+    import torch
+
 FORMATS = ("bf16",)
 ROUNDINGS = ("rtn", "sr")
-SERVED_DTYPES = {"bf16": torch.bfloat16}
+SERVED_DTYPE_NAMES = {"bf16": "bfloat16"}  # torch dtype attribute of each format
 
 __all__ = [
     "FORMATS",
@@ -51,7 +57,9 @@ class ExportSpec:
 
     @property
     def served_dtype(self) -> torch.dtype:
-        return SERVED_DTYPES[self.format]
+        import torch
+
+        return getattr(torch, SERVED_DTYPE_NAMES[self.format])  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,8 @@ def export(
     `offset` is the flat index of master's first element within the whole tensor `name`, so a
     shard or a chunk exports to exactly the bits the whole tensor would.
     """
+    import torch
+
     if master.dtype != torch.float32:
         raise TypeError(f"tensor {name!r}: master must be float32, got {master.dtype}")
     if master.device.type != "cpu" or out.device.type != "cpu":
@@ -138,6 +148,8 @@ def fair_cast(
     offset: int = 0,
 ) -> torch.Tensor:
     """The served copy of `master` (same shape), exactly as the service would serve it."""
+    import torch
+
     spec = ExportSpec(format, rounding, seed)
     out = torch.empty(master.shape, dtype=spec.served_dtype)
     export(master, out, spec, version=version, name=name, offset=offset)
