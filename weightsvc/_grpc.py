@@ -92,13 +92,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse | bytes]:
         chunk = self.service.settings.chunk_bytes
-        with self.service.pulling(request.model, parse_version_ref(request.version), "grpc") as version:
+        version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
+        try:
             yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
             data = version.data
             for offset in range(0, len(data), chunk):
                 piece = data[offset : offset + chunk]
                 yield encode_chunk("", offset, piece)  # pre-encoded: one copy, not three
                 self.service.count_pulled(version.manifest.model, "grpc", len(piece))
+        finally:
+            self.service.close_pull(version, "grpc")
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:

@@ -66,12 +66,16 @@ class VersionFileResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         m = self.version.manifest
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        with self.service.pulling(m.model, m.version, "http"):
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+                # A copy: the server's transport may keep what it could not send yet beyond this
+                # response, and the version's buffer is recycled once the pull is released.
+                await send({"type": "http.response.body", "body": bytes(piece), "more_body": True})
                 self.service.count_pulled(m.model, "http", len(piece))
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.service.close_pull(self.version, "http")
 
 
 def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
@@ -131,6 +135,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             resp.headers["content-range"] = f"bytes */{held.size}"
             return resp
         start, end = span or (0, held.size)
+        # Held from here: the response releases it when it has sent its last byte.
+        held = service.open_pull(model, held.manifest.version, "http")
         return VersionFileResponse(service, held, start, end, 206 if span else 200)
 
     @app.get("/v1/models/{model}/clients")

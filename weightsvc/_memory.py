@@ -9,13 +9,46 @@ GIL, so callers do it in a worker thread.
 from __future__ import annotations
 
 import mmap
+from collections import defaultdict
 
 _POPULATE_MIN = 1 << 20
 
 
 def alloc(nbytes: int) -> memoryview:
     """A writable, uninitialised byte buffer of `nbytes`, its pages already mapped."""
-    if nbytes < _POPULATE_MIN:
-        return memoryview(bytearray(nbytes))
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    if nbytes == 0:
+        return memoryview(bytearray())
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if nbytes >= _POPULATE_MIN:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
     return memoryview(mmap.mmap(-1, nbytes, flags=flags))
+
+
+class BufferPool:
+    """Data-section buffers of evicted versions, handed to the next push of the same size.
+
+    A learner pushes a model of the same size every step: reusing the buffer of the version that
+    retention just dropped skips mapping fresh pages (measured above). The store gives a buffer
+    back only once no pull holds its version, so no reader ever sees it change.
+    """
+
+    def __init__(self, keep_per_size: int = 1) -> None:
+        self.keep_per_size = keep_per_size
+        self._free: dict[int, list[memoryview]] = defaultdict(list)
+
+    def take(self, nbytes: int) -> memoryview | None:
+        """A recycled buffer of exactly `nbytes`, or None (then `alloc` one, off the event loop)."""
+        free = self._free.get(nbytes)
+        return free.pop() if free else None
+
+    def give(self, buf: memoryview) -> None:
+        # Only our own anonymous mappings: restored versions are read-only file mappings.
+        if buf.readonly or not isinstance(buf.obj, mmap.mmap) or len(buf) != len(buf.obj):
+            return
+        free = self._free[len(buf)]
+        if len(free) < self.keep_per_size:
+            free.append(buf)
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(len(b) for bufs in self._free.values() for b in bufs)

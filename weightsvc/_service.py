@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -87,6 +86,25 @@ class _StagedTensor:
         self.checksum = ""
 
 
+class _Changes:
+    """Wakes coroutines that wait for the service's state to change; notified from the loop."""
+
+    def __init__(self) -> None:
+        self._waiters: set[asyncio.Future[None]] = set()
+
+    def notify(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        while not predicate():
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.add(waiter)
+            await waiter
+
+
 class PushSession:
     """One learner's push, from header to commit. Owns its staging memory until it ends.
 
@@ -106,6 +124,7 @@ class PushSession:
         self.staged_bytes = 0
         self._stage(data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.committed = False
         self.export_seconds = 0.0
         for t in self.tensors.values():
             if t.nbytes == 0:
@@ -114,7 +133,9 @@ class PushSession:
     @classmethod
     async def open(cls, service: Service, header: PushHeader) -> PushSession:
         slots, data_bytes = layout(list(header.tensors), SERVED_DTYPE_NAMES[service.settings.export_spec.format])
-        data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
+        data = service.store.pool.take(data_bytes)
+        if data is None:
+            data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
         return cls(service, header, data, data_bytes, slots)
 
     def _where(self) -> str:
@@ -219,8 +240,9 @@ class PushSession:
             master_digest="xxh3_128:" + h.hexdigest(),
             tensors=tuple(dataclasses.replace(t.slot, checksum=t.checksum) for t in self.tensors.values()),
         )
-        version = Version(manifest, manifest.safetensors_header(), self.data, self.data.obj)
+        version = Version(manifest, manifest.safetensors_header(), self.data)
         committed, created = await self.service.store.commit(version)
+        self.committed = created
         saturated = sum(t.saturated for t in self.tensors.values())
         if created and saturated:
             self.service.metrics.saturated_elements.labels(manifest.model, manifest.format).inc(saturated)
@@ -232,6 +254,8 @@ class PushSession:
         self.pending.clear()
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
+        if not self.committed:  # nobody else ever saw this buffer
+            self.service.store.pool.give(self.data)
         self.data = memoryview(b"")
 
 
@@ -283,7 +307,7 @@ class Service:
         )
         self._pushes: set[PushSession] = set()
         self._releasing: set[asyncio.Future[None]] = set()
-        self._pushes_changed = asyncio.Condition()
+        self._changes = _Changes()
 
     def restore(self) -> int:
         return self.store.restore()
@@ -306,8 +330,7 @@ class Service:
             self.store.check_step(header.model, header.step)
             session = await PushSession.open(self, header)
             self._pushes.add(session)
-            async with self._pushes_changed:
-                self._pushes_changed.notify_all()
+            self._changes.notify()
             while True:
                 msg = await self._next(messages, idle)
                 if isinstance(msg, PushChunk):
@@ -347,8 +370,7 @@ class Service:
     async def _release(self, session: PushSession) -> None:
         await session.close()
         self._pushes.discard(session)
-        async with self._pushes_changed:
-            self._pushes_changed.notify_all()
+        self._changes.notify()
 
     @staticmethod
     async def _next(messages: AsyncIterator[PushMessage], idle: float) -> PushMessage | None:
@@ -360,10 +382,13 @@ class Service:
         except TimeoutError:
             raise Cancelled(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
 
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Return once `predicate()` holds; re-checked whenever a push or a pull starts or ends."""
+        await self._changes.wait_for(predicate)
+
     async def wait_pushes(self, count: int) -> None:
         """Return once exactly `count` pushes are staged (0: every staging buffer released)."""
-        async with self._pushes_changed:
-            await self._pushes_changed.wait_for(lambda: len(self._pushes) == count)
+        await self.wait_for(lambda: len(self._pushes) == count)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -386,16 +411,17 @@ class Service:
     def manifest(self, model: str, version: int | None) -> Manifest:
         return self.store.get(model, version).manifest
 
-    @contextlib.contextmanager
-    def pulling(self, model: str, version: int | None, transport: str) -> Iterator[Version]:
-        """Hold a version for the length of a pull; eviction cannot free it meanwhile."""
+    def open_pull(self, model: str, version: int | None, transport: str) -> Version:
+        """Hold a version for a pull; eviction cannot recycle its buffer until `close_pull`."""
         held = self.store.get(model, version)
-        gauge = self.metrics.pulls_in_flight.labels(transport)
-        gauge.inc()
-        try:
-            yield held
-        finally:
-            gauge.dec()
+        self.store.hold(held)
+        self.metrics.pulls_in_flight.labels(transport).inc()
+        return held
+
+    def close_pull(self, version: Version, transport: str) -> None:
+        self.metrics.pulls_in_flight.labels(transport).dec()
+        self.store.release(version)
+        self._changes.notify()
 
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
         self.metrics.pull_bytes.labels(model, transport).inc(nbytes)

@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from weightsvc._manifest import (
     Manifest,
@@ -26,6 +25,7 @@ from weightsvc._manifest import (
     read_safetensors_header,
     verify,
 )
+from weightsvc._memory import BufferPool
 from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from weightsvc.metrics import Metrics
 
@@ -34,12 +34,15 @@ log = logging.getLogger("weightsvc.store")
 MAX_CLIENTS_PER_MODEL = 10_000
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Version:
+    """A committed version. Its bytes never change; `readers` and `evicted` are the store's."""
+
     manifest: Manifest
     header: bytes  # the safetensors prefix
     data: memoryview  # the data section (uint8)
-    owner: Any  # keeps the buffer behind `data` alive (a tensor or an mmap)
+    readers: int = 0  # pulls in progress
+    evicted: bool = False
 
     @property
     def size(self) -> int:
@@ -80,6 +83,7 @@ class VersionStore:
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
         self._clients: dict[str, dict[str, ClientAck]] = {}
+        self.pool = BufferPool()
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -107,6 +111,15 @@ class VersionStore:
             kept = ", ".join(map(str, sorted(vs)))
             raise NotFound(f"model {model!r} has no version {version} (retained: {kept})")
         return vs[version]
+
+    def hold(self, version: Version) -> None:
+        """A pull starts reading `version`: its buffer stays untouched until `release`."""
+        version.readers += 1
+
+    def release(self, version: Version) -> None:
+        version.readers -= 1
+        if version.evicted and version.readers == 0:
+            self.pool.give(version.data)
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
@@ -156,7 +169,10 @@ class VersionStore:
         vs = self._versions[model]
         evicted = sorted(vs)[: max(0, len(vs) - self.retain)]
         for v in evicted:
-            del vs[v]  # a pull that holds the Version keeps its bytes alive until it ends
+            version = vs.pop(v)
+            version.evicted = True
+            if version.readers == 0:  # else the last pull to end gives it back
+                self.pool.give(version.data)
         return evicted
 
     def _update_gauges(self, model: str) -> None:
@@ -263,4 +279,4 @@ class VersionStore:
             raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
         for t in manifest.tensors:
             verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
-        return Version(manifest, bytes(mm[:start]), data, mm)
+        return Version(manifest, bytes(mm[:start]), data)

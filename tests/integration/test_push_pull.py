@@ -142,32 +142,49 @@ def test_grpc_and_http_files_are_identical(
     assert (out / "g.safetensors").read_bytes() == (out / "h.safetensors").read_bytes()
 
 
-def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes() -> None:
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: str) -> None:
     srv = start_server(retain=2, chunk_bytes=4096)
     try:
         masters = make_masters()
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, masters, model="r")
-        # Start pulling version 1, hold the stream after its first chunk, then evict version 1.
-        puller = InferenceClient(srv.grpc_target)
-        first_chunk = threading.Event()
+        # Start pulling version 1, hold the stream after its first piece, then evict version 1 and
+        # push more versions: recycled buffers must never be the one being read.
+        puller = InferenceClient(srv.grpc_target if transport == "grpc" else srv.http_url)
+        first_piece = threading.Event()
         resume = threading.Event()
 
         def progress(_n: int) -> None:
-            if not first_chunk.is_set():
-                first_chunk.set()
+            if not first_piece.is_set():
+                first_piece.set()
                 resume.wait(30)
 
         result: dict[str, object] = {}
         t = threading.Thread(target=lambda: result.update(w=puller.pull("r", 1, progress=progress)))
         t.start()
-        assert first_chunk.wait(30)
-        for step in (2, 3, 4):
+        assert first_piece.wait(30)
+        for step in (2, 3, 4, 5):
             learner.push(step, masters, model="r")
-        assert [v.version for v in puller.versions("r")] == [3, 4]
+        assert [v.version for v in puller.versions("r")] == [4, 5]
         resume.set()
         t.join(30)
         assert_served(result["w"], masters, 1)  # type: ignore[arg-type]
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_evicted_buffers_are_reused_by_the_next_push() -> None:
+    srv = start_server(retain=1)
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, make_masters(seed=1))
+        first = srv.service.store.get("default", 1).data.obj
+        learner.push(2, make_masters(seed=2))  # evicts 1: its buffer is free
+        assert srv.service.store.pool.free_bytes > 0
+        learner.push(3, make_masters(seed=3))
+        assert srv.service.store.get("default", 3).data.obj is first
+        assert_served(InferenceClient(srv.grpc_target).pull(), make_masters(seed=3), 3)
     finally:
         srv.__exit__(None, None, None)
 
