@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
+log = logging.getLogger("weightsvc.grpc")
 SERVICE_NAME = "weightsvc.v1.WeightService"
 PUSH_METHOD = f"/{SERVICE_NAME}/Push"
 PULL_METHOD = f"/{SERVICE_NAME}/Pull"
@@ -53,10 +55,14 @@ def info_to_proto(m: Manifest) -> pb.VersionInfo:
 
 
 def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Map WeightsvcError to its status code and message, for unary and streaming handlers."""
+    """Map errors to status codes for unary and streaming handlers: a WeightsvcError to its own
+    code and message, anything unexpected to INTERNAL (logged with its traceback)."""
 
-    async def abort(context: grpc.aio.ServicerContext, e: WeightsvcError) -> None:
-        await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+    async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
+        if isinstance(e, WeightsvcError):
+            await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+        log.exception("internal error in %s", fn.__name__)
+        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
     if inspect.isasyncgenfunction(fn):
 
@@ -65,7 +71,9 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 async for item in fn(self, request, context):
                     yield item
-            except WeightsvcError as e:
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as e:
                 await abort(context, e)
 
         return stream
@@ -74,7 +82,9 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
     async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
             return await fn(self, request, context)
-        except WeightsvcError as e:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:
             await abort(context, e)
 
     return unary

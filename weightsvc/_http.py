@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
 
@@ -17,6 +18,7 @@ from weightsvc._service import Service
 from weightsvc._store import Version
 from weightsvc.errors import WeightsvcError
 
+log = logging.getLogger("weightsvc.http")
 # Pieces handed to the server per send: large enough to keep per-call overhead low, small enough
 # to keep the event loop responsive.
 PIECE_BYTES = 4 << 20
@@ -28,33 +30,47 @@ def _error(status: int, code: str, message: str) -> JSONResponse:
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """[start, end) of a single `bytes=` range; None for the whole file. ValueError if unsatisfiable."""
+    """[start, end) of a single `bytes=` range; None for the whole file. ValueError if unsatisfiable.
+
+    Several ranges, other units and syntactically invalid ranges are ignored (RFC 9110 §14.2):
+    the whole file is sent.
+    """
     if not header:
         return None
     m = _RANGE.match(header.strip())
     if m is None:
-        return None  # several ranges or another unit: RFC 9110 lets us send the whole file
+        return None
     first, last = m.groups()
-    if first == "" and last == "":
-        raise ValueError(header)
     if first == "":
-        start, end = max(0, size - int(last)), size
-    else:
-        start, end = int(first), size if last == "" else min(size, int(last) + 1)
-    if start >= size or start >= end:
-        raise ValueError(header)
-    return start, end
+        if last == "" or int(last) == 0:
+            return None if last == "" else _unsatisfiable(header)
+        return max(0, size - int(last)), size
+    start = int(first)
+    if last != "" and int(last) < start:
+        return None
+    if start >= size:
+        _unsatisfiable(header)
+    return start, size if last == "" else min(size, int(last) + 1)
+
+
+def _unsatisfiable(header: str) -> tuple[int, int]:
+    raise ValueError(header)
+
+
+def _etag(version: Version) -> str:
+    m = version.manifest
+    return f'"{m.model}-{m.version}-{m.master_digest.rsplit(":", 1)[-1]}"'
 
 
 class VersionFileResponse(Response):
-    """Streams [start, end) of a version's safetensors file straight from its buffers."""
+    """Streams [start, end) of a version's safetensors file; releases the pull when done."""
 
     def __init__(self, service: Service, version: Version, start: int, end: int, status: int) -> None:
         m = version.manifest
         headers = {
             "content-length": str(end - start),
             "accept-ranges": "bytes",
-            "etag": f'"{m.model}-{m.version}-{m.master_digest.rsplit(":", 1)[-1]}"',
+            "etag": _etag(version),
             "x-weightsvc-model": m.model,
             "x-weightsvc-version": str(m.version),
             "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
@@ -68,11 +84,12 @@ class VersionFileResponse(Response):
         m = self.version.manifest
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
-                # A copy: the server's transport may keep what it could not send yet beyond this
-                # response, and the version's buffer is recycled once the pull is released.
-                await send({"type": "http.response.body", "body": bytes(piece), "more_body": True})
-                self.service.count_pulled(m.model, "http", len(piece))
+            if scope.get("method") != "HEAD":
+                for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
+                    # A copy: the server's transport may keep what it could not send yet beyond this
+                    # response, and the version's buffer is recycled once the pull is released.
+                    await send({"type": "http.response.body", "body": bytes(piece), "more_body": True})
+                    self.service.count_pulled(m.model, "http", len(piece))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             self.service.close_pull(self.version, "http")
@@ -89,6 +106,11 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
         return _error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return _error(500, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -120,20 +142,23 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def manifest(model: str, version: str) -> dict[str, Any]:
         return service.manifest(model, parse_version_ref(version)).to_dict()
 
-    @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None)
+    @app.api_route("/v1/models/{model}/versions/{version}/safetensors", methods=["GET", "HEAD"], response_model=None)
     async def safetensors(model: str, version: str, request: Request) -> Response:
         held = service.store.get(model, parse_version_ref(version))
-        try:
-            span = _parse_range(request.headers.get("range"), held.size)
-        except ValueError:
-            resp = _error(
-                416,
-                "OUT_OF_RANGE",
-                f"range {request.headers.get('range')!r} is outside "
-                f"the {held.size} bytes of model {model!r} version {held.manifest.version}",
-            )
-            resp.headers["content-range"] = f"bytes */{held.size}"
-            return resp
+        span: tuple[int, int] | None = None
+        if_range = request.headers.get("if-range")
+        if if_range is None or if_range == _etag(held):  # a stale If-Range gets the whole new file
+            try:
+                span = _parse_range(request.headers.get("range"), held.size)
+            except ValueError:
+                resp = _error(
+                    416,
+                    "OUT_OF_RANGE",
+                    f"range {request.headers.get('range')!r} is outside the {held.size} bytes of "
+                    f"model {model!r} version {held.manifest.version}",
+                )
+                resp.headers["content-range"] = f"bytes */{held.size}"
+                return resp
         start, end = span or (0, held.size)
         # Held from here: the response releases it when it has sent its last byte.
         held = service.open_pull(model, held.manifest.version, "http")
@@ -141,6 +166,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:
+        service.versions(model)  # 404 for an unknown model, as on every other model route
         latest = service.store.latest(model)
         return {
             "model": model,

@@ -23,13 +23,14 @@ DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2":
 MASTER_DTYPE = "F32"
 SERVED_DTYPE_NAMES = {"bf16": "BF16"}
 
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_VERSION = re.compile(r"[0-9]{1,18}")
 METADATA_KEY = "weightsvc.manifest"
 
 
 def check_model_name(model: str) -> str:
     # Model names become file names and URL segments: keep them plain.
-    if not _MODEL_NAME.match(model):
+    if not _MODEL_NAME.fullmatch(model):
         raise InvalidArgument(
             f"model name {model!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit",
@@ -42,7 +43,9 @@ def parse_version_ref(ref: str | int | None) -> int | None:
     """`None` for latest; a positive int for a version number."""
     if ref is None or ref == "" or ref == "latest":
         return None
-    if isinstance(ref, int) or ref.isdigit():
+    if isinstance(ref, int):
+        return ref
+    if _VERSION.fullmatch(ref):
         return int(ref)
     raise InvalidArgument(f"version {ref!r} is neither a version number nor 'latest'")
 

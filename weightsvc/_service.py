@@ -38,7 +38,7 @@ from weightsvc._manifest import (
 from weightsvc._memory import alloc
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
-from weightsvc.errors import Cancelled, InvalidArgument, WeightsvcError
+from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.metrics import Metrics
 
 log = logging.getLogger("weightsvc.service")
@@ -49,6 +49,7 @@ MAX_NAME_CHARS = 1024
 # learner (gRPC flow control) when export is slower than the network.
 MAX_PENDING_CHUNKS = 8
 MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
+RESERVED_NAME = "__metadata__"
 
 
 @dataclass(frozen=True)
@@ -259,7 +260,7 @@ class PushSession:
         self.data = memoryview(b"")
 
 
-def validate_header(header: PushHeader) -> None:
+def validate_header(header: PushHeader, max_version_bytes: int) -> None:
     check_model_name(header.model)
     where = f"model {header.model!r} step {header.step}"
     if header.step < 0:
@@ -269,6 +270,7 @@ def validate_header(header: PushHeader) -> None:
     if len(header.tensors) > MAX_TENSORS:
         raise InvalidArgument(f"{where}: more than {MAX_TENSORS} tensors", reason="too_large")
     seen: set[str] = set()
+    total = 0
     for t in header.tensors:
         if not t.name or len(t.name) > MAX_NAME_CHARS:
             raise InvalidArgument(
@@ -276,6 +278,10 @@ def validate_header(header: PushHeader) -> None:
             )
         if t.name in seen:
             raise InvalidArgument(f"{where}: tensor {t.name!r} is declared twice", reason="invalid_header")
+        if t.name == RESERVED_NAME:
+            raise InvalidArgument(
+                f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format", reason="invalid_header"
+            )
         seen.add(t.name)
         if t.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
@@ -291,6 +297,13 @@ def validate_header(header: PushHeader) -> None:
             raise InvalidArgument(
                 f"{where}: tensor {t.name!r} has a negative dimension in shape {list(t.shape)}",
                 reason="invalid_header",
+            )
+        total += t.numel * DTYPE_SIZES[t.dtype]
+        if total > max_version_bytes:
+            raise ResourceExhausted(
+                f"{where}: the masters declared up to tensor {t.name!r} already hold {total} bytes, more "
+                f"than the {max_version_bytes} bytes a version may have (--max-version-bytes)",
+                reason="too_large",
             )
 
 
@@ -308,6 +321,7 @@ class Service:
         self._pushes: set[PushSession] = set()
         self._releasing: set[asyncio.Future[None]] = set()
         self._changes = _Changes()
+        self._staging_reserved = 0
 
     def restore(self) -> int:
         return self.store.restore()
@@ -320,14 +334,16 @@ class Service:
     async def push(self, messages: AsyncIterator[PushMessage]) -> tuple[Version, bool]:
         """Run one push stream: header, chunks, commit. Nothing is visible unless it commits."""
         session: PushSession | None = None
+        reserved = 0
         idle = self.settings.push_idle_timeout_s
         self.metrics.pushes_in_flight.inc()
         try:
             header = await self._next(messages, idle)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
-            validate_header(header)
+            validate_header(header, self.settings.max_version_bytes)
             self.store.check_step(header.model, header.step)
+            reserved = self._reserve_staging(header)
             session = await PushSession.open(self, header)
             self._pushes.add(session)
             self._changes.notify()
@@ -339,7 +355,7 @@ class Service:
                     version, created = await session.commit()
                     break
                 elif msg is None:
-                    raise Cancelled(f"{session._where()}: the stream ended without a commit", reason="aborted")
+                    raise Aborted(f"{session._where()}: the stream ended without a commit", reason="aborted")
                 else:
                     raise InvalidArgument(f"{session._where()}: a second header", reason="invalid_header")
             log.info(
@@ -359,6 +375,7 @@ class Service:
             raise
         finally:
             self.metrics.pushes_in_flight.dec()
+            self._staging_reserved -= reserved
             if session is not None:
                 # A cancelled handler may be cancelled again while it cleans up: release the staging
                 # memory in a task of its own so that it always completes.
@@ -372,6 +389,19 @@ class Service:
         self._pushes.discard(session)
         self._changes.notify()
 
+    def _reserve_staging(self, header: PushHeader) -> int:
+        """Reserve the served bytes a push will stage, or refuse it if over the memory budget."""
+        served = sum(t.numel for t in header.tensors) * 2  # every served format is at most 2 bytes
+        if self._staging_reserved + served > self.settings.max_staged_bytes:
+            raise ResourceExhausted(
+                f"model {header.model!r} step {header.step}: pushes in progress hold "
+                f"{self._staging_reserved} bytes; {served} more would exceed the staging budget of "
+                f"{self.settings.max_staged_bytes} bytes (--max-staged-bytes); retry later",
+                reason="too_large",
+            )
+        self._staging_reserved += served
+        return served
+
     @staticmethod
     async def _next(messages: AsyncIterator[PushMessage], idle: float) -> PushMessage | None:
         try:
@@ -380,7 +410,7 @@ class Service:
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            raise Cancelled(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
+            raise DeadlineExceeded(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Return once `predicate()` holds; re-checked whenever a push or a pull starts or ends."""

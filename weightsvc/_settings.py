@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from weightsvc.rounding import FORMATS, ROUNDINGS, ExportSpec
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class Settings(BaseSettings):
@@ -27,6 +32,9 @@ class Settings(BaseSettings):
     chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20)
     max_message_bytes: int = Field(8 << 20, ge=64 << 10)
     allow_nonfinite: bool = False
+    # Size limits: master bytes of one version, and served bytes staged by all pushes in progress.
+    max_version_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
+    max_staged_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
     # A push that sends nothing for this long is abandoned and freed.
     push_idle_timeout_s: float = Field(120.0, gt=0)
     log_level: str = "info"

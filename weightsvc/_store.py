@@ -8,6 +8,8 @@ finishes from the same bytes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import functools
 import logging
 import mmap
@@ -20,13 +22,19 @@ from pathlib import Path
 
 from weightsvc._manifest import (
     Manifest,
-    check_model_name,
     manifest_from_header,
     read_safetensors_header,
     verify,
 )
 from weightsvc._memory import BufferPool
-from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from weightsvc.metrics import Metrics
 
 log = logging.getLogger("weightsvc.store")
@@ -84,6 +92,7 @@ class VersionStore:
         self._changed = asyncio.Condition()
         self._clients: dict[str, dict[str, ClientAck]] = {}
         self.pool = BufferPool()
+        self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -133,7 +142,18 @@ class VersionStore:
     # ---- commit ------------------------------------------------------------------------------
 
     async def commit(self, version: Version) -> tuple[Version, bool]:
-        """Make `version` visible. Returns (the committed version, created)."""
+        """Make `version` visible. Returns (the committed version, created).
+
+        Runs to the end even if the pushing stream is cancelled meanwhile: once the file is in
+        place the version must also be in memory, or a restart would resurrect a push that the
+        learner saw fail.
+        """
+        task = asyncio.ensure_future(self._commit(version))
+        self._committing.add(task)
+        task.add_done_callback(self._committing.discard)
+        return await asyncio.shield(task)
+
+    async def _commit(self, version: Version) -> tuple[Version, bool]:
         m = version.manifest
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             vs = self._versions.setdefault(m.model, {})
@@ -159,10 +179,10 @@ class VersionStore:
             evicted = self._evict(m.model)
         self._update_gauges(m.model)
         self.metrics.versions_committed.labels(m.model).inc()
-        if evicted and self.data_dir is not None:
-            await asyncio.to_thread(self._unlink, m.model, evicted)
         async with self._changed:
             self._changed.notify_all()
+        if evicted and self.data_dir is not None:
+            await asyncio.to_thread(self._unlink, m.model, evicted)
         return version, True
 
     def _evict(self, model: str) -> list[int]:
@@ -224,20 +244,29 @@ class VersionStore:
         return self.data_dir / "models" / model / f"{version:020d}.safetensors"
 
     def _write(self, version: Version) -> None:
-        path = self._path(version.manifest.model, version.manifest.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        m = version.manifest
+        path = self._path(m.model, m.version)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(version.header)
-            f.write(version.data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(version.header)
+                f.write(version.data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            where = f"model {m.model!r} version {m.version}: cannot persist to {path.parent}"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted(f"{where}: {e.strerror}", reason="too_large") from None
+            raise Unavailable(f"{where}: {e}", reason="other") from None
 
     def _unlink(self, model: str, versions: list[int]) -> None:
         for v in versions:
@@ -255,7 +284,9 @@ class VersionStore:
             for path in sorted(model_dir.glob("*.safetensors")):
                 try:
                     version = self._load(path)
-                    check_model_name(version.manifest.model)
+                    m = version.manifest
+                    if (m.model, f"{m.version:020d}.safetensors") != (model_dir.name, path.name):
+                        raise ValueError(f"its manifest is of model {m.model!r} version {m.version}")
                 except Exception as e:  # one damaged file must not take the others down
                     log.error("skipping %s: %s", path, e)
                     continue

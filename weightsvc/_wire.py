@@ -54,7 +54,7 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
-            return result, pos
+            return result & 0xFFFFFFFFFFFFFFFF, pos  # protobuf keeps the low 64 bits
         shift += 7
 
 
@@ -85,6 +85,8 @@ def decode_chunk(raw: bytes) -> ChunkView | None:
     while pos < end:
         key, pos = _read_varint(buf, pos)
         field, wire = key >> 3, key & 7
+        if field == 0:
+            raise DecodeError("field number 0")
         if wire == 0:
             value, pos = _read_varint(buf, pos)
             if field == 2:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
+import os
 import socket
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -23,9 +25,11 @@ import grpc
 import torch
 
 from weightsvc._manifest import (
+    DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
     ServedTensor,
+    manifest_from_header,
     read_safetensors_header,
     verify,
 )
@@ -41,6 +45,7 @@ PULL_METHOD = "/weightsvc.v1.WeightService/Pull"
 __all__ = ["InferenceClient", "LearnerClient", "VersionInfo"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_HEADER_BYTES = 100 << 20
 _TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 # Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
 _EXACT_TO_F32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -112,9 +117,15 @@ def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[
     view = memoryview(data)
     where = f"model {manifest.model!r} version {manifest.version}"
     for t in manifest.tensors:
+        dtype = _TORCH_DTYPES.get(t.dtype)
+        numel = math.prod(t.shape)
+        if dtype is None or t.nbytes != numel * DTYPE_SIZES[t.dtype] or t.offset + t.nbytes > len(view):
+            raise DataLoss(
+                f"{where}: tensor {t.name!r} ({t.dtype}, shape {list(t.shape)}, {t.nbytes} bytes "
+                f"at {t.offset}) does not fit the manifest's data section"
+            )
         piece = view[t.offset : t.offset + t.nbytes]
         verify(t.name, piece, t.checksum, where=where)
-        dtype = _TORCH_DTYPES[t.dtype]
         if t.nbytes == 0:
             out[t.name] = torch.empty(t.shape, dtype=dtype)
         else:
@@ -226,10 +237,15 @@ class InferenceClient:
         tensors_from_data(manifest, data)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.part")
-        with open(tmp, "wb") as f:
-            f.write(manifest.safetensors_header())
-            f.write(data)
-        tmp.replace(path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(manifest.safetensors_header())
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
         return manifest
 
     def pull_data(
@@ -240,7 +256,9 @@ class InferenceClient:
             return self._http_pull(model, str(version), progress)
         try:
             stream = self._pull(pb.PullRequest(model=model, version=str(version)), timeout=self.timeout)
-            first = next(stream)
+            first = next(stream, None)
+            if not isinstance(first, pb.PullResponse) or not first.HasField("manifest"):
+                raise DataLoss(f"model {model!r} version {version}: the pull did not start with a manifest")
             manifest = manifest_from_proto(first.manifest)
             data = _buffer(manifest.data_bytes)
             received = 0
@@ -295,12 +313,15 @@ class InferenceClient:
 
     def _http_pull(self, model: str, version: str, progress: Progress | None) -> tuple[Manifest, memoryview]:
         q = urllib.parse.quote
-        # Resolve "latest" to a number first so the manifest and the bytes are of one version.
-        manifest = Manifest.from_dict(self._get_json(f"/v1/models/{q(model)}/versions/{q(version)}/manifest"))
-        resp = self._request(f"/v1/models/{q(model)}/versions/{manifest.version}/safetensors")
+        # One request: the file's own header carries the manifest, so "latest" cannot change under us.
+        resp = self._request(f"/v1/models/{q(model)}/versions/{q(version)}/safetensors")
         try:
             head = resp.read(8)
-            read_safetensors_header(head + resp.read(int.from_bytes(head, "little")))  # validates the framing
+            header_len = int.from_bytes(head, "little")
+            if len(head) < 8 or header_len > MAX_HEADER_BYTES:
+                raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
+            _, header = read_safetensors_header(head + resp.read(header_len))
+            manifest = manifest_from_header(header)
             data = _buffer(manifest.data_bytes)
             received = 0
             while received < len(data):

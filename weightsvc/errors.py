@@ -55,6 +55,18 @@ class Cancelled(WeightsvcError):
     http_status = 499
 
 
+class Aborted(WeightsvcError):
+    """The server gave up on a stream (it ended early, or stopped sending)."""
+
+    grpc_code = "ABORTED"
+    http_status = 409
+
+
+class DeadlineExceeded(WeightsvcError):
+    grpc_code = "DEADLINE_EXCEEDED"
+    http_status = 504
+
+
 class DataLoss(WeightsvcError):
     """A checksum did not match: the bytes received are not the bytes committed."""
 
@@ -72,6 +84,8 @@ BY_GRPC_CODE: dict[str, type[WeightsvcError]] = {
         ResourceExhausted,
         Unavailable,
         Cancelled,
+        Aborted,
+        DeadlineExceeded,
         DataLoss,
     )
 }

@@ -173,7 +173,7 @@ def test_malformed_push_is_invalid_argument(
 
 def test_stream_without_commit_leaves_nothing(server: BackgroundServer, model: str) -> None:
     err = raw_push(server.grpc_target, [header(model), chunk("w", FOUR_FLOATS)])
-    assert err.code() == grpc.StatusCode.CANCELLED
+    assert err.code() == grpc.StatusCode.ABORTED
     assert "the stream ended without a commit" in err.details()
     assert_nothing_visible(server, model)
 
@@ -184,9 +184,12 @@ def test_nonfinite_master_is_rejected_with_names_and_counts(
 ) -> None:
     masters = make_masters()
     masters["layers.0.mlp.up.weight"].view(-1)[:count] = bad
+    rejected = server.service.metrics.pushes_rejected.labels("nonfinite")
+    before = rejected._value.get()
     with pytest.raises(InvalidArgument, match=rf"'layers.0.mlp.up.weight' \({count} NaN/Inf\)"):
         learner.push(1, masters, model=model)
     assert_nothing_visible(server, model)
+    assert rejected._value.get() == before + 1
 
 
 def test_message_over_the_limit(server: BackgroundServer, model: str) -> None:
@@ -251,9 +254,46 @@ def test_stalled_push_times_out_and_leaves_nothing(model: str) -> None:
         with grpc.insecure_channel(srv.grpc_target) as channel, pytest.raises(grpc.RpcError) as info:
             pb_grpc.WeightServiceStub(channel).Push(stream())
         release.set()
-        assert info.value.code() == grpc.StatusCode.CANCELLED
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "push stalled: nothing received for 0.3 s" in info.value.details()
         assert_nothing_visible(srv, model)
     finally:
         release.set()
         srv.__exit__(None, None, None)
+
+
+def test_oversized_and_reserved_headers(server: BackgroundServer, model: str) -> None:
+    err = raw_push(server.grpc_target, [header(model, tensors=[("w", [1 << 62, 1 << 62], "F32")]), COMMIT])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than the" in err.details() and "--max-version-bytes" in err.details()
+    err = raw_push(server.grpc_target, [header(model, tensors=[("__metadata__", [4], "F32")]), COMMIT])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'__metadata__' is reserved" in err.details()
+    assert_nothing_visible(server, model)
+
+
+def test_staging_budget_refuses_pushes_beyond_it(model: str) -> None:
+    srv = start_server(max_staged_bytes=1000)
+    try:
+        err = raw_push(srv.grpc_target, [header(model, tensors=[("w", [1000], "F32")]), COMMIT])
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "would exceed the staging budget of 1000 bytes" in err.details()
+        LearnerClient(srv.grpc_target).push(1, {"w": torch.zeros(100)}, model=model)  # 200 bytes fit
+    finally:
+        srv.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("version", ["\u00b2", "9" * 5000, "-1", "1.5"])
+def test_odd_version_strings_are_invalid_argument(
+    server: BackgroundServer, learner: LearnerClient, model: str, version: str
+) -> None:
+    learner.push(1, make_masters(), model=model)
+    status, err = http_error(server.http_url, f"/v1/models/{model}/versions/{urllib.parse.quote(version)}/manifest")
+    assert status == 400 and err["code"] == "INVALID_ARGUMENT"
+    with pytest.raises(InvalidArgument, match="neither a version number nor 'latest'"):
+        InferenceClient(server.grpc_target).manifest(model, version)
+
+
+def test_unknown_model_clients_route_is_404(server: BackgroundServer, model: str) -> None:
+    status, err = http_error(server.http_url, f"/v1/models/{model}/clients")
+    assert status == 404 and f"unknown model '{model}'" in err["message"]

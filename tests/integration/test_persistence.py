@@ -7,13 +7,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import make_masters, start_server
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.errors import NotFound
+from weightsvc.errors import NotFound, Unavailable, WeightsvcError
 
 
 def version_files(data_dir: Path, model: str) -> list[str]:
@@ -104,5 +105,60 @@ def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) 
         with pytest.raises(NotFound):
             InferenceClient(srv.grpc_target).versions("killed")
         assert not (data_dir / "models" / "killed").exists()
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_a_push_cancelled_during_its_commit_is_committed_whole(data_dir: Path) -> None:
+    """The learner gives up while the version is being written: memory and disk must agree."""
+    srv = start_server(data_dir=data_dir)
+    writing, proceed = threading.Event(), threading.Event()
+    write = srv.service.store._write
+
+    def slow_write(version: object) -> None:
+        writing.set()
+        proceed.wait(30)
+        write(version)  # type: ignore[arg-type]
+
+    srv.service.store._write = slow_write  # type: ignore[method-assign]
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        errors: list[BaseException] = []
+
+        def push() -> None:
+            try:
+                learner.push(1, make_masters(), model="m")
+            except WeightsvcError as e:
+                errors.append(e)
+
+        pushing = threading.Thread(target=push)
+        pushing.start()
+        assert writing.wait(30)
+        learner.close()  # the learner's channel goes away mid-commit
+        pushing.join(30)
+        assert errors and "CANCELLED" in str(errors[0])
+        proceed.set()
+        committed = srv.call(anext(srv.service.watch("m", None)))  # returns once version 1 is visible
+        assert committed.version == 1
+        assert version_files(data_dir, "m") == [f"{1:020d}.safetensors"]
+    finally:
+        proceed.set()
+        srv.__exit__(None, None, None)
+    srv = start_server(data_dir=data_dir)
+    try:
+        assert [v.version for v in InferenceClient(srv.grpc_target).versions("m")] == [1]
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_a_failed_write_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    srv = start_server(data_dir=not_a_dir)
+    try:
+        with pytest.raises(Unavailable, match="model 'm' version 1: cannot persist to"):
+            LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
+        with pytest.raises(NotFound):
+            InferenceClient(srv.grpc_target).versions("m")
     finally:
         srv.__exit__(None, None, None)

@@ -6,6 +6,7 @@ import http.client
 import json
 import threading
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -130,6 +131,19 @@ def test_safetensors_download_is_valid_and_supports_ranges(
     status, headers, body = http_get(server.http_url, path, {"Range": f"bytes={len(whole)}-"})
     assert status == 416 and headers["content-range"] == f"bytes */{len(whole)}"
     assert b"outside the" in body
+    # An invalid range is ignored (RFC 9110): the whole file.
+    assert http_get(server.http_url, path, {"Range": "bytes=5-3"})[:3:2] == (200, whole)
+    # A resume whose If-Range no longer matches gets the whole current file, never a splice.
+    etag = http_get(server.http_url, path)[1]["etag"]
+    assert http_get(server.http_url, path, {"Range": "bytes=10-", "If-Range": etag})[0] == 206
+    assert http_get(server.http_url, path, {"Range": "bytes=10-", "If-Range": '"stale"'})[:3:2] == (200, whole)
+    # HEAD: the headers of GET, no body.
+    u = urllib.parse.urlsplit(server.http_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("HEAD", path)
+    resp = conn.getresponse()
+    assert resp.status == 200 and int(resp.getheader("content-length")) == len(whole) and resp.read() == b""
+    conn.close()
 
 
 def test_grpc_and_http_files_are_identical(
@@ -144,9 +158,10 @@ def test_grpc_and_http_files_are_identical(
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: str) -> None:
-    srv = start_server(retain=2, chunk_bytes=4096)
+    srv = start_server(retain=2)
     try:
-        masters = make_masters()
+        # 32 MiB served: far more than the transport windows, so the pull is still in flight.
+        masters = {"w": torch.randn(4096, 4096) * 0.02}
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, masters, model="r")
         # Start pulling version 1, hold the stream after its first piece, then evict version 1 and
@@ -164,6 +179,7 @@ def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: s
         t = threading.Thread(target=lambda: result.update(w=puller.pull("r", 1, progress=progress)))
         t.start()
         assert first_piece.wait(30)
+        assert srv.service.metrics.pulls_in_flight.labels(transport)._value.get() == 1
         for step in (2, 3, 4, 5):
             learner.push(step, masters, model="r")
         assert [v.version for v in puller.versions("r")] == [4, 5]
@@ -192,13 +208,16 @@ def test_evicted_buffers_are_reused_by_the_next_push() -> None:
 def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
     masters = make_masters()
     learner.push(1, masters, model=model)
-    events = InferenceClient(server.grpc_target).watch(model)
-    assert next(events).version == 1
-    learner.push(2, masters, model=model)
-    assert next(events).version == 2
-    after = InferenceClient(server.grpc_target).watch(model, after=2)
-    learner.push(7, masters, model=model)
-    assert next(after).version == 7
+    with ThreadPoolExecutor(1) as pool:
+        events = InferenceClient(server.grpc_target).watch(model)
+        assert pool.submit(next, events).result(30).version == 1
+        waiting = pool.submit(next, events)  # blocks until the next commit
+        learner.push(2, masters, model=model)
+        assert waiting.result(30).version == 2
+        after = InferenceClient(server.grpc_target).watch(model, after=2)
+        waiting = pool.submit(next, after)
+        learner.push(7, masters, model=model)
+        assert waiting.result(30).version == 7
 
 
 def test_ack_returns_latest_and_lists_the_client(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
@@ -239,7 +258,7 @@ def test_metrics_after_push_and_pull(server: BackgroundServer, learner: LearnerC
         pulled = samples[("weightsvc_pull_bytes_total", (("model", model), ("transport", transport)))]
         assert pulled >= served_bytes
     assert samples[("weightsvc_export_seconds_count", (("format", "bf16"), ("rounding", "sr")))] >= 1
-    assert ("weightsvc_pushes_rejected_total", (("reason", "nonfinite"),)) in samples
+    assert samples[("weightsvc_retained_versions", (("model", model),))] == 1
 
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])

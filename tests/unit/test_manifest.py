@@ -49,7 +49,7 @@ def test_bad_version_ref() -> None:
         parse_version_ref("v3")
 
 
-@pytest.mark.parametrize("name", ["", "../etc", "a/b", ".hidden", "x" * 129, "sp ace"])
+@pytest.mark.parametrize("name", ["", "../etc", "a/b", ".hidden", "x" * 129, "sp ace", "nl\n"])
 def test_model_names_that_cannot_be_paths_are_refused(name: str) -> None:
     with pytest.raises(InvalidArgument, match="model name"):
         check_model_name(name)

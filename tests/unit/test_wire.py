@@ -40,3 +40,18 @@ def test_truncated_chunk_is_reported_not_raised() -> None:
     got = decode_push_request(raw[:-10])
     assert isinstance(got, Malformed)
     assert "PushRequest" in got.reason
+
+
+def test_overlong_varint_keeps_the_low_64_bits_like_protobuf() -> None:
+    # offset field (2) as a 10-byte varint of all ones: protobuf reads -1
+    inner = b"\x10" + b"\xff" * 9 + b"\x01"
+    raw = b"\x12" + bytes([len(inner)]) + inner
+    assert pb.PushRequest.FromString(raw).chunk.offset == -1
+    got = decode_chunk(raw)
+    assert isinstance(got, ChunkView) and got.offset == -1
+
+
+def test_field_number_zero_is_malformed() -> None:
+    inner = b"\x02\x01x"  # field 0, length-delimited
+    raw = b"\x12" + bytes([len(inner)]) + inner
+    assert isinstance(decode_push_request(raw), Malformed)
