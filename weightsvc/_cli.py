@@ -225,7 +225,7 @@ def status(
 @app.command()
 def bench(
     size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB.")] = 1024,
-    repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 3,
+    repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by figure id.")] = False,
 ) -> None:
     """Transfer benchmarks (DESIGN §8): T1 pull and T2 push vs raw TCP loopback, M1 server RSS."""
