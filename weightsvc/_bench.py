@@ -74,7 +74,7 @@ def raw_tcp_seconds(nbytes: int, *, download: bool) -> float:
                 start = time.perf_counter()
                 _recv_exactly(conn, buf)
             else:
-                buf = memoryview(torch.ones(nbytes, dtype=torch.uint8).numpy())
+                buf = torch.ones(nbytes, dtype=torch.uint8).numpy().data
                 start = time.perf_counter()
                 conn.sendall(buf)
                 conn.recv(1)

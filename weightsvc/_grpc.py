@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import inspect
 import logging
@@ -115,7 +116,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[pb.ModelSummary(**m) for m in self.service.models()])
+        return pb.ListModelsResponse(models=[pb.ModelSummary(**dataclasses.asdict(m)) for m in self.service.models()])
 
     @_abort_on_domain_error
     async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any
@@ -132,7 +133,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"models": service.models()}
+        return {"models": [dataclasses.asdict(m) for m in service.models()]}
 
     @app.get("/v1/models/{model}/versions")
     async def versions(model: str) -> dict[str, Any]:

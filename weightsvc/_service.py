@@ -87,6 +87,13 @@ class _StagedTensor:
         self.checksum = ""
 
 
+@dataclass(frozen=True)
+class ModelSummary:
+    model: str
+    latest_version: int
+    versions: list[int]  # retained, oldest first
+
+
 class _Changes:
     """Wakes coroutines that wait for the service's state to change; notified from the loop."""
 
@@ -422,17 +429,11 @@ class Service:
 
     # ---- reads -------------------------------------------------------------------------------
 
-    def models(self) -> list[dict[str, object]]:
+    def models(self) -> list[ModelSummary]:
         out = []
         for model in self.store.models():
-            vs = self.store.versions(model)
-            out.append(
-                {
-                    "model": model,
-                    "latest_version": vs[-1].manifest.version,
-                    "versions": [v.manifest.version for v in vs],
-                }
-            )
+            versions = [v.manifest.version for v in self.store.versions(model)]
+            out.append(ModelSummary(model, versions[-1], versions))
         return out
 
     def versions(self, model: str) -> list[Manifest]:

@@ -173,7 +173,7 @@ class LearnerClient:
         def requests() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header)
             for name, tensor in state_dict.items():
-                raw = memoryview(_as_master(name, tensor).view(torch.uint8).numpy())
+                raw = _as_master(name, tensor).view(torch.uint8).numpy().data
                 for offset in range(0, len(raw), self.chunk_bytes):
                     piece = raw[offset : offset + self.chunk_bytes]
                     yield encode_chunk(name, offset, piece)
