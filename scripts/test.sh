@@ -8,4 +8,5 @@ if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && r
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
 fi
 .venv/bin/python -m ruff check weightsvc tests scripts
+.venv/bin/python -m mypy weightsvc
 .venv/bin/python -m pytest -q "$@"

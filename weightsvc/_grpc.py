@@ -14,9 +14,17 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._manifest import Manifest, TensorSpec, parse_version_ref
+from weightsvc._manifest import TensorSpec, parse_version_ref
 from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
-from weightsvc._wire import ChunkView, Malformed, decode_push_request, encode_chunk, encode_message
+from weightsvc._wire import (
+    ChunkView,
+    Malformed,
+    decode_push_request,
+    encode_chunk,
+    encode_message,
+    info_to_proto,
+    manifest_to_proto,
+)
 from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -25,34 +33,6 @@ log = logging.getLogger("weightsvc.grpc")
 SERVICE_NAME = "weightsvc.v1.WeightService"
 PUSH_METHOD = f"/{SERVICE_NAME}/Push"
 PULL_METHOD = f"/{SERVICE_NAME}/Pull"
-
-
-def manifest_to_proto(m: Manifest) -> pb.Manifest:
-    return pb.Manifest(
-        model=m.model,
-        version=m.version,
-        format=m.format,
-        rounding=m.rounding,
-        seed=m.seed,
-        committed_unix=m.committed_unix,
-        data_bytes=m.data_bytes,
-        master_digest=m.master_digest,
-        tensors=[
-            pb.ServedTensor(
-                name=t.name,
-                shape=t.shape,
-                dtype=t.dtype,
-                offset=t.offset,
-                nbytes=t.nbytes,
-                checksum=t.checksum,
-            )
-            for t in m.tensors
-        ],
-    )
-
-
-def info_to_proto(m: Manifest) -> pb.VersionInfo:
-    return pb.VersionInfo(**m.info())
 
 
 def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:

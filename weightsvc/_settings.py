@@ -8,7 +8,10 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsvc.rounding import FORMATS, ROUNDINGS, ExportSpec
+from weightsvc.rounding import FORMATS, ROUNDINGS, ExportSpec, check_choice
+
+# This build exports on the CPU; 'auto' picks it (the GPU kernel comes with the numerics work).
+DEVICES = ("auto", "cpu")
 
 
 def _physical_memory() -> int:
@@ -42,23 +45,17 @@ class Settings(BaseSettings):
     @field_validator("format")
     @classmethod
     def _format(cls, v: str) -> str:
-        if v not in FORMATS:
-            raise ValueError(f"unknown format {v!r}; choose one of {', '.join(FORMATS)}")
-        return v
+        return check_choice("format", v, FORMATS)
 
     @field_validator("rounding")
     @classmethod
     def _rounding(cls, v: str) -> str:
-        if v not in ROUNDINGS:
-            raise ValueError(f"unknown rounding {v!r}; choose one of {', '.join(ROUNDINGS)}")
-        return v
+        return check_choice("rounding", v, ROUNDINGS)
 
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
-        if v not in ("auto", "cpu"):
-            raise ValueError(f"unknown device {v!r}; this build exports on 'cpu' ('auto' picks it)")
-        return v
+        return check_choice("device", v, DEVICES)
 
     @property
     def export_spec(self) -> ExportSpec:

@@ -1,4 +1,4 @@
-"""Zero-copy protobuf framing of the bulk `Chunk` messages.
+"""The protobuf side of weightsvc: manifest conversions, and zero-copy framing of `Chunk` messages.
 
 Push and Pull carry almost all bytes in `Chunk` messages. Going through protobuf objects costs two
 extra copies per chunk (bytes -> message -> wire, and back); on a 2-core machine that halves the
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from weightsvc._manifest import Manifest, ServedTensor
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2
@@ -125,3 +126,45 @@ def decode_pull_response(raw: bytes) -> pb.PullResponse | ChunkView:
 def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
     """Serializer for streams that mix generated messages with pre-encoded chunks."""
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
+
+
+def manifest_to_proto(m: Manifest) -> pb.Manifest:
+    return pb.Manifest(
+        model=m.model,
+        version=m.version,
+        format=m.format,
+        rounding=m.rounding,
+        seed=m.seed,
+        committed_unix=m.committed_unix,
+        data_bytes=m.data_bytes,
+        master_digest=m.master_digest,
+        tensors=[
+            pb.ServedTensor(
+                name=t.name,
+                shape=t.shape,
+                dtype=t.dtype,
+                offset=t.offset,
+                nbytes=t.nbytes,
+                checksum=t.checksum,
+            )
+            for t in m.tensors
+        ],
+    )
+
+
+def info_to_proto(m: Manifest) -> pb.VersionInfo:
+    return pb.VersionInfo(**m.info())
+
+
+def manifest_from_proto(m: pb.Manifest) -> Manifest:
+    return Manifest(
+        model=m.model,
+        version=m.version,
+        format=m.format,
+        rounding=m.rounding,
+        seed=m.seed,
+        committed_unix=m.committed_unix,
+        data_bytes=m.data_bytes,
+        master_digest=m.master_digest,
+        tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
+    )

@@ -28,13 +28,12 @@ from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
-    ServedTensor,
     manifest_from_header,
     read_safetensors_header,
     verify,
 )
 from weightsvc._memory import alloc
-from weightsvc._wire import ChunkView, decode_pull_response, encode_chunk, encode_message
+from weightsvc._wire import ChunkView, decode_pull_response, encode_chunk, encode_message, manifest_from_proto
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, Unavailable, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -90,20 +89,6 @@ def _channel(target: str) -> grpc.Channel:
     return grpc.insecure_channel(
         target,
         options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
-    )
-
-
-def manifest_from_proto(m: pb.Manifest) -> Manifest:
-    return Manifest(
-        model=m.model,
-        version=m.version,
-        format=m.format,
-        rounding=m.rounding,
-        seed=m.seed,
-        committed_unix=m.committed_unix,
-        data_bytes=m.data_bytes,
-        master_digest=m.master_digest,
-        tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
     )
 
 

@@ -31,12 +31,19 @@ __all__ = [
     "ROUNDINGS",
     "ExportSpec",
     "ExportStats",
+    "check_choice",
     "export",
     "export_array",
     "fair_cast",
     "tensor_key",
     "use_threads",
 ]
+
+
+def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -48,10 +55,8 @@ class ExportSpec:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
-        if self.rounding not in ROUNDINGS:
-            raise ValueError(f"unknown rounding {self.rounding!r}; choose one of {', '.join(ROUNDINGS)}")
+        check_choice("format", self.format, FORMATS)
+        check_choice("rounding", self.rounding, ROUNDINGS)
         if not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed {self.seed} is outside [0, 2**64)")
 
