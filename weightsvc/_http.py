@@ -86,10 +86,11 @@ class VersionFileResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if scope.get("method") != "HEAD":
+                # Zero-copy: the server's transport may keep views of what it could not send yet
+                # beyond this response, so the store never recycles this version's buffer.
+                self.version.lent = True
                 for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
-                    # A copy: the server's transport may keep what it could not send yet beyond this
-                    # response, and the version's buffer is recycled once the pull is released.
-                    await send({"type": "http.response.body", "body": bytes(piece), "more_body": True})
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
                     self.service.count_pulled(m.model, "http", len(piece))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -51,6 +51,7 @@ class Version:
     data: memoryview  # the data section (uint8)
     readers: int = 0  # pulls in progress
     evicted: bool = False
+    lent: bool = False  # views of `data` were handed to code we do not control: never recycle
 
     @property
     def size(self) -> int:
@@ -128,6 +129,10 @@ class VersionStore:
     def release(self, version: Version) -> None:
         version.readers -= 1
         if version.evicted and version.readers == 0:
+            self._recycle(version)
+
+    def _recycle(self, version: Version) -> None:
+        if not version.lent:
             self.pool.give(version.data)
 
     def check_step(self, model: str, step: int) -> None:
@@ -192,7 +197,7 @@ class VersionStore:
             version = vs.pop(v)
             version.evicted = True
             if version.readers == 0:  # else the last pull to end gives it back
-                self.pool.give(version.data)
+                self._recycle(version)
         return evicted
 
     def _update_gauges(self, model: str) -> None:

@@ -201,6 +201,10 @@ def test_evicted_buffers_are_reused_by_the_next_push() -> None:
         learner.push(3, make_masters(seed=3))
         assert srv.service.store.get("default", 3).data.obj is first
         assert_served(InferenceClient(srv.grpc_target).pull(), make_masters(seed=3), 3)
+        # HTTP sends views of the buffer itself: such a version's buffer is never recycled.
+        assert_served(InferenceClient(srv.http_url).pull(), make_masters(seed=3), 3)
+        learner.push(4, make_masters(seed=4))  # takes version 2's buffer, evicts version 3
+        assert srv.service.store.pool.free_bytes == 0
     finally:
         srv.__exit__(None, None, None)
 
