@@ -136,6 +136,8 @@ async def _push_messages(
                 model=h.model,
                 step=h.step,
                 tensors=tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in h.tensors),
+                format=h.format,
+                rounding=h.rounding,
             )
         elif kind == "commit":
             yield PushCommit()

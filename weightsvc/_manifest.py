@@ -9,6 +9,7 @@ clients that pulled over gRPC.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from dataclasses import asdict, dataclass, field
@@ -21,8 +22,6 @@ from weightsvc.errors import DataLoss, InvalidArgument
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 MASTER_DTYPE = "F32"
-SERVED_DTYPE_NAMES = {"bf16": "BF16"}
-
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _VERSION = re.compile(r"[0-9]{1,18}")
 METADATA_KEY = "weightsvc.manifest"
@@ -97,6 +96,7 @@ class Manifest:
     data_bytes: int
     master_digest: str
     tensors: tuple[ServedTensor, ...] = field(default_factory=tuple)
+    scaling: str = ""  # fp8 scale granularity when the version has fp8 tensors
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -134,13 +134,14 @@ class Manifest:
         return struct.pack("<Q", len(raw)) + raw
 
 
-def layout(specs: list[TensorSpec], served_dtype: str) -> tuple[list[ServedTensor], int]:
-    """Place served tensors back to back in declaration order; returns them and the data size."""
-    size = DTYPE_SIZES[served_dtype]
+def layout(tensors: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[ServedTensor], int]:
+    """Place served tensors (name, shape, safetensors dtype) back to back; returns them and the data
+    size. Wider dtypes go first (stable within a dtype) so every tensor is naturally aligned."""
+    ordered = sorted(tensors, key=lambda t: -DTYPE_SIZES[t[2]])
     out, offset = [], 0
-    for s in specs:
-        nbytes = s.numel * size
-        out.append(ServedTensor(s.name, s.shape, served_dtype, offset, nbytes))
+    for name, shape, dtype in ordered:
+        nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
+        out.append(ServedTensor(name, shape, dtype, offset, nbytes))
         offset += nbytes
     return out, offset
 

@@ -27,7 +27,6 @@ from weightsvc import rounding
 from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
-    SERVED_DTYPE_NAMES,
     Manifest,
     ServedTensor,
     TensorSpec,
@@ -57,6 +56,8 @@ class PushHeader:
     model: str
     step: int
     tensors: tuple[TensorSpec, ...]
+    format: str = ""  # per-push override of the server's export; empty: the server's
+    rounding: str = ""
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,20 @@ PushMessage = PushHeader | PushChunk | PushCommit
 
 
 class _StagedTensor:
-    def __init__(self, spec: TensorSpec, slot: ServedTensor) -> None:
+    def __init__(self, spec: TensorSpec, fmt: rounding.Format, slot: ServedTensor, scale: ServedTensor | None):
         self.spec = spec
+        self.fmt = fmt
         self.slot = slot
+        self.scale = scale  # the `<name>_scale_inv` slot of an fp8 tensor
         self.nbytes = spec.numel * DTYPE_SIZES[spec.dtype]
         self.received = 0  # bytes accepted on the loop
         # Filled by the export worker, chunk by chunk, in arrival order:
+        self.master: np.ndarray | None = None  # fp8 only: scales need the whole tensor first
+        self.new_residual: np.ndarray | None = None  # ef: this version's residual
         self.master_digest = xxhash.xxh3_128()
         self.nonfinite = 0
         self.saturated = 0
-        self.checksum = ""
+        self.checksums: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -116,19 +121,23 @@ class _Changes:
 class PushSession:
     """One learner's push, from header to commit. Owns its staging memory until it ends.
 
-    Export is elementwise with the flat element index as a key, so each chunk is exported into
-    its slot of the data section as it arrives; the master is never assembled.
+    bf16/fp16 export is elementwise with the flat element index as a key, so each chunk is
+    exported into its slot of the data section as it arrives and the master is never assembled.
+    fp8 tensors need their scales first: their chunks are gathered and exported once complete.
+    With `ef`, the residual of the latest committed version is read and a new one written; it
+    replaces the model's residual only if this version commits.
     """
 
-    def __init__(
-        self, service: Service, header: PushHeader, data: memoryview, data_bytes: int, slots: list[ServedTensor]
-    ) -> None:
+    def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
+                 data_bytes: int, tensors: dict[str, _StagedTensor]) -> None:  # fmt: skip
         self.service = service
         self.header = header
-        self.spec = service.settings.export_spec
+        self.spec = spec
         self.data = data
         self.data_bytes = data_bytes
-        self.tensors = {s.name: _StagedTensor(s, slot) for s, slot in zip(header.tensors, slots, strict=True)}
+        self.tensors = tensors
+        self.residual = service.store.residual(header.model) if spec.rounding == "ef" else None
+        self.residual_version = None if self.residual is None else self.residual.version
         self.staged_bytes = 0
         self._stage(data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -136,15 +145,38 @@ class PushSession:
         self.export_seconds = 0.0
         for t in self.tensors.values():
             if t.nbytes == 0:
-                t.checksum = checksum(b"")
+                self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
 
     @classmethod
     async def open(cls, service: Service, header: PushHeader) -> PushSession:
-        slots, data_bytes = layout(list(header.tensors), SERVED_DTYPE_NAMES[service.settings.export_spec.format])
+        s = service.settings
+        where = f"model {header.model!r} step {header.step}"
+        try:
+            spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
+                                       s.fp8_pattern)  # fmt: skip
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
+        entries, fmts = [], {}
+        for t in header.tensors:
+            fmt = fmts[t.name] = spec.format_for(t.name, t.shape)
+            entries.append((t.name, t.shape, fmt.safetensors_dtype))
+            if fmt.scaled:
+                entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
+        names = [e[0] for e in entries]
+        if len(set(names)) != len(names):
+            clash = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(f"{where}: tensor {clash!r} clashes with the scales of an fp8 tensor",
+                                  reason="invalid_header")  # fmt: skip
+        slots_list, data_bytes = layout(entries)
+        slots = {slot.name: slot for slot in slots_list}
+        tensors = {
+            t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
+            for t in header.tensors
+        }
         data = service.store.pool.take(data_bytes)
         if data is None:
             data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
-        return cls(service, header, data, data_bytes, slots)
+        return cls(service, header, spec, data, data_bytes, tensors)
 
     def _where(self) -> str:
         return f"model {self.header.model!r} step {self.header.step}"
@@ -172,44 +204,99 @@ class PushSession:
                 f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
                 reason="bad_chunk",
             )
+        first = t.received == 0
         t.received += n
         self.service.metrics.push_bytes.labels(self.header.model).inc(n)
-        self._stage(n)
-        fut = asyncio.get_running_loop().run_in_executor(
-            self.service.executor, self._export_chunk, t, chunk.offset, chunk.data
-        )
-        fut.add_done_callback(lambda _f: self._stage(-n))
-        self.pending.append(fut)
+        if first and self.residual is not None:
+            self._stage(t.nbytes)  # the new residual of this tensor
+        if t.fmt.scaled:
+            if first:
+                self._stage(t.nbytes)  # the gathered master
+            self._start(self._gather_chunk, t, chunk.offset, chunk.data)
+            if t.received == t.nbytes:
+                self._start(self._export_whole, t, 0, b"")
+        else:
+            self._start(self._export_chunk, t, chunk.offset, chunk.data)
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
         if len(self.pending) > MAX_PENDING_CHUNKS:
             await self.pending[0]
 
+    def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
+               byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
+        """Queue work for the export thread: one thread, so a tensor's chunks are handled in order."""
+        n = len(data)
+        self._stage(n)
+        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, job, t, byte_offset, data)
+        fut.add_done_callback(lambda _f: self._stage(-n))
+        self.pending.append(fut)
+
     def _stage(self, nbytes: int) -> None:
         self.staged_bytes += nbytes
         self.service.metrics.staged_bytes.inc(nbytes)
 
+    def _residuals(self, t: _StagedTensor) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if self.residual is None:
+            return None, None
+        if t.new_residual is None:
+            t.new_residual = np.empty(t.spec.numel, np.float32)
+        return self.residual.tensor(t.spec.name, t.spec.numel), t.new_residual
+
+    def _slot_bytes(self, slot: ServedTensor) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.uint8, count=slot.nbytes, offset=slot.offset)
+
     def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
-        """Worker thread: Fair Cast one chunk into the tensor's slot; chunks come in order."""
+        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16)."""
         start = time.perf_counter()
         master = np.frombuffer(data, dtype=np.float32)
-        served = np.frombuffer(self.data, dtype=np.uint8, count=t.slot.nbytes, offset=t.slot.offset)
-        size = DTYPE_SIZES[t.slot.dtype]
-        first = byte_offset // MASTER_ITEMSIZE
+        served = self._slot_bytes(t.slot)
+        first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
+        res_in, res_out = self._residuals(t)
         stats = rounding.export_array(
-            master,
-            served[first * size : (first + master.size) * size],
-            self.spec,
-            version=self.header.step,
-            name=t.spec.name,
-            offset=first,
-        )
+            master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
+            name=t.spec.name, fmt=t.fmt, offset=first,
+            residual=None if res_in is None else res_in[first : first + count],
+            new_residual=None if res_out is None else res_out[first : first + count],
+        )  # fmt: skip
         t.master_digest.update(data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
         if byte_offset + len(data) == t.nbytes:
-            t.checksum = checksum(served)
+            t.checksums[t.slot.name] = checksum(served)
         self.export_seconds += time.perf_counter() - start
+
+    def _gather_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
+        """Worker thread: copy a chunk of an fp8 tensor into its gathered master."""
+        if t.master is None:
+            t.master = np.empty(t.spec.numel, np.float32)
+        t.master.view(np.uint8)[byte_offset : byte_offset + len(data)] = np.frombuffer(data, np.uint8)
+        t.master_digest.update(data)
+
+    def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview) -> None:
+        """Worker thread: scales from the whole tensor, then Fair Cast it and serve the scales."""
+        start = time.perf_counter()
+        master = t.master if t.master is not None else np.empty(0, np.float32)
+        res_in, res_out = self._residuals(t)
+        values = master if res_in is None else master + res_in  # EF quantizes m + e
+        scales = rounding.fp8_scales(values.reshape(t.spec.shape), t.fmt, self.spec.scaling)
+        served = self._slot_bytes(t.slot)
+        stats = rounding.export_array(
+            master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, scales=scales,
+            residual=res_in, new_residual=res_out,
+        )  # fmt: skip
+        assert t.scale is not None
+        scale_bytes = self._slot_bytes(t.scale)
+        scale_bytes[:] = scales.scale_inv.reshape(-1).view(np.uint8)
+        t.checksums[t.slot.name] = checksum(served)
+        t.checksums[t.scale.name] = checksum(scale_bytes)
+        t.nonfinite += stats.nonfinite
+        t.saturated += stats.saturated
+        t.master = None
+        self._stage_from_worker(-t.nbytes)
+        self.export_seconds += time.perf_counter() - start
+
+    def _stage_from_worker(self, nbytes: int) -> None:
+        self.service.loop.call_soon_threadsafe(self._stage, nbytes)
 
     async def commit(self) -> tuple[Version, bool]:
         missing = [t for t in self.tensors.values() if t.received < t.nbytes]
@@ -237,6 +324,8 @@ class PushSession:
         for name in sorted(self.tensors):
             t = self.tensors[name]
             h.update(f"{name}\x00{list(t.spec.shape)}\x00{t.master_digest.hexdigest()}\n".encode())
+        checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
+        slots = sorted([s for t in self.tensors.values() for s in (t.slot, t.scale) if s], key=lambda s: s.offset)
         manifest = Manifest(
             model=self.header.model,
             version=self.header.step,
@@ -246,10 +335,15 @@ class PushSession:
             committed_unix=time.time(),
             data_bytes=self.data_bytes,
             master_digest="xxh3_128:" + h.hexdigest(),
-            tensors=tuple(dataclasses.replace(t.slot, checksum=t.checksum) for t in self.tensors.values()),
+            tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in slots),
+            scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
         )
         version = Version(manifest, manifest.safetensors_header(), self.data)
-        committed, created = await self.service.store.commit(version)
+        residual = None
+        if self.residual is not None:
+            new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}
+            residual = (self.residual_version, rounding.Residual(self.header.step, new))
+        committed, created = await self.service.store.commit(version, residual)
         self.committed = created
         saturated = sum(t.saturated for t in self.tensors.values())
         if created and saturated:
@@ -260,11 +354,22 @@ class PushSession:
         """Release the staging memory; waits for exports already running so none writes after."""
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
+        for t in self.tensors.values():
+            t.master = t.new_residual = None
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
         if not self.committed:  # nobody else ever saw this buffer
             self.service.store.pool.give(self.data)
         self.data = memoryview(b"")
+
+
+def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
+    n, k = shape
+    if scaling == "tensor":
+        return ()
+    if scaling == "channel":
+        return (n, 1)
+    return (-(-n // rounding.BLOCK), -(-k // rounding.BLOCK))
 
 
 def validate_header(header: PushHeader, max_version_bytes: int) -> None:
@@ -319,6 +424,7 @@ class Service:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
+        self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
         self.store = VersionStore(retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics)
         # One export at a time: the kernel itself uses every core.

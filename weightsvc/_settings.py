@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsvc.rounding import FORMATS, ROUNDINGS, ExportSpec, check_choice
+from weightsvc.rounding import DEFAULT_FP8_PATTERN, FORMATS, ROUNDINGS, SCALINGS, ExportSpec, check_choice
 
 # This build exports on the CPU; 'auto' picks it (the GPU kernel comes with the numerics work).
 DEVICES = ("auto", "cpu")
@@ -28,6 +28,8 @@ class Settings(BaseSettings):
     format: str = "bf16"
     rounding: str = "sr"
     seed: int = Field(0, ge=0, lt=1 << 64)
+    scaling: str = "block"  # fp8 scales: tensor, channel or block (128x128)
+    fp8_pattern: str = DEFAULT_FP8_PATTERN  # regex of the 2-D tensor names served in fp8
     device: str = "auto"
     retain: int = Field(4, ge=1)
     # gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB accepted,
@@ -52,6 +54,11 @@ class Settings(BaseSettings):
     def _rounding(cls, v: str) -> str:
         return check_choice("rounding", v, ROUNDINGS)
 
+    @field_validator("scaling")
+    @classmethod
+    def _scaling(cls, v: str) -> str:
+        return check_choice("scaling", v, SCALINGS)
+
     @field_validator("device")
     @classmethod
     def _device(cls, v: str) -> str:
@@ -59,4 +66,4 @@ class Settings(BaseSettings):
 
     @property
     def export_spec(self) -> ExportSpec:
-        return ExportSpec(self.format, self.rounding, self.seed)
+        return ExportSpec(self.format, self.rounding, self.seed, self.scaling, self.fp8_pattern)

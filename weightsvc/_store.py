@@ -36,6 +36,7 @@ from weightsvc.errors import (
     Unavailable,
 )
 from weightsvc.metrics import Metrics
+from weightsvc.rounding import Residual
 
 log = logging.getLogger("weightsvc.store")
 
@@ -94,6 +95,7 @@ class VersionStore:
         self._clients: dict[str, dict[str, ClientAck]] = {}
         self.pool = BufferPool()
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
+        self._residuals: dict[str, Residual] = {}
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -146,19 +148,26 @@ class VersionStore:
 
     # ---- commit ------------------------------------------------------------------------------
 
-    async def commit(self, version: Version) -> tuple[Version, bool]:
-        """Make `version` visible. Returns (the committed version, created).
+    def residual(self, model: str) -> Residual:
+        """The EF residual of the model's latest committed `ef` export (empty when none yet)."""
+        return self._residuals.setdefault(model, Residual())
+
+    async def commit(
+        self, version: Version, residual: tuple[int | None, Residual] | None = None
+    ) -> tuple[Version, bool]:
+        """Make `version` visible (with an `ef` push, also its residual, given with the version of the
+        residual it started from). Returns (the committed version, created).
 
         Runs to the end even if the pushing stream is cancelled meanwhile: once the file is in
         place the version must also be in memory, or a restart would resurrect a push that the
         learner saw fail.
         """
-        task = asyncio.ensure_future(self._commit(version))
+        task = asyncio.ensure_future(self._commit(version, residual))
         self._committing.add(task)
         task.add_done_callback(self._committing.discard)
         return await asyncio.shield(task)
 
-    async def _commit(self, version: Version) -> tuple[Version, bool]:
+    async def _commit(self, version: Version, residual: tuple[int | None, Residual] | None) -> tuple[Version, bool]:
         m = version.manifest
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             vs = self._versions.setdefault(m.model, {})
@@ -177,16 +186,27 @@ class VersionStore:
                     f"model {m.model!r}: step {m.version} is not above the latest version {latest}",
                     reason="step_not_above_latest",
                 )
+            if residual is not None and residual[0] != self.residual(m.model).version:
+                raise FailedPrecondition(
+                    f"model {m.model!r} step {m.version}: the ef residual moved on to version "
+                    f"{self.residual(m.model).version} while this push used version {residual[0]}; push again",
+                    reason="step_not_above_latest",
+                )
             if self.data_dir is not None:
-                # Durable before visible: a version reported committed survives a crash.
+                # Durable before visible: a version reported committed survives a crash. The residual
+                # goes first, named by its version, so a restart pairs it with the right one.
+                if residual is not None:
+                    await asyncio.to_thread(self._write_residual, m.model, residual[1])
                 await asyncio.to_thread(self._write, version)
             vs[m.version] = version
+            if residual is not None:
+                self._residuals[m.model] = residual[1]
             evicted = self._evict(m.model)
         self._update_gauges(m.model)
         self.metrics.versions_committed.labels(m.model).inc()
         async with self._changed:
             self._changed.notify_all()
-        if evicted and self.data_dir is not None:
+        if self.data_dir is not None and (evicted or residual is not None):
             await asyncio.to_thread(self._unlink, m.model, evicted)
         return version, True
 
@@ -273,9 +293,26 @@ class VersionStore:
                 raise ResourceExhausted(f"{where}: {e.strerror}", reason="too_large") from None
             raise Unavailable(f"{where}: {e}", reason="other") from None
 
+    def _residual_path(self, model: str, version: int) -> Path:
+        return self._path(model, version).with_name(f"residual-{version:020d}.safetensors")
+
+    def _write_residual(self, model: str, residual: Residual) -> None:
+        assert residual.version is not None
+        path = self._residual_path(model, residual.version)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            residual.save(path)
+        except OSError as e:
+            raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
+
     def _unlink(self, model: str, versions: list[int]) -> None:
         for v in versions:
             self._path(model, v).unlink(missing_ok=True)
+        # Only the residual of the model's current ef state is kept.
+        current = self._residuals.get(model)
+        for path in self._path(model, 0).parent.glob("residual-*.safetensors"):
+            if current is None or current.version is None or path != self._residual_path(model, current.version):
+                path.unlink(missing_ok=True)
 
     def restore(self) -> int:
         """Load committed versions from the data dir; returns how many. Skips damaged files."""
@@ -298,10 +335,25 @@ class VersionStore:
                 self._versions.setdefault(version.manifest.model, {})[version.manifest.version] = version
                 count += 1
             model = model_dir.name
+            self._restore_residual(model, model_dir)
             if model in self._versions:
                 self._unlink(model, self._evict(model))
                 self._update_gauges(model)
         return count
+
+    def _restore_residual(self, model: str, model_dir: Path) -> None:
+        """Keep the newest residual whose version is committed; an orphan (written just before a
+        crash, its version never committed) is dropped, as its version was."""
+        committed = self._versions.get(model, {})
+        for path in sorted(model_dir.glob("residual-*.safetensors"), reverse=True):
+            try:
+                residual = Residual.load(path)
+            except Exception as e:
+                log.error("skipping %s: %s", path, e)
+                continue
+            if residual.version in committed:
+                self._residuals[model] = residual
+                return
 
     @staticmethod
     def _load(path: Path) -> Version:

@@ -138,6 +138,7 @@ def manifest_to_proto(m: Manifest) -> pb.Manifest:
         committed_unix=m.committed_unix,
         data_bytes=m.data_bytes,
         master_digest=m.master_digest,
+        scaling=m.scaling,
         tensors=[
             pb.ServedTensor(
                 name=t.name,
@@ -167,4 +168,5 @@ def manifest_from_proto(m: pb.Manifest) -> Manifest:
         data_bytes=m.data_bytes,
         master_digest=m.master_digest,
         tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
+        scaling=m.scaling,
     )

@@ -1,8 +1,12 @@
-"""Fair Cast: the one entry point that turns an fp32 master into its served copy.
+"""Fair Cast: the one entry point that turns fp32 masters into their served copy (DESIGN §3).
 
-The service, the CLI and learners all call `export` / `fair_cast`, so the served bits are the same
-wherever they are computed (DESIGN §3). Functions here are pure: tensors in, tensors out, every key
-explicit (seed, version, name, flat offset).
+The service, the `weightsvc export` command and learners all call these functions, so the served
+bits are the same wherever they are computed. Functions are pure: arrays in, arrays out, every key
+explicit (seed, version, tensor name, flat element offset); the EF residual is passed in and the
+new one handed back, never kept here.
+
+    served = fair_cast(master, format="bf16", rounding="sr", seed=0, version=step, name="w")
+    out = export_state_dict(state_dict, ExportSpec("fp8_e4m3", "ef"), version=step, residual=res)
 
 torch is imported only by the tensor functions: the service exports from numpy views and does not
 pay torch's ~200 MiB of resident memory.
@@ -10,37 +14,49 @@ pay torch's ~200 MiB of resident memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
-from weightsvc.rounding._cpu import bf16_export
+from weightsvc.rounding import _cpu
+from weightsvc.rounding._formats import BLOCK, FORMATS, SCALINGS, Format
 from weightsvc.rounding._keys import tensor_key
+from weightsvc.rounding._residual import Residual
 
 if TYPE_CHECKING:
     import torch
 
-FORMATS = ("bf16",)
-ROUNDINGS = ("rtn", "sr")
-SERVED_DTYPE_NAMES = {"bf16": "bfloat16"}  # torch dtype attribute of each format
+ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
+# fp8 goes to 2-D weights; embeddings and norms stay in bf16 (DESIGN §3.1).
+DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
+SCALE_SUFFIX = "_scale_inv"
 
 __all__ = [
+    "BLOCK",
+    "DEFAULT_FP8_PATTERN",
     "FORMATS",
     "ROUNDINGS",
+    "SCALE_SUFFIX",
+    "SCALINGS",
     "ExportSpec",
     "ExportStats",
+    "Format",
+    "Residual",
     "check_choice",
     "export",
     "export_array",
+    "export_state_dict",
     "fair_cast",
+    "fp8_scales",
     "tensor_key",
     "use_threads",
 ]
 
 
-def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
+def check_choice(kind: str, value: str, choices: tuple[str, ...] | dict[str, object]) -> str:
     if value not in choices:
         raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
     return value
@@ -48,29 +64,85 @@ def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class ExportSpec:
-    """How a model is exported: the target format, the rounding rule and the RNG seed."""
+    """How a model is exported: target format, rounding rule, RNG seed, and fp8 placement."""
 
     format: str = "bf16"
     rounding: str = "sr"
     seed: int = 0
+    scaling: str = "block"  # fp8 scales: per tensor, per channel (row) or per 128x128 block
+    fp8_pattern: str = DEFAULT_FP8_PATTERN
 
     def __post_init__(self) -> None:
         check_choice("format", self.format, FORMATS)
         check_choice("rounding", self.rounding, ROUNDINGS)
+        check_choice("scaling", self.scaling, SCALINGS)
         if not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed {self.seed} is outside [0, 2**64)")
+        try:
+            re.compile(self.fp8_pattern)
+        except re.error as e:
+            raise ValueError(f"fp8 pattern {self.fp8_pattern!r} is not a regular expression: {e}") from None
+
+    def format_for(self, name: str, shape: tuple[int, ...]) -> Format:
+        """The format tensor `name` is served in: fp8 for selected 2-D weights, else bf16."""
+        fmt = FORMATS[self.format]
+        if fmt.scaled and not (len(shape) == 2 and re.search(self.fp8_pattern, name)):
+            return FORMATS["bf16"]
+        return fmt
+
+    def key(self, version: int, name: str) -> tuple[int, int]:
+        # sr-sticky: the random threshold of each element does not change between versions.
+        return tensor_key(self.seed, None if self.rounding == "sr-sticky" else version, name)
 
     @property
-    def served_dtype(self) -> torch.dtype:
-        import torch
+    def stochastic(self) -> bool:
+        return self.rounding in ("sr", "sr-sticky")
 
-        return getattr(torch, SERVED_DTYPE_NAMES[self.format])  # type: ignore[no-any-return]
+
+@dataclass
+class ExportStats:
+    nonfinite: int = 0  # NaN/Inf elements in the master
+    saturated: int = 0  # finite elements clamped to the format's max
+
+    def add(self, other: ExportStats) -> None:
+        self.nonfinite += other.nonfinite
+        self.saturated += other.saturated
 
 
 @dataclass(frozen=True)
-class ExportStats:
-    nonfinite: int  # NaN/Inf elements in the master
-    saturated: int  # finite elements clamped to the format's max
+class Scales:
+    """fp8 scales of one 2-D tensor: the dequant multipliers (served) and their fp32 reciprocals."""
+
+    scale_inv: np.ndarray  # DeepSeek-V3 layout: (), (N, 1) or (ceil(N/128), ceil(K/128)); fp32
+    inverse: np.ndarray = field(repr=False)  # 1 / scale_inv, flat, fp32: what the kernels multiply by
+    mode: int = _cpu.SCALE_NONE
+    cols: int = 1
+    block_cols: int = 1
+
+
+def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
+    """Scales of a 2-D float32 array: amax / format max per tensor, row or 128x128 block.
+
+    An all-zero group (and a non-finite amax) gets scale 1, never a division by zero.
+    """
+    n, k = values.shape
+    magnitude = np.abs(np.where(np.isfinite(values), values, np.float32(0)))
+    if scaling == "tensor":
+        amax = np.asarray(magnitude.max(initial=np.float32(0)), dtype=np.float32)
+        mode = _cpu.SCALE_TENSOR
+    elif scaling == "channel":
+        amax = magnitude.max(axis=1, keepdims=True, initial=np.float32(0))
+        mode = _cpu.SCALE_ROW
+    else:
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        padded = np.zeros((nb * BLOCK, kb * BLOCK), np.float32)
+        padded[:n, :k] = magnitude
+        amax = padded.reshape(nb, BLOCK, kb, BLOCK).max(axis=(1, 3))
+        mode = _cpu.SCALE_BLOCK
+    scale_inv = (amax.astype(np.float32) / np.float32(fmt.max_value)).astype(np.float32)
+    scale_inv[scale_inv == 0] = 1
+    inverse = (np.float32(1) / scale_inv).astype(np.float32).reshape(-1)
+    return Scales(scale_inv, inverse, mode, k, -(-k // BLOCK))
 
 
 def use_threads(n: int) -> None:
@@ -82,6 +154,10 @@ def use_threads(n: int) -> None:
     numba.set_num_threads(n)
 
 
+_NO_SCALES = np.ones(1, np.float32)
+_NO_RESIDUAL = np.zeros(0, np.float32)
+
+
 def export_array(
     master: np.ndarray,
     out: np.ndarray,
@@ -89,57 +165,116 @@ def export_array(
     *,
     version: int,
     name: str,
+    fmt: Format | None = None,
     offset: int = 0,
+    scales: Scales | None = None,
+    residual: np.ndarray | None = None,
+    new_residual: np.ndarray | None = None,
 ) -> ExportStats:
-    """Array form of `export`: `master` a 1-D float32 array (read-only is fine), `out` a writable
-    1-D array of the served bytes (uint8 or a same-width integer view)."""
+    """The kernel entry point: export `master` (1-D float32, read-only is fine) into `out` (the
+    served bytes, uint8). `offset` is the flat index of master[0] within tensor `name`, so a chunk
+    or a shard exports to exactly the bits of the whole tensor. `ef` reads `residual` and writes
+    `new_residual` (both 1-D float32 like master; they may be the same array)."""
+    fmt = fmt or FORMATS[spec.format]
     if master.dtype != np.float32 or master.ndim != 1:
         raise TypeError(f"tensor {name!r}: master must be a 1-D float32 array, got {master.dtype}")
-    served = out.view(np.uint16)
+    served = out.view(np.uint16 if fmt.width == 16 else np.uint8)
     if served.size != master.size:
         raise ValueError(f"tensor {name!r}: out holds {served.size} elements, master has {master.size}")
-    k0, k1 = tensor_key(spec.seed, version, name)
-    nonfinite, saturated = bf16_export(
-        master.view(np.uint32),
-        served,
-        np.uint32(k0),
-        np.uint32(k1),
-        np.uint64(offset),
-        spec.rounding == "sr",
-    )
+    if fmt.scaled and scales is None:
+        raise ValueError(f"tensor {name!r}: {fmt.name} needs scales (fp8_scales)")
+    ef = spec.rounding == "ef"
+    if ef and (residual is None or new_residual is None):
+        raise ValueError(f"tensor {name!r}: rounding 'ef' needs the residual")
+    if ef and fmt.name == "bf16":
+        nonfinite, saturated = _cpu.bf16_export_ef(master, served, residual, new_residual)
+        return ExportStats(int(nonfinite), int(saturated))
+    k0, k1 = spec.key(version, name)
+    if fmt.name == "bf16":
+        nonfinite, saturated = _cpu.bf16_export(
+            master.view(np.uint32), served, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic
+        )
+        return ExportStats(int(nonfinite), int(saturated))
+    sc = scales or Scales(_NO_SCALES, _NO_SCALES)
+    nonfinite, saturated = _cpu.float_export(
+        master, served, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic,
+        fmt.mantissa, fmt.bias, fmt.emin, fmt.max_bits, fmt.nan_bits, fmt.inf_bits, fmt.width,
+        sc.inverse, sc.scale_inv.reshape(-1), sc.mode, sc.cols, sc.block_cols,
+        residual if ef else _NO_RESIDUAL, new_residual if ef else _NO_RESIDUAL, ef,
+    )  # fmt: skip
     return ExportStats(int(nonfinite), int(saturated))
+
+
+def _master(master: torch.Tensor, name: str) -> torch.Tensor:
+    """fp32 on the CPU, contiguous; bf16/fp16 widen exactly, anything else is refused."""
+    import torch
+
+    if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"tensor {name!r}: master must be float32 (bf16/fp16 widen exactly), got {master.dtype}")
+    return master.detach().to("cpu", torch.float32).contiguous()
+
+
+def _torch_dtype(fmt: Format) -> torch.dtype:
+    import torch
+
+    return getattr(torch, fmt.torch_dtype)  # type: ignore[no-any-return]
 
 
 def export(
     master: torch.Tensor,
-    out: torch.Tensor,
     spec: ExportSpec,
     *,
     version: int,
     name: str,
-    offset: int = 0,
-) -> ExportStats:
-    """Write the served copy of `master` into `out` (same number of elements, served dtype).
-
-    `offset` is the flat index of master's first element within the whole tensor `name`, so a
-    shard or a chunk exports to exactly the bits the whole tensor would.
-    """
+    residual: Residual | None = None,
+) -> dict[str, torch.Tensor]:
+    """The served tensors of one whole master tensor: `{name: served}`, plus `{name}_scale_inv`
+    for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export)."""
     import torch
 
-    if master.dtype != torch.float32:
-        raise TypeError(f"tensor {name!r}: master must be float32, got {master.dtype}")
-    if master.device.type != "cpu" or out.device.type != "cpu":
-        raise NotImplementedError(f"tensor {name!r}: only the CPU kernel exists so far")
-    if out.dtype != spec.served_dtype or out.numel() != master.numel() or not out.is_contiguous():
-        raise ValueError(f"tensor {name!r}: out must be a contiguous {spec.served_dtype} of {master.numel()} elements")
-    return export_array(
-        master.detach().contiguous().reshape(-1).numpy(),
-        out.reshape(-1).view(torch.int16).numpy(),
-        spec,
-        version=version,
-        name=name,
-        offset=offset,
-    )
+    m = _master(master, name)
+    flat = m.reshape(-1).numpy()
+    fmt = spec.format_for(name, tuple(m.shape))
+    res_in = res_out = None
+    if spec.rounding == "ef":
+        if residual is None:
+            raise ValueError(f"tensor {name!r}: rounding 'ef' needs a Residual")
+        res_in = residual.tensor(name, flat.size)
+        res_out = np.empty_like(res_in)
+    scales = None
+    if fmt.scaled:
+        values = flat if res_in is None else flat + res_in
+        scales = fp8_scales(values.reshape(m.shape), fmt, spec.scaling)
+    out = torch.empty(m.shape, dtype=_torch_dtype(fmt))
+    export_array(
+        flat, out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name, fmt=fmt,
+        scales=scales, residual=res_in, new_residual=res_out,
+    )  # fmt: skip
+    if residual is not None and res_out is not None:
+        residual.tensors[name] = res_out
+    served = {name: out}
+    if scales is not None:
+        served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy())
+    return served
+
+
+def export_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    spec: ExportSpec,
+    *,
+    version: int,
+    residual: Residual | None = None,
+) -> dict[str, torch.Tensor]:
+    """Exactly what the service serves for these masters at `version` (fp8 scales included).
+
+    With `ef`, `residual` advances to `version` (pass the one of the previous version).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, master in state_dict.items():
+        out.update(export(master, spec, version=version, name=name, residual=residual))
+    if residual is not None:
+        residual.version = version
+    return out
 
 
 def fair_cast(
@@ -152,10 +287,18 @@ def fair_cast(
     name: str,
     offset: int = 0,
 ) -> torch.Tensor:
-    """The served copy of `master` (same shape), exactly as the service would serve it."""
+    """The served copy of one master tensor or of a flat shard of it starting at element `offset`
+    (bf16/fp16, `rtn`/`sr`/`sr-sticky`). For fp8 and `ef`, use `export_state_dict`."""
     import torch
 
     spec = ExportSpec(format, rounding, seed)
-    out = torch.empty(master.shape, dtype=spec.served_dtype)
-    export(master, out, spec, version=version, name=name, offset=offset)
+    fmt = FORMATS[format]
+    if fmt.scaled or rounding == "ef":
+        raise ValueError("fair_cast covers unscaled formats without state; use export_state_dict for fp8 or ef")
+    m = _master(master, name)
+    out = torch.empty(m.shape, dtype=_torch_dtype(fmt))
+    export_array(
+        m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
+        fmt=fmt, offset=offset,
+    )  # fmt: skip
     return out

@@ -1,13 +1,22 @@
 """Fused CPU kernels (numba): one pass over the fp32 master, at memory speed.
 
-Bit recipes (FIELD.md): work on the fp32 bit pattern as uint32. Round to nearest even adds
-0x7FFF plus the kept lsb; stochastic rounding adds a uniform integer over the 16 discarded bits;
-both then keep the top 16 bits. NaN and Inf are handled before the add (a NaN payload must not
-carry into Inf), and a finite value that would round to Inf saturates to the largest finite bf16.
-Unsigned 32-bit adds cannot overflow here: the largest finite pattern plus 0xFFFF stays below 2**32.
+Every kernel works on the fp32 bit pattern as unsigned integers, so the result is exact and the
+same on any machine (the Triton kernels in `_triton.py` follow the same recipes step for step):
+
+- bf16: round to nearest even adds 0x7FFF plus the kept lsb; stochastic rounding adds a uniform
+  integer over the 16 discarded bits; both keep the top 16 bits (FIELD.md). NaN and Inf are handled
+  first (a NaN payload must not carry into Inf) and a finite value that would round to Inf saturates.
+- other formats: the 24-bit significand is shifted right by `s` bits, where `s` grows in the
+  target's subnormal range; SR adds uniform random bits over all `s` discarded bits (at most 32:
+  beyond that the bias is below 2**-32 of a target ulp), RTN rounds half to even. The result is
+  re-encoded in the target and saturated to its largest finite value.
+- fp8 values are first multiplied by the fp32 reciprocal of their scale (tensor, row or 128x128
+  block); `ef` adds the fp32 residual first and keeps `u - served` as the new residual.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit, prange
@@ -17,6 +26,8 @@ _MANT_MASK = np.uint32(0x007FFFFF)
 _BF16_QNAN_BIT = np.uint32(0x0040)
 _BF16_INF_MAG = np.uint32(0x7F80)
 _BF16_MAG_MASK = np.uint32(0x7FFF)
+
+SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
 
 @njit(inline="always")
@@ -38,31 +49,209 @@ def random_bits(k0, k1, index):  # type: ignore[no-untyped-def]
     return _mix32(_mix32(lo ^ k0) ^ (hi + k1))
 
 
+@njit(inline="always")
+def _bf16_round(bits, add):  # type: ignore[no-untyped-def]
+    """(served bits, saturated) of a finite fp32 pattern plus the rounding increment `add`."""
+    out = (bits + add) >> np.uint32(16)
+    if (out & _BF16_MAG_MASK) == _BF16_INF_MAG:
+        return out - np.uint32(1), 1  # saturate to +-max finite, never Inf
+    return out, 0
+
+
+@njit(inline="always")
+def _bf16_special(bits):  # type: ignore[no-untyped-def]
+    # NaN stays NaN (quiet bit set, sign kept), Inf stays Inf.
+    out = bits >> np.uint32(16)
+    if (bits & _MANT_MASK) != np.uint32(0):
+        out |= _BF16_QNAN_BIT
+    return out
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def bf16_export(master, served, k0, k1, offset, stochastic):  # type: ignore[no-untyped-def]
-    """master: uint32 view of fp32 (1-D); served: uint16 view of bf16 (1-D, same length).
-
-    Returns (nonfinite, saturated) element counts.
-    """
+    """master: uint32 view of fp32 (1-D); served: uint16 (same length). Returns (nonfinite, saturated)."""
     nonfinite = 0
     saturated = 0
     base = np.uint64(offset)
     for i in prange(master.size):
         bits = master[i]
         if (bits & _EXP_MASK) == _EXP_MASK:
-            # NaN stays NaN (quiet bit set, sign kept), Inf stays Inf.
-            out = bits >> np.uint32(16)
-            if (bits & _MANT_MASK) != np.uint32(0):
-                out |= _BF16_QNAN_BIT
+            served[i] = np.uint16(_bf16_special(bits))
             nonfinite += 1
+            continue
+        if stochastic:
+            add = random_bits(k0, k1, base + np.uint64(i)) & np.uint32(0xFFFF)
         else:
-            if stochastic:
-                add = random_bits(k0, k1, base + np.uint64(i)) & np.uint32(0xFFFF)
-            else:
-                add = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-            out = (bits + add) >> np.uint32(16)
-            if (out & _BF16_MAG_MASK) == _BF16_INF_MAG:
-                out -= np.uint32(1)  # saturate to +-max finite, never Inf
-                saturated += 1
+            add = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+        out, sat = _bf16_round(bits, add)
+        saturated += sat
         served[i] = np.uint16(out)
+    return nonfinite, saturated
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-untyped-def]
+    """Error feedback to bf16: u = m + e, s = RTN(u), e' = u - s (exact), written to `new_residual`."""
+    nonfinite = 0
+    saturated = 0
+    mbits = master.view(np.uint32)
+    for i in prange(master.size):
+        if (mbits[i] & _EXP_MASK) == _EXP_MASK:
+            served[i] = np.uint16(_bf16_special(mbits[i]))
+            new_residual[i] = np.float32(0.0)  # a non-finite master resets its residual
+            nonfinite += 1
+            continue
+        u = master[i] + residual[i]
+        bits = _f32_bits(u)
+        if (bits & _EXP_MASK) == _EXP_MASK:  # m + e overflowed: serve the saturated master
+            bits = mbits[i]
+            u = master[i]
+        out, sat = _bf16_round(bits, np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
+        saturated += sat
+        served[i] = np.uint16(out)
+        new_residual[i] = u - _f32_from_bits(out << np.uint32(16))
+    return nonfinite, saturated
+
+
+@njit(inline="always")
+def _f32_bits(x):  # type: ignore[no-untyped-def]
+    a = np.empty(1, np.float32)
+    a[0] = x
+    return a.view(np.uint32)[0]
+
+
+@njit(inline="always")
+def _f32_from_bits(b):  # type: ignore[no-untyped-def]
+    a = np.empty(1, np.uint32)
+    a[0] = b
+    return a.view(np.float32)[0]
+
+
+@njit(inline="always")
+def _scale_index(g, mode, cols, block_cols):  # type: ignore[no-untyped-def]
+    if mode == SCALE_TENSOR:
+        return 0
+    row = g // cols
+    if mode == SCALE_ROW:
+        return row
+    return (row // 128) * block_cols + (g - row * cols) // 128
+
+
+@njit(inline="always")
+def _round_to_format(bits, r, stochastic, mantissa, bias, emin, max_bits):  # type: ignore[no-untyped-def]
+    """Round a finite fp32 pattern to the target format.
+
+    Returns (magnitude bits, saturated, the served number as a float64 with its sign, exact).
+    """
+    sign = bits >> np.uint32(31)
+    expf = np.int64((bits >> np.uint32(23)) & np.uint32(0xFF))
+    mant = np.int64(bits & _MANT_MASK)
+    if expf == 0:
+        e = np.int64(-126)
+        sig = mant
+    else:
+        e = expf - 127
+        sig = mant | np.int64(1 << 23)
+    big_e = max(e, np.int64(emin))
+    s = 23 - mantissa + (big_e - e)
+    if stochastic:
+        if s <= 32:
+            q = (sig + (np.int64(r) & ((np.int64(1) << s) - 1))) >> s
+        else:
+            q = np.int64(1) if np.int64(r) < (sig >> (s - 32)) else np.int64(0)
+    else:
+        if s <= 40:
+            q = sig >> s
+            rem = sig & ((np.int64(1) << s) - 1)
+            half = np.int64(1) << (s - 1)
+            if rem > half or (rem == half and (q & 1) == 1):
+                q += 1
+        else:
+            q = np.int64(0)
+    saturated = 0
+    if q == 0:
+        mag = np.int64(0)
+    elif big_e == emin and q < (np.int64(1) << mantissa):
+        mag = q  # subnormal
+    else:
+        if q >= (np.int64(1) << (mantissa + 1)):
+            q >>= 1
+            big_e += 1
+        mag = ((big_e + bias) << mantissa) | (q - (np.int64(1) << mantissa))
+        if mag > max_bits:
+            mag = np.int64(max_bits)
+            saturated = 1
+    if mag == 0:
+        value = 0.0
+    elif (mag >> mantissa) == 0:
+        value = math.ldexp(float(mag), emin - mantissa)
+    else:
+        significand = (mag & ((1 << mantissa) - 1)) | (1 << mantissa)
+        value = math.ldexp(float(significand), (mag >> mantissa) - bias - mantissa)
+    if sign:
+        value = -value
+    return mag, saturated, value
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def float_export(  # type: ignore[no-untyped-def]
+    master,
+    served,
+    k0,
+    k1,
+    offset,
+    stochastic,
+    mantissa,
+    bias,
+    emin,
+    max_bits,
+    nan_bits,
+    inf_bits,
+    width,
+    inv_scales,
+    scales,
+    scale_mode,
+    cols,
+    block_cols,
+    residual,
+    new_residual,
+    use_residual,
+):
+    """Any format: master float32 (1-D), served uint8/uint16 (same length). Returns (nonfinite, saturated)."""
+    nonfinite = 0
+    saturated = 0
+    base = np.uint64(offset)
+    sign_shift = np.int64(width - 1)
+    mbits = master.view(np.uint32)
+    for i in prange(master.size):
+        bits = mbits[i]
+        sign = np.int64(bits >> np.uint32(31))
+        if (bits & _EXP_MASK) == _EXP_MASK:
+            is_nan = (bits & _MANT_MASK) != np.uint32(0)
+            mag = nan_bits if (is_nan or inf_bits < 0) else inf_bits
+            served[i] = (sign << sign_shift) | mag
+            if use_residual:
+                new_residual[i] = np.float32(0.0)
+            nonfinite += 1
+            continue
+        u = master[i]
+        if use_residual:
+            u = u + residual[i]
+        g = base + np.uint64(i)
+        scale = np.float32(1.0)
+        if scale_mode != SCALE_NONE:
+            k = _scale_index(np.int64(g), scale_mode, cols, block_cols)
+            y = u * inv_scales[k]
+            scale = scales[k]
+        else:
+            y = u
+        ybits = _f32_bits(y)
+        if (ybits & _EXP_MASK) == _EXP_MASK:  # overflowed while scaling or adding the residual
+            ybits = (ybits & np.uint32(0x80000000)) | np.uint32(0x7F7FFFFF)
+        r = random_bits(k0, k1, g) if stochastic else np.uint32(0)
+        mag, sat, value = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
+        saturated += sat
+        served[i] = (np.int64(ybits >> np.uint32(31)) << sign_shift) | mag
+        if use_residual:
+            new_residual[i] = u - np.float32(value) * scale
     return nonfinite, saturated

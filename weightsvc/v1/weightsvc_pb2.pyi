@@ -17,14 +17,18 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "step", "tensors")
+    __slots__ = ("model", "step", "tensors", "format", "rounding")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDING_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
+    format: str
+    rounding: str
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
@@ -75,7 +79,7 @@ class ServedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors")
+    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +89,7 @@ class Manifest(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     MASTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -94,7 +99,8 @@ class Manifest(_message.Message):
     data_bytes: int
     master_digest: str
     tensors: _containers.RepeatedCompositeFieldContainer[ServedTensor]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ...) -> None: ...
+    scaling: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
     __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes")
