@@ -64,8 +64,11 @@ def serve(
     data_dir: Annotated[
         Path | None, typer.Option(envvar="WEIGHTSVC_DATA_DIR", help="Persist committed versions here.")
     ] = None,
-    format: Annotated[str, typer.Option(envvar="WEIGHTSVC_FORMAT", help="Served format.")] = "bf16",
-    rounding: Annotated[str, typer.Option(envvar="WEIGHTSVC_ROUNDING", help="Rounding rule: sr or rtn.")] = "sr",
+    format: Annotated[str, typer.Option(envvar="WEIGHTSVC_FORMAT", help="bf16, fp16, fp8_e4m3 or fp8_e5m2.")] = "bf16",
+    rounding: Annotated[str, typer.Option(envvar="WEIGHTSVC_ROUNDING", help="rtn, sr, sr-sticky or ef.")] = "sr",
+    scaling: Annotated[
+        str, typer.Option(envvar="WEIGHTSVC_SCALING", help="fp8 scales: tensor, channel or block.")
+    ] = "block",
     seed: Annotated[int, typer.Option(envvar="WEIGHTSVC_SEED", help="Seed of the rounding RNG.")] = 0,
     device: Annotated[str, typer.Option(envvar="WEIGHTSVC_DEVICE", help="Export device.")] = "auto",
     retain: Annotated[int, typer.Option(envvar="WEIGHTSVC_RETAIN", help="Versions kept per model.")] = 4,
@@ -86,6 +89,7 @@ def serve(
             data_dir=data_dir,
             format=format,
             rounding=rounding,
+            scaling=scaling,
             seed=seed,
             device=device,
             retain=retain,
@@ -175,6 +179,53 @@ def pull(
         f"pulled model {manifest.model} version {manifest.version} -> {output} "
         f"({len(manifest.tensors)} tensors, checksums verified)",
         highlight=False,
+    )
+
+
+@app.command()
+def export(
+    input: Annotated[Path, typer.Argument(help="fp32 masters (safetensors).")],
+    output: Annotated[Path, typer.Argument(help="Where to write the served copy (safetensors).")],
+    step: Annotated[int, typer.Option(help="The version the served copy is keyed by.")],
+    format: Annotated[str, typer.Option(help="bf16, fp16, fp8_e4m3 or fp8_e5m2.")] = "bf16",
+    rounding: Annotated[str, typer.Option(help="rtn, sr, sr-sticky or ef.")] = "sr",
+    seed: Annotated[int, typer.Option(help="Seed of the rounding RNG.")] = 0,
+    scaling: Annotated[str, typer.Option(help="fp8 scales: tensor, channel or block.")] = "block",
+    residual: Annotated[
+        Path | None, typer.Option(help="ef: the residual file, read when it exists and rewritten.")
+    ] = None,
+) -> None:
+    """Fair Cast a checkpoint offline: the same bits the service serves for the same keys."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file, save_file
+
+    from weightsvc.rounding import ExportSpec, Residual, export_state_dict
+
+    try:
+        spec = ExportSpec(format, rounding, seed, scaling)
+    except ValueError as e:
+        fail(str(e))
+    if spec.rounding == "ef" and residual is None:
+        fail("--rounding ef needs --residual FILE (created when missing)")
+    try:
+        masters = load_file(str(input))
+        state = Residual.load(residual) if residual is not None and residual.exists() else None
+    except (OSError, SafetensorError) as e:
+        fail(f"cannot read {input if residual is None or not residual.exists() else residual}: {e}")
+    if spec.rounding == "ef":
+        state = state or Residual()
+        if state.version is not None and step <= state.version:
+            fail(f"the residual in {residual} is of step {state.version}; --step must be above it")
+    try:
+        served = export_state_dict(masters, spec, version=step, residual=state)
+    except (TypeError, ValueError) as e:
+        fail(str(e))
+    meta = {"format": spec.format, "rounding": spec.rounding, "seed": str(seed), "version": str(step)}
+    save_file(served, str(output), metadata=meta)
+    if state is not None and residual is not None:
+        state.save(residual)
+    out.print(
+        f"exported {len(masters)} tensors at step {step} ({spec.format}/{spec.rounding}) -> {output}", highlight=False
     )
 
 

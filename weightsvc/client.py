@@ -45,7 +45,13 @@ __all__ = ["InferenceClient", "LearnerClient", "VersionInfo"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20
-_TORCH_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 # Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
 _EXACT_TO_F32 = (torch.float32, torch.bfloat16, torch.float16)
 Progress = Callable[[int], None]

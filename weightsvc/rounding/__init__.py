@@ -15,6 +15,7 @@ pay torch's ~200 MiB of resident memory.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,7 +57,7 @@ __all__ = [
 ]
 
 
-def check_choice(kind: str, value: str, choices: tuple[str, ...] | dict[str, object]) -> str:
+def check_choice(kind: str, value: str, choices: Collection[str]) -> str:
     if value not in choices:
         raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
     return value
@@ -139,7 +140,7 @@ def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
         padded[:n, :k] = magnitude
         amax = padded.reshape(nb, BLOCK, kb, BLOCK).max(axis=(1, 3))
         mode = _cpu.SCALE_BLOCK
-    scale_inv = (amax.astype(np.float32) / np.float32(fmt.max_value)).astype(np.float32)
+    scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
     scale_inv[scale_inv == 0] = 1
     inverse = (np.float32(1) / scale_inv).astype(np.float32).reshape(-1)
     return Scales(scale_inv, inverse, mode, k, -(-k // BLOCK))

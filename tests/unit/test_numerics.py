@@ -1,0 +1,229 @@
+"""Formats and modes of Fair Cast against independent oracles (torch's cast, ml_dtypes, exact sums)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from weightsvc.rounding import (
+    FORMATS,
+    ExportSpec,
+    Residual,
+    _cpu,
+    export_array,
+    export_state_dict,
+    fair_cast,
+    fp8_scales,
+)
+from weightsvc.rounding.__init__ import Scales
+
+ML_DTYPES = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
+UNIT_SCALE = Scales(np.ones((), np.float32), np.ones(1, np.float32), _cpu.SCALE_TENSOR, 1, 1)
+
+
+def export_bits(
+    master: np.ndarray,
+    fmt: str,
+    rounding: str = "rtn",
+    *,
+    version: int = 1,
+    name: str = "w",
+    offset: int = 0,
+    scales: Scales | None = None,
+) -> np.ndarray:
+    f = FORMATS[fmt]
+    out = np.empty(master.size * f.itemsize, np.uint8)
+    spec = ExportSpec(fmt, rounding, 0)
+    export_array(
+        master.astype(np.float32).reshape(-1),
+        out,
+        spec,
+        version=version,
+        name=name,
+        fmt=f,
+        offset=offset,
+        scales=scales if f.scaled else None,
+    )
+    return out.view(np.uint16 if f.width == 16 else np.uint8)
+
+
+bit_patterns = st.lists(st.integers(min_value=0, max_value=2**32 - 1), min_size=1, max_size=300)
+
+
+@settings(max_examples=40, deadline=None)
+@given(bit_patterns)
+def test_fp16_rtn_is_torch_cast_with_saturation(patterns: list[int]) -> None:
+    master = np.array(patterns, dtype=np.uint32).view(np.float32)
+    ours = export_bits(master, "fp16")
+    ref = torch.from_numpy(master.copy()).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    finite = np.isfinite(master)
+    overflow = finite & ~np.isfinite(ref.view(np.float16))
+    same = finite & ~overflow
+    assert np.array_equal(ours[same], ref[same])
+    assert np.all((ours[overflow] & 0x7FFF) == 0x7BFF)  # +-65504, never Inf
+    assert np.array_equal(np.isnan(ours.view(np.float16)), np.isnan(master))
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@settings(max_examples=40, deadline=None)
+@given(patterns=bit_patterns)
+def test_fp8_rtn_is_ml_dtypes_after_saturation(fmt: str, patterns: list[int]) -> None:
+    master = np.array(patterns, dtype=np.uint32).view(np.float32)
+    master = master[np.isfinite(master)]
+    if master.size == 0:
+        return
+    limit = np.float32(FORMATS[fmt].max_value)
+    clamped = np.clip(master, -limit, limit)
+    ours = export_bits(clamped, fmt, scales=UNIT_SCALE)
+    ref = clamped.astype(ML_DTYPES[fmt]).view(np.uint8)
+    assert np.array_equal(ours, ref), (clamped[ours != ref][:5], ours[ours != ref][:5], ref[ours != ref][:5])
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_generic_kernel_agrees_with_the_bf16_kernel(rounding: str) -> None:
+    gen = np.random.default_rng(0)
+    bits = gen.integers(0, 2**32, 20_000, dtype=np.uint64).astype(np.uint32)
+    master = bits.view(np.float32)
+    fast = export_bits(master, "bf16", rounding)
+    bf16 = FORMATS["bf16"]
+    generic = np.empty(master.size, np.uint16)
+    k0, k1 = ExportSpec("bf16", rounding).key(1, "w")
+    _cpu.float_export(master, generic, np.uint32(k0), np.uint32(k1), np.uint64(0), rounding == "sr",
+                      bf16.mantissa, bf16.bias, bf16.emin, bf16.max_bits, bf16.nan_bits, bf16.inf_bits, 16,
+                      np.ones(1, np.float32), np.ones(1, np.float32), 0, 1, 1,
+                      np.zeros(0, np.float32), np.zeros(0, np.float32), False)  # fmt: skip
+    finite = np.isfinite(master)
+    assert np.array_equal(fast[finite], generic[finite])
+
+
+@pytest.mark.parametrize("fmt, value, lower, upper", [
+    ("fp16", 1.0 + 0.3 * 2**-10, 1.0, 1.0 + 2**-10),
+    ("fp8_e4m3", 1.0 + 0.7 * 2**-3, 1.0, 1.0 + 2**-3),
+    ("fp8_e5m2", 2**-15 * 1.25, 2**-15, 2**-15 * 1.5),  # subnormal range of e5m2 (spacing 2**-16)
+])  # fmt: skip
+def test_sr_rounds_up_with_the_right_frequency(fmt: str, value: float, lower: float, upper: float) -> None:
+    n = 40_000
+    master = np.full(n, value, np.float32)
+    codes = export_bits(master, fmt, "sr", scales=UNIT_SCALE)
+    dtype = np.float16 if fmt == "fp16" else ML_DTYPES[fmt]
+    served = codes.view(dtype).astype(np.float64)
+    assert set(np.unique(served)) <= {lower, upper}
+    p = (value - lower) / (upper - lower)
+    assert abs((served == upper).mean() - p) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_sr_sticky_keeps_its_thresholds_across_versions() -> None:
+    master = torch.randn(50_000) * 0.02
+    a = fair_cast(master, rounding="sr-sticky", version=1, name="w")
+    b = fair_cast(master, rounding="sr-sticky", version=2, name="w")
+    c = fair_cast(master, rounding="sr", version=1, name="w")
+    d = fair_cast(master, rounding="sr", version=2, name="w")
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    churn_sr = (c.view(torch.int16) != d.view(torch.int16)).float().mean().item()
+    assert churn_sr > 0.2  # fresh randomness per version flips about a third of the elements
+    # A small step moves few sticky elements: churn close to rtn's.
+    moved = master + 1e-6
+    e = fair_cast(moved, rounding="sr-sticky", version=3, name="w")
+    assert (a.view(torch.int16) != e.view(torch.int16)).float().mean().item() < 0.05
+    err = (a.double() - master.double()).mean().item()
+    assert abs(err) < 5 * 2**-8 * 0.02 / math.sqrt(master.numel()) * 4  # unbiased across elements
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3"])
+def test_ef_running_sum_tracks_the_masters(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    name = "layers.0.weight"
+    master = (torch.randn(64, 256, generator=gen) * 0.02).to(torch.bfloat16).float()
+    residual = Residual()
+    spec = ExportSpec(fmt, "ef", scaling="tensor")
+    sum_served = torch.zeros_like(master, dtype=torch.float64)
+    sum_master = torch.zeros_like(master, dtype=torch.float64)
+    for step in range(1, 41):
+        master = master + torch.randn(master.shape, generator=gen) * 1e-5
+        out = export_state_dict({name: master}, spec, version=step, residual=residual)
+        served = out[name].double()
+        if fmt.startswith("fp8"):
+            served = served * out[name + "_scale_inv"].double()
+        sum_served += served
+        sum_master += master.double()
+    assert residual.version == 40
+    # The difference of the running sums is minus the last residual: at most half a served ulp
+    # (plus the fp32 rounding of m + e).
+    gap = (sum_master - sum_served).abs()
+    assert torch.allclose(gap, torch.from_numpy(residual.tensors[name]).double().abs().reshape(gap.shape),
+                          atol=1e-6)  # fmt: skip
+    half_ulp = served.abs().clamp_min(1e-30) * 2.0 ** -(FORMATS[fmt].mantissa + 1)
+    assert (gap <= half_ulp * 1.01 + 1e-7).float().mean().item() > 0.99
+
+
+def test_ef_resets_the_residual_where_the_master_is_not_finite() -> None:
+    residual = Residual(tensors={"w": np.full(4, 1e-3, np.float32)})
+    master = torch.tensor([1.0, math.nan, math.inf, 2.0])
+    export_state_dict({"w": master}, ExportSpec("bf16", "ef"), version=1, residual=residual)
+    r = residual.tensors["w"]
+    assert r[1] == 0 and r[2] == 0 and r[0] != 0
+
+
+@pytest.mark.parametrize("scaling, shape", [("tensor", ()), ("channel", (300, 1)), ("block", (3, 2))])
+def test_fp8_scales_layout_and_values(scaling: str, shape: tuple[int, ...]) -> None:
+    gen = np.random.default_rng(1)
+    values = gen.normal(0, 0.02, (300, 200)).astype(np.float32)
+    values[128:256, 128:200] = 0  # an all-zero block gets scale 1
+    fmt = FORMATS["fp8_e4m3"]
+    scales = fp8_scales(values, fmt, scaling)
+    assert scales.scale_inv.shape == shape and scales.scale_inv.dtype == np.float32
+    if scaling == "block":
+        assert scales.scale_inv[1, 1] == 1
+        assert scales.scale_inv[0, 0] == np.float32(np.abs(values[:128, :128]).max()) / np.float32(448)
+    if scaling == "tensor":
+        assert scales.scale_inv == np.float32(np.abs(values).max()) / np.float32(448)
+    out = export_state_dict({"x.weight": torch.from_numpy(values)}, ExportSpec("fp8_e4m3", "rtn", scaling=scaling),
+                            version=1)  # fmt: skip
+    assert out["x.weight"].dtype == torch.float8_e4m3fn
+    scale_inv = out["x.weight_scale_inv"].numpy()
+    if scaling == "block":
+        full = np.kron(scale_inv, np.ones((128, 128), np.float32))[:300, :200]
+    else:
+        full = np.broadcast_to(scale_inv, values.shape)
+    deq = out["x.weight"].float().numpy() * full
+    # Dequantised error within half the e4m3 spacing at each scaled magnitude.
+    scaled = np.abs(values) / full
+    spacing = np.exp2(np.floor(np.log2(np.maximum(scaled, 2.0**-6))) - 3) * full
+    assert np.all(np.abs(deq - values) <= spacing / 2 * 1.0001 + 1e-12)
+
+
+def test_fp8_goes_to_selected_weights_only() -> None:
+    masters = {"embed_tokens.weight": torch.randn(16, 8), "layers.0.mlp.weight": torch.randn(16, 8),
+               "layers.0.norm.weight": torch.randn(8), "layers.0.mlp.bias": torch.randn(16)}  # fmt: skip
+    out = export_state_dict(masters, ExportSpec("fp8_e5m2", "sr"), version=1)
+    assert {k: v.dtype for k, v in out.items()} == {
+        "embed_tokens.weight": torch.bfloat16, "layers.0.mlp.weight": torch.float8_e5m2,
+        "layers.0.mlp.weight_scale_inv": torch.float32, "layers.0.norm.weight": torch.bfloat16,
+        "layers.0.mlp.bias": torch.bfloat16,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt, rounding", [("fp16", "sr"), ("bf16", "sr-sticky"), ("fp8_e5m2", "sr")])
+def test_same_bits_for_any_chunking_and_any_split_across_ranks(fmt: str, rounding: str) -> None:
+    master = (np.random.default_rng(2).normal(0, 0.02, 10_007)).astype(np.float32)
+    whole = export_bits(master, fmt, rounding, scales=UNIT_SCALE)
+    for piece in (1, 1000, 4096):
+        parts = [export_bits(master[o : o + piece], fmt, rounding, offset=o, scales=UNIT_SCALE)
+                 for o in range(0, master.size, piece)]  # fmt: skip
+        assert np.array_equal(whole, np.concatenate(parts))
+
+
+def test_residual_save_and_load(tmp_path: Path) -> None:
+    r = Residual(7, {"a": np.arange(5, dtype=np.float32), "b": np.zeros(0, np.float32)})
+    r.save(tmp_path / "r.safetensors")
+    back = Residual.load(tmp_path / "r.safetensors")
+    assert back.version == 7 and set(back.tensors) == {"a", "b"}
+    assert np.array_equal(back.tensors["a"], r.tensors["a"])
+    assert not list(tmp_path.glob(".*tmp"))
