@@ -149,15 +149,21 @@ class LearnerClient:
         state_dict: Mapping[str, torch.Tensor],
         model: str = "default",
         *,
+        format: str = "",
+        rounding: str = "",
         progress: Progress | None = None,
     ) -> VersionInfo:
-        """Stream the masters of `step`; returns once the version is committed (or raises)."""
+        """Stream the masters of `step`; returns once the version is committed (or raises).
+
+        `format` / `rounding` override the server's export for this push (empty: the server's)."""
         for name, t in state_dict.items():
             if t.dtype not in _EXACT_TO_F32:
                 _as_master(name, t)  # raises with the tensor's name
         header = pb.PushHeader(
             model=model,
             step=step,
+            format=format,
+            rounding=rounding,
             tensors=[pb.TensorSpec(name=n, shape=list(t.shape), dtype=MASTER_DTYPE) for n, t in state_dict.items()],
         )
 

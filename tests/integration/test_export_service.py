@@ -1,0 +1,80 @@
+"""The service serves exactly what `weightsvc.rounding` computes locally: every format and mode,
+fp8 scales, the ef residual across versions and restarts, and per-push overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_masters, start_server
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import InvalidArgument
+from weightsvc.rounding import ExportSpec, Residual, export_state_dict
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+
+
+def steps(n: int) -> list[dict[str, torch.Tensor]]:
+    base = make_masters(seed=5)
+    return [{k: v + 1e-4 * i for k, v in base.items()} for i in range(n)]
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
+def test_served_copy_is_the_local_fair_cast(fmt: str, rounding: str) -> None:
+    srv = start_server(format=fmt, rounding=rounding, seed=3, scaling="block", chunk_bytes=4096)
+    try:
+        learner = LearnerClient(srv.grpc_target, chunk_bytes=8192)  # several chunks per tensor
+        spec = ExportSpec(fmt, rounding, 3, "block")
+        residual = Residual()
+        for step, masters in enumerate(steps(3), start=1):
+            learner.push(step, masters)
+            expected = export_state_dict(masters, spec, version=step, residual=residual)
+            same_bits(InferenceClient(srv.grpc_target).pull(version=step), expected)
+        manifest = InferenceClient(srv.http_url).manifest()
+        assert (manifest.format, manifest.rounding, manifest.seed) == (fmt, rounding, 3)
+        assert manifest.scaling == ("block" if fmt.startswith("fp8") else "")
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_per_push_override(model: str) -> None:
+    srv = start_server()
+    try:
+        masters = make_masters()
+        info = LearnerClient(srv.grpc_target).push(1, masters, model=model, format="fp16", rounding="rtn")
+        assert (info.format, info.rounding) == ("fp16", "rtn")
+        same_bits(InferenceClient(srv.grpc_target).pull(model),
+                  export_state_dict(masters, ExportSpec("fp16", "rtn"), version=1))  # fmt: skip
+        with pytest.raises(InvalidArgument, match="unknown format 'int4'"):
+            LearnerClient(srv.grpc_target).push(2, masters, model=model, format="int4")
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_ef_residual_survives_a_restart(data_dir: Path) -> None:
+    spec = ExportSpec("bf16", "ef")
+    residual = Residual()
+    masters = steps(4)
+    expected = [export_state_dict(m, spec, version=i, residual=residual) for i, m in enumerate(masters, 1)]
+    srv = start_server(data_dir=data_dir, rounding="ef")
+    try:
+        for i in (1, 2):
+            LearnerClient(srv.grpc_target).push(i, masters[i - 1])
+    finally:
+        srv.__exit__(None, None, None)
+    assert [p.name for p in (data_dir / "models" / "default").glob("residual-*")] == [f"residual-{2:020d}.safetensors"]
+    srv = start_server(data_dir=data_dir, rounding="ef")
+    try:
+        for i in (3, 4):
+            LearnerClient(srv.grpc_target).push(i, masters[i - 1])
+            same_bits(InferenceClient(srv.grpc_target).pull(version=i), expected[i - 1])
+    finally:
+        srv.__exit__(None, None, None)
