@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightsvc._memory import alloc
@@ -132,6 +133,53 @@ def _best(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
 
 
+def _torch_ops_sr(x: torch.Tensor) -> torch.Tensor:
+    """SR to bf16 composed from torch ops, as torchao's bf16 optimizer does it (the baseline)."""
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32)
+    bits = (x.view(torch.int32) + noise) & -65536
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def kernel_bench(*, size_mib: int = 256, repeat: int = 5) -> dict[str, float]:
+    """K1/K2: fused export vs `x.to(torch.bfloat16)` on the same tensor, all cores, out of cache."""
+    from weightsvc import rounding
+
+    rounding.use_threads(os.cpu_count() or 1)
+    x = torch.randn((size_mib << 20) // 4) * 0.02
+    flat = x.numpy()
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    out_bytes = out.view(torch.uint8).numpy()
+    residual = rounding.Residual()
+    res_in = residual.tensor("w", x.numel())
+    res_out = np.empty_like(res_in)
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()  # warm-up: compile, fault in
+
+        def once() -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        return _best(once, repeat)
+
+    cast_s = timed(lambda: x.to(torch.bfloat16))
+    spec_sr, spec_ef = rounding.ExportSpec("bf16", "sr"), rounding.ExportSpec("bf16", "ef")
+    sr_s = timed(lambda: rounding.export_array(flat, out_bytes, spec_sr, version=1, name="w"))
+    ef_s = timed(lambda: rounding.export_array(flat, out_bytes, spec_ef, version=1, name="w", residual=res_in,
+                                               new_residual=res_out))  # fmt: skip
+    torch_sr_s = timed(lambda: _torch_ops_sr(x))
+    return {
+        "K1": round(cast_s / sr_s, 3),
+        "K2": round(cast_s / ef_s, 3),
+        "K1_vs_torch_ops_sr": round(torch_sr_s / sr_s, 2),
+        "kernel_cast_gbps": round(x.numel() * 4 / cast_s / 1e9, 2),
+        "kernel_sr_gbps": round(x.numel() * 4 / sr_s / 1e9, 2),
+        "kernel_ef_gbps": round(x.numel() * 4 / ef_s / 1e9, 2),
+        "kernel_torch_ops_sr_gbps": round(x.numel() * 4 / torch_sr_s / 1e9, 2),
+    }
+
+
 def run_bench(
     *, size_mib: int = 1024, repeat: int = 3, retain: int = 4, log: Callable[[str], Any] | None = None
 ) -> dict[str, Any]:
@@ -203,11 +251,22 @@ def run_bench(
             "cpus": os.cpu_count(),
         },
     }
+    say("kernels: K1/K2 on a 256 MiB fp32 tensor")
+    kernels = kernel_bench(repeat=repeat)
+    result.update({k: v for k, v in kernels.items() if not k.startswith("kernel_")})
+    result["details"].update({k: v for k, v in kernels.items() if k.startswith("kernel_")})
     result["report"] = {
         "T1": {"what": "pull vs raw TCP (best of gRPC/HTTP)", "value": f"{result['T1']:.2f}x", "target": ">= 0.5x"},
         "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
         "T1_http": {"what": "pull over HTTP vs raw TCP", "value": f"{t1_http:.2f}x", "target": ""},
         "T2": {"what": "push fp32 -> committed vs raw TCP", "value": f"{result['T2']:.2f}x", "target": ">= 0.4x"},
+        "K1": {"what": "fused sr bf16 export vs x.to(bfloat16)", "value": f"{kernels['K1']:.2f}x", "target": ">= 0.8x"},
+        "K2": {"what": "fused ef bf16 export vs x.to(bfloat16)", "value": f"{kernels['K2']:.2f}x", "target": ">= 0.4x"},
+        "K1_vs_torch_ops_sr": {
+            "what": "fused sr vs sr composed from torch ops",
+            "value": f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster",
+            "target": "",
+        },
         "M1": {
             "what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",
             "value": f"{result['M1']:.2f}",

@@ -135,10 +135,38 @@ def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path,
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
-def test_bench_json_has_the_transfer_figures() -> None:
+def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
     result = cli("bench", "--size-mib", "32", "--repeat", "1", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
-    for key in ("T1", "T1_grpc", "T1_http", "T2", "M1"):
+    for key in ("T1", "T1_grpc", "T1_http", "T2", "M1", "K1", "K2", "K1_vs_torch_ops_sr"):
         assert isinstance(figures[key], float) and figures[key] > 0, key
     assert figures["details"]["master_mib"] == 32
+
+
+def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> None:
+    srv = Serve("--format", "fp8_e4m3", "--rounding", "ef", "--seed", "9", "--scaling", "channel")
+    try:
+        base = make_masters(seed=4)
+        for step in (1, 2):
+            ckpt = tmp_path / f"m{step}.safetensors"
+            save_file({k: v + 1e-4 * step for k, v in base.items()}, str(ckpt))
+            assert cli("push", str(ckpt), "--step", str(step), "--target", srv.target).returncode == 0
+            exported = cli("export", str(ckpt), str(tmp_path / f"e{step}.safetensors"), "--step", str(step),
+                           "--format", "fp8_e4m3", "--rounding", "ef", "--seed", "9", "--scaling", "channel",
+                           "--residual", str(tmp_path / "residual.safetensors"))  # fmt: skip
+            assert exported.returncode == 0, exported.stderr
+            assert cli("pull", "-o", str(tmp_path / f"p{step}.safetensors"), "--version", str(step),
+                       "--url", srv.url).returncode == 0  # fmt: skip
+            ours, served = (
+                load_file(str(tmp_path / f"e{step}.safetensors")),
+                load_file(str(tmp_path / f"p{step}.safetensors")),
+            )
+            assert sorted(ours) == sorted(served) and any(k.endswith("_scale_inv") for k in ours)
+            for name in ours:
+                assert torch.equal(ours[name].reshape(-1).view(torch.uint8), served[name].reshape(-1).view(torch.uint8))
+        line = one_error_line(cli("export", str(ckpt), str(tmp_path / "x"), "--step", "1", "--rounding", "ef",
+                                  "--residual", str(tmp_path / "residual.safetensors")))  # fmt: skip
+        assert "residual" in line and "is of step 2" in line
+    finally:
+        srv.stop()
