@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# The Triton kernels run on this CPU through Triton's interpreter; set before triton is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import re
 from collections.abc import Iterator
 from pathlib import Path

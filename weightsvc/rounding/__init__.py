@@ -130,20 +130,41 @@ def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
     magnitude = np.abs(np.where(np.isfinite(values), values, np.float32(0)))
     if scaling == "tensor":
         amax = np.asarray(magnitude.max(initial=np.float32(0)), dtype=np.float32)
-        mode = _cpu.SCALE_TENSOR
     elif scaling == "channel":
         amax = magnitude.max(axis=1, keepdims=True, initial=np.float32(0))
-        mode = _cpu.SCALE_ROW
     else:
         nb, kb = -(-n // BLOCK), -(-k // BLOCK)
         padded = np.zeros((nb * BLOCK, kb * BLOCK), np.float32)
         padded[:n, :k] = magnitude
         amax = padded.reshape(nb, BLOCK, kb, BLOCK).max(axis=(1, 3))
-        mode = _cpu.SCALE_BLOCK
+    return scales_from_amax(amax, fmt, scaling, k)
+
+
+def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> Scales:
+    """The scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA paths."""
     scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
     scale_inv[scale_inv == 0] = 1
     inverse = (np.float32(1) / scale_inv).astype(np.float32).reshape(-1)
-    return Scales(scale_inv, inverse, mode, k, -(-k // BLOCK))
+    mode = {"tensor": _cpu.SCALE_TENSOR, "channel": _cpu.SCALE_ROW, "block": _cpu.SCALE_BLOCK}[scaling]
+    return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))
+
+
+def _fp8_scales_cuda(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
+    """fp8_scales for a CUDA tensor: the maxima on the device (exact), the small rest on the host."""
+    import torch
+
+    n, k = values.shape
+    magnitude = torch.where(torch.isfinite(values), values, 0).abs()
+    if scaling == "tensor":
+        amax = magnitude.max() if magnitude.numel() else torch.zeros((), device=values.device)
+    elif scaling == "channel":
+        amax = magnitude.amax(dim=1, keepdim=True) if k else torch.zeros((n, 1), device=values.device)
+    else:
+        nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+        padded = torch.zeros((nb * BLOCK, kb * BLOCK), dtype=torch.float32, device=values.device)
+        padded[:n, :k] = magnitude
+        amax = padded.reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
+    return scales_from_amax(amax.float().cpu().numpy(), fmt, scaling, k)
 
 
 def use_threads(n: int) -> None:
@@ -233,6 +254,8 @@ def export(
     for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export)."""
     import torch
 
+    if master.is_cuda:
+        return _export_cuda(master, spec, version=version, name=name, residual=residual)
     m = _master(master, name)
     flat = m.reshape(-1).numpy()
     fmt = spec.format_for(name, tuple(m.shape))
@@ -256,6 +279,50 @@ def export(
     served = {name: out}
     if scales is not None:
         served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy())
+    return served
+
+
+def _export_cuda(
+    master: torch.Tensor, spec: ExportSpec, *, version: int, name: str, residual: Residual | None
+) -> dict[str, torch.Tensor]:
+    """`export` on the GPU with the Triton kernels: the same bits as the CPU path (served on the
+    master's device; the residual stays on the host, as the service keeps it)."""
+    import torch
+
+    from weightsvc.rounding import _triton
+
+    m = master.detach().to(torch.float32).contiguous()
+    flat = m.reshape(-1)
+    fmt = spec.format_for(name, tuple(m.shape))
+    res_in = res_out = None
+    if spec.rounding == "ef":
+        if residual is None:
+            raise ValueError(f"tensor {name!r}: rounding 'ef' needs a Residual")
+        res_in = torch.from_numpy(residual.tensor(name, flat.numel())).to(m.device)
+        res_out = torch.empty_like(res_in)
+    k0, k1 = spec.key(version, name)
+    out = torch.empty(m.shape, dtype=_torch_dtype(fmt), device=m.device)
+    served_bits = out.reshape(-1).view(torch.int16 if fmt.width == 16 else torch.uint8)
+    scales = None
+    if fmt.name == "bf16":
+        _triton.bf16_export(flat, served_bits, k0, k1, 0, spec.stochastic, res_in, res_out)
+    else:
+        if fmt.scaled:
+            values = m if res_in is None else m + res_in.reshape(m.shape)
+            scales = _fp8_scales_cuda(values, fmt, spec.scaling)
+        one = torch.ones(1, device=m.device)
+        _triton.float_export(
+            flat, served_bits, k0, k1, 0, spec.stochastic, fmt,
+            torch.from_numpy(scales.inverse).to(m.device) if scales else one,
+            torch.from_numpy(scales.scale_inv.reshape(-1).copy()).to(m.device) if scales else one,
+            scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
+            res_in, res_out,
+        )  # fmt: skip
+    if residual is not None and res_out is not None:
+        residual.tensors[name] = res_out.cpu().numpy()
+    served = {name: out}
+    if scales is not None:
+        served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy()).to(m.device)
     return served
 
 

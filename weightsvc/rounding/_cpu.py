@@ -32,13 +32,13 @@ SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
 @njit(inline="always")
 def _mix32(x):  # type: ignore[no-untyped-def]
-    # "lowbias32" integer hash (a bijection on uint32 with good avalanche).
-    x ^= x >> np.uint32(16)
-    x *= np.uint32(0x7FEB352D)
-    x ^= x >> np.uint32(15)
-    x *= np.uint32(0x846CA68B)
-    x ^= x >> np.uint32(16)
-    return x
+    # "lowbias32" integer hash (a bijection on uint32 with good avalanche). numba widens integer
+    # arithmetic to 64 bits, so every step is truncated back to 32 explicitly.
+    x = np.uint32(x ^ (x >> np.uint32(16)))
+    x = np.uint32(x * np.uint32(0x7FEB352D))
+    x = np.uint32(x ^ (x >> np.uint32(15)))
+    x = np.uint32(x * np.uint32(0x846CA68B))
+    return np.uint32(x ^ (x >> np.uint32(16)))
 
 
 @njit(inline="always")
@@ -46,7 +46,7 @@ def random_bits(k0, k1, index):  # type: ignore[no-untyped-def]
     """32 random bits for flat element `index` (uint64) under key (k0, k1)."""
     lo = np.uint32(index & np.uint64(0xFFFFFFFF))
     hi = np.uint32(index >> np.uint64(32))
-    return _mix32(_mix32(lo ^ k0) ^ (hi + k1))
+    return _mix32(np.uint32(_mix32(np.uint32(lo ^ k0)) ^ np.uint32(hi + k1)))
 
 
 @njit(inline="always")

@@ -1,0 +1,92 @@
+"""The Triton kernels (run here by Triton's interpreter) give the CPU kernels' bits, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from weightsvc.rounding import FORMATS, ExportSpec, _cpu, export_array, fp8_scales
+
+triton_kernels = pytest.importorskip("weightsvc.rounding._triton")
+
+N_ROWS, N_COLS = 130, 260  # spans two 128-blocks in each direction
+
+
+def masters() -> np.ndarray:
+    gen = np.random.default_rng(7)
+    values = gen.normal(0, 0.02, N_ROWS * N_COLS).astype(np.float32)
+    raw = gen.integers(0, 2**32, 2000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    values[:2000] = raw  # every kind of bit pattern: NaN, Inf, subnormals, huge
+    values[2000:2010] = [0.0, -0.0, 1e-40, -1e-40, 3.4e38, -3.4e38, 448.0, 500.0, 65504.0, 7e4]
+    return values
+
+
+def test_hash_matches_a_pure_python_lowbias32() -> None:
+    from numba import njit
+
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x7FEB352D) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x846CA68B) & 0xFFFFFFFF
+        return x ^ (x >> 16)
+
+    @njit
+    def bits(k0, k1, idx):  # type: ignore[no-untyped-def]
+        return _cpu.random_bits(k0, k1, idx)
+
+    for k0, k1, idx in [(5, 7, 3), (0xFFFFFFFF, 1, 2**40 + 17), (123, 0xDEADBEEF, 0)]:
+        expected = mix(mix((idx & 0xFFFFFFFF) ^ k0) ^ (((idx >> 32) + k1) & 0xFFFFFFFF))
+        assert bits(np.uint32(k0), np.uint32(k1), np.uint64(idx)) == expected
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
+def test_bf16_kernel(rounding: str) -> None:
+    m = masters()
+    spec = ExportSpec("bf16", rounding, seed=11)
+    cpu = np.empty(m.size * 2, np.uint8)
+    res = np.random.default_rng(1).normal(0, 1e-4, m.size).astype(np.float32)
+    cpu_res = np.empty_like(res)
+    export_array(m, cpu, spec, version=5, name="w", offset=9, residual=res, new_residual=cpu_res)
+    gpu = torch.empty(m.size, dtype=torch.int16)
+    k0, k1 = spec.key(5, "w")
+    ef = rounding == "ef"
+    gpu_res = torch.empty(m.size, dtype=torch.float32)
+    triton_kernels.bf16_export(torch.from_numpy(m.copy()), gpu, k0, k1, 9, spec.stochastic,
+                               torch.from_numpy(res) if ef else None, gpu_res if ef else None)  # fmt: skip
+    assert np.array_equal(cpu.view(np.uint16), gpu.numpy().view(np.uint16))
+    if ef:
+        assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt, scaling", [("fp16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "block"),
+                                          ("fp8_e5m2", "channel")])  # fmt: skip
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "ef"])
+def test_float_kernel(fmt: str, scaling: str | None, rounding: str) -> None:
+    f = FORMATS[fmt]
+    m = masters()
+    if f.scaled:
+        m[:2100] = np.nan_to_num(m[:2100], nan=0.0, posinf=1.0, neginf=-1.0).clip(-1, 1)
+    spec = ExportSpec(fmt, rounding, seed=3, scaling=scaling or "block")
+    res = np.random.default_rng(2).normal(0, 1e-3, m.size).astype(np.float32)
+    scales = fp8_scales((m + res).reshape(N_ROWS, N_COLS), f, spec.scaling) if f.scaled else None
+    cpu = np.empty(m.size * f.itemsize, np.uint8)
+    cpu_res = np.empty_like(res)
+    export_array(m, cpu, spec, version=2, name="x.weight", fmt=f, scales=scales, residual=res,
+                 new_residual=cpu_res)  # fmt: skip
+    ef = rounding == "ef"
+    k0, k1 = spec.key(2, "x.weight")
+    gpu = torch.empty(m.size, dtype=torch.int16 if f.width == 16 else torch.uint8)
+    gpu_res = torch.empty(m.size, dtype=torch.float32)
+    one = torch.ones(1)
+    triton_kernels.float_export(
+        torch.from_numpy(m.copy()), gpu, k0, k1, 0, spec.stochastic, f,
+        torch.from_numpy(scales.inverse) if scales else one,
+        torch.from_numpy(scales.scale_inv.reshape(-1).copy()) if scales else one,
+        scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
+        torch.from_numpy(res) if ef else None, gpu_res if ef else None,
+    )  # fmt: skip
+    assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
+    if ef:
+        assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))

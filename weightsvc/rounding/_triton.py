@@ -1,0 +1,190 @@
+"""Triton kernels for CUDA: the recipes of `_cpu.py`, step for step, so the bits are identical.
+
+Tested on the CPU under `TRITON_INTERPRET=1` against the numba kernels, bit for bit. Launched with
+`enable_fp_fusion=False`: the ef residual `u - value * scale` must not become an FMA on the GPU,
+or its last bit would differ from the CPU's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_SIZE = 1024
+
+
+@triton.jit
+def _mix32(x):
+    # Products are truncated to 32 bits explicitly: the interpreter widens uint32 * int to int64.
+    x ^= x >> 16
+    x = (x * 0x7FEB352D).to(tl.uint32)
+    x ^= x >> 15
+    x = (x * 0x846CA68B).to(tl.uint32)
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _random_bits(k0, k1, g):
+    lo = (g & 0xFFFFFFFF).to(tl.uint32)
+    hi = (g >> 32).to(tl.uint32)
+    k0 = k0.to(tl.uint32)
+    k1 = k1.to(tl.uint32)
+    return _mix32(_mix32(lo ^ k0) ^ (hi + k1).to(tl.uint32))
+
+
+@triton.jit
+def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
+                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    m = tl.load(src + i, mask=mask, other=0.0)
+    mbits = m.to(tl.uint32, bitcast=True)
+    special = (mbits & 0x7F800000) == 0x7F800000
+    u = m
+    if EF:
+        u = m + tl.load(residual + i, mask=mask, other=0.0)
+    bits = u.to(tl.uint32, bitcast=True)
+    if EF:  # m + e overflowed: serve the saturated master
+        over = (bits & 0x7F800000) == 0x7F800000
+        bits = tl.where(over, mbits, bits)
+        u = tl.where(over, m, u)
+    if STOCHASTIC:
+        add = _random_bits(k0, k1, offset + i) & 0xFFFF
+    else:
+        add = 0x7FFF + ((bits >> 16) & 1)
+    out = (bits + add) >> 16
+    sat = (out & 0x7FFF) == 0x7F80
+    out = tl.where(sat, out - 1, out)
+    nan_or_inf = (mbits >> 16) | tl.where((mbits & 0x7FFFFF) != 0, 0x40, 0).to(tl.uint32)
+    out = tl.where(special, nan_or_inf, out)
+    tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    if EF:
+        served = (out << 16).to(tl.float32, bitcast=True)
+        tl.store(new_residual + i, tl.where(special, 0.0, u - served), mask=mask)
+    tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
+    tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
+
+
+@triton.jit
+def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, n, k0, k1, offset,
+                  cols, block_cols, MANT: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
+                  MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr, WIDTH: tl.constexpr,
+                  SCALE_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, EF: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    g = offset + i
+    m = tl.load(src + i, mask=mask, other=0.0)
+    mbits = m.to(tl.uint32, bitcast=True)
+    special = (mbits & 0x7F800000) == 0x7F800000
+    u = m
+    if EF:
+        u = m + tl.load(residual + i, mask=mask, other=0.0)
+    scale = tl.full([BLOCK], 1.0, tl.float32)
+    y = u
+    if SCALE_MODE != 0:
+        if SCALE_MODE == 1:
+            k = g * 0
+        elif SCALE_MODE == 2:
+            k = g // cols
+        else:
+            row = g // cols
+            k = (row // 128) * block_cols + (g - row * cols) // 128
+        y = u * tl.load(inv_scales + k, mask=mask, other=1.0)
+        scale = tl.load(scales + k, mask=mask, other=1.0)
+    ybits = y.to(tl.uint32, bitcast=True)
+    ybits = tl.where((ybits & 0x7F800000) == 0x7F800000, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
+    expf = ((ybits >> 23) & 0xFF).to(tl.int64)
+    mant = (ybits & 0x7FFFFF).to(tl.int64)
+    e = tl.where(expf == 0, -126, expf - 127)
+    sig = tl.where(expf == 0, mant, mant | (1 << 23))
+    big_e = tl.maximum(e, EMIN)
+    s = 23 - MANT + (big_e - e)
+    if STOCHASTIC:
+        r = _random_bits(k0, k1, g).to(tl.int64)
+        s_lo = tl.minimum(s, 32)
+        q_lo = (sig + (r & ((1 << s_lo) - 1))) >> s_lo
+        q_hi = tl.where(r < (sig >> (tl.maximum(s, 32) - 32)), 1, 0).to(tl.int64)
+        q = tl.where(s <= 32, q_lo, q_hi)
+    else:
+        s_c = tl.minimum(s, 40)
+        q = sig >> s_c
+        rem = sig & ((1 << s_c) - 1)
+        half = 1 << (s_c - 1)
+        up = (rem > half) | ((rem == half) & ((q & 1) == 1))
+        q = tl.where(s <= 40, q + up.to(tl.int64), 0)
+    carry = q >= (1 << (MANT + 1))
+    q = tl.where(carry, q >> 1, q)
+    big_e = tl.where(carry, big_e + 1, big_e)
+    subnormal = (big_e == EMIN) & (q < (1 << MANT))
+    normal_mag = ((big_e + BIAS) << MANT) | (q - (1 << MANT))
+    mag = tl.where(q == 0, 0, tl.where(subnormal, q, normal_mag))
+    sat = mag > MAX_BITS
+    mag = tl.where(sat, MAX_BITS, mag)
+    sign = (ybits >> 31).to(tl.int64)
+    out = (sign << (WIDTH - 1)) | mag
+    msign = (mbits >> 31).to(tl.int64)
+    is_nan = (mbits & 0x7FFFFF) != 0
+    special_mag = tl.where(is_nan | (INF_BITS < 0), NAN_BITS, INF_BITS)
+    out = tl.where(special, (msign << (WIDTH - 1)) | special_mag, out)
+    if WIDTH == 16:
+        tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        tl.store(dst + i, out.to(tl.uint8), mask=mask)
+    if EF:
+        # The served number, exact in fp32: significand times a power of two built from its bits.
+        is_sub = (mag >> MANT) == 0
+        significand = tl.where(is_sub, mag, (mag & ((1 << MANT) - 1)) | (1 << MANT)).to(tl.float32)
+        exponent = tl.where(is_sub, EMIN - MANT, (mag >> MANT) - BIAS - MANT)
+        pow2 = ((exponent + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
+        value = significand * pow2
+        value = tl.where(sign == 1, -value, value)
+        tl.store(new_residual + i, tl.where(special, 0.0, u - value * scale), mask=mask)
+    tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
+    tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
+
+
+def _grid(n: int) -> tuple[int]:
+    return (max(1, triton.cdiv(n, BLOCK_SIZE)),)
+
+
+def bf16_export(
+    master: torch.Tensor,
+    served: torch.Tensor,
+    k0: int,
+    k1: int,
+    offset: int,
+    stochastic: bool,
+    residual: torch.Tensor | None = None,
+    new_residual: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """master float32 (1-D), served int16 view (1-D); ef when residuals are given (rtn)."""
+    n = master.numel()
+    counts = torch.zeros(2, dtype=torch.int64, device=master.device)
+    ef = residual is not None
+    dummy = master if not ef else residual
+    _bf16_kernel[_grid(n)](
+        master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
+        STOCHASTIC=stochastic and not ef, EF=ef, BLOCK=BLOCK_SIZE, enable_fp_fusion=False,
+    )  # fmt: skip
+    return int(counts[0]), int(counts[1])
+
+
+def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
+                 fmt: object, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
+                 block_cols: int, residual: torch.Tensor | None = None,
+                 new_residual: torch.Tensor | None = None) -> tuple[int, int]:  # fmt: skip
+    """Any format; served is an int16 (16-bit formats) or uint8 view."""
+    n = master.numel()
+    counts = torch.zeros(2, dtype=torch.int64, device=master.device)
+    ef = residual is not None
+    dummy = master if not ef else residual
+    _float_kernel[_grid(n)](
+        master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
+        cols, block_cols, MANT=fmt.mantissa, BIAS=fmt.bias, EMIN=fmt.emin, MAX_BITS=fmt.max_bits,  # type: ignore[attr-defined]
+        NAN_BITS=fmt.nan_bits, INF_BITS=fmt.inf_bits, WIDTH=fmt.width, SCALE_MODE=scale_mode,  # type: ignore[attr-defined]
+        STOCHASTIC=stochastic, EF=ef, BLOCK=BLOCK_SIZE, enable_fp_fusion=False,
+    )  # fmt: skip
+    return int(counts[0]), int(counts[1])
