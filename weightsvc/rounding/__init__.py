@@ -34,10 +34,12 @@ ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
 # fp8 goes to 2-D weights; embeddings and norms stay in bf16 (DESIGN §3.1).
 DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
 SCALE_SUFFIX = "_scale_inv"
+DEVICES = ("auto", "cpu", "cuda")
 
 __all__ = [
     "BLOCK",
     "DEFAULT_FP8_PATTERN",
+    "DEVICES",
     "FORMATS",
     "ROUNDINGS",
     "SCALE_SUFFIX",
@@ -249,12 +251,19 @@ def export(
     version: int,
     name: str,
     residual: Residual | None = None,
+    device: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """The served tensors of one whole master tensor: `{name: served}`, plus `{name}_scale_inv`
-    for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export)."""
+    for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export).
+
+    `device`: "auto" exports where the master lives (Triton on CUDA, numba on the CPU), "cpu" or
+    "cuda" force one; both give the same bits."""
     import torch
 
-    if master.is_cuda:
+    check_choice("device", device, DEVICES)
+    if device == "cuda" and not master.is_cuda:
+        master = master.to("cuda")
+    if master.is_cuda and device != "cpu":
         return _export_cuda(master, spec, version=version, name=name, residual=residual)
     m = _master(master, name)
     flat = m.reshape(-1).numpy()
@@ -332,6 +341,7 @@ def export_state_dict(
     *,
     version: int,
     residual: Residual | None = None,
+    device: str = "auto",
 ) -> dict[str, torch.Tensor]:
     """Exactly what the service serves for these masters at `version` (fp8 scales included).
 
@@ -339,7 +349,7 @@ def export_state_dict(
     """
     out: dict[str, torch.Tensor] = {}
     for name, master in state_dict.items():
-        out.update(export(master, spec, version=version, name=name, residual=residual))
+        out.update(export(master, spec, version=version, name=name, residual=residual, device=device))
     if residual is not None:
         residual.version = version
     return out
