@@ -345,13 +345,16 @@ class VersionStore:
         """Keep the newest residual whose version is committed; an orphan (written just before a
         crash, its version never committed) is dropped, as its version was."""
         committed = self._versions.get(model, {})
+        latest = max(committed) if committed else None
         for path in sorted(model_dir.glob("residual-*.safetensors"), reverse=True):
             try:
                 residual = Residual.load(path)
             except Exception as e:
                 log.error("skipping %s: %s", path, e)
                 continue
-            if residual.version in committed:
+            # Its version may have been evicted since (later versions were not ef), but never above
+            # the latest committed one: that would be the residual of a version that never committed.
+            if latest is not None and residual.version is not None and residual.version <= latest:
                 self._residuals[model] = residual
                 return
 

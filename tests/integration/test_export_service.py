@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,7 +71,11 @@ def test_ef_residual_survives_a_restart(data_dir: Path) -> None:
             LearnerClient(srv.grpc_target).push(i, masters[i - 1])
     finally:
         srv.__exit__(None, None, None)
-    assert [p.name for p in (data_dir / "models" / "default").glob("residual-*")] == [f"residual-{2:020d}.safetensors"]
+    model_dir = data_dir / "models" / "default"
+    assert [p.name for p in model_dir.glob("residual-*")] == [f"residual-{2:020d}.safetensors"]
+    # A crash between the residual of step 3 and its version file leaves an orphan: never used.
+    orphan = Residual(3, {name: np.full(t.numel(), 0.5, np.float32) for name, t in masters[2].items()})
+    orphan.save(model_dir / f"residual-{3:020d}.safetensors")
     srv = start_server(data_dir=data_dir, rounding="ef")
     try:
         for i in (3, 4):
