@@ -17,6 +17,7 @@ from typing import Any
 
 import xxhash
 
+from weightsvc._lag import LagMetrics
 from weightsvc.errors import DataLoss, InvalidArgument
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
@@ -97,6 +98,7 @@ class Manifest:
     master_digest: str
     tensors: tuple[ServedTensor, ...] = field(default_factory=tuple)
     scaling: str = ""  # fp8 scale granularity when the version has fp8 tensors
+    lag: LagMetrics | None = None  # computed at commit against the model's earlier versions
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -106,7 +108,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         tensors = tuple(ServedTensor(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
-        return cls(**{**d, "tensors": tensors})
+        lag = LagMetrics(**d["lag"]) if d.get("lag") else None
+        return cls(**{**d, "tensors": tensors, "lag": lag})
 
     def info(self) -> dict[str, Any]:
         """The short form used in version lists and events."""
@@ -118,6 +121,7 @@ class Manifest:
             "committed_unix": self.committed_unix,
             "tensor_count": len(self.tensors),
             "data_bytes": self.data_bytes,
+            "lag": None if self.lag is None else self.lag.to_dict(),
         }
 
     def safetensors_header(self) -> bytes:

@@ -136,8 +136,10 @@ class PushSession:
         self.data = data
         self.data_bytes = data_bytes
         self.tensors = tensors
-        self.residual = service.store.residual(header.model) if spec.rounding == "ef" else None
-        self.residual_version = None if self.residual is None else self.residual.version
+        self.residual = (
+            service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
+        )
+        self.base_version = service.store.latest(header.model)  # an ef push continues from this one
         self.staged_bytes = 0
         self._stage(data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -342,7 +344,10 @@ class PushSession:
         residual = None
         if self.residual is not None:
             new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}
-            residual = (self.residual_version, rounding.Residual(self.header.step, new))
+            residual = (
+                self.base_version,
+                rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
+            )
         committed, created = await self.service.store.commit(version, residual)
         self.committed = created
         saturated = sum(t.saturated for t in self.tensors.values())

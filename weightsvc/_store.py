@@ -148,9 +148,14 @@ class VersionStore:
 
     # ---- commit ------------------------------------------------------------------------------
 
-    def residual(self, model: str) -> Residual:
-        """The EF residual of the model's latest committed `ef` export (empty when none yet)."""
-        return self._residuals.setdefault(model, Residual())
+    def residual(self, model: str, format: str, scaling: str) -> Residual:
+        """The EF residual an `ef` push of `model` continues from: the one of the latest committed
+        version if that version was an `ef` export to the same format, else a fresh (zero) one."""
+        r = self._residuals.get(model)
+        latest = self.latest(model)
+        if r is not None and latest is not None and r.version == latest and (r.format, r.scaling) == (format, scaling):
+            return r
+        return Residual(format=format, scaling=scaling)
 
     async def commit(
         self, version: Version, residual: tuple[int | None, Residual] | None = None
@@ -186,10 +191,10 @@ class VersionStore:
                     f"model {m.model!r}: step {m.version} is not above the latest version {latest}",
                     reason="step_not_above_latest",
                 )
-            if residual is not None and residual[0] != self.residual(m.model).version:
+            if residual is not None and residual[0] != latest:
                 raise FailedPrecondition(
-                    f"model {m.model!r} step {m.version}: the ef residual moved on to version "
-                    f"{self.residual(m.model).version} while this push used version {residual[0]}; push again",
+                    f"model {m.model!r} step {m.version}: version {latest} committed while this ef push "
+                    f"continued from version {residual[0]}; push again",
                     reason="step_not_above_latest",
                 )
             if self.data_dir is not None:
@@ -323,7 +328,7 @@ class VersionStore:
         for model_dir in sorted(root.iterdir()) if root.is_dir() else []:
             for tmp in model_dir.glob(".*.tmp"):
                 tmp.unlink()  # a write that never reached its rename: never committed
-            for path in sorted(model_dir.glob("*.safetensors")):
+            for path in sorted(model_dir.glob("[0-9]*.safetensors")):
                 try:
                     version = self._load(path)
                     m = version.manifest
@@ -346,17 +351,14 @@ class VersionStore:
         crash, its version never committed) is dropped, as its version was."""
         committed = self._versions.get(model, {})
         latest = max(committed) if committed else None
-        for path in sorted(model_dir.glob("residual-*.safetensors"), reverse=True):
+        path = model_dir / f"residual-{latest:020d}.safetensors" if latest is not None else None
+        # Only the residual of the latest version continues (as in a live process); one of a version
+        # that never committed (a crash between the two writes) or of an older one is not used.
+        if path is not None and path.exists():
             try:
-                residual = Residual.load(path)
+                self._residuals[model] = Residual.load(path)
             except Exception as e:
                 log.error("skipping %s: %s", path, e)
-                continue
-            # Its version may have been evicted since (later versions were not ef), but never above
-            # the latest committed one: that would be the residual of a version that never committed.
-            if latest is not None and residual.version is not None and residual.version <= latest:
-                self._residuals[model] = residual
-                return
 
     @staticmethod
     def _load(path: Path) -> Version:

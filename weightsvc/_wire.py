@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from weightsvc._lag import LagMetrics
 from weightsvc._manifest import Manifest, ServedTensor
 from weightsvc.v1 import weightsvc_pb2 as pb
 
@@ -139,6 +140,7 @@ def manifest_to_proto(m: Manifest) -> pb.Manifest:
         data_bytes=m.data_bytes,
         master_digest=m.master_digest,
         scaling=m.scaling,
+        lag=lag_to_proto(m.lag),
         tensors=[
             pb.ServedTensor(
                 name=t.name,
@@ -153,8 +155,21 @@ def manifest_to_proto(m: Manifest) -> pb.Manifest:
     )
 
 
+def lag_to_proto(lag: LagMetrics | None) -> pb.LagMetrics | None:
+    return None if lag is None else pb.LagMetrics(**lag.to_dict())
+
+
+def lag_from_proto(msg: pb.Manifest | pb.VersionInfo) -> LagMetrics | None:
+    if not msg.HasField("lag"):
+        return None
+    lag = msg.lag
+    visibility = lag.update_visibility if lag.HasField("update_visibility") else None
+    return LagMetrics(lag.churn, visibility, lag.lag_steps, lag.relative_error, lag.saturated_elements,
+                      lag.sampled_elements, lag.exact)  # fmt: skip
+
+
 def info_to_proto(m: Manifest) -> pb.VersionInfo:
-    return pb.VersionInfo(**m.info())
+    return pb.VersionInfo(**{**m.info(), "lag": lag_to_proto(m.lag)})
 
 
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
@@ -169,4 +184,5 @@ def manifest_from_proto(m: pb.Manifest) -> Manifest:
         master_digest=m.master_digest,
         tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
         scaling=m.scaling,
+        lag=lag_from_proto(m),
     )

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 import grpc
 import torch
 
+from weightsvc._lag import LagMetrics
 from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
@@ -33,7 +34,14 @@ from weightsvc._manifest import (
     verify,
 )
 from weightsvc._memory import alloc
-from weightsvc._wire import ChunkView, decode_pull_response, encode_chunk, encode_message, manifest_from_proto
+from weightsvc._wire import (
+    ChunkView,
+    decode_pull_response,
+    encode_chunk,
+    encode_message,
+    lag_from_proto,
+    manifest_from_proto,
+)
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, Unavailable, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -67,6 +75,7 @@ class VersionInfo:
     tensor_count: int
     data_bytes: int
     created: bool = True
+    lag: LagMetrics | None = None
 
     @classmethod
     def from_proto(cls, info: pb.VersionInfo, created: bool = True) -> VersionInfo:
@@ -79,6 +88,7 @@ class VersionInfo:
             info.tensor_count,
             info.data_bytes,
             created,
+            lag_from_proto(info),
         )
 
 
@@ -355,7 +365,8 @@ class InferenceClient:
     def versions(self, model: str = "default") -> list[VersionInfo]:
         if self._http:
             body = self._get_json(f"/v1/models/{urllib.parse.quote(model)}/versions")
-            return [VersionInfo(**v) for v in body["versions"]]
+            return [VersionInfo(**{**v, "lag": LagMetrics(**v["lag"]) if v.get("lag") else None})
+                    for v in body["versions"]]  # fmt: skip
         try:
             resp = self._stub.ListVersions(pb.ListVersionsRequest(model=model), timeout=self.timeout)
         except grpc.RpcError as e:

@@ -83,3 +83,20 @@ def test_ef_residual_survives_a_restart(data_dir: Path) -> None:
             same_bits(InferenceClient(srv.grpc_target).pull(version=i), expected[i - 1])
     finally:
         srv.__exit__(None, None, None)
+
+
+def test_ef_continues_only_from_an_ef_version_of_the_same_format() -> None:
+    srv = start_server(rounding="ef")
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        masters = steps(4)
+        learner.push(1, masters[0])
+        learner.push(2, masters[1], rounding="sr")  # breaks the ef chain
+        learner.push(3, masters[2])
+        fresh = export_state_dict(masters[2], ExportSpec("bf16", "ef"), version=3, residual=Residual())
+        same_bits(InferenceClient(srv.grpc_target).pull(version=3), fresh)
+        learner.push(4, masters[3], format="fp16")  # another format: starts from zero too
+        fresh = export_state_dict(masters[3], ExportSpec("fp16", "ef"), version=4, residual=Residual())
+        same_bits(InferenceClient(srv.grpc_target).pull(version=4), fresh)
+    finally:
+        srv.__exit__(None, None, None)

@@ -227,3 +227,33 @@ def test_residual_save_and_load(tmp_path: Path) -> None:
     assert back.version == 7 and set(back.tensors) == {"a", "b"}
     assert np.array_equal(back.tensors["a"], r.tensors["a"])
     assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_sr_far_below_the_smallest_subnormal_is_zero() -> None:
+    # 1.5 * 2**-97 is ~2**-73 fp16 ulps: P(up) is below the resolution of the 32 random bits.
+    master = np.full(20_000, 1.5 * 2.0**-97, np.float32)
+    assert not export_bits(master, "fp16", "sr").any()
+    assert not export_bits(master, "fp8_e5m2", "sr", scales=UNIT_SCALE).any()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+def test_ef_keeps_the_sign_of_zero(fmt: str) -> None:
+    out = export_state_dict({"w": torch.tensor([-0.0, 0.0])}, ExportSpec(fmt, "ef"), version=1, residual=Residual())
+    assert out["w"].view(torch.int16).tolist() == [-0x8000, 0]
+
+
+def test_ef_does_not_wind_up_when_saturating() -> None:
+    residual = Residual()
+    spec = ExportSpec("fp16", "ef")
+    for step in range(1, 11):
+        export_state_dict({"w": torch.full((4,), 1e5)}, spec, version=step, residual=residual)
+    assert not residual.tensors["w"].any()
+    out = export_state_dict({"w": torch.zeros(4)}, spec, version=11, residual=residual)
+    assert not out["w"].float().any()  # back to the master at once
+
+
+def test_tiny_fp8_scales_keep_zeros_zero() -> None:
+    values = torch.tensor([[1e-37, 0.0, 0.0, 0.0]])
+    out = export_state_dict({"x.weight": values}, ExportSpec("fp8_e4m3", "rtn", scaling="block"), version=1)
+    assert out["x.weight"].float()[0, 1:].tolist() == [0.0, 0.0, 0.0]
+    assert torch.isfinite(out["x.weight_scale_inv"]).all()

@@ -90,3 +90,16 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str) -> None:
     assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
     if ef:
         assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
+
+
+def test_far_subnormal_sr_agrees() -> None:
+    f = FORMATS["fp16"]
+    m = np.concatenate([np.full(3000, 1.5 * 2.0**-97, np.float32), np.full(3000, 1.5 * 2.0**-50, np.float32)])
+    spec = ExportSpec("fp16", "sr", seed=1)
+    cpu = np.empty(m.size * 2, np.uint8)
+    export_array(m, cpu, spec, version=1, name="w", fmt=f)
+    gpu = torch.empty(m.size, dtype=torch.int16)
+    k0, k1 = spec.key(1, "w")
+    one = torch.ones(1)
+    triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one, one, 0, 1, 1)
+    assert np.array_equal(cpu.view(np.int16), gpu.numpy())

@@ -145,7 +145,9 @@ def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
 def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> Scales:
     """The scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA paths."""
     scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
+    # A zero group gets 1; a tiny one at least the smallest normal, so its reciprocal stays finite.
     scale_inv[scale_inv == 0] = 1
+    np.maximum(scale_inv, np.float32(2.0**-126), out=scale_inv)
     inverse = (np.float32(1) / scale_inv).astype(np.float32).reshape(-1)
     mode = {"tensor": _cpu.SCALE_TENSOR, "channel": _cpu.SCALE_ROW, "block": _cpu.SCALE_BLOCK}[scaling]
     return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))

@@ -101,7 +101,8 @@ def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-u
             new_residual[i] = np.float32(0.0)  # a non-finite master resets its residual
             nonfinite += 1
             continue
-        u = master[i] + residual[i]
+        # u = m + e; with e == 0, u is m itself, so -0 keeps its sign.
+        u = master[i] if residual[i] == 0 else master[i] + residual[i]
         bits = _f32_bits(u)
         if (bits & _EXP_MASK) == _EXP_MASK:  # m + e overflowed: serve the saturated master
             bits = mbits[i]
@@ -109,7 +110,8 @@ def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-u
         out, sat = _bf16_round(bits, np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
         saturated += sat
         served[i] = np.uint16(out)
-        new_residual[i] = u - _f32_from_bits(out << np.uint32(16))
+        # A saturated element keeps no residual: the error beyond the range would only wind up.
+        new_residual[i] = np.float32(0.0) if sat else u - _f32_from_bits(out << np.uint32(16))
     return nonfinite, saturated
 
 
@@ -157,8 +159,10 @@ def _round_to_format(bits, r, stochastic, mantissa, bias, emin, max_bits):  # ty
     if stochastic:
         if s <= 32:
             q = (sig + (np.int64(r) & ((np.int64(1) << s) - 1))) >> s
-        else:
+        elif s < 56:
             q = np.int64(1) if np.int64(r) < (sig >> (s - 32)) else np.int64(0)
+        else:
+            q = np.int64(0)  # P(up) = sig / 2**s < 2**-32: below the resolution of 32 random bits
     else:
         if s <= 40:
             q = sig >> s
@@ -235,7 +239,7 @@ def float_export(  # type: ignore[no-untyped-def]
             nonfinite += 1
             continue
         u = master[i]
-        if use_residual:
+        if use_residual and residual[i] != 0:  # with e == 0, u is m itself (-0 keeps its sign)
             u = u + residual[i]
         g = base + np.uint64(i)
         scale = np.float32(1.0)
@@ -246,12 +250,14 @@ def float_export(  # type: ignore[no-untyped-def]
         else:
             y = u
         ybits = _f32_bits(y)
-        if (ybits & _EXP_MASK) == _EXP_MASK:  # overflowed while scaling or adding the residual
+        overflow = (ybits & _EXP_MASK) == _EXP_MASK
+        if overflow:  # overflowed while scaling or adding the residual
             ybits = (ybits & np.uint32(0x80000000)) | np.uint32(0x7F7FFFFF)
         r = random_bits(k0, k1, g) if stochastic else np.uint32(0)
         mag, sat, value = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
         saturated += sat
         served[i] = (np.int64(ybits >> np.uint32(31)) << sign_shift) | mag
         if use_residual:
-            new_residual[i] = u - np.float32(value) * scale
+            # A saturated element keeps no residual: the error beyond the range would only wind up.
+            new_residual[i] = np.float32(0.0) if (sat or overflow) else u - np.float32(value) * scale
     return nonfinite, saturated

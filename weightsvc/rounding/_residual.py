@@ -15,12 +15,16 @@ from pathlib import Path
 import numpy as np
 
 _VERSION_KEY = "weightsvc.residual.version"
+_FORMAT_KEY = "weightsvc.residual.format"
+_SCALING_KEY = "weightsvc.residual.scaling"
 
 
 @dataclass
 class Residual:
     version: int | None = None  # the version whose export produced these residuals (None: fresh)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)  # flat float32 per tensor name
+    format: str = ""  # the export it continues: a residual only carries over to the same one
+    scaling: str = ""
 
     def tensor(self, name: str, numel: int) -> np.ndarray:
         """The residual of `name` (zeros the first time; reset if the tensor changed size)."""
@@ -39,7 +43,11 @@ class Residual:
         from safetensors.numpy import save
 
         path = Path(path)
-        meta = {_VERSION_KEY: "" if self.version is None else str(self.version)}
+        meta = {
+            _VERSION_KEY: "" if self.version is None else str(self.version),
+            _FORMAT_KEY: self.format,
+            _SCALING_KEY: self.scaling,
+        }
         raw = save(dict(self.tensors), metadata=meta)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
@@ -59,4 +67,4 @@ class Residual:
             meta = f.metadata() or {}
             tensors = {k: np.ascontiguousarray(f.get_tensor(k), dtype=np.float32).reshape(-1) for k in f.keys()}  # noqa: SIM118
         raw = meta.get(_VERSION_KEY, "")
-        return cls(int(raw) if raw else None, tensors)
+        return cls(int(raw) if raw else None, tensors, meta.get(_FORMAT_KEY, ""), meta.get(_SCALING_KEY, ""))

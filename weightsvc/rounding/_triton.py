@@ -44,7 +44,8 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
     special = (mbits & 0x7F800000) == 0x7F800000
     u = m
     if EF:
-        u = m + tl.load(residual + i, mask=mask, other=0.0)
+        e = tl.load(residual + i, mask=mask, other=0.0)
+        u = tl.where(e == 0, m, m + e)  # with e == 0, u is m itself (-0 keeps its sign)
     bits = u.to(tl.uint32, bitcast=True)
     if EF:  # m + e overflowed: serve the saturated master
         over = (bits & 0x7F800000) == 0x7F800000
@@ -62,7 +63,7 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
     tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     if EF:
         served = (out << 16).to(tl.float32, bitcast=True)
-        tl.store(new_residual + i, tl.where(special, 0.0, u - served), mask=mask)
+        tl.store(new_residual + i, tl.where(special | sat, 0.0, u - served), mask=mask)
     tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
     tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
 
@@ -81,7 +82,8 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     special = (mbits & 0x7F800000) == 0x7F800000
     u = m
     if EF:
-        u = m + tl.load(residual + i, mask=mask, other=0.0)
+        e = tl.load(residual + i, mask=mask, other=0.0)
+        u = tl.where(e == 0, m, m + e)
     scale = tl.full([BLOCK], 1.0, tl.float32)
     y = u
     if SCALE_MODE != 0:
@@ -95,7 +97,8 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         y = u * tl.load(inv_scales + k, mask=mask, other=1.0)
         scale = tl.load(scales + k, mask=mask, other=1.0)
     ybits = y.to(tl.uint32, bitcast=True)
-    ybits = tl.where((ybits & 0x7F800000) == 0x7F800000, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
+    overflow = (ybits & 0x7F800000) == 0x7F800000
+    ybits = tl.where(overflow, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
     expf = ((ybits >> 23) & 0xFF).to(tl.int64)
     mant = (ybits & 0x7FFFFF).to(tl.int64)
     e = tl.where(expf == 0, -126, expf - 127)
@@ -106,7 +109,8 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         r = _random_bits(k0, k1, g).to(tl.int64)
         s_lo = tl.minimum(s, 32)
         q_lo = (sig + (r & ((1 << s_lo) - 1))) >> s_lo
-        q_hi = tl.where(r < (sig >> (tl.maximum(s, 32) - 32)), 1, 0).to(tl.int64)
+        s_hi = tl.minimum(tl.maximum(s, 32) - 32, 23)  # every shift stays defined
+        q_hi = tl.where((s < 56) & (r < (sig >> s_hi)), 1, 0).to(tl.int64)
         q = tl.where(s <= 32, q_lo, q_hi)
     else:
         s_c = tl.minimum(s, 40)
@@ -141,7 +145,7 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         pow2 = ((exponent + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
         value = significand * pow2
         value = tl.where(sign == 1, -value, value)
-        tl.store(new_residual + i, tl.where(special, 0.0, u - value * scale), mask=mask)
+        tl.store(new_residual + i, tl.where(special | sat | overflow, 0.0, u - value * scale), mask=mask)
     tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
     tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
 

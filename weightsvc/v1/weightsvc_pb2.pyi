@@ -79,7 +79,7 @@ class ServedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling")
+    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class Manifest(_message.Message):
     MASTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SCALING_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -100,10 +101,29 @@ class Manifest(_message.Message):
     master_digest: str
     tensors: _containers.RepeatedCompositeFieldContainer[ServedTensor]
     scaling: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ...) -> None: ...
+    lag: LagMetrics
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
+
+class LagMetrics(_message.Message):
+    __slots__ = ("churn", "update_visibility", "lag_steps", "relative_error", "saturated_elements", "sampled_elements", "exact")
+    CHURN_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_VISIBILITY_FIELD_NUMBER: _ClassVar[int]
+    LAG_STEPS_FIELD_NUMBER: _ClassVar[int]
+    RELATIVE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    SATURATED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    churn: float
+    update_visibility: float
+    lag_steps: int
+    relative_error: float
+    saturated_elements: int
+    sampled_elements: int
+    exact: bool
+    def __init__(self, churn: _Optional[float] = ..., update_visibility: _Optional[float] = ..., lag_steps: _Optional[int] = ..., relative_error: _Optional[float] = ..., saturated_elements: _Optional[int] = ..., sampled_elements: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes")
+    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes", "lag")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +131,7 @@ class VersionInfo(_message.Message):
     COMMITTED_UNIX_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -118,7 +139,8 @@ class VersionInfo(_message.Message):
     committed_unix: float
     tensor_count: int
     data_bytes: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ...) -> None: ...
+    lag: LagMetrics
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "version")
