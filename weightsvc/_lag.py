@@ -15,8 +15,10 @@ one, and one distance per version); for models of at most SAMPLE_TARGET elements
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +54,7 @@ class LagMetrics:
     sampled_elements: int
     exact: bool
 
-    def to_dict(self) -> dict[str, object]:
+    def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -64,6 +66,10 @@ class LagTracker:
     ref: Sample | None = None
     prev: Sample | None = None
     distances: dict[int, float] = field(default_factory=dict)  # D_tau per committed version
+
+    def snapshot(self) -> LagTracker:
+        return copy.copy(self) if not self.distances else LagTracker(self.ref_version, self.ref, self.prev,
+                                                                      dict(self.distances))  # fmt: skip
 
     def observe(self, version: int, sample: Sample, saturated: int, exact: bool) -> LagMetrics:
         m, s = sample.master.astype(np.float64), sample.served.astype(np.float64)

@@ -24,6 +24,7 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
+from weightsvc._lag import Sample, sample_stride, sampled_indices
 from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
@@ -90,6 +91,7 @@ class _StagedTensor:
         self.nonfinite = 0
         self.saturated = 0
         self.checksums: dict[str, str] = {}
+        self.samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (master, served, bits)
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,7 @@ class PushSession:
             service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
         )
         self.base_version = service.store.latest(header.model)  # an ef push continues from this one
+        self.stride = sample_stride(sum(t.spec.numel for t in tensors.values()))
         self.staged_bytes = 0
         self._stage(data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -263,6 +266,10 @@ class PushSession:
         t.master_digest.update(data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
+        idx = sampled_indices(first, count, self.stride)
+        if idx.size:
+            codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)[idx]
+            t.samples.append((master[idx], rounding.decode(codes, t.fmt), codes.astype(np.uint32)))
         if byte_offset + len(data) == t.nbytes:
             t.checksums[t.slot.name] = checksum(served)
         self.export_seconds += time.perf_counter() - start
@@ -293,6 +300,10 @@ class PushSession:
         t.checksums[t.scale.name] = checksum(scale_bytes)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
+        idx = sampled_indices(0, master.size, self.stride)
+        codes = served[idx]
+        served_values = rounding.decode(codes, t.fmt) * rounding.element_scales(scales, idx)
+        t.samples.append((master[idx], served_values.astype(np.float32), codes.astype(np.uint32)))
         t.master = None
         self._stage_from_worker(-t.nbytes)
         self.export_seconds += time.perf_counter() - start
@@ -348,11 +359,13 @@ class PushSession:
                 self.base_version,
                 rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
             )
-        committed, created = await self.service.store.commit(version, residual)
-        self.committed = created
+        sampled = [part for t in self.tensors.values() for part in t.samples]
+        sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
+                          for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())
-        if created and saturated:
-            self.service.metrics.saturated_elements.labels(manifest.model, manifest.format).inc(saturated)
+        lag_input = (sample, saturated, self.stride == 1)
+        committed, created = await self.service.store.commit(version, residual, lag_input)
+        self.committed = created
         return committed, created
 
     async def close(self) -> None:

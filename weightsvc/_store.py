@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import functools
 import logging
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightsvc._lag import LagTracker, Sample
 from weightsvc._manifest import (
     Manifest,
     manifest_from_header,
@@ -96,6 +98,7 @@ class VersionStore:
         self.pool = BufferPool()
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
+        self._lag: dict[str, LagTracker] = {}
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -158,7 +161,10 @@ class VersionStore:
         return Residual(format=format, scaling=scaling)
 
     async def commit(
-        self, version: Version, residual: tuple[int | None, Residual] | None = None
+        self,
+        version: Version,
+        residual: tuple[int | None, Residual] | None = None,
+        lag_input: tuple[Sample, int, bool] | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
         residual it started from). Returns (the committed version, created).
@@ -167,12 +173,17 @@ class VersionStore:
         place the version must also be in memory, or a restart would resurrect a push that the
         learner saw fail.
         """
-        task = asyncio.ensure_future(self._commit(version, residual))
+        task = asyncio.ensure_future(self._commit(version, residual, lag_input))
         self._committing.add(task)
         task.add_done_callback(self._committing.discard)
         return await asyncio.shield(task)
 
-    async def _commit(self, version: Version, residual: tuple[int | None, Residual] | None) -> tuple[Version, bool]:
+    async def _commit(
+        self,
+        version: Version,
+        residual: tuple[int | None, Residual] | None,
+        lag_input: tuple[Sample, int, bool] | None,
+    ) -> tuple[Version, bool]:
         m = version.manifest
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             vs = self._versions.setdefault(m.model, {})
@@ -197,18 +208,29 @@ class VersionStore:
                     f"continued from version {residual[0]}; push again",
                     reason="step_not_above_latest",
                 )
-            if self.data_dir is not None:
-                # Durable before visible: a version reported committed survives a crash. The residual
-                # goes first, named by its version, so a restart pairs it with the right one.
-                if residual is not None:
-                    await asyncio.to_thread(self._write_residual, m.model, residual[1])
-                await asyncio.to_thread(self._write, version)
+            tracker = self._lag.setdefault(m.model, LagTracker())
+            before = tracker.snapshot()
+            if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
+                m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
+                version = Version(m, m.safetensors_header(), version.data)
+            try:
+                if self.data_dir is not None:
+                    # Durable before visible: a version reported committed survives a crash. The
+                    # residual goes first, named by its version, so a restart pairs it correctly.
+                    if residual is not None:
+                        await asyncio.to_thread(self._write_residual, m.model, residual[1])
+                    await asyncio.to_thread(self._write, version)
+            except BaseException:
+                self._lag[m.model] = before
+                raise
             vs[m.version] = version
             if residual is not None:
                 self._residuals[m.model] = residual[1]
             evicted = self._evict(m.model)
         self._update_gauges(m.model)
         self.metrics.versions_committed.labels(m.model).inc()
+        if m.lag is not None:
+            self.metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
         async with self._changed:
             self._changed.notify_all()
         if self.data_dir is not None and (evicted or residual is not None):

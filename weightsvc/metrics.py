@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from weightsvc._lag import LagMetrics
+
 # Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
 REJECT_REASONS = (
     "invalid_header",
@@ -58,14 +60,40 @@ class Metrics:
             buckets=_EXPORT_BUCKETS,
             registry=r,
         )
+        lag_labels = ["model", "format", "rounding"]
+        self.served_lag_steps = Gauge(
+            "weightsvc_served_lag_steps",
+            "Steps the served copy lags the learner's masters, at the latest version (DESIGN §6)",
+            lag_labels, registry=r,
+        )  # fmt: skip
+        self.update_visibility = Gauge(
+            "weightsvc_update_visibility_ratio",
+            "Share of the learner's last step that reached the served copy",
+            lag_labels, registry=r,
+        )  # fmt: skip
+        self.served_churn = Gauge(
+            "weightsvc_served_churn_ratio", "Share of served elements whose bits changed from the previous version",
+            lag_labels, registry=r,
+        )  # fmt: skip
+        self.served_relative_error = Gauge(
+            "weightsvc_served_relative_error", "||served - master|| / ||master|| at the latest version",
+            lag_labels, registry=r,
+        )  # fmt: skip
         self.saturated_elements = Counter(
-            "weightsvc_export_saturated_elements",
-            "Finite master elements clamped to the format's max",
-            ["model", "format"],
-            registry=r,
-        )
+            "weightsvc_saturated_elements", "Finite master elements clamped to the format's max",
+            lag_labels, registry=r,
+        )  # fmt: skip
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
+
+    def observe_lag(self, model: str, format: str, rounding: str, lag: LagMetrics) -> None:
+        labels = (model, format, rounding)
+        self.served_lag_steps.labels(*labels).set(lag.lag_steps)
+        if lag.update_visibility is not None:
+            self.update_visibility.labels(*labels).set(lag.update_visibility)
+        self.served_churn.labels(*labels).set(lag.churn)
+        self.served_relative_error.labels(*labels).set(lag.relative_error)
+        self.saturated_elements.labels(*labels).inc(lag.saturated_elements)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ pay torch's ~200 MiB of resident memory.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ __all__ = [
     "Format",
     "Residual",
     "check_choice",
+    "decode",
+    "element_scales",
     "export",
     "export_array",
     "export_state_dict",
@@ -169,6 +172,45 @@ def _fp8_scales_cuda(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
         padded[:n, :k] = magnitude
         amax = padded.reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
     return scales_from_amax(amax.float().cpu().numpy(), fmt, scaling, k)
+
+
+_DECODE_TABLES: dict[str, np.ndarray] = {}
+
+
+def decode(codes: np.ndarray, fmt: Format) -> np.ndarray:
+    """The float32 values of served codes (before any fp8 scale): for metrics, not the hot path."""
+    if fmt.name == "bf16":
+        return (codes.astype(np.uint32) << 16).view(np.float32)
+    if fmt.name == "fp16":
+        return codes.astype(np.uint16).view(np.float16).astype(np.float32)
+    table = _DECODE_TABLES.get(fmt.name)
+    if table is None:
+        table = np.empty(256, np.float32)
+        for code in range(256):
+            mag, exp = code & 0x7F, (code & 0x7F) >> fmt.mantissa
+            mant = mag & ((1 << fmt.mantissa) - 1)
+            if mag == fmt.inf_bits:
+                value = math.inf
+            elif mag > fmt.max_bits:
+                value = math.nan
+            elif exp == 0:
+                value = math.ldexp(mant, fmt.emin - fmt.mantissa)
+            else:
+                value = math.ldexp(mant | 1 << fmt.mantissa, exp - fmt.bias - fmt.mantissa)
+            table[code] = -value if code & 0x80 else value
+        _DECODE_TABLES[fmt.name] = table
+    return table[codes.astype(np.uint8)]
+
+
+def element_scales(scales: Scales, indices: np.ndarray) -> np.ndarray:
+    """The dequant multiplier of each flat element index of a scaled tensor."""
+    flat = scales.scale_inv.reshape(-1)
+    if scales.mode == _cpu.SCALE_TENSOR:
+        return np.broadcast_to(flat[0], indices.shape)
+    rows = indices // scales.cols
+    if scales.mode == _cpu.SCALE_ROW:
+        return flat[rows]
+    return flat[(rows // BLOCK) * scales.block_cols + (indices - rows * scales.cols) // BLOCK]
 
 
 def use_threads(n: int) -> None:
