@@ -90,7 +90,7 @@ class LagTracker:
             lag = 0
         else:
             s_t = float((s - ref_s) @ dm_ref) / d_t
-            if s_t >= d_t:
+            if s_t >= d_t * (1 - 1e-9):  # equal up to the rounding of the two float64 reductions
                 lag = 0
             else:
                 reached = [tau for tau, d in self.distances.items() if d <= s_t and tau <= version]

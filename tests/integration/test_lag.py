@@ -1,0 +1,99 @@
+"""Lag metrics (DESIGN §6) through a real server, on constructed cases with known answers."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import start_server
+from tests.integration.test_push_pull import http_get
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._lag import SAMPLE_TARGET, LagTracker, Sample
+from weightsvc.rounding import FORMATS, decode, fair_cast
+
+
+def bf16_exact(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16).float()
+
+
+def test_a_served_copy_that_never_moves_lags_by_every_step() -> None:
+    srv = start_server(rounding="rtn", retain=10)
+    try:
+        x = bf16_exact((64, 64))
+        start = (torch.sign(x) * (x.abs() + 0.01)).to(torch.bfloat16).float()  # all far from zero
+        learner = LearnerClient(srv.grpc_target)
+        for step in range(10, 16):  # tiny steps: round to nearest hides every one of them
+            learner.push(step, {"w": start + 1e-7 * (step - 9)})
+        lags = [v.lag for v in InferenceClient(srv.grpc_target).versions()]
+        assert [lag.lag_steps for lag in lags] == [0, 1, 2, 3, 4, 5]
+        assert all(lag.churn == 0 for lag in lags)
+        assert all(lag.update_visibility == 0 for lag in lags[1:]) and lags[0].update_visibility is None
+        assert all(lag.exact for lag in lags)
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_a_served_copy_equal_to_the_master_does_not_lag() -> None:
+    srv = start_server(rounding="sr", retain=10)
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        for step in range(1, 6):  # bf16-exact masters are served as they are, whatever the rounding
+            learner.push(step, {"w": bf16_exact((32, 32), seed=step)})
+        lags = [v.lag for v in InferenceClient(srv.http_url).versions()]
+        assert [lag.lag_steps for lag in lags] == [0] * 5
+        assert all(lag.relative_error == 0 for lag in lags)
+        assert all(lag.update_visibility == pytest.approx(1.0) for lag in lags[1:])
+        assert all(lag.churn > 0.9 for lag in lags[1:])
+        body = http_get(srv.http_url, "/metrics")[2].decode()
+        samples = {(s.name, s.labels.get("rounding")): s.value for f in text_string_to_metric_families(body)
+                   for s in f.samples if s.labels.get("model") == "default"}  # fmt: skip
+        assert samples[("weightsvc_served_lag_steps", "sr")] == 0
+        assert samples[("weightsvc_update_visibility_ratio", "sr")] == pytest.approx(1.0)
+        assert samples[("weightsvc_served_relative_error", "sr")] == 0
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def exact_metrics(masters: list[torch.Tensor], rounding: str) -> list[tuple[float, float | None, int, float]]:
+    tracker = LagTracker()
+    out = []
+    for step, m in enumerate(masters, start=1):
+        served = fair_cast(m, rounding=rounding, version=step, name="w").reshape(-1)
+        bits = served.view(torch.int16).numpy().view(np.uint16)
+        sample = Sample(m.reshape(-1).numpy(), decode(bits, FORMATS["bf16"]), bits.astype(np.uint32))
+        lag = tracker.observe(step, sample, 0, True)
+        out.append((lag.churn, lag.update_visibility, lag.lag_steps, lag.relative_error))
+    return out
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr"])
+def test_sampled_metrics_agree_with_exact_ones(rounding: str) -> None:
+    """A model 4x the sample: the sampled figures stay within the stated tolerance of the exact ones
+    (churn and visibility ±0.02 absolute, relative error ±2%, lag ±1 step)."""
+    srv = start_server(rounding=rounding, retain=10)
+    try:
+        gen = torch.Generator().manual_seed(3)
+        m = bf16_exact((4 * SAMPLE_TARGET // 1024, 1024))
+        masters = []
+        for _ in range(8):
+            m = m + torch.randn(m.shape, generator=gen) * 2e-5 + 1e-5  # drift plus noise
+            masters.append(m.clone())
+        learner = LearnerClient(srv.grpc_target)
+        for step, master in enumerate(masters, start=1):
+            learner.push(step, {"w": master})
+        sampled = [v.lag for v in InferenceClient(srv.grpc_target).versions()]
+        assert all(not lag.exact and lag.sampled_elements == SAMPLE_TARGET for lag in sampled)
+        for lag, (churn, visibility, steps, rel) in zip(
+            sampled[-4:], exact_metrics(masters, rounding)[-4:], strict=True
+        ):
+            assert abs(lag.churn - churn) < 0.02
+            assert visibility is not None and abs(lag.update_visibility - visibility) < 0.02
+            assert abs(lag.lag_steps - steps) <= 1
+            assert math.isclose(lag.relative_error, rel, rel_tol=0.02)
+    finally:
+        srv.__exit__(None, None, None)
