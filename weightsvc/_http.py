@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from weightsvc._manifest import parse_version_ref
 from weightsvc._service import Service
-from weightsvc._store import Version
+from weightsvc._store import CLIENT_TIMEOUT_S, Version
 from weightsvc.errors import WeightsvcError
 
 log = logging.getLogger("weightsvc.http")
@@ -169,16 +170,17 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:
         service.versions(model)  # 404 for an unknown model, as on every other model route
-        latest = service.store.latest(model)
+        horizon = time.time() - CLIENT_TIMEOUT_S
         return {
             "model": model,
-            "latest_version": latest,
+            "latest_version": service.store.latest(model),
             "clients": [
                 {
                     "client_id": c.client_id,
                     "version": c.version,
-                    "acked_unix": c.acked_unix,
-                    "lag_versions": None if latest is None else latest - c.version,
+                    "lag_versions": service.store.versions_behind(model, c.version),
+                    "last_seen_unix": c.acked_unix,
+                    "connected": c.acked_unix >= horizon,
                 }
                 for c in service.clients(model)
             ],

@@ -8,11 +8,13 @@ finishes from the same bytes.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import errno
 import functools
 import logging
+import math
 import mmap
 import os
 import struct
@@ -43,6 +45,8 @@ from weightsvc.rounding import Residual
 log = logging.getLogger("weightsvc.store")
 
 MAX_CLIENTS_PER_MODEL = 10_000
+MAX_HISTORY = 100_000  # committed (version, time) pairs remembered per model, for staleness
+CLIENT_TIMEOUT_S = 300.0  # a client that has not acked for this long no longer counts as connected
 
 
 @dataclass(eq=False)
@@ -99,6 +103,8 @@ class VersionStore:
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
+        self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
+        metrics.watch_clients(self.client_lags)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -224,6 +230,7 @@ class VersionStore:
                 self._lag[m.model] = before
                 raise
             vs[m.version] = version
+            self._remember(m.model, m.version, m.committed_unix)
             if residual is not None:
                 self._residuals[m.model] = residual[1]
             evicted = self._evict(m.model)
@@ -271,6 +278,16 @@ class VersionStore:
         latest = self.latest(model)
         return latest is not None and latest > version
 
+    def _remember(self, model: str, version: int, committed_unix: float) -> None:
+        history = self._history.setdefault(model, [])
+        history.append((version, committed_unix))
+        del history[:-MAX_HISTORY]
+
+    def versions_behind(self, model: str, version: int) -> int:
+        """How many committed versions of `model` are newer than `version`."""
+        history = self._history.get(model, [])
+        return len(history) - bisect.bisect_right(history, (version, math.inf))
+
     def ack(self, model: str, version: int, client_id: str) -> int:
         latest = self.latest(model)
         if latest is None:
@@ -280,14 +297,28 @@ class VersionStore:
         if not client_id or len(client_id) > 256:
             raise InvalidArgument("ack needs a client_id of 1-256 characters")
         clients = self._clients.setdefault(model, {})
-        clients.pop(client_id, None)
-        clients[client_id] = ClientAck(client_id, version, time.time())
+        previous = clients.pop(client_id, None)
+        now = time.time()
+        clients[client_id] = ClientAck(client_id, version, now)
         while len(clients) > MAX_CLIENTS_PER_MODEL:  # bounded memory: forget the longest-silent
             clients.pop(next(iter(clients)))
+        if previous is None or previous.version != version:  # the first ack of this version: synced
+            i = bisect.bisect_left(self._history.get(model, []), (version, -math.inf))
+            history = self._history.get(model, [])
+            if i < len(history) and history[i][0] == version:
+                self.metrics.version_sync_seconds.labels(model).observe(max(0.0, now - history[i][1]))
         return latest
 
     def clients(self, model: str) -> list[ClientAck]:
         return list(self._clients.get(model, {}).values())
+
+    def client_lags(self) -> dict[str, list[int]]:
+        """Versions behind latest of each connected client, per model (read at every scrape)."""
+        horizon = time.time() - CLIENT_TIMEOUT_S
+        return {
+            model: [self.versions_behind(model, c.version) for c in clients.values() if c.acked_unix >= horizon]
+            for model, clients in self._clients.items()
+        }
 
     # ---- persistence -------------------------------------------------------------------------
 
@@ -360,6 +391,7 @@ class VersionStore:
                     log.error("skipping %s: %s", path, e)
                     continue
                 self._versions.setdefault(version.manifest.model, {})[version.manifest.version] = version
+                self._remember(version.manifest.model, version.manifest.version, version.manifest.committed_unix)
                 count += 1
             model = model_dir.name
             self._restore_residual(model, model_dir)

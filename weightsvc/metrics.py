@@ -6,7 +6,11 @@ client id or a tensor name.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from weightsvc._lag import LagMetrics
 
@@ -23,6 +27,8 @@ REJECT_REASONS = (
     "other",
 )
 
+_SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LAG_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 _EXPORT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -83,6 +89,12 @@ class Metrics:
             "weightsvc_saturated_elements", "Finite master elements clamped to the format's max",
             lag_labels, registry=r,
         )  # fmt: skip
+        self.version_sync_seconds = Histogram(
+            "weightsvc_version_sync_seconds", "Seconds from a version's commit to a client's first ack of it",
+            ["model"], buckets=_SYNC_BUCKETS, registry=r,
+        )  # fmt: skip
+        r.register(_ClientCollector(self))
+        self._client_lags: Callable[[], dict[str, list[int]]] = dict
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
 
@@ -95,5 +107,36 @@ class Metrics:
         self.served_relative_error.labels(*labels).set(lag.relative_error)
         self.saturated_elements.labels(*labels).inc(lag.saturated_elements)
 
+    def watch_clients(self, client_lags: Callable[[], dict[str, list[int]]]) -> None:
+        """Where the staleness figures come from: versions behind latest per connected client."""
+        self._client_lags = client_lags
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ClientCollector(Collector):
+    """Serving staleness, computed from the acks at scrape time (labels: model only)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        clients = GaugeMetricFamily("weightsvc_clients", "Inference clients that acked recently", labels=["model"])
+        worst = GaugeMetricFamily(
+            "weightsvc_client_lag_versions", "Versions the most stale connected client is behind latest",
+            labels=["model"],
+        )  # fmt: skip
+        spread = HistogramMetricFamily(
+            "weightsvc_client_lag_versions_histogram", "Versions behind latest, over connected clients",
+            labels=["model"],
+        )  # fmt: skip
+        for model, lags in self.metrics._client_lags().items():
+            clients.add_metric([model], len(lags))
+            worst.add_metric([model], max(lags, default=0))
+            buckets = [(str(b), sum(lag <= b for lag in lags)) for b in _LAG_BUCKETS] + [("+Inf", len(lags))]
+            spread.add_metric([model], buckets, sum(lags))
+        yield from (clients, worst, spread)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -95,5 +96,31 @@ def test_sampled_metrics_agree_with_exact_ones(rounding: str) -> None:
             assert visibility is not None and abs(lag.update_visibility - visibility) < 0.02
             assert abs(lag.lag_steps - steps) <= 1
             assert math.isclose(lag.relative_error, rel, rel_tol=0.02)
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_serving_staleness_from_acks() -> None:
+    srv = start_server(retain=10)
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        for step in (1, 2, 3):
+            learner.push(step, {"w": bf16_exact((8, 8), seed=step)})
+        InferenceClient(srv.grpc_target).ack("default", 1, "pod-a")  # two versions behind
+        InferenceClient(srv.grpc_target).ack("default", 3, "pod-b")
+        InferenceClient(srv.grpc_target).ack("default", 3, "pod-b")  # the same version again: one sync
+        body = http_get(srv.http_url, "/metrics")[2].decode()
+        samples = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(body)
+                   for s in f.samples if s.labels.get("model") == "default"}  # fmt: skip
+        assert samples[("weightsvc_clients", None)] == 2
+        assert samples[("weightsvc_client_lag_versions", None)] == 2
+        assert samples[("weightsvc_client_lag_versions_histogram_bucket", "0")] == 1
+        assert samples[("weightsvc_client_lag_versions_histogram_bucket", "2")] == 2
+        assert samples[("weightsvc_version_sync_seconds_count", None)] == 2
+        clients = json.loads(http_get(srv.http_url, "/v1/models/default/clients")[2])["clients"]
+        assert {(c["client_id"], c["lag_versions"], c["connected"]) for c in clients} == {
+            ("pod-a", 2, True),
+            ("pod-b", 0, True),
+        }
     finally:
         srv.__exit__(None, None, None)
