@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import logging
@@ -246,7 +247,7 @@ def status(
             if model is not None and not models:
                 fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
             report: list[dict[str, Any]] = [
-                {**m, "versions": [v.__dict__ for v in client.versions(m["model"])]} for m in models
+                {**m, "versions": [dataclasses.asdict(v) for v in client.versions(m["model"])]} for m in models
             ]
     except WeightsvcError as e:
         fail(str(e))
@@ -256,20 +257,20 @@ def status(
     if not report:
         out.print("no models committed yet")
         return
-    table = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed")
+    table = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed",
+                  "lag (steps)", "visibility", "churn", "rel. error")  # fmt: skip
     for m in report:
         for v in m["versions"]:
             when = dt.datetime.fromtimestamp(v["committed_unix"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
+            lag = v["lag"] or {}
+            visibility = lag.get("update_visibility")
             table.add_row(
-                m["model"],
-                f"{v['version']}{latest}",
-                v["format"],
-                v["rounding"],
-                str(v["tensor_count"]),
-                f"{v['data_bytes']:,}",
-                when,
-            )
+                m["model"], f"{v['version']}{latest}", v["format"], v["rounding"], str(v["tensor_count"]),
+                f"{v['data_bytes']:,}", when, str(lag.get("lag_steps", "-")),
+                "-" if visibility is None else f"{visibility:.2f}",
+                f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
+            )  # fmt: skip
     out.print(table)
 
 
