@@ -271,7 +271,7 @@ def status(
                 "-" if visibility is None else f"{visibility:.2f}",
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
             )  # fmt: skip
-    out.print(table)
+    out.print(table, width=None if out.is_terminal else 200)  # pipes and files get whole cells
 
 
 @app.command()
