@@ -30,7 +30,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole table cells
 err = Console(stderr=True)
 
 
@@ -271,7 +271,7 @@ def status(
                 "-" if visibility is None else f"{visibility:.2f}",
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
             )  # fmt: skip
-    out.print(table, width=None if out.is_terminal else 200)  # pipes and files get whole cells
+    out.print(table)
 
 
 @app.command()
