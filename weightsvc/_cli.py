@@ -275,6 +275,28 @@ def status(
 
 
 @app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="RL steps per rounding mode.")] = 300,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 3e-6,
+    png: Annotated[Path, typer.Option(help="Where to write the plot of lag and reward.")] = Path("demo.png"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the table as JSON keyed by mode.")] = False,
+) -> None:
+    """The paper's experiment: RL fine-tuning per rounding mode through the service; lag and reward."""
+    from weightsvc._demo import as_rows, run_demo
+
+    configure_logging("warning")
+    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else err.print)
+    if json_out:
+        print(json.dumps(results, indent=2))
+        return
+    table = Table("mode", "first change (step)", "lag max", "lag mean", "visibility mean", "churn mean",
+                  "final reward")  # fmt: skip
+    for row in as_rows(results):
+        table.add_row(*row)
+    out.print(table)
+
+
+@app.command()
 def bench(
     size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB.")] = 1024,
     repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 5,

@@ -170,3 +170,15 @@ def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> N
         assert "residual" in line and "is of step 2" in line
     finally:
         srv.stop()
+
+
+def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
+    result = cli("demo", "--steps", "40", "--json", "--png", str(tmp_path / "demo.png"), timeout=300)
+    assert result.returncode == 0, result.stderr
+    table = json.loads(result.stdout)
+    assert set(table) == {"rtn", "sr", "sr-sticky", "ef"}
+    for row in table.values():
+        assert set(row) == {"first_change_step", "lag_max", "lag_mean", "visibility_mean", "churn_mean",
+                            "final_reward"}  # fmt: skip
+    assert table["rtn"]["lag_mean"] > 2 * max(table[m]["lag_mean"] for m in ("sr", "sr-sticky", "ef"))
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
