@@ -131,7 +131,7 @@ class _ClientCollector(Collector):
             labels=["model"],
         )  # fmt: skip
         spread = HistogramMetricFamily(
-            "weightsvc_client_lag_versions_histogram", "Versions behind latest, over connected clients",
+            "weightsvc_client_staleness_versions", "Versions behind latest, over connected clients",
             labels=["model"],
         )  # fmt: skip
         for model, lags in self.metrics._client_lags().items():

@@ -114,8 +114,8 @@ def test_serving_staleness_from_acks() -> None:
                    for s in f.samples if s.labels.get("model") == "default"}  # fmt: skip
         assert samples[("weightsvc_clients", None)] == 2
         assert samples[("weightsvc_client_lag_versions", None)] == 2
-        assert samples[("weightsvc_client_lag_versions_histogram_bucket", "0")] == 1
-        assert samples[("weightsvc_client_lag_versions_histogram_bucket", "2")] == 2
+        assert samples[("weightsvc_client_staleness_versions_bucket", "0")] == 1
+        assert samples[("weightsvc_client_staleness_versions_bucket", "2")] == 2
         assert samples[("weightsvc_version_sync_seconds_count", None)] == 2
         clients = json.loads(http_get(srv.http_url, "/v1/models/default/clients")[2])["clients"]
         assert {(c["client_id"], c["lag_versions"], c["connected"]) for c in clients} == {

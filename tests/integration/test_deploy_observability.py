@@ -1,0 +1,55 @@
+"""The alert rules and the dashboard refer to metrics the service really exports; promtool agrees."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import start_server
+from tests.integration.test_push_pull import http_get
+from weightsvc import InferenceClient, LearnerClient
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+RULES = DEPLOY / "prometheus" / "weightsvc-alerts.yml"
+DASHBOARD = DEPLOY / "grafana" / "weightsvc-dashboard.json"
+
+
+def exported_metrics_text() -> str:
+    srv = start_server()
+    try:
+        LearnerClient(srv.grpc_target).push(1, {"w": torch.randn(64, 64) * 0.02})
+        LearnerClient(srv.grpc_target).push(2, {"w": torch.randn(64, 64) * 0.02})
+        InferenceClient(srv.grpc_target).ack("default", 1, "pod")
+        InferenceClient(srv.http_url).pull()
+        return http_get(srv.http_url, "/metrics")[2].decode()
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def referenced_names(text: str) -> set[str]:
+    return set(re.findall(r"\bweightsvc_[a-z_]+", text))
+
+
+def test_rules_and_dashboard_use_exported_metrics() -> None:
+    exported = exported_metrics_text()
+    names = {line.split("{")[0].split(" ")[0] for line in exported.splitlines() if line.startswith("weightsvc_")}
+    used = referenced_names(RULES.read_text()) | referenced_names(DASHBOARD.read_text())
+    assert used, "nothing referenced"
+    assert used <= names, f"not exported: {sorted(used - names)}"
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert len(dashboard["panels"]) >= 10
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_rules_and_metrics(tmp_path: Path) -> None:
+    rules = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
+    assert rules.returncode == 0, rules.stdout + rules.stderr
+    metrics = subprocess.run(["promtool", "check", "metrics"], input=exported_metrics_text(), capture_output=True,
+                             text=True)  # fmt: skip
+    assert metrics.returncode == 0, metrics.stdout + metrics.stderr
