@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
+import os
 import logging
 import signal
 import sys
@@ -318,6 +319,9 @@ def bench(
 
 
 def main() -> None:
+    # gRPC's C core may print its own log lines (a refused connection, say) on stderr; a client
+    # command reports errors itself, in one line. The server keeps gRPC's errors.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if sys.argv[1:2] == ["serve"] else "NONE")
     try:
         app()
     except KeyboardInterrupt:
