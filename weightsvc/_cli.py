@@ -6,8 +6,8 @@ import asyncio
 import dataclasses
 import datetime as dt
 import json
-import os
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
