@@ -91,6 +91,7 @@ def run_mode(target: str, mode: str, *, steps: int, lr: float, batch: int, seed:
         served.zero_grad()
         loss.backward()
         for (_, master), (_, p) in zip(policy.named_parameters(), served.named_parameters(), strict=True):
+            assert p.grad is not None
             master.grad = p.grad.clone()  # gradients at the served weights update the fp32 masters
         optimizer.step()
         trace.reward.append(reward.mean().item())
