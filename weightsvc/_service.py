@@ -266,10 +266,12 @@ class PushSession:
         t.master_digest.update(data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
-        idx = sampled_indices(first, count, self.stride)
-        if idx.size:
-            codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)[idx]
-            t.samples.append((master[idx], rounding.decode(codes, t.fmt), codes.astype(np.uint32)))
+        start = -first % self.stride  # the sampled elements of this chunk, as strided views
+        if start < count:
+            codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)
+            codes = codes[start :: self.stride]
+            t.samples.append((master[start :: self.stride].copy(), rounding.decode(codes, t.fmt),
+                              codes.astype(np.uint32)))  # fmt: skip
         if byte_offset + len(data) == t.nbytes:
             t.checksums[t.slot.name] = checksum(served)
         self.export_seconds += time.perf_counter() - start
