@@ -85,9 +85,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         chunk = self.service.settings.chunk_bytes
         version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
         try:
-            yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
             data = version.data
-            for offset in range(0, len(data), chunk):
+            if not 0 <= request.offset <= len(data):
+                raise InvalidArgument(
+                    f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
+                    f"is outside its {len(data)}-byte data section"
+                )
+            yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
+            for offset in range(request.offset, len(data), chunk):
                 piece = data[offset : offset + chunk]
                 yield encode_chunk("", offset, piece)  # pre-encoded: one copy, not three
                 self.service.count_pulled(version.manifest.model, "grpc", len(piece))

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import socket
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -207,9 +208,10 @@ class LearnerClient:
 class InferenceClient:
     """Pulls served copies. `target` is "host:port" for gRPC or "http://host:port" for HTTP."""
 
-    def __init__(self, target: str, *, timeout: float | None = None) -> None:
+    def __init__(self, target: str, *, timeout: float | None = None, resume_attempts: int = 3) -> None:
         self.target = target
         self.timeout = timeout
+        self.resume_attempts = resume_attempts  # a pull broken mid-stream resumes from its offset
         self._http = target.startswith(("http://", "https://"))
         if self._http:
             self._url = urllib.parse.urlsplit(target)
@@ -261,29 +263,37 @@ class InferenceClient:
         """The manifest and the raw data section of a version (not yet verified)."""
         if self._http:
             return self._http_pull(model, str(version), progress)
-        try:
-            stream = self._pull(pb.PullRequest(model=model, version=str(version)), timeout=self.timeout)
-            first = next(stream, None)
-            if not isinstance(first, pb.PullResponse) or not first.HasField("manifest"):
-                raise DataLoss(f"model {model!r} version {version}: the pull did not start with a manifest")
-            manifest = manifest_from_proto(first.manifest)
-            data = _buffer(manifest.data_bytes)
-            received = 0
-            for chunk in stream:
-                if not isinstance(chunk, ChunkView):
-                    raise DataLoss(f"model {model!r} version {manifest.version}: unexpected {chunk!r} in pull")
-                n = len(chunk.data)
-                if chunk.offset < 0 or chunk.offset + n > len(data):
-                    raise DataLoss(
-                        f"model {model!r} version {manifest.version}: chunk at {chunk.offset} "
-                        f"outside the {len(data)}-byte data section"
-                    )
-                data[chunk.offset : chunk.offset + n] = chunk.data
-                received += n
-                if progress:
-                    progress(n)
-        except grpc.RpcError as e:
-            _raise(e)
+        manifest: Manifest | None = None
+        data = memoryview(b"")
+        received = 0
+        for attempt in range(self.resume_attempts + 1):
+            # After a break, ask for the same version from the first byte we do not have yet.
+            pinned = str(version) if manifest is None else str(manifest.version)
+            try:
+                stream = self._pull(pb.PullRequest(model=model, version=pinned, offset=received), timeout=self.timeout)
+                first = next(stream, None)
+                if not isinstance(first, pb.PullResponse) or not first.HasField("manifest"):
+                    raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
+                got = manifest_from_proto(first.manifest)
+                if manifest is None:
+                    manifest, data = got, _buffer(got.data_bytes)
+                elif got.master_digest != manifest.master_digest:
+                    raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
+                for chunk in stream:
+                    n = len(chunk.data) if isinstance(chunk, ChunkView) else -1
+                    if n < 0 or chunk.offset != received or received + n > len(data):
+                        raise DataLoss(f"model {model!r} version {manifest.version}: unexpected chunk in pull")
+                    data[received : received + n] = chunk.data
+                    received += n
+                    if progress:
+                        progress(n)
+                break
+            except grpc.RpcError as e:
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+                if manifest is None or not retryable or attempt == self.resume_attempts:
+                    _raise(e)
+                time.sleep(min(2.0, 0.1 * 2**attempt))  # the connection is re-established by the channel
+        assert manifest is not None
         if received != manifest.data_bytes:
             raise DataLoss(
                 f"model {model!r} version {manifest.version}: stream ended after "
@@ -320,33 +330,47 @@ class InferenceClient:
 
     def _http_pull(self, model: str, version: str, progress: Progress | None) -> tuple[Manifest, memoryview]:
         q = urllib.parse.quote
-        # One request: the file's own header carries the manifest, so "latest" cannot change under us.
-        resp = self._request(f"/v1/models/{q(model)}/versions/{q(version)}/safetensors")
-        try:
-            head = resp.read(8)
-            header_len = int.from_bytes(head, "little")
-            if len(head) < 8 or header_len > MAX_HEADER_BYTES:
-                raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
-            _, header = read_safetensors_header(head + resp.read(header_len))
-            manifest = manifest_from_header(header)
-            data = _buffer(manifest.data_bytes)
-            received = 0
-            while received < len(data):
-                n = resp.readinto(data[received : received + (4 << 20)])
-                if not n:
-                    break
-                received += n
-                if progress:
-                    progress(n)
-        except (OSError, http.client.HTTPException) as e:
-            raise Unavailable(f"UNAVAILABLE: {self.target}: pull broke off: {e}") from None
-        finally:
-            resp.close()
-        if received != manifest.data_bytes:
-            raise DataLoss(
-                f"model {model!r} version {manifest.version}: body ended after "
-                f"{received} of {manifest.data_bytes} bytes"
-            )
+        manifest: Manifest | None = None
+        data = memoryview(b"")
+        received = start = 0
+        etag = ""
+        for attempt in range(self.resume_attempts + 1):
+            try:
+                if manifest is None:
+                    # One request: the file's own header carries the manifest, so "latest" cannot
+                    # change under us.
+                    resp = self._request(f"/v1/models/{q(model)}/versions/{q(version)}/safetensors")
+                    etag = resp.getheader("etag") or ""
+                    head = resp.read(8)
+                    header_len = int.from_bytes(head, "little")
+                    if len(head) < 8 or header_len > MAX_HEADER_BYTES:
+                        raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
+                    start, header = read_safetensors_header(head + resp.read(header_len))
+                    manifest = manifest_from_header(header)
+                    data = _buffer(manifest.data_bytes)
+                else:  # resume the same version (If-Range: never splice two versions)
+                    resp = self._request(
+                        f"/v1/models/{q(model)}/versions/{manifest.version}/safetensors",
+                        {"Range": f"bytes={start + received}-", "If-Range": etag},
+                    )
+                    if resp.status != 206:
+                        raise DataLoss(f"model {model!r} version {manifest.version} changed while resuming its pull")
+                try:
+                    while received < len(data):
+                        n = resp.readinto(data[received : received + (4 << 20)])
+                        if not n:
+                            raise http.client.IncompleteRead(b"", len(data) - received)
+                        received += n
+                        if progress:
+                            progress(n)
+                finally:
+                    resp.close()
+                break
+            except (OSError, http.client.HTTPException, Unavailable) as e:
+                if manifest is None or attempt == self.resume_attempts:
+                    raise Unavailable(f"UNAVAILABLE: {self.target}: pull broke off: {e!r}") from None
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+        assert manifest is not None
         return manifest, data
 
     # ---- metadata ----------------------------------------------------------------------------

@@ -143,12 +143,14 @@ class VersionInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "offset")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    offset: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("manifest", "chunk")
