@@ -414,17 +414,34 @@ class InferenceClient:
         if self._http:
             raise ValueError(f"{what} needs a gRPC target (host:port), not {self.target}")
 
-    def watch(self, model: str = "default", after: int | None = None) -> Iterator[VersionInfo]:
-        """Each retained version above `after` (all when None), then each new one as it commits."""
+    def watch(
+        self, model: str = "default", after: int | None = None, *, reconnect: bool = True, max_backoff: float = 5.0
+    ) -> Iterator[VersionInfo]:
+        """Each retained version above `after` (all when None), then each new one as it commits.
+
+        With `reconnect`, a lost server (restart, network) is retried with exponential backoff, and
+        the watch resumes after the last version it yielded: the latest version is never missed.
+        """
         self._grpc_only("watch")
-        req = pb.WatchRequest(model=model)
-        if after is not None:
-            req.after_version = after
-        try:
-            for event in self._stub.Watch(req):
-                yield VersionInfo.from_proto(event.version)
-        except grpc.RpcError as e:
-            _raise(e)
+        last, delay = after, 0.1
+        while True:
+            req = pb.WatchRequest(model=model)
+            if last is not None:
+                req.after_version = last
+            try:
+                for event in self._stub.Watch(req):
+                    delay = 0.1
+                    info = VersionInfo.from_proto(event.version)
+                    last = info.version
+                    yield info
+            except grpc.RpcError as e:
+                lost = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+                if not (reconnect and lost):
+                    _raise(e)
+            if not reconnect:
+                return
+            time.sleep(delay)  # backoff before the next attempt; the channel reconnects by itself
+            delay = min(max_backoff, delay * 2)
 
     def ack(self, model: str, version: int, client_id: str | None = None) -> int:
         """Tell the service this client has loaded `version`; returns the latest version."""
