@@ -233,6 +233,13 @@ class InferenceClient:
         manifest, data = self.pull_data(model, version, progress=progress)
         return tensors_from_data(manifest, data)
 
+    def iter_weights(
+        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, tensor)` pairs of a version, checksums verified, as vLLM's `model.load_weights`
+        and SGLang's `update_weights_from_tensor` take them (fp8 scales come as `<name>_scale_inv`)."""
+        yield from self.pull(model, version, progress=progress).items()
+
     def pull_file(
         self,
         path: str | Path,

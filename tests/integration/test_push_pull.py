@@ -277,3 +277,17 @@ def test_serve_rounding_and_seed(rounding: str) -> None:
         assert (manifest.rounding, manifest.seed) == (rounding, 42)
     finally:
         srv.__exit__(None, None, None)
+
+
+def test_iter_weights_loads_a_torch_model(server: BackgroundServer, model: str) -> None:
+    torch.manual_seed(0)
+    learner_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    LearnerClient(server.grpc_target).push(3, learner_model.state_dict(), model=model)
+    served_model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    served_model = served_model.to(torch.bfloat16)
+    params = dict(served_model.named_parameters())
+    for name, tensor in InferenceClient(server.grpc_target).iter_weights(model):  # a load_weights loop
+        params[name].data.copy_(tensor)
+    for name, master in learner_model.state_dict().items():
+        expected = fair_cast(master, rounding="sr", version=3, name=name)
+        assert torch.equal(params[name].data.view(torch.int16), expected.view(torch.int16))
