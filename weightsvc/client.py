@@ -10,6 +10,8 @@ arrive as `weightsvc.errors` exceptions carrying the server's message.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import json
 import math
@@ -18,7 +20,7 @@ import socket
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -50,7 +52,7 @@ from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 PUSH_METHOD = "/weightsvc.v1.WeightService/Push"
 PULL_METHOD = "/weightsvc.v1.WeightService/Pull"
 
-__all__ = ["InferenceClient", "LearnerClient", "VersionInfo"]
+__all__ = ["InferenceClient", "LearnerClient", "VersionInfo", "served_weights"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20
@@ -77,6 +79,8 @@ class VersionInfo:
     data_bytes: int
     created: bool = True
     lag: LagMetrics | None = None
+    # push(return_served=True): the served tensors of this version, checksums verified.
+    served: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_proto(cls, info: pb.VersionInfo, created: bool = True) -> VersionInfo:
@@ -162,11 +166,14 @@ class LearnerClient:
         *,
         format: str = "",
         rounding: str = "",
+        return_served: bool = False,
         progress: Progress | None = None,
     ) -> VersionInfo:
         """Stream the masters of `step`; returns once the version is committed (or raises).
 
-        `format` / `rounding` override the server's export for this push (empty: the server's)."""
+        `format` / `rounding` override the server's export for this push (empty: the server's).
+        `return_served` pulls the committed version back into `.served`: the exact bits the fleet
+        runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual)."""
         for name, t in state_dict.items():
             if t.dtype not in _EXACT_TO_F32:
                 _as_master(name, t)  # raises with the tensor's name
@@ -193,7 +200,11 @@ class LearnerClient:
             resp = self._push(requests(), timeout=self.timeout)
         except grpc.RpcError as e:
             _raise(e)
-        return VersionInfo.from_proto(resp.version, resp.created)
+        info = VersionInfo.from_proto(resp.version, resp.created)
+        if return_served:
+            with InferenceClient(self.target, timeout=self.timeout) as puller:
+                info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
+        return info
 
     def close(self) -> None:
         self._channel.close()
@@ -471,3 +482,41 @@ class InferenceClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+    """Run `module` on the served copy while its parameters stay the fp32 masters.
+
+        with served_weights(policy, info.served):
+            loss = objective(policy(batch))
+            loss.backward()          # gradients at the served weights, on the master parameters
+        optimizer.step()             # updates the masters
+
+    fp8 tensors are dequantized with their `<name>_scale_inv` block, row or tensor scales.
+    """
+    params = dict(module.named_parameters())
+    saved = {}
+    try:
+        with torch.no_grad():
+            for name, p in params.items():
+                if name not in served:
+                    raise KeyError(f"the served copy has no tensor {name!r}")
+                saved[name] = p.data.clone()
+                p.data.copy_(_dequantized(served, name).to(p.dtype).reshape(p.shape))
+        yield module
+    finally:
+        with torch.no_grad():
+            for name, master in saved.items():
+                params[name].data.copy_(master)
+
+
+def _dequantized(served: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    values = served[name].float()
+    scale = served.get(name + "_scale_inv")
+    if scale is None:
+        return values
+    if scale.dim() == 2 and scale.shape != (values.shape[0], 1):  # 128 x 128 blocks
+        n, k = values.shape
+        scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
+    return values * scale

@@ -11,6 +11,7 @@ import torch
 
 from tests.conftest import make_masters, start_server
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import served_weights
 from weightsvc.errors import InvalidArgument
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
@@ -98,5 +99,43 @@ def test_ef_continues_only_from_an_ef_version_of_the_same_format() -> None:
         learner.push(4, masters[3], format="fp16")  # another format: starts from zero too
         fresh = export_state_dict(masters[3], ExportSpec("fp16", "ef"), version=4, residual=Residual())
         same_bits(InferenceClient(srv.grpc_target).pull(version=4), fresh)
+    finally:
+        srv.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
+def test_return_served_equals_the_local_bits_across_ef_steps(fmt: str) -> None:
+    srv = start_server(format=fmt, rounding="ef", scaling="block")
+    try:
+        learner = LearnerClient(srv.grpc_target)
+        residual = Residual()
+        for step, masters in enumerate(steps(3), start=1):
+            info = learner.push(step, masters, return_served=True)
+            assert info.served is not None
+            local = export_state_dict(masters, ExportSpec(fmt, "ef", 0, "block"), version=step, residual=residual)
+            same_bits(info.served, local)
+    finally:
+        srv.__exit__(None, None, None)
+
+
+def test_served_weights_runs_the_module_on_the_served_copy_and_keeps_the_masters() -> None:
+    srv = start_server(format="fp8_e4m3", rounding="sr")
+    try:
+        torch.manual_seed(0)
+        policy = torch.nn.Sequential(torch.nn.Linear(256, 192), torch.nn.Tanh(), torch.nn.Linear(192, 8))
+        masters = {k: v.detach().clone() for k, v in policy.state_dict().items()}
+        info = LearnerClient(srv.grpc_target).push(1, policy.state_dict(), return_served=True)
+        assert info.served is not None and info.served["0.weight"].dtype == torch.float8_e4m3fn
+        x = torch.randn(4, 256)
+        with served_weights(policy, info.served):
+            out = policy(x)
+            out.sum().backward()
+            w = policy[0].weight.detach()
+            assert not torch.equal(w, masters["0.weight"])  # the served (quantized) values
+            assert (w - masters["0.weight"]).abs().max() < 0.01
+        for name, p in policy.named_parameters():
+            assert torch.equal(p.detach(), masters[name]) and p.grad is not None  # masters back, grads kept
+        with pytest.raises(KeyError, match="no tensor"), served_weights(policy, {}):
+            pass
     finally:
         srv.__exit__(None, None, None)
