@@ -76,12 +76,6 @@ class Version:
                 yield self.data[start - len(head) : stop - len(head)]
             start = stop
 
-    def tensor_data(self, name: str) -> memoryview:
-        for t in self.manifest.tensors:
-            if t.name == name:
-                return self.data[t.offset : t.offset + t.nbytes]
-        raise KeyError(name)
-
 
 @dataclass
 class ClientAck:
