@@ -85,13 +85,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         chunk = self.service.settings.chunk_bytes
         version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
         try:
-            data = version.data
+            data, delta_header = version.data, None
+            if request.base:  # a delta against a version the client holds, when it is smaller
+                delta = await self.service.delta(version, parse_version_ref(request.base))
+                if delta is not None:
+                    data = memoryview(delta)
+                    delta_header = pb.Delta(base_version=int(request.base), delta_bytes=len(delta))
             if not 0 <= request.offset <= len(data):
                 raise InvalidArgument(
                     f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
                     f"is outside its {len(data)}-byte data section"
                 )
             yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
+            if delta_header is not None:
+                yield pb.PullResponse(delta=delta_header)
             for offset in range(request.offset, len(data), chunk):
                 piece = data[offset : offset + chunk]
                 yield encode_chunk("", offset, piece)  # pre-encoded: one copy, not three

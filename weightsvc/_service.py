@@ -24,6 +24,8 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
+from weightsvc._delta import compatible as delta_compatible
+from weightsvc._delta import encode as delta_encode
 from weightsvc._lag import Sample, sample_stride, sampled_indices
 from weightsvc._manifest import (
     DTYPE_SIZES,
@@ -38,7 +40,14 @@ from weightsvc._manifest import (
 from weightsvc._memory import alloc
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
-from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, ResourceExhausted, WeightsvcError
+from weightsvc.errors import (
+    Aborted,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    WeightsvcError,
+)
 from weightsvc.metrics import Metrics
 
 log = logging.getLogger("weightsvc.service")
@@ -579,6 +588,23 @@ class Service:
         self.metrics.pulls_in_flight.labels(transport).dec()
         self.store.release(version)
         self._changes.notify()
+
+    async def delta(self, version: Version, base: int | None) -> bytes | None:
+        """The delta encoding of `version` against `base` of the same model, or None when the base is
+        not retained, has another layout, or the delta would not be smaller than the dense bytes."""
+        if base is None or base == version.manifest.version:
+            return None
+        try:
+            held = self.open_pull(version.manifest.model, base, "delta")
+        except NotFound:
+            return None
+        try:
+            if not delta_compatible(held.manifest, version.manifest):
+                return None
+            encoded = await asyncio.to_thread(delta_encode, version.manifest, version.data, held.data)
+        finally:
+            self.close_pull(held, "delta")
+        return encoded if len(encoded) < version.manifest.data_bytes else None
 
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
         self.metrics.pull_bytes.labels(model, transport).inc(nbytes)

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import socket
+import struct
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +28,7 @@ from typing import Any, NoReturn
 import grpc
 import torch
 
+from weightsvc._delta import apply as delta_apply
 from weightsvc._lag import LagMetrics
 from weightsvc._manifest import (
     DTYPE_SIZES,
@@ -45,7 +47,7 @@ from weightsvc._wire import (
     lag_from_proto,
     manifest_from_proto,
 )
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, Unavailable, WeightsvcError
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -223,6 +225,8 @@ class InferenceClient:
         self.target = target
         self.timeout = timeout
         self.resume_attempts = resume_attempts  # a pull broken mid-stream resumes from its offset
+        self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
+        self.last_pull_bytes = 0  # payload bytes the last gRPC pull received (a delta is smaller)
         self._http = target.startswith(("http://", "https://"))
         if self._http:
             self._url = urllib.parse.urlsplit(target)
@@ -238,10 +242,15 @@ class InferenceClient:
     # ---- pulls -------------------------------------------------------------------------------
 
     def pull(
-        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        base: int | None = None,
+        progress: Progress | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The served tensors of a version (checksums verified), by name."""
-        manifest, data = self.pull_data(model, version, progress=progress)
+        """The served tensors of a version (checksums verified), by name; `base`: see `pull_data`."""
+        manifest, data = self.pull_data(model, version, base=base, progress=progress)
         return tensors_from_data(manifest, data)
 
     def iter_weights(
@@ -276,33 +285,71 @@ class InferenceClient:
         return manifest
 
     def pull_data(
-        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        base: int | None = None,
+        progress: Progress | None = None,
     ) -> tuple[Manifest, memoryview]:
-        """The manifest and the raw data section of a version (not yet verified)."""
+        """The manifest and the raw data section of a version (not yet verified).
+
+        With `base` (gRPC), only the changes from that version are sent when that is smaller: the
+        client must hold it, from its previous pull of the model (or `hold`).
+        """
         if self._http:
-            return self._http_pull(model, str(version), progress)
+            if base is not None:
+                raise ValueError("delta pulls need a gRPC target (host:port)")
+            manifest, data = self._http_pull(model, str(version), progress)
+        else:
+            manifest, data = self._grpc_pull(model, str(version), base, progress)
+        self._held[model] = (manifest, data)
+        return manifest, data
+
+    def hold(self, manifest: Manifest, data: memoryview) -> None:
+        """Remember a version this client has (the base of a later delta pull of its model)."""
+        self._held[manifest.model] = (manifest, data)
+
+    def _grpc_pull(
+        self, model: str, version: str, base: int | None, progress: Progress | None
+    ) -> tuple[Manifest, memoryview]:
+        held = self._held.get(model)
+        if base is not None and (held is None or held[0].version != base):
+            raise InvalidArgument(f"model {model!r}: this client holds no copy of version {base} to pull a delta on")
         manifest: Manifest | None = None
         data = memoryview(b"")
         received = 0
+        delta_bytes: int | None = None
+        self.last_pull_bytes = 0
         for attempt in range(self.resume_attempts + 1):
             # After a break, ask for the same version from the first byte we do not have yet.
-            pinned = str(version) if manifest is None else str(manifest.version)
+            pinned = version if manifest is None else str(manifest.version)
+            request = pb.PullRequest(
+                model=model, version=pinned, offset=received, base="" if base is None else str(base)
+            )
             try:
-                stream = self._pull(pb.PullRequest(model=model, version=pinned, offset=received), timeout=self.timeout)
+                stream = self._pull(request, timeout=self.timeout)
                 first = next(stream, None)
                 if not isinstance(first, pb.PullResponse) or not first.HasField("manifest"):
                     raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
                 got = manifest_from_proto(first.manifest)
-                if manifest is None:
-                    manifest, data = got, _buffer(got.data_bytes)
-                elif got.master_digest != manifest.master_digest:
+                if manifest is not None and got.master_digest != manifest.master_digest:
                     raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
+                manifest = got
                 for chunk in stream:
+                    if isinstance(chunk, pb.PullResponse) and chunk.HasField("delta"):
+                        if delta_bytes is None:  # the bytes that follow encode changes from `base`
+                            delta_bytes = chunk.delta.delta_bytes
+                            data = _buffer(delta_bytes)
+                        continue
+                    if not data and manifest.data_bytes and delta_bytes is None:
+                        data = _buffer(manifest.data_bytes)
                     n = len(chunk.data) if isinstance(chunk, ChunkView) else -1
                     if n < 0 or chunk.offset != received or received + n > len(data):
                         raise DataLoss(f"model {model!r} version {manifest.version}: unexpected chunk in pull")
                     data[received : received + n] = chunk.data
                     received += n
+                    self.last_pull_bytes += n
                     if progress:
                         progress(n)
                 break
@@ -312,12 +359,21 @@ class InferenceClient:
                     _raise(e)
                 time.sleep(min(2.0, 0.1 * 2**attempt))  # the connection is re-established by the channel
         assert manifest is not None
-        if received != manifest.data_bytes:
+        expected = manifest.data_bytes if delta_bytes is None else delta_bytes
+        if received != expected:
             raise DataLoss(
-                f"model {model!r} version {manifest.version}: stream ended after "
-                f"{received} of {manifest.data_bytes} bytes"
+                f"model {model!r} version {manifest.version}: stream ended after {received} of {expected} bytes"
             )
-        return manifest, data
+        if delta_bytes is None:
+            return manifest, data if manifest.data_bytes else _buffer(0)
+        assert held is not None
+        full = _buffer(manifest.data_bytes)
+        full[:] = held[1]
+        try:
+            delta_apply(manifest, data, full)
+        except (ValueError, struct.error) as e:
+            raise DataLoss(f"model {model!r} version {manifest.version}: bad delta on version {base}: {e}") from None
+        return manifest, full
 
     def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
         conn_cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection

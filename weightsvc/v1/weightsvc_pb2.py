@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cweightsvc/v1/weightsvc.proto\x12\x0cweightsvc.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"v\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.weightsvc.v1.TensorSpec\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x10\n\x08rounding\x18\x05 \x01(\t\"5\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0c\n\nPushCommit\"\x93\x01\n\x0bPushRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.weightsvc.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.weightsvc.v1.ChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.weightsvc.v1.PushCommitH\x00\x42\x06\n\x04kind\"K\n\x0cPushResponse\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.weightsvc.v1.VersionInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"l\n\x0cServedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"\x82\x02\n\x08Manifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x10\n\x08rounding\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ommitted_unix\x18\x06 \x01(\x01\x12\x12\n\ndata_bytes\x18\x07 \x01(\x03\x12\x15\n\rmaster_digest\x18\x08 \x01(\t\x12+\n\x07tensors\x18\t \x03(\x0b\x32\x1a.weightsvc.v1.ServedTensor\x12\x0f\n\x07scaling\x18\n \x01(\t\x12%\n\x03lag\x18\x0b \x01(\x0b\x32\x18.weightsvc.v1.LagMetrics\"\xc1\x01\n\nLagMetrics\x12\r\n\x05\x63hurn\x18\x01 \x01(\x01\x12\x1e\n\x11update_visibility\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tlag_steps\x18\x03 \x01(\x03\x12\x16\n\x0erelative_error\x18\x04 \x01(\x01\x12\x1a\n\x12saturated_elements\x18\x05 \x01(\x03\x12\x18\n\x10sampled_elements\x18\x06 \x01(\x03\x12\r\n\x05\x65xact\x18\x07 \x01(\x08\x42\x14\n\x12_update_visibility\"\xb8\x01\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x10\n\x08rounding\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_unix\x18\x05 \x01(\x01\x12\x14\n\x0ctensor_count\x18\x06 \x01(\x03\x12\x12\n\ndata_bytes\x18\x07 \x01(\x03\x12%\n\x03lag\x18\x08 \x01(\x0b\x32\x18.weightsvc.v1.LagMetrics\"=\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\"h\n\x0cPullResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.weightsvc.v1.ManifestH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.weightsvc.v1.ChunkH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"G\n\x0cModelSummary\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x10\n\x08versions\x18\x03 \x03(\x03\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.weightsvc.v1.ModelSummary\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"C\n\x14ListVersionsResponse\x12+\n\x08versions\x18\x01 \x03(\x0b\x32\x19.weightsvc.v1.VersionInfo\"4\n\x12GetManifestRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"K\n\x0cWatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\rafter_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_after_version\":\n\x0cVersionEvent\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.weightsvc.v1.VersionInfo\"?\n\nAckRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\t\"%\n\x0b\x41\x63kResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x32\x81\x04\n\rWeightService\x12?\n\x04Push\x12\x19.weightsvc.v1.PushRequest\x1a\x1a.weightsvc.v1.PushResponse(\x01\x12?\n\x04Pull\x12\x19.weightsvc.v1.PullRequest\x1a\x1a.weightsvc.v1.PullResponse0\x01\x12O\n\nListModels\x12\x1f.weightsvc.v1.ListModelsRequest\x1a .weightsvc.v1.ListModelsResponse\x12U\n\x0cListVersions\x12!.weightsvc.v1.ListVersionsRequest\x1a\".weightsvc.v1.ListVersionsResponse\x12G\n\x0bGetManifest\x12 .weightsvc.v1.GetManifestRequest\x1a\x16.weightsvc.v1.Manifest\x12\x41\n\x05Watch\x12\x1a.weightsvc.v1.WatchRequest\x1a\x1a.weightsvc.v1.VersionEvent0\x01\x12:\n\x03\x41\x63k\x12\x18.weightsvc.v1.AckRequest\x1a\x19.weightsvc.v1.AckResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cweightsvc/v1/weightsvc.proto\x12\x0cweightsvc.v1\"8\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"v\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12)\n\x07tensors\x18\x03 \x03(\x0b\x32\x18.weightsvc.v1.TensorSpec\x12\x0e\n\x06\x66ormat\x18\x04 \x01(\t\x12\x10\n\x08rounding\x18\x05 \x01(\t\"5\n\x05\x43hunk\x12\x0e\n\x06tensor\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x0c\n\nPushCommit\"\x93\x01\n\x0bPushRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x18.weightsvc.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.weightsvc.v1.ChunkH\x00\x12*\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x18.weightsvc.v1.PushCommitH\x00\x42\x06\n\x04kind\"K\n\x0cPushResponse\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.weightsvc.v1.VersionInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"l\n\x0cServedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\t\"\x82\x02\n\x08Manifest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x10\n\x08rounding\x18\x04 \x01(\t\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x16\n\x0e\x63ommitted_unix\x18\x06 \x01(\x01\x12\x12\n\ndata_bytes\x18\x07 \x01(\x03\x12\x15\n\rmaster_digest\x18\x08 \x01(\t\x12+\n\x07tensors\x18\t \x03(\x0b\x32\x1a.weightsvc.v1.ServedTensor\x12\x0f\n\x07scaling\x18\n \x01(\t\x12%\n\x03lag\x18\x0b \x01(\x0b\x32\x18.weightsvc.v1.LagMetrics\"\xc1\x01\n\nLagMetrics\x12\r\n\x05\x63hurn\x18\x01 \x01(\x01\x12\x1e\n\x11update_visibility\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tlag_steps\x18\x03 \x01(\x03\x12\x16\n\x0erelative_error\x18\x04 \x01(\x01\x12\x1a\n\x12saturated_elements\x18\x05 \x01(\x03\x12\x18\n\x10sampled_elements\x18\x06 \x01(\x03\x12\r\n\x05\x65xact\x18\x07 \x01(\x08\x42\x14\n\x12_update_visibility\"\xb8\x01\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06\x66ormat\x18\x03 \x01(\t\x12\x10\n\x08rounding\x18\x04 \x01(\t\x12\x16\n\x0e\x63ommitted_unix\x18\x05 \x01(\x01\x12\x14\n\x0ctensor_count\x18\x06 \x01(\x03\x12\x12\n\ndata_bytes\x18\x07 \x01(\x03\x12%\n\x03lag\x18\x08 \x01(\x0b\x32\x18.weightsvc.v1.LagMetrics\"K\n\x0bPullRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x03\x12\x0c\n\x04\x62\x61se\x18\x04 \x01(\t\"2\n\x05\x44\x65lta\x12\x14\n\x0c\x62\x61se_version\x18\x01 \x01(\x03\x12\x13\n\x0b\x64\x65lta_bytes\x18\x02 \x01(\x03\"\x8e\x01\n\x0cPullResponse\x12*\n\x08manifest\x18\x01 \x01(\x0b\x32\x16.weightsvc.v1.ManifestH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.weightsvc.v1.ChunkH\x00\x12$\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x13.weightsvc.v1.DeltaH\x00\x42\x06\n\x04kind\"\x13\n\x11ListModelsRequest\"G\n\x0cModelSummary\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\x0elatest_version\x18\x02 \x01(\x03\x12\x10\n\x08versions\x18\x03 \x03(\x03\"@\n\x12ListModelsResponse\x12*\n\x06models\x18\x01 \x03(\x0b\x32\x1a.weightsvc.v1.ModelSummary\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"C\n\x14ListVersionsResponse\x12+\n\x08versions\x18\x01 \x03(\x0b\x32\x19.weightsvc.v1.VersionInfo\"4\n\x12GetManifestRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\"K\n\x0cWatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1a\n\rafter_version\x18\x02 \x01(\x03H\x00\x88\x01\x01\x42\x10\n\x0e_after_version\":\n\x0cVersionEvent\x12*\n\x07version\x18\x01 \x01(\x0b\x32\x19.weightsvc.v1.VersionInfo\"?\n\nAckRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tclient_id\x18\x03 \x01(\t\"%\n\x0b\x41\x63kResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x32\x81\x04\n\rWeightService\x12?\n\x04Push\x12\x19.weightsvc.v1.PushRequest\x1a\x1a.weightsvc.v1.PushResponse(\x01\x12?\n\x04Pull\x12\x19.weightsvc.v1.PullRequest\x1a\x1a.weightsvc.v1.PullResponse0\x01\x12O\n\nListModels\x12\x1f.weightsvc.v1.ListModelsRequest\x1a .weightsvc.v1.ListModelsResponse\x12U\n\x0cListVersions\x12!.weightsvc.v1.ListVersionsRequest\x1a\".weightsvc.v1.ListVersionsResponse\x12G\n\x0bGetManifest\x12 .weightsvc.v1.GetManifestRequest\x1a\x16.weightsvc.v1.Manifest\x12\x41\n\x05Watch\x12\x1a.weightsvc.v1.WatchRequest\x1a\x1a.weightsvc.v1.VersionEvent0\x01\x12:\n\x03\x41\x63k\x12\x18.weightsvc.v1.AckRequest\x1a\x19.weightsvc.v1.AckResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERSIONINFO']._serialized_start=1088
   _globals['_VERSIONINFO']._serialized_end=1272
   _globals['_PULLREQUEST']._serialized_start=1274
-  _globals['_PULLREQUEST']._serialized_end=1335
-  _globals['_PULLRESPONSE']._serialized_start=1337
-  _globals['_PULLRESPONSE']._serialized_end=1441
-  _globals['_LISTMODELSREQUEST']._serialized_start=1443
-  _globals['_LISTMODELSREQUEST']._serialized_end=1462
-  _globals['_MODELSUMMARY']._serialized_start=1464
-  _globals['_MODELSUMMARY']._serialized_end=1535
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1537
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1601
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=1603
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=1639
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1641
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1708
-  _globals['_GETMANIFESTREQUEST']._serialized_start=1710
-  _globals['_GETMANIFESTREQUEST']._serialized_end=1762
-  _globals['_WATCHREQUEST']._serialized_start=1764
-  _globals['_WATCHREQUEST']._serialized_end=1839
-  _globals['_VERSIONEVENT']._serialized_start=1841
-  _globals['_VERSIONEVENT']._serialized_end=1899
-  _globals['_ACKREQUEST']._serialized_start=1901
-  _globals['_ACKREQUEST']._serialized_end=1964
-  _globals['_ACKRESPONSE']._serialized_start=1966
-  _globals['_ACKRESPONSE']._serialized_end=2003
-  _globals['_WEIGHTSERVICE']._serialized_start=2006
-  _globals['_WEIGHTSERVICE']._serialized_end=2519
+  _globals['_PULLREQUEST']._serialized_end=1349
+  _globals['_DELTA']._serialized_start=1351
+  _globals['_DELTA']._serialized_end=1401
+  _globals['_PULLRESPONSE']._serialized_start=1404
+  _globals['_PULLRESPONSE']._serialized_end=1546
+  _globals['_LISTMODELSREQUEST']._serialized_start=1548
+  _globals['_LISTMODELSREQUEST']._serialized_end=1567
+  _globals['_MODELSUMMARY']._serialized_start=1569
+  _globals['_MODELSUMMARY']._serialized_end=1640
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1642
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1706
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=1708
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=1744
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1746
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1813
+  _globals['_GETMANIFESTREQUEST']._serialized_start=1815
+  _globals['_GETMANIFESTREQUEST']._serialized_end=1867
+  _globals['_WATCHREQUEST']._serialized_start=1869
+  _globals['_WATCHREQUEST']._serialized_end=1944
+  _globals['_VERSIONEVENT']._serialized_start=1946
+  _globals['_VERSIONEVENT']._serialized_end=2004
+  _globals['_ACKREQUEST']._serialized_start=2006
+  _globals['_ACKREQUEST']._serialized_end=2069
+  _globals['_ACKRESPONSE']._serialized_start=2071
+  _globals['_ACKRESPONSE']._serialized_end=2108
+  _globals['_WEIGHTSERVICE']._serialized_start=2111
+  _globals['_WEIGHTSERVICE']._serialized_end=2624
 # @@protoc_insertion_point(module_scope)

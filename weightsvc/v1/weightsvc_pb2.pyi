@@ -143,22 +143,34 @@ class VersionInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "version", "offset")
+    __slots__ = ("model", "version", "offset", "base")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     offset: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    base: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., offset: _Optional[int] = ..., base: _Optional[str] = ...) -> None: ...
+
+class Delta(_message.Message):
+    __slots__ = ("base_version", "delta_bytes")
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    base_version: int
+    delta_bytes: int
+    def __init__(self, base_version: _Optional[int] = ..., delta_bytes: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "delta")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     chunk: Chunk
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    delta: Delta
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
