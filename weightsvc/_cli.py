@@ -159,6 +159,9 @@ def pull(
     output: Annotated[Path, typer.Option("-o", "--output", help="Output safetensors file.")],
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
     version: Annotated[str, typer.Option(help="Version number or 'latest'.")] = "latest",
+    base: Annotated[
+        int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed (gRPC).")
+    ] = None,
     target: Annotated[str | None, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = None,
     url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
@@ -172,11 +175,11 @@ def pull(
         with InferenceClient(url or target or "") as client:
             size = client.manifest(model, version).data_bytes
             with progress_bar(f"pull {model}@{version}", size, progress) as bar:
-                manifest = client.pull_file(output, model, version, progress=bar)
-    except WeightsvcError as e:
+                manifest = client.pull_file(output, model, version, base=base, progress=bar)
+    except (WeightsvcError, ValueError) as e:
         fail(str(e))
     except OSError as e:
-        fail(f"cannot write {output}: {e}")
+        fail(f"cannot read or write {output}: {e}")
     out.print(
         f"pulled model {manifest.model} version {manifest.version} -> {output} "
         f"({len(manifest.tensors)} tensors, checksums verified)",

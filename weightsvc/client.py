@@ -141,6 +141,13 @@ def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[
     return out
 
 
+def read_version_file(path: str | Path) -> tuple[Manifest, memoryview]:
+    """The manifest and data section of a safetensors file written by weightsvc."""
+    raw = Path(path).read_bytes()
+    start, header = read_safetensors_header(raw[: 8 + int.from_bytes(raw[:8], "little")])
+    return manifest_from_header(header), memoryview(raw)[start:]
+
+
 def _as_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype not in _EXACT_TO_F32:
         raise TypeError(f"tensor {name!r} is {tensor.dtype}; push float32 masters (bf16/fp16 widen exactly)")
@@ -266,10 +273,23 @@ class InferenceClient:
         model: str = "default",
         version: int | str = "latest",
         *,
+        base: int | None = None,
         progress: Progress | None = None,
     ) -> Manifest:
-        """Write a version as a safetensors file (checksums verified first); returns its manifest."""
-        manifest, data = self.pull_data(model, version, progress=progress)
+        """Write a version as a safetensors file (checksums verified first); returns its manifest.
+
+        With `base`, the file at `path` must hold that version (as written by a previous pull): only
+        the changes are pulled, and the file is replaced by the new version."""
+        if base is not None:
+            held = read_version_file(path)
+            if (held[0].model, held[0].version) != (model, base):
+                raise InvalidArgument(
+                    f"{path} holds model {held[0].model!r} version {held[0].version}, "
+                    f"not model {model!r} version {base}"
+                )
+            tensors_from_data(*held)  # verified before anything is built on it
+            self.hold(*held)
+        manifest, data = self.pull_data(model, version, base=base, progress=progress)
         tensors_from_data(manifest, data)
         path = Path(path)
         tmp = path.with_name(f".{path.name}.part")

@@ -139,7 +139,20 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
     result = cli("bench", "--size-mib", "32", "--repeat", "1", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
-    for key in ("T1", "T1_grpc", "T1_http", "T2", "M1", "K1", "K2", "K1_vs_torch_ops_sr"):
+    for key in (
+        "T1",
+        "T1_grpc",
+        "T1_http",
+        "T2",
+        "M1",
+        "K1",
+        "K2",
+        "K1_vs_torch_ops_sr",
+        "delta_ratio_rtn",
+        "delta_ratio_sr",
+        "delta_ratio_sr-sticky",
+        "delta_ratio_ef",
+    ):
         assert isinstance(figures[key], float) and figures[key] > 0, key
     assert figures["details"]["master_mib"] == 32
 
@@ -182,3 +195,21 @@ def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
                             "final_reward"}  # fmt: skip
     assert table["rtn"]["lag_mean"] > 2 * max(table[m]["lag_mean"] for m in ("sr", "sr-sticky", "ef"))
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) -> None:
+    base, t = make_masters(seed=21), served.target
+    for step, masters in ((1, base), (2, {k: v + 3e-6 for k, v in base.items()})):
+        ckpt = tmp_path / f"m{step}.safetensors"
+        save_file(masters, str(ckpt))
+        assert cli("push", str(ckpt), "--model", "delta", "--step", str(step), "--target", t).returncode == 0
+    out = tmp_path / "served.safetensors"
+    assert cli("pull", "--model", "delta", "--version", "1", "-o", str(out), "--target", t).returncode == 0
+    updated = cli("pull", "--model", "delta", "--version", "2", "--base", "1", "-o", str(out), "--target", t)
+    assert updated.returncode == 0, updated.stderr
+    dense = tmp_path / "dense.safetensors"
+    assert cli("pull", "--model", "delta", "--version", "2", "-o", str(dense), "--target", t).returncode == 0
+    assert out.read_bytes() == dense.read_bytes()
+    line = one_error_line(cli("pull", "--model", "delta", "--version", "2", "--base", "1", "-o", str(out),
+                              "--target", t))  # fmt: skip
+    assert "holds model 'delta' version 2, not model 'delta' version 1" in line
