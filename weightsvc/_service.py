@@ -59,6 +59,7 @@ MAX_NAME_CHARS = 1024
 MAX_PENDING_CHUNKS = 8
 MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
 RESERVED_NAME = "__metadata__"
+MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
 
 
 @dataclass(frozen=True)
@@ -464,6 +465,7 @@ class Service:
         self._releasing: set[asyncio.Future[None]] = set()
         self._changes = _Changes()
         self._staging_reserved = 0
+        self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # recent delta encodings, oldest first
 
     def restore(self) -> int:
         return self.store.restore()
@@ -594,6 +596,9 @@ class Service:
         not retained, has another layout, or the delta would not be smaller than the dense bytes."""
         if base is None or base == version.manifest.version:
             return None
+        key = (version.manifest.model, version.manifest.version, base)
+        if key in self._deltas:  # a fleet pulls the same delta many times: encode it once
+            return self._deltas[key]
         try:
             held = self.open_pull(version.manifest.model, base, "delta")
         except NotFound:
@@ -604,7 +609,11 @@ class Service:
             encoded = await asyncio.to_thread(delta_encode, version.manifest, version.data, held.data)
         finally:
             self.close_pull(held, "delta")
-        return encoded if len(encoded) < version.manifest.data_bytes else None
+        delta = encoded if len(encoded) < version.manifest.data_bytes else None
+        self._deltas[key] = delta
+        while len(self._deltas) > MAX_CACHED_DELTAS:
+            self._deltas.pop(next(iter(self._deltas)))
+        return delta
 
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
         self.metrics.pull_bytes.labels(model, transport).inc(nbytes)
