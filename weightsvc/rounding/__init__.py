@@ -156,8 +156,9 @@ def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> 
     return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))
 
 
-def _fp8_scales_cuda(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
-    """fp8_scales for a CUDA tensor: the maxima on the device (exact), the small rest on the host."""
+def _fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
+    """fp8_scales for a torch tensor on any device: the maxima where the values are (exact, so equal
+    to the numpy path's), the small rest on the host."""
     import torch
 
     n, k = values.shape
@@ -273,13 +274,13 @@ def export_array(
     return ExportStats(int(nonfinite), int(saturated))
 
 
-def _master(master: torch.Tensor, name: str) -> torch.Tensor:
-    """fp32 on the CPU, contiguous; bf16/fp16 widen exactly, anything else is refused."""
+def _master(master: torch.Tensor, name: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 on `device`, contiguous; bf16/fp16 widen exactly, anything else is refused."""
     import torch
 
     if master.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise TypeError(f"tensor {name!r}: master must be float32 (bf16/fp16 widen exactly), got {master.dtype}")
-    return master.detach().to("cpu", torch.float32).contiguous()
+    return master.detach().to(device, torch.float32).contiguous()
 
 
 def _torch_dtype(fmt: Format) -> torch.dtype:
@@ -301,75 +302,30 @@ def export(
     for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export).
 
     `device`: "auto" exports where the master lives (Triton on CUDA, numba on the CPU), "cpu" or
-    "cuda" force one; both give the same bits."""
+    "cuda" force one; both give the same bits. The residual stays on the host, as the service keeps it."""
     import torch
 
     check_choice("device", device, DEVICES)
-    if device == "cuda" and not master.is_cuda:
-        master = master.to("cuda")
-    if master.is_cuda and device != "cpu":
-        return _export_cuda(master, spec, version=version, name=name, residual=residual)
-    m = _master(master, name)
-    flat = m.reshape(-1).numpy()
+    m = _master(master, name, master.device if device == "auto" else torch.device(device))
     fmt = spec.format_for(name, tuple(m.shape))
     res_in = res_out = None
     if spec.rounding == "ef":
         if residual is None:
             raise ValueError(f"tensor {name!r}: rounding 'ef' needs a Residual")
-        res_in = residual.tensor(name, flat.size)
-        res_out = np.empty_like(res_in)
+        res_in = torch.from_numpy(residual.tensor(name, m.numel())).to(m.device)
+        res_out = torch.empty_like(res_in)
     scales = None
     if fmt.scaled:
-        values = flat if res_in is None else flat + res_in
-        scales = fp8_scales(values.reshape(m.shape), fmt, spec.scaling)
-    out = torch.empty(m.shape, dtype=_torch_dtype(fmt))
-    export_array(
-        flat, out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name, fmt=fmt,
-        scales=scales, residual=res_in, new_residual=res_out,
-    )  # fmt: skip
-    if residual is not None and res_out is not None:
-        residual.tensors[name] = res_out
-    served = {name: out}
-    if scales is not None:
-        served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy())
-    return served
-
-
-def _export_cuda(
-    master: torch.Tensor, spec: ExportSpec, *, version: int, name: str, residual: Residual | None
-) -> dict[str, torch.Tensor]:
-    """`export` on the GPU with the Triton kernels: the same bits as the CPU path (served on the
-    master's device; the residual stays on the host, as the service keeps it)."""
-    import torch
-
-    from weightsvc.rounding import _triton
-
-    m = master.detach().to(torch.float32).contiguous()
-    flat = m.reshape(-1)
-    fmt = spec.format_for(name, tuple(m.shape))
-    res_in = res_out = None
-    if spec.rounding == "ef":
-        if residual is None:
-            raise ValueError(f"tensor {name!r}: rounding 'ef' needs a Residual")
-        res_in = torch.from_numpy(residual.tensor(name, flat.numel())).to(m.device)
-        res_out = torch.empty_like(res_in)
-    k0, k1 = spec.key(version, name)
+        scales = _fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling)
     out = torch.empty(m.shape, dtype=_torch_dtype(fmt), device=m.device)
-    served_bits = out.reshape(-1).view(torch.int16 if fmt.width == 16 else torch.uint8)
-    scales = None
-    if fmt.name == "bf16":
-        _triton.bf16_export(flat, served_bits, k0, k1, 0, spec.stochastic, res_in, res_out)
+    if m.is_cuda:
+        _export_triton(m, out, spec, fmt, version=version, name=name, scales=scales, residual=res_in,
+                       new_residual=res_out)  # fmt: skip
     else:
-        if fmt.scaled:
-            values = m if res_in is None else m + res_in.reshape(m.shape)
-            scales = _fp8_scales_cuda(values, fmt, spec.scaling)
-        one = torch.ones(1, device=m.device)
-        _triton.float_export(
-            flat, served_bits, k0, k1, 0, spec.stochastic, fmt,
-            torch.from_numpy(scales.inverse).to(m.device) if scales else one,
-            torch.from_numpy(scales.scale_inv.reshape(-1).copy()).to(m.device) if scales else one,
-            scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
-            res_in, res_out,
+        export_array(
+            m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
+            fmt=fmt, scales=scales, residual=None if res_in is None else res_in.numpy(),
+            new_residual=None if res_out is None else res_out.numpy(),
         )  # fmt: skip
     if residual is not None and res_out is not None:
         residual.tensors[name] = res_out.cpu().numpy()
@@ -377,6 +333,31 @@ def _export_cuda(
     if scales is not None:
         served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy()).to(m.device)
     return served
+
+
+def _export_triton(
+    m: torch.Tensor, out: torch.Tensor, spec: ExportSpec, fmt: Format, *, version: int, name: str,
+    scales: Scales | None, residual: torch.Tensor | None, new_residual: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """The CUDA side of `export`: the Triton kernels, with the keys and scales of the CPU path."""
+    import torch
+
+    from weightsvc.rounding import _triton
+
+    k0, k1 = spec.key(version, name)
+    flat = m.reshape(-1)
+    served_bits = out.reshape(-1).view(torch.int16 if fmt.width == 16 else torch.uint8)
+    if fmt.name == "bf16":
+        _triton.bf16_export(flat, served_bits, k0, k1, 0, spec.stochastic, residual, new_residual)
+        return
+    one = torch.ones(1, device=m.device)
+    _triton.float_export(
+        flat, served_bits, k0, k1, 0, spec.stochastic, fmt,
+        torch.from_numpy(scales.inverse).to(m.device) if scales else one,
+        torch.from_numpy(scales.scale_inv.reshape(-1).copy()).to(m.device) if scales else one,
+        scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
+        residual, new_residual,
+    )  # fmt: skip
 
 
 def export_state_dict(
