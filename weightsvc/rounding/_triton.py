@@ -35,17 +35,24 @@ def _random_bits(k0, k1, g):
 
 
 @triton.jit
-def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
-                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
+def _load_master(src, residual, i, mask, EF: tl.constexpr):
+    """The master, its bits, whether it is NaN/Inf, and u = m + e (u = m when e == 0: -0 keeps its sign)."""
     m = tl.load(src + i, mask=mask, other=0.0)
     mbits = m.to(tl.uint32, bitcast=True)
     special = (mbits & 0x7F800000) == 0x7F800000
     u = m
     if EF:
         e = tl.load(residual + i, mask=mask, other=0.0)
-        u = tl.where(e == 0, m, m + e)  # with e == 0, u is m itself (-0 keeps its sign)
+        u = tl.where(e == 0, m, m + e)
+    return m, mbits, special, u
+
+
+@triton.jit
+def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
+                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    m, mbits, special, u = _load_master(src, residual, i, mask, EF)
     bits = u.to(tl.uint32, bitcast=True)
     if EF:  # m + e overflowed: serve the saturated master
         over = (bits & 0x7F800000) == 0x7F800000
@@ -77,13 +84,7 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     g = offset + i
-    m = tl.load(src + i, mask=mask, other=0.0)
-    mbits = m.to(tl.uint32, bitcast=True)
-    special = (mbits & 0x7F800000) == 0x7F800000
-    u = m
-    if EF:
-        e = tl.load(residual + i, mask=mask, other=0.0)
-        u = tl.where(e == 0, m, m + e)
+    _, mbits, special, u = _load_master(src, residual, i, mask, EF)
     scale = tl.full([BLOCK], 1.0, tl.float32)
     y = u
     if SCALE_MODE != 0:
