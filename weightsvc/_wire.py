@@ -12,6 +12,7 @@ delimited) holding Chunk {1: tensor string, 2: offset int64 varint, 3: data byte
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -130,42 +131,25 @@ def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
 
 
 def manifest_to_proto(m: Manifest) -> pb.Manifest:
-    return pb.Manifest(
-        model=m.model,
-        version=m.version,
-        format=m.format,
-        rounding=m.rounding,
-        seed=m.seed,
-        committed_unix=m.committed_unix,
-        data_bytes=m.data_bytes,
-        master_digest=m.master_digest,
-        scaling=m.scaling,
-        lag=lag_to_proto(m.lag),
-        tensors=[
-            pb.ServedTensor(
-                name=t.name,
-                shape=t.shape,
-                dtype=t.dtype,
-                offset=t.offset,
-                nbytes=t.nbytes,
-                checksum=t.checksum,
-            )
-            for t in m.tensors
-        ],
-    )
+    d = m.to_dict()  # the proto mirrors the dataclass field for field
+    return pb.Manifest(**{**d, "tensors": [pb.ServedTensor(**t) for t in d["tensors"]], "lag": lag_to_proto(m.lag)})
 
 
 def lag_to_proto(lag: LagMetrics | None) -> pb.LagMetrics | None:
     return None if lag is None else pb.LagMetrics(**lag.to_dict())
 
 
+def _scalars(cls: type, msg: object, skip: tuple[str, ...] = ()) -> dict[str, object]:
+    return {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls) if f.name not in skip}
+
+
 def lag_from_proto(msg: pb.Manifest | pb.VersionInfo) -> LagMetrics | None:
     if not msg.HasField("lag"):
         return None
-    lag = msg.lag
-    visibility = lag.update_visibility if lag.HasField("update_visibility") else None
-    return LagMetrics(lag.churn, visibility, lag.lag_steps, lag.relative_error, lag.saturated_elements,
-                      lag.sampled_elements, lag.exact)  # fmt: skip
+    values = _scalars(LagMetrics, msg.lag)
+    if not msg.lag.HasField("update_visibility"):
+        values["update_visibility"] = None
+    return LagMetrics(**values)  # type: ignore[arg-type]
 
 
 def info_to_proto(m: Manifest) -> pb.VersionInfo:
@@ -173,16 +157,5 @@ def info_to_proto(m: Manifest) -> pb.VersionInfo:
 
 
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
-    return Manifest(
-        model=m.model,
-        version=m.version,
-        format=m.format,
-        rounding=m.rounding,
-        seed=m.seed,
-        committed_unix=m.committed_unix,
-        data_bytes=m.data_bytes,
-        master_digest=m.master_digest,
-        tensors=tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum) for t in m.tensors),
-        scaling=m.scaling,
-        lag=lag_from_proto(m),
-    )
+    tensors = tuple(ServedTensor(**{**_scalars(ServedTensor, t), "shape": tuple(t.shape)}) for t in m.tensors)  # type: ignore[arg-type]
+    return Manifest(**_scalars(Manifest, m, ("tensors", "lag")), tensors=tensors, lag=lag_from_proto(m))  # type: ignore[arg-type]
