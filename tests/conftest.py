@@ -18,9 +18,14 @@ from weightsvc import InferenceClient, LearnerClient, Settings
 from weightsvc._server import BackgroundServer
 
 
+def serving(**overrides: object) -> BackgroundServer:
+    """A service on ports 0, for `with serving(...) as srv:`."""
+    return BackgroundServer(Settings(**{"grpc_port": 0, "http_port": 0, **overrides}))
+
+
 def start_server(**overrides: object) -> BackgroundServer:
-    settings = Settings(**{"grpc_port": 0, "http_port": 0, **overrides})
-    return BackgroundServer(settings).__enter__()
+    """A started service, for tests that stop and restart it themselves."""
+    return serving(**overrides).__enter__()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import make_masters, start_server
+from tests.conftest import make_masters, serving, start_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._server import BackgroundServer
 from weightsvc.errors import (
@@ -273,14 +273,11 @@ def test_oversized_and_reserved_headers(server: BackgroundServer, model: str) ->
 
 
 def test_staging_budget_refuses_pushes_beyond_it(model: str) -> None:
-    srv = start_server(max_staged_bytes=1000)
-    try:
+    with serving(max_staged_bytes=1000) as srv:
         err = raw_push(srv.grpc_target, [header(model, tensors=[("w", [1000], "F32")]), COMMIT])
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "would exceed the staging budget of 1000 bytes" in err.details()
         LearnerClient(srv.grpc_target).push(1, {"w": torch.zeros(100)}, model=model)  # 200 bytes fit
-    finally:
-        srv.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("version", ["\u00b2", "9" * 5000, "-1", "1.5"])

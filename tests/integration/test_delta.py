@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import start_server
+from tests.conftest import serving
 from tests.integration.test_export_service import same_bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import InvalidArgument
@@ -19,8 +19,7 @@ def small_step(masters: dict[str, torch.Tensor], lr: float = 3e-6, seed: int = 0
 @pytest.mark.parametrize("fmt, rounding", [("bf16", "rtn"), ("bf16", "sr-sticky"), ("bf16", "sr"),
                                            ("fp8_e4m3", "rtn")])  # fmt: skip
 def test_delta_pull_gives_the_dense_bits_with_fewer_bytes(fmt: str, rounding: str) -> None:
-    srv = start_server(format=fmt, rounding=rounding)
-    try:
+    with serving(format=fmt, rounding=rounding) as srv:
         gen = torch.Generator().manual_seed(1)
         masters = {"layers.0.weight": (torch.randn(512, 512, generator=gen) * 0.02).to(torch.bfloat16).float()}
         learner = LearnerClient(srv.grpc_target)
@@ -36,13 +35,10 @@ def test_delta_pull_gives_the_dense_bits_with_fewer_bytes(fmt: str, rounding: st
         assert delta_bytes < data_bytes
         if rounding in ("rtn", "sr-sticky"):
             assert delta_bytes < data_bytes / 5  # a small step moves few served elements
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_dense_when_the_delta_would_not_be_smaller_or_the_base_is_gone() -> None:
-    srv = start_server(retain=2)
-    try:
+    with serving(retain=2) as srv:
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, {"w": torch.randn(256, 256)})
         learner.push(2, {"w": torch.randn(256, 256)})  # every element changes
@@ -54,5 +50,3 @@ def test_dense_when_the_delta_would_not_be_smaller_or_the_base_is_gone() -> None
         same_bits(client.pull(version=3, base=2), InferenceClient(srv.grpc_target).pull(version=3))
         with pytest.raises(InvalidArgument, match="holds no copy of version 1"):
             InferenceClient(srv.grpc_target).pull(version=3, base=1)
-    finally:
-        srv.__exit__(None, None, None)

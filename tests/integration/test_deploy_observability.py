@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import start_server
+from tests.conftest import serving
 from tests.integration.test_push_pull import http_get
 from weightsvc import InferenceClient, LearnerClient
 
@@ -21,15 +21,12 @@ DASHBOARD = DEPLOY / "grafana" / "weightsvc-dashboard.json"
 
 
 def exported_metrics_text() -> str:
-    srv = start_server()
-    try:
+    with serving() as srv:
         LearnerClient(srv.grpc_target).push(1, {"w": torch.randn(64, 64) * 0.02})
         LearnerClient(srv.grpc_target).push(2, {"w": torch.randn(64, 64) * 0.02})
         InferenceClient(srv.grpc_target).ack("default", 1, "pod")
         InferenceClient(srv.http_url).pull()
         return http_get(srv.http_url, "/metrics")[2].decode()
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def referenced_names(text: str) -> set[str]:

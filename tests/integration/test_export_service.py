@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import make_masters, start_server
+from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import served_weights
 from weightsvc.errors import InvalidArgument
@@ -31,8 +31,7 @@ def steps(n: int) -> list[dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2"])
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
 def test_served_copy_is_the_local_fair_cast(fmt: str, rounding: str) -> None:
-    srv = start_server(format=fmt, rounding=rounding, seed=3, scaling="block", chunk_bytes=4096)
-    try:
+    with serving(format=fmt, rounding=rounding, seed=3, scaling="block", chunk_bytes=4096) as srv:
         learner = LearnerClient(srv.grpc_target, chunk_bytes=8192)  # several chunks per tensor
         spec = ExportSpec(fmt, rounding, 3, "block")
         residual = Residual()
@@ -43,13 +42,10 @@ def test_served_copy_is_the_local_fair_cast(fmt: str, rounding: str) -> None:
         manifest = InferenceClient(srv.http_url).manifest()
         assert (manifest.format, manifest.rounding, manifest.seed) == (fmt, rounding, 3)
         assert manifest.scaling == ("block" if fmt.startswith("fp8") else "")
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_per_push_override(model: str) -> None:
-    srv = start_server()
-    try:
+    with serving() as srv:
         masters = make_masters()
         info = LearnerClient(srv.grpc_target).push(1, masters, model=model, format="fp16", rounding="rtn")
         assert (info.format, info.rounding) == ("fp16", "rtn")
@@ -57,8 +53,6 @@ def test_per_push_override(model: str) -> None:
                   export_state_dict(masters, ExportSpec("fp16", "rtn"), version=1))  # fmt: skip
         with pytest.raises(InvalidArgument, match="unknown format 'int4'"):
             LearnerClient(srv.grpc_target).push(2, masters, model=model, format="int4")
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_ef_residual_survives_a_restart(data_dir: Path) -> None:
@@ -66,29 +60,22 @@ def test_ef_residual_survives_a_restart(data_dir: Path) -> None:
     residual = Residual()
     masters = steps(4)
     expected = [export_state_dict(m, spec, version=i, residual=residual) for i, m in enumerate(masters, 1)]
-    srv = start_server(data_dir=data_dir, rounding="ef")
-    try:
+    with serving(data_dir=data_dir, rounding="ef") as srv:
         for i in (1, 2):
             LearnerClient(srv.grpc_target).push(i, masters[i - 1])
-    finally:
-        srv.__exit__(None, None, None)
     model_dir = data_dir / "models" / "default"
     assert [p.name for p in model_dir.glob("residual-*")] == [f"residual-{2:020d}.safetensors"]
     # A crash between the residual of step 3 and its version file leaves an orphan: never used.
     orphan = Residual(3, {name: np.full(t.numel(), 0.5, np.float32) for name, t in masters[2].items()})
     orphan.save(model_dir / f"residual-{3:020d}.safetensors")
-    srv = start_server(data_dir=data_dir, rounding="ef")
-    try:
+    with serving(data_dir=data_dir, rounding="ef") as srv:
         for i in (3, 4):
             LearnerClient(srv.grpc_target).push(i, masters[i - 1])
             same_bits(InferenceClient(srv.grpc_target).pull(version=i), expected[i - 1])
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_ef_continues_only_from_an_ef_version_of_the_same_format() -> None:
-    srv = start_server(rounding="ef")
-    try:
+    with serving(rounding="ef") as srv:
         learner = LearnerClient(srv.grpc_target)
         masters = steps(4)
         learner.push(1, masters[0])
@@ -99,14 +86,11 @@ def test_ef_continues_only_from_an_ef_version_of_the_same_format() -> None:
         learner.push(4, masters[3], format="fp16")  # another format: starts from zero too
         fresh = export_state_dict(masters[3], ExportSpec("fp16", "ef"), version=4, residual=Residual())
         same_bits(InferenceClient(srv.grpc_target).pull(version=4), fresh)
-    finally:
-        srv.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_e4m3"])
 def test_return_served_equals_the_local_bits_across_ef_steps(fmt: str) -> None:
-    srv = start_server(format=fmt, rounding="ef", scaling="block")
-    try:
+    with serving(format=fmt, rounding="ef", scaling="block") as srv:
         learner = LearnerClient(srv.grpc_target)
         residual = Residual()
         for step, masters in enumerate(steps(3), start=1):
@@ -114,13 +98,10 @@ def test_return_served_equals_the_local_bits_across_ef_steps(fmt: str) -> None:
             assert info.served is not None
             local = export_state_dict(masters, ExportSpec(fmt, "ef", 0, "block"), version=step, residual=residual)
             same_bits(info.served, local)
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_served_weights_runs_the_module_on_the_served_copy_and_keeps_the_masters() -> None:
-    srv = start_server(format="fp8_e4m3", rounding="sr")
-    try:
+    with serving(format="fp8_e4m3", rounding="sr") as srv:
         torch.manual_seed(0)
         policy = torch.nn.Sequential(torch.nn.Linear(256, 192), torch.nn.Tanh(), torch.nn.Linear(192, 8))
         masters = {k: v.detach().clone() for k, v in policy.state_dict().items()}
@@ -137,5 +118,3 @@ def test_served_weights_runs_the_module_on_the_served_copy_and_keeps_the_masters
             assert torch.equal(p.detach(), masters[name]) and p.grad is not None  # masters back, grads kept
         with pytest.raises(KeyError, match="no tensor"), served_weights(policy, {}):
             pass
-    finally:
-        srv.__exit__(None, None, None)

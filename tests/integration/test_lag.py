@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import start_server
+from tests.conftest import serving
 from tests.integration.test_push_pull import http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._lag import SAMPLE_TARGET, LagTracker, Sample
@@ -23,8 +23,7 @@ def bf16_exact(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
 
 
 def test_a_served_copy_that_never_moves_lags_by_every_step() -> None:
-    srv = start_server(rounding="rtn", retain=10)
-    try:
+    with serving(rounding="rtn", retain=10) as srv:
         x = bf16_exact((64, 64))
         start = (torch.sign(x) * (x.abs() + 0.01)).to(torch.bfloat16).float()  # all far from zero
         learner = LearnerClient(srv.grpc_target)
@@ -35,13 +34,10 @@ def test_a_served_copy_that_never_moves_lags_by_every_step() -> None:
         assert all(lag.churn == 0 for lag in lags)
         assert all(lag.update_visibility == 0 for lag in lags[1:]) and lags[0].update_visibility is None
         assert all(lag.exact for lag in lags)
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_a_served_copy_equal_to_the_master_does_not_lag() -> None:
-    srv = start_server(rounding="sr", retain=10)
-    try:
+    with serving(rounding="sr", retain=10) as srv:
         learner = LearnerClient(srv.grpc_target)
         for step in range(1, 6):  # bf16-exact masters are served as they are, whatever the rounding
             learner.push(step, {"w": bf16_exact((32, 32), seed=step)})
@@ -56,8 +52,6 @@ def test_a_served_copy_equal_to_the_master_does_not_lag() -> None:
         assert samples[("weightsvc_served_lag_steps", "sr")] == 0
         assert samples[("weightsvc_update_visibility_ratio", "sr")] == pytest.approx(1.0)
         assert samples[("weightsvc_served_relative_error", "sr")] == 0
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def exact_metrics(masters: list[torch.Tensor], rounding: str) -> list[tuple[float, float | None, int, float]]:
@@ -76,8 +70,7 @@ def exact_metrics(masters: list[torch.Tensor], rounding: str) -> list[tuple[floa
 def test_sampled_metrics_agree_with_exact_ones(rounding: str) -> None:
     """A model 4x the sample: the sampled figures stay within the stated tolerance of the exact ones
     (churn and visibility ±0.02 absolute, relative error ±2%, lag ±1 step)."""
-    srv = start_server(rounding=rounding, retain=10)
-    try:
+    with serving(rounding=rounding, retain=10) as srv:
         gen = torch.Generator().manual_seed(3)
         m = bf16_exact((4 * SAMPLE_TARGET // 1024, 1024))
         masters = []
@@ -96,13 +89,10 @@ def test_sampled_metrics_agree_with_exact_ones(rounding: str) -> None:
             assert visibility is not None and abs(lag.update_visibility - visibility) < 0.02
             assert abs(lag.lag_steps - steps) <= 1
             assert math.isclose(lag.relative_error, rel, rel_tol=0.02)
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_serving_staleness_from_acks() -> None:
-    srv = start_server(retain=10)
-    try:
+    with serving(retain=10) as srv:
         learner = LearnerClient(srv.grpc_target)
         for step in (1, 2, 3):
             learner.push(step, {"w": bf16_exact((8, 8), seed=step)})
@@ -122,5 +112,3 @@ def test_serving_staleness_from_acks() -> None:
             ("pod-a", 2, True),
             ("pod-b", 0, True),
         }
-    finally:
-        srv.__exit__(None, None, None)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_masters, start_server
+from tests.conftest import make_masters, serving, start_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound, Unavailable, WeightsvcError
 
@@ -24,20 +24,16 @@ def version_files(data_dir: Path, model: str) -> list[str]:
 
 def test_restart_restores_committed_versions(data_dir: Path) -> None:
     masters = make_masters()
-    srv = start_server(data_dir=data_dir, retain=2)
-    try:
+    with serving(data_dir=data_dir, retain=2) as srv:
         learner = LearnerClient(srv.grpc_target)
         for step in (1, 2, 3):
             learner.push(step, masters, model="m")
         before = {v: InferenceClient(srv.grpc_target).pull("m", v) for v in (2, 3)}
         manifests = {v: InferenceClient(srv.grpc_target).manifest("m", v) for v in (2, 3)}
-    finally:
-        srv.__exit__(None, None, None)
     # Retention removed version 1 from disk too.
     assert version_files(data_dir, "m") == [f"{v:020d}.safetensors" for v in (2, 3)]
 
-    srv = start_server(data_dir=data_dir, retain=2)
-    try:
+    with serving(data_dir=data_dir, retain=2) as srv:
         puller = InferenceClient(srv.grpc_target)
         assert [v.version for v in puller.versions("m")] == [2, 3]
         for v in (2, 3):
@@ -47,18 +43,13 @@ def test_restart_restores_committed_versions(data_dir: Path) -> None:
         # The restored store goes on: steps must still increase.
         LearnerClient(srv.grpc_target).push(4, masters, model="m")
         assert [v.version for v in puller.versions("m")] == [3, 4]
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_damaged_and_partial_files_are_not_restored(data_dir: Path) -> None:
     masters = make_masters()
-    srv = start_server(data_dir=data_dir)
-    try:
+    with serving(data_dir=data_dir) as srv:
         for step in (1, 2):
             LearnerClient(srv.grpc_target).push(step, masters, model="m")
-    finally:
-        srv.__exit__(None, None, None)
     model_dir = data_dir / "models" / "m"
     damaged = model_dir / f"{2:020d}.safetensors"
     raw = bytearray(damaged.read_bytes())
@@ -66,20 +57,16 @@ def test_damaged_and_partial_files_are_not_restored(data_dir: Path) -> None:
     damaged.write_bytes(bytes(raw))
     (model_dir / f".{3:020d}.safetensors.123.tmp").write_bytes(b"half a write")
 
-    srv = start_server(data_dir=data_dir)
-    try:
+    with serving(data_dir=data_dir) as srv:
         puller = InferenceClient(srv.grpc_target)
         assert [v.version for v in puller.versions("m")] == [1]
         assert not list(model_dir.glob(".*.tmp"))
-    finally:
-        srv.__exit__(None, None, None)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="uses SIGKILL and /proc")
 def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) -> None:
     """A learner process dies (SIGKILL) in the middle of its stream: nothing visible, memory freed."""
-    srv = start_server(data_dir=data_dir)
-    try:
+    with serving(data_dir=data_dir) as srv:
         script = tmp_path / "learner.py"
         script.write_text(
             textwrap.dedent(f"""
@@ -106,8 +93,6 @@ def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) 
         with pytest.raises(NotFound):
             InferenceClient(srv.grpc_target).versions("killed")
         assert not (data_dir / "models" / "killed").exists()
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_a_push_cancelled_during_its_commit_is_committed_whole(data_dir: Path) -> None:
@@ -145,24 +130,18 @@ def test_a_push_cancelled_during_its_commit_is_committed_whole(data_dir: Path) -
     finally:
         proceed.set()
         srv.__exit__(None, None, None)
-    srv = start_server(data_dir=data_dir)
-    try:
+    with serving(data_dir=data_dir) as srv:
         assert [v.version for v in InferenceClient(srv.grpc_target).versions("m")] == [1]
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_a_failed_write_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> None:
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
-    srv = start_server(data_dir=not_a_dir)
-    try:
+    with serving(data_dir=not_a_dir) as srv:
         with pytest.raises(Unavailable, match="model 'm' version 1: cannot persist to"):
             LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
         with pytest.raises(NotFound):
             InferenceClient(srv.grpc_target).versions("m")
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_watch_reconnects_across_a_server_restart(data_dir: Path) -> None:
@@ -185,10 +164,7 @@ def test_watch_reconnects_across_a_server_restart(data_dir: Path) -> None:
     LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
     assert events.get(timeout=30) == 1
     srv.__exit__(None, None, None)
-    srv = start_server(data_dir=data_dir, grpc_port=port)
-    try:
+    with serving(data_dir=data_dir, grpc_port=port) as srv:
         LearnerClient(srv.grpc_target).push(2, make_masters(), model="m")
         assert events.get(timeout=30) == 2  # nothing missed, nothing repeated
         assert events.empty()
-    finally:
-        srv.__exit__(None, None, None)

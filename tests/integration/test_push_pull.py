@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load
 
-from tests.conftest import make_masters, start_server
+from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._server import BackgroundServer
 from weightsvc.rounding import fair_cast
@@ -158,8 +158,7 @@ def test_grpc_and_http_files_are_identical(
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: str) -> None:
-    srv = start_server(retain=2)
-    try:
+    with serving(retain=2) as srv:
         # 32 MiB served: far more than the transport windows, so the pull is still in flight.
         masters = {"w": torch.randn(4096, 4096) * 0.02}
         learner = LearnerClient(srv.grpc_target)
@@ -186,13 +185,10 @@ def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: s
         resume.set()
         t.join(30)
         assert_served(result["w"], masters, 1)  # type: ignore[arg-type]
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_evicted_buffers_are_reused_by_the_next_push() -> None:
-    srv = start_server(retain=1)
-    try:
+    with serving(retain=1) as srv:
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, make_masters(seed=1))
         first = srv.service.store.get("default", 1).data.obj
@@ -205,8 +201,6 @@ def test_evicted_buffers_are_reused_by_the_next_push() -> None:
         assert_served(InferenceClient(srv.http_url).pull(), make_masters(seed=3), 3)
         learner.push(4, make_masters(seed=4))  # takes version 2's buffer, evicts version 3
         assert srv.service.store.pool.free_bytes == 0
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
@@ -267,16 +261,13 @@ def test_metrics_after_push_and_pull(server: BackgroundServer, learner: LearnerC
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_serve_rounding_and_seed(rounding: str) -> None:
-    srv = start_server(rounding=rounding, seed=42)
-    try:
+    with serving(rounding=rounding, seed=42) as srv:
         masters = make_masters()
         LearnerClient(srv.grpc_target).push(9, masters)
         pulled = InferenceClient(srv.grpc_target).pull()
         assert_served(pulled, masters, 9, rounding=rounding, seed=42)
         manifest = InferenceClient(srv.http_url).manifest()
         assert (manifest.rounding, manifest.seed) == (rounding, 42)
-    finally:
-        srv.__exit__(None, None, None)
 
 
 def test_iter_weights_loads_a_torch_model(server: BackgroundServer, model: str) -> None:
