@@ -77,6 +77,16 @@ def serve(
     allow_nonfinite: Annotated[
         bool, typer.Option(envvar="WEIGHTSVC_ALLOW_NONFINITE", help="Accept masters with NaN/Inf.")
     ] = False,
+    push_idle_timeout_s: Annotated[
+        float, typer.Option(envvar="WEIGHTSVC_PUSH_IDLE_TIMEOUT_S", help="Abandon a push silent this long.")
+    ] = 120.0,
+    push_rank_timeout_s: Annotated[
+        float,
+        typer.Option(
+            envvar="WEIGHTSVC_PUSH_RANK_TIMEOUT_S",
+            help="Abandon a multi-rank push whose ranks have not all joined this long after the first.",
+        ),
+    ] = 60.0,
     log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
@@ -96,6 +106,8 @@ def serve(
             device=device,
             retain=retain,
             allow_nonfinite=allow_nonfinite,
+            push_idle_timeout_s=push_idle_timeout_s,
+            push_rank_timeout_s=push_rank_timeout_s,
             log_level=log_level,
         )
     except ValidationError as e:

@@ -147,14 +147,23 @@ async def _push_messages(
             yield PushHeader(
                 model=h.model,
                 step=h.step,
-                tensors=tuple(TensorSpec(t.name, tuple(t.shape), t.dtype) for t in h.tensors),
+                tensors=tuple(
+                    TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
+                    for t in h.tensors
+                ),
                 format=h.format,
                 rounding=h.rounding,
+                rank=h.rank,
+                world_size=h.world_size or 1,
             )
         elif kind == "commit":
             yield PushCommit()
         else:
             raise InvalidArgument("empty push message: set one of header, chunk, commit", reason="bad_chunk")
+
+
+def _part(part: pb.TensorPart) -> tuple[int, int]:
+    return part.offset, part.count
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -3,10 +3,11 @@
 The gRPC servicer and the HTTP routes translate their requests into these calls and the domain
 errors back; nothing about versions, export or metrics lives in them.
 
-A push is staged privately: the served copy is laid out as one data section from the header, each
-master tensor is exported into its slot as soon as its last byte arrives (in a worker thread,
-overlapping the receipt of the next tensors), and only `commit` makes the version visible. If the
-stream breaks, times out or is rejected, the staging buffers are dropped and nothing is visible.
+A push is staged privately: the served copy is laid out as one data section from the header(s),
+master bytes are exported into their slots as they arrive (in a worker thread, overlapping the
+receipt of the next chunks), and only `commit` makes the version visible. If a stream breaks, times
+out or is rejected, the staging buffers are dropped and nothing is visible. Several learner ranks
+may push one version together (`_ranks`): they share one session.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
+    MasterDigest,
     ServedTensor,
     TensorSpec,
     check_model_name,
@@ -38,6 +40,7 @@ from weightsvc._manifest import (
     layout,
 )
 from weightsvc._memory import alloc
+from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
 from weightsvc.errors import (
@@ -69,6 +72,8 @@ class PushHeader:
     tensors: tuple[TensorSpec, ...]
     format: str = ""  # per-push override of the server's export; empty: the server's
     rounding: str = ""
+    rank: int = 0  # this learner rank, of world_size ranks that push the version together
+    world_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -93,15 +98,27 @@ class _StagedTensor:
         self.slot = slot
         self.scale = scale  # the `<name>_scale_inv` slot of an fp8 tensor
         self.nbytes = spec.numel * DTYPE_SIZES[spec.dtype]
-        self.received = 0  # bytes accepted on the loop
+        self.received = 0  # bytes accepted on the loop, from all ranks
         # Filled by the export worker, chunk by chunk, in arrival order:
+        self.exported = 0  # bytes exported (bf16/fp16) or gathered (fp8)
         self.master: np.ndarray | None = None  # fp8 only: scales need the whole tensor first
         self.new_residual: np.ndarray | None = None  # ef: this version's residual
-        self.master_digest = xxhash.xxh3_128()
+        self.master_digest = MasterDigest(self.nbytes)
         self.nonfinite = 0
         self.saturated = 0
         self.checksums: dict[str, str] = {}
-        self.samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (master, served, bits)
+        # first element of a chunk -> its sampled (master, served, bits)
+        self.samples: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+class _Part:
+    """The bytes [start, end) of a tensor that one rank pushes, in order."""
+
+    def __init__(self, tensor: _StagedTensor, start: int, end: int) -> None:
+        self.tensor = tensor
+        self.start = start
+        self.end = end
+        self.received = start
 
 
 @dataclass(frozen=True)
@@ -141,13 +158,19 @@ class PushSession:
     """
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
-                 data_bytes: int, tensors: dict[str, _StagedTensor]) -> None:  # fmt: skip
+                 data_bytes: int, tensors: dict[str, _StagedTensor],
+                 ranks: dict[int, tuple[TensorSpec, ...]]) -> None:  # fmt: skip
         self.service = service
         self.header = header
         self.spec = spec
         self.data = data
         self.data_bytes = data_bytes
         self.tensors = tensors
+        self.parts = {
+            rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
+                   for p in specs}
+            for rank, specs in ranks.items()
+        }  # fmt: skip
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
         )
@@ -157,13 +180,15 @@ class PushSession:
         self._stage(data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
         self.committed = False
+        self.reserved = 0  # of the service's staging budget, returned when the session closes
         self.export_seconds = 0.0
         for t in self.tensors.values():
             if t.nbytes == 0:
                 self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
 
     @classmethod
-    async def open(cls, service: Service, header: PushHeader) -> PushSession:
+    async def open(cls, service: Service, header: PushHeader, ranks: dict[int, tuple[TensorSpec, ...]]) -> PushSession:
+        """Stage the version that `header` declares (whole tensors); `ranks` holds each rank's parts."""
         s = service.settings
         where = f"model {header.model!r} step {header.step}"
         try:
@@ -191,35 +216,50 @@ class PushSession:
         data = service.store.pool.take(data_bytes)
         if data is None:
             data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
-        return cls(service, header, spec, data, data_bytes, tensors)
+        return cls(service, header, spec, data, data_bytes, tensors, ranks)
 
-    def _where(self) -> str:
-        return f"model {self.header.model!r} step {self.header.step}"
+    def _where(self, rank: int | None = None) -> str:
+        where = f"model {self.header.model!r} step {self.header.step}"
+        return where if rank is None or len(self.parts) == 1 else f"{where} rank {rank}"
 
-    async def add_chunk(self, chunk: PushChunk) -> None:
-        t = self.tensors.get(chunk.tensor)
-        if t is None:
-            raise InvalidArgument(f"{self._where()}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
-        if chunk.offset != t.received:
+    def check_rank_complete(self, rank: int) -> None:
+        missing = [p for p in self.parts[rank].values() if p.received < p.end]
+        if missing:
+            shown = [f"{p.tensor.spec.name!r} has {p.received - p.start} of {p.end - p.start} bytes"
+                     for p in missing[:5]]  # fmt: skip
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise InvalidArgument(
-                f"{self._where()}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
-                f"{t.received} (the chunks of a tensor arrive in order, without gaps or overlaps)",
+                f"{self._where(rank)}: commit of an incomplete push: {'; '.join(shown)}{more}", reason="incomplete"
+            )
+
+    async def add_chunk(self, rank: int, chunk: PushChunk) -> None:
+        where = self._where(rank)
+        part = self.parts[rank].get(chunk.tensor)
+        if part is None:
+            raise InvalidArgument(f"{where}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
+        t = part.tensor
+        if chunk.offset != part.received:
+            raise InvalidArgument(
+                f"{where}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
+                f"{part.received} (the chunks of a tensor or part arrive in order, without gaps or overlaps)",
                 reason="bad_chunk",
             )
         n = len(chunk.data)
-        if t.received + n > t.nbytes:
+        if part.received + n > part.end:
+            declared = "its declared shape" if part.end - part.start == t.nbytes else "the part this rank declared of"
             raise InvalidArgument(
-                f"{self._where()}: tensor {t.spec.name!r}: {t.received + n} bytes received, more than "
-                f"its declared shape {list(t.spec.shape)} of {t.spec.dtype} holds ({t.nbytes} bytes)",
+                f"{where}: tensor {t.spec.name!r}: chunk ends at byte {part.received + n}, beyond {declared} "
+                f"shape {list(t.spec.shape)} of {t.spec.dtype} (bytes [{part.start}, {part.end}))",
                 reason="bad_chunk",
             )
         if n % MASTER_ITEMSIZE:
             raise InvalidArgument(
-                f"{self._where()}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
+                f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
                 f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
                 reason="bad_chunk",
             )
         first = t.received == 0
+        part.received += n
         t.received += n
         self.service.metrics.push_bytes.labels(self.header.model).inc(n)
         if first and self.residual is not None:
@@ -273,16 +313,17 @@ class PushSession:
             residual=None if res_in is None else res_in[first : first + count],
             new_residual=None if res_out is None else res_out[first : first + count],
         )  # fmt: skip
-        t.master_digest.update(data)
+        t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
         start = -first % self.stride  # the sampled elements of this chunk, as strided views
         if start < count:
             codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)
             codes = codes[start :: self.stride]
-            t.samples.append((master[start :: self.stride].copy(), rounding.decode(codes, t.fmt),
-                              codes.astype(np.uint32)))  # fmt: skip
-        if byte_offset + len(data) == t.nbytes:
+            t.samples[first] = (master[start :: self.stride].copy(), rounding.decode(codes, t.fmt),
+                                codes.astype(np.uint32))  # fmt: skip
+        t.exported += len(data)
+        if t.exported == t.nbytes:  # the last chunk of the tensor, from whichever rank
             t.checksums[t.slot.name] = checksum(served)
         self.export_seconds += time.perf_counter() - start
 
@@ -291,7 +332,7 @@ class PushSession:
         if t.master is None:
             t.master = np.empty(t.spec.numel, np.float32)
         t.master.view(np.uint8)[byte_offset : byte_offset + len(data)] = np.frombuffer(data, np.uint8)
-        t.master_digest.update(data)
+        t.master_digest.update(byte_offset, data)
 
     def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview) -> None:
         """Worker thread: scales from the whole tensor, then Fair Cast it and serve the scales."""
@@ -315,7 +356,7 @@ class PushSession:
         idx = sampled_indices(0, master.size, self.stride)
         codes = served[idx]
         served_values = rounding.decode(codes, t.fmt) * rounding.element_scales(scales, idx)
-        t.samples.append((master[idx], served_values.astype(np.float32), codes.astype(np.uint32)))
+        t.samples[0] = (master[idx], served_values.astype(np.float32), codes.astype(np.uint32))
         t.master = None
         self._stage_from_worker(-t.nbytes)
         self.export_seconds += time.perf_counter() - start
@@ -371,7 +412,8 @@ class PushSession:
                 self.base_version,
                 rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
             )
-        sampled = [part for t in self.tensors.values() for part in t.samples]
+        # In element order, so that the lag metrics do not depend on the order chunks arrived in.
+        sampled = [t.samples[first] for t in self.tensors.values() for first in sorted(t.samples)]
         sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
                           for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())
@@ -407,6 +449,12 @@ def validate_header(header: PushHeader, max_version_bytes: int) -> None:
     where = f"model {header.model!r} step {header.step}"
     if header.step < 0:
         raise InvalidArgument(f"{where}: step must be >= 0", reason="invalid_header")
+    if not 1 <= header.world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
+                              reason="invalid_header")  # fmt: skip
+    if not 0 <= header.rank < header.world_size:
+        raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
+                              reason="invalid_header")  # fmt: skip
     if not header.tensors:
         raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
     if len(header.tensors) > MAX_TENSORS:
@@ -440,6 +488,12 @@ def validate_header(header: PushHeader, max_version_bytes: int) -> None:
                 f"{where}: tensor {t.name!r} has a negative dimension in shape {list(t.shape)}",
                 reason="invalid_header",
             )
+        if t.part is not None and (min(t.part) < 0 or sum(t.part) > t.numel):
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r}: part [{t.part[0]}, {sum(t.part)}) is not within its {t.numel} elements "
+                f"(shape {list(t.shape)})",
+                reason="invalid_header",
+            )
         total += t.numel * DTYPE_SIZES[t.dtype]
         if total > max_version_bytes:
             raise ResourceExhausted(
@@ -462,6 +516,7 @@ class Service:
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
         self._pushes: set[PushSession] = set()
+        self._groups: dict[tuple[str, int], RankGroup] = {}  # multi-rank pushes in progress
         self._releasing: set[asyncio.Future[None]] = set()
         self._changes = _Changes()
         self._staging_reserved = 0
@@ -476,9 +531,11 @@ class Service:
     # ---- push --------------------------------------------------------------------------------
 
     async def push(self, messages: AsyncIterator[PushMessage]) -> tuple[Version, bool]:
-        """Run one push stream: header, chunks, commit. Nothing is visible unless it commits."""
-        session: PushSession | None = None
-        reserved = 0
+        """Run one push stream: header, chunks, commit. Nothing is visible unless it commits.
+
+        The stream of one rank of a multi-rank push returns when the whole version commits."""
+        group: RankGroup | None = None
+        rank = 0
         idle = self.settings.push_idle_timeout_s
         self.metrics.pushes_in_flight.inc()
         try:
@@ -487,49 +544,109 @@ class Service:
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
             validate_header(header, self.settings.max_version_bytes)
             self.store.check_step(header.model, header.step)
-            reserved = self._reserve_staging(header)
-            session = await PushSession.open(self, header)
-            self._pushes.add(session)
-            self._changes.notify()
+            rank = header.rank
+            group = self._join(header)
+            session = await group.wait_session()
             while True:
                 msg = await self._next(messages, idle)
                 if isinstance(msg, PushChunk):
-                    await session.add_chunk(msg)
+                    await session.add_chunk(rank, msg)
                 elif isinstance(msg, PushCommit):
-                    version, created = await session.commit()
+                    session.check_rank_complete(rank)
+                    version, created = await group.commit(rank, session.commit)
                     break
                 elif msg is None:
-                    raise Aborted(f"{session._where()}: the stream ended without a commit", reason="aborted")
+                    raise Aborted(f"{session._where(rank)}: the stream ended without a commit", reason="aborted")
                 else:
-                    raise InvalidArgument(f"{session._where()}: a second header", reason="invalid_header")
-            log.info(
-                "%s model=%s version=%d tensors=%d bytes=%d",
-                "committed" if created else "idempotent push of",
-                header.model,
-                header.step,
-                len(header.tensors),
-                session.data_bytes,
-            )
+                    raise InvalidArgument(f"{session._where(rank)}: a second header", reason="invalid_header")
+            if rank == 0:
+                log.info(
+                    "%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
+                    "committed" if created else "idempotent push of",
+                    header.model,
+                    header.step,
+                    len(session.tensors),
+                    session.data_bytes,
+                    header.world_size,
+                )
             return version, created
         except WeightsvcError as e:
             self.metrics.pushes_rejected.labels(e.reason).inc()
+            if group is not None:
+                group.fail(e, rank)
             raise
-        except (asyncio.CancelledError, TimeoutError):
+        except asyncio.CancelledError:
             self.metrics.pushes_rejected.labels("aborted").inc()
+            task = asyncio.current_task()
+            if group is not None and group.failure is not None and task is not None and task.cancelling():
+                task.uncancel()  # cancelled by the group because another rank failed: say so
+                raise group.failure from None
+            if group is not None:
+                group.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
             raise
         finally:
             self.metrics.pushes_in_flight.dec()
-            self._staging_reserved -= reserved
-            if session is not None:
-                # A cancelled handler may be cancelled again while it cleans up: release the staging
-                # memory in a task of its own so that it always completes.
-                release = asyncio.ensure_future(self._release(session))
-                self._releasing.add(release)
-                release.add_done_callback(self._releasing.discard)
-                await asyncio.shield(release)
+            if group is not None:
+                group.tasks.pop(rank, None)
+                group.attached -= 1
+                if group.attached == 0 and group.session.done() and not group.session.exception():
+                    # A cancelled handler may be cancelled again while it cleans up: release the
+                    # staging memory in a task of its own so that it always completes.
+                    release = asyncio.ensure_future(self._release(group.session.result(), group))
+                    self._releasing.add(release)
+                    release.add_done_callback(self._releasing.discard)
+                    await asyncio.shield(release)
+                elif group.attached == 0:
+                    self._forget(group)
 
-    async def _release(self, session: PushSession) -> None:
+    def _join(self, header: PushHeader) -> RankGroup:
+        """The group this rank's push belongs to; the last rank to join opens its session."""
+        key = (header.model, header.step)
+        group = self._groups.get(key) if header.world_size > 1 else None
+        if group is None or group.failure is not None:
+            group = RankGroup(header.model, header.step, header.world_size, self.settings.push_rank_timeout_s)
+            if header.world_size > 1:
+                self._groups[key] = group
+        if group.join(header.rank, header.world_size, header.tensors, header.format, header.rounding):
+            opening = asyncio.ensure_future(self._open_session(group, header))
+            opening.add_done_callback(lambda f: f.cancelled() or f.exception())  # errors reach the ranks
+        self._changes.notify()
+        return group
+
+    async def _open_session(self, group: RankGroup, header: PushHeader) -> None:
+        try:
+            tensors = merge_parts(group.where, group.headers)
+            whole = dataclasses.replace(header, tensors=tensors, rank=0)
+            validate_header(whole, self.settings.max_version_bytes)
+            reserved = self._reserve_staging(whole)
+            try:
+                session = await PushSession.open(self, whole, group.headers)
+            except BaseException:
+                self._staging_reserved -= reserved
+                raise
+            session.reserved = reserved
+        except WeightsvcError as e:
+            group.fail(e)
+            return
+        if group.failure is not None:  # a rank failed while the buffers were being mapped
+            await self._release(session, group)
+            return
+        self._pushes.add(session)
+        self._changes.notify()
+        group.session.set_result(session)
+
+    def _forget(self, group: RankGroup) -> None:
+        """A failed or committing group: a retry of its step forms a new one."""
+        if self._groups.get((group.model, group.step)) is group:
+            del self._groups[(group.model, group.step)]
+
+    async def _release(self, session: PushSession, group: RankGroup) -> None:
+        self._forget(group)
+        if group.commit_task is not None:  # the version may be committing from this very buffer
+            await asyncio.wait([group.commit_task])
         await session.close()
+        self._staging_reserved -= session.reserved
+        session.reserved = 0
         self._pushes.discard(session)
         self._changes.notify()
 

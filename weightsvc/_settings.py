@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     max_staged_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
     # A push that sends nothing for this long is abandoned and freed.
     push_idle_timeout_s: float = Field(120.0, gt=0)
+    # A multi-rank push whose ranks have not all sent their headers this long after the first is
+    # abandoned (a rank that crashed or was never started) and nothing of it is visible.
+    push_rank_timeout_s: float = Field(60.0, gt=0)
     log_level: str = "info"
 
     @field_validator("format")

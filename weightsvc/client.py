@@ -54,7 +54,7 @@ from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 PUSH_METHOD = "/weightsvc.v1.WeightService/Push"
 PULL_METHOD = "/weightsvc.v1.WeightService/Pull"
 
-__all__ = ["InferenceClient", "LearnerClient", "VersionInfo", "served_weights"]
+__all__ = ["InferenceClient", "LearnerClient", "Shard", "VersionInfo", "served_weights"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 MAX_HEADER_BYTES = 100 << 20
@@ -148,6 +148,33 @@ def read_version_file(path: str | Path) -> tuple[Manifest, memoryview]:
     return manifest_from_header(header), memoryview(raw)[start:]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The flat elements `[offset, offset + data.numel())` of a tensor of full `shape`, in row-major
+    order: the part one learner rank holds (an FSDP flat-parameter slice, a dim-0 block of a
+    tensor-parallel weight). The ranks' shards of a tensor must cover it exactly once."""
+
+    data: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def _spec(name: str, value: torch.Tensor | Shard) -> pb.TensorSpec:
+    if not isinstance(value, Shard):
+        return pb.TensorSpec(name=name, shape=list(value.shape), dtype=MASTER_DTYPE)
+    numel, count = math.prod(value.shape), value.data.numel()
+    if value.offset < 0 or value.offset + count > numel:
+        raise ValueError(
+            f"shard of tensor {name!r}: elements [{value.offset}, {value.offset + count}) are not within "
+            f"its shape {list(value.shape)} ({numel} elements)"
+        )
+    part = pb.TensorPart(offset=value.offset, count=count)
+    return pb.TensorSpec(name=name, shape=list(value.shape), dtype=MASTER_DTYPE, part=part)
+
+
 def _as_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype not in _EXACT_TO_F32:
         raise TypeError(f"tensor {name!r} is {tensor.dtype}; push float32 masters (bf16/fp16 widen exactly)")
@@ -170,9 +197,11 @@ class LearnerClient:
     def push(
         self,
         step: int,
-        state_dict: Mapping[str, torch.Tensor],
+        parts: Mapping[str, torch.Tensor | Shard],
         model: str = "default",
         *,
+        rank: int = 0,
+        world_size: int = 1,
         format: str = "",
         rounding: str = "",
         return_served: bool = False,
@@ -180,29 +209,36 @@ class LearnerClient:
     ) -> VersionInfo:
         """Stream the masters of `step`; returns once the version is committed (or raises).
 
+        `parts` maps tensor names to whole tensors or `Shard`s. With `world_size` > 1 each learner
+        rank calls this with its own `rank` and parts, concurrently; every call returns once the
+        whole version commits, or raises if any rank fails (nothing is then visible).
         `format` / `rounding` override the server's export for this push (empty: the server's).
         `return_served` pulls the committed version back into `.served`: the exact bits the fleet
         runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual)."""
-        for name, t in state_dict.items():
+        specs = [_spec(name, value) for name, value in parts.items()]
+        tensors = {name: value.data if isinstance(value, Shard) else value for name, value in parts.items()}
+        for name, t in tensors.items():
             if t.dtype not in _EXACT_TO_F32:
                 _as_master(name, t)  # raises with the tensor's name
         header = pb.PushHeader(
-            model=model,
-            step=step,
-            format=format,
-            rounding=rounding,
-            tensors=[pb.TensorSpec(name=n, shape=list(t.shape), dtype=MASTER_DTYPE) for n, t in state_dict.items()],
+            model=model, step=step, format=format, rounding=rounding, tensors=specs, rank=rank, world_size=world_size
         )
 
         def requests() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header)
-            for name, tensor in state_dict.items():
+            for spec, (name, tensor) in zip(specs, tensors.items(), strict=True):
                 raw = _as_master(name, tensor).view(torch.uint8).numpy().data
-                for offset in range(0, len(raw), self.chunk_bytes):
-                    piece = raw[offset : offset + self.chunk_bytes]
-                    yield encode_chunk(name, offset, piece)
+                start = spec.part.offset * 4  # bytes into the whole tensor
+                # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
+                cut = -start % self.chunk_bytes or self.chunk_bytes
+                pos = 0
+                while pos < len(raw):
+                    piece = raw[pos : pos + cut]
+                    yield encode_chunk(name, start + pos, piece)
                     if progress:
                         progress(len(piece))
+                    pos += cut
+                    cut = self.chunk_bytes
             yield pb.PushRequest(commit=pb.PushCommit())
 
         try:
