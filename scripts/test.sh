@@ -7,6 +7,6 @@ scripts/setup.sh
 if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1); then
   redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
 fi
-.venv/bin/python -m ruff check weightsvc tests scripts
+.venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
 .venv/bin/python -m pytest -q "$@"

@@ -271,6 +271,7 @@ class InferenceClient:
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
         self.last_pull_bytes = 0  # payload bytes the last gRPC pull received (a delta is smaller)
         self._http = target.startswith(("http://", "https://"))
+        self.transport = "http" if self._http else "grpc"  # acks and watch need gRPC
         if self._http:
             self._url = urllib.parse.urlsplit(target)
         else:
