@@ -246,12 +246,15 @@ class PushSession:
             )
         n = len(chunk.data)
         if part.received + n > part.end:
-            declared = "its declared shape" if part.end - part.start == t.nbytes else "the part this rank declared of"
+            whole = part.end - part.start == t.nbytes
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: chunk ends at byte {part.received + n}, beyond {declared} "
-                f"shape {list(t.spec.shape)} of {t.spec.dtype} (bytes [{part.start}, {part.end}))",
+                f"{where}: tensor {t.spec.name!r}: "
+                + (f"{part.received + n} bytes received, more than its declared shape {list(t.spec.shape)} of "
+                   f"{t.spec.dtype} holds ({t.nbytes} bytes)" if whole else
+                   f"a chunk ends at byte {part.received + n}, beyond the part this rank declared "
+                   f"(bytes [{part.start}, {part.end}))"),
                 reason="bad_chunk",
-            )
+            )  # fmt: skip
         if n % MASTER_ITEMSIZE:
             raise InvalidArgument(
                 f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
