@@ -87,6 +87,10 @@ def serve(
             help="Abandon a multi-rank push whose ranks have not all joined this long after the first.",
         ),
     ] = 60.0,
+    relay_from: Annotated[
+        str | None,
+        typer.Option(envvar="WEIGHTSVC_RELAY_FROM", help="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay."),
+    ] = None,
     log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
@@ -108,6 +112,7 @@ def serve(
             allow_nonfinite=allow_nonfinite,
             push_idle_timeout_s=push_idle_timeout_s,
             push_rank_timeout_s=push_rank_timeout_s,
+            relay_from=relay_from,
             log_level=log_level,
         )
     except ValidationError as e:

@@ -22,6 +22,7 @@ import uvicorn
 
 from weightsvc._grpc import start_grpc, stop_grpc
 from weightsvc._http import create_app
+from weightsvc._relay import Relay
 from weightsvc._service import Service
 from weightsvc._settings import Settings
 
@@ -51,6 +52,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
+        self._relay: Relay | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -86,19 +88,25 @@ class Server:
         await self._http.startup(sockets=[sock])
         # uvicorn's tick loop (Date header, shutdown flag); we stop it through should_exit.
         self._http_task = asyncio.create_task(self._http.main_loop())
+        if s.relay_from:
+            self._relay = Relay(s.relay_from, self.service, asyncio.get_running_loop())
+            self._relay.start()
         self.ready = True
         log.info(
-            "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s",
+            "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
             self.grpc_target,
             self.http_url,
             s.format,
             s.rounding,
             s.retain,
             s.data_dir,
+            s.relay_from,
         )
 
     async def stop(self) -> None:
         self.ready = False
+        if self._relay is not None:
+            await asyncio.to_thread(self._relay.stop)
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task

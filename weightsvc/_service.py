@@ -46,6 +46,7 @@ from weightsvc._store import ClientAck, Version, VersionStore
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -545,6 +546,12 @@ class Service:
             header = await self._next(messages, idle)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
+            if self.settings.relay_from:
+                raise FailedPrecondition(
+                    f"model {header.model!r} step {header.step}: this server relays {self.settings.relay_from}; "
+                    "push there",
+                    reason="relay",
+                )
             validate_header(header, self.settings.max_version_bytes)
             self.store.check_step(header.model, header.step)
             rank = header.rank
@@ -734,6 +741,10 @@ class Service:
         while len(self._deltas) > MAX_CACHED_DELTAS:
             self._deltas.pop(next(iter(self._deltas)))
         return delta
+
+    async def mirror(self, manifest: Manifest, data: memoryview) -> None:
+        """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit."""
+        await self.store.commit(Version(manifest, manifest.safetensors_header(), data))
 
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
         self.metrics.pull_bytes.labels(model, transport).inc(nbytes)

@@ -111,7 +111,13 @@ def _channel(target: str) -> grpc.Channel:
     target = target.removeprefix("grpc://")
     return grpc.insecure_channel(
         target,
-        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)],
+        options=[
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            # A client of its own: a new client connects at once, even while another one in this
+            # process waits out its reconnect backoff to the same address (a restarted server).
+            ("grpc.use_local_subchannel_pool", 1),
+        ],
     )
 
 
@@ -362,6 +368,11 @@ class InferenceClient:
             manifest, data = self._grpc_pull(model, str(version), base, progress)
         self._held[model] = (manifest, data)
         return manifest, data
+
+    def held(self, model: str = "default") -> Manifest | None:
+        """The manifest of the version this client holds of `model` (its last pull): a delta base."""
+        held = self._held.get(model)
+        return held[0] if held is not None else None
 
     def hold(self, manifest: Manifest, data: memoryview) -> None:
         """Remember a version this client has (the base of a later delta pull of its model)."""

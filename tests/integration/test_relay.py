@@ -1,0 +1,77 @@
+"""Relays: a server started with --relay-from mirrors an upstream's versions and serves them."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_masters, serving, start_server
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._server import BackgroundServer
+from weightsvc.client import read_version_file
+from weightsvc.errors import FailedPrecondition
+
+
+def relayed(relay: BackgroundServer, model: str, after: int | None, timeout: float = 60) -> int:
+    """The next version above `after` that the relay commits (waits on its Watch stream)."""
+    got: queue.Queue[int] = queue.Queue()
+
+    def watch() -> None:
+        with InferenceClient(relay.grpc_target) as client:
+            got.put(next(iter(client.watch(model, after=after))).version)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return got.get(timeout=timeout)
+
+
+def served_file(server: BackgroundServer, model: str, version: int, path: Path) -> bytes:
+    InferenceClient(server.grpc_target).pull_file(path, model, version)
+    return path.read_bytes()
+
+
+def upstream_pull_bytes(server: BackgroundServer, model: str) -> float:
+    return server.service.metrics.pull_bytes.labels(model, "grpc")._value.get()  # type: ignore[attr-defined]
+
+
+def test_relay_mirrors_each_version_bit_for_bit_and_pulls_deltas(tmp_path: Path, model: str) -> None:
+    masters = make_masters()
+    with serving() as upstream, LearnerClient(upstream.grpc_target) as learner:
+        learner.push(1, masters, model=model, rounding="sr-sticky")
+        with serving(relay_from=upstream.grpc_target) as relay:
+            assert relayed(relay, model, after=None) == 1
+            # Same file: the manifest (commit time and lag metrics included) and every served byte.
+            assert served_file(relay, model, 1, tmp_path / "r1") == served_file(upstream, model, 1, tmp_path / "u1")
+            before = upstream_pull_bytes(upstream, model)
+            masters["lm_head.bias"] += 0.5  # one small tensor moves: the relay pulls a delta
+            learner.push(2, masters, model=model, rounding="sr-sticky")
+            assert relayed(relay, model, after=1) == 2
+            relay_pull = upstream_pull_bytes(upstream, model) - before
+            assert served_file(relay, model, 2, tmp_path / "r2") == served_file(upstream, model, 2, tmp_path / "u2")
+            assert 0 < relay_pull < read_version_file(tmp_path / "u2")[0].data_bytes / 4
+
+            with pytest.raises(FailedPrecondition, match=rf"model '{model}' step 3: this server relays"):
+                LearnerClient(relay.grpc_target).push(3, masters, model=model)
+
+            learner.push(1, {"w": torch.ones(3)}, model=model + "-new")  # a model the relay has not seen
+            assert relayed(relay, model + "-new", after=None) == 1
+
+
+def test_relay_keeps_serving_while_the_upstream_is_down_and_catches_up(tmp_path: Path, model: str) -> None:
+    masters = make_masters()
+    upstream = start_server(data_dir=tmp_path / "up")
+    port = upstream.server.grpc_port
+    try:
+        LearnerClient(upstream.grpc_target).push(1, masters, model=model)
+        with serving(relay_from=upstream.grpc_target) as relay:
+            assert relayed(relay, model, after=None) == 1
+            upstream.__exit__(None, None, None)
+            assert InferenceClient(relay.grpc_target).pull(model)["embed.weight"].shape == (97, 64)
+            upstream = start_server(data_dir=tmp_path / "up", grpc_port=port)
+            LearnerClient(upstream.grpc_target).push(2, masters, model=model)
+            assert relayed(relay, model, after=1) == 2
+    finally:
+        upstream.__exit__(None, None, None)
