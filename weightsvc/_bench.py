@@ -3,6 +3,7 @@
 Transfer part (this module): the service runs as a separate process, as it does in production.
 - T2: push an fp32 model until committed (export included) vs raw TCP loopback on the same bytes.
 - T1: pull the committed version (gRPC and HTTP, checksums verified) vs raw TCP on the served bytes.
+- T3: 8 puller processes at once, aggregate, vs 8 raw TCP streams from one process at once.
 - M1: the server's peak RSS against 1.25 x retained bytes + 300 MiB.
 Raw TCP is two Python processes moving a preallocated buffer with sendall/recv_into: the best a
 Python peer can do on this machine, so a ratio of 1.0 means "as fast as the socket".
@@ -14,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +27,8 @@ from weightsvc._memory import alloc
 from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
 
 TENSOR_MIB = 16  # a typical transformer matrix (2048 x 2048 fp32)
-TARGETS = {"T1": 0.5, "T2": 0.4}
+TARGETS = {"T1": 0.5, "T2": 0.4, "T3": 0.4}
+PULLERS = 8
 _RECV_PIECE = 4 << 20
 
 
@@ -83,6 +86,69 @@ def raw_tcp_seconds(nbytes: int, *, download: bool) -> float:
         if peer.wait(60) != 0:
             raise RuntimeError("raw TCP peer failed")
     return elapsed
+
+
+def raw_tcp_fanout_seconds(nbytes: int, peers: int) -> float:
+    """Seconds for one process to send `nbytes` to each of `peers` receiving processes at once."""
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(peers)
+        port = ls.getsockname()[1]
+        procs = [subprocess.Popen([sys.executable, "-c", _PEER, str(port), str(nbytes), "recv"]) for _ in range(peers)]
+        conns = [ls.accept()[0] for _ in range(peers)]
+        buf = torch.ones(nbytes, dtype=torch.uint8).numpy().data
+
+        def send(conn: socket.socket) -> None:
+            conn.sendall(buf)  # releases the GIL: the streams run in parallel, as a server's would
+            conn.recv(1)
+
+        threads = [threading.Thread(target=send, args=(c,)) for c in conns]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - start
+        for c in conns:
+            c.close()
+        if any(p.wait(60) != 0 for p in procs):
+            raise RuntimeError("raw TCP peer failed")
+    return elapsed
+
+
+# One puller of T3, in its own process (argv: target): pulls the latest version when told to on
+# stdin, verifies it, and prints its start and end on the system-wide monotonic clock.
+_PULLER = """
+import sys, time
+from weightsvc.client import InferenceClient, tensors_from_data
+client = InferenceClient(sys.argv[1])
+client.manifest()  # connected before the clock starts
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.monotonic()
+tensors_from_data(*client.pull_data())
+print(start, time.monotonic(), flush=True)
+"""
+
+
+def fanout_pull_seconds(target: str, pullers: int) -> float:
+    """Wall seconds for `pullers` processes to pull the latest version at once (first start to last end)."""
+    procs = [subprocess.Popen([sys.executable, "-c", _PULLER, target], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True) for _ in range(pullers)]  # fmt: skip
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        spans = [tuple(map(float, p.stdout.readline().split())) for p in procs if p.stdout is not None]
+        if any(p.wait(120) != 0 for p in procs) or len(spans) != pullers:
+            raise RuntimeError("a puller failed")
+    finally:
+        for p in procs:
+            p.kill()
+    return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
 def _model(size_mib: int) -> dict[str, torch.Tensor]:
@@ -241,6 +307,10 @@ def run_bench(
         pull_grpc_s = _best(lambda: pull_once(server.grpc), repeat)
         pull_http_s = _best(lambda: pull_once(server.http), repeat)
         say(f"pull: grpc {served_bytes / pull_grpc_s / 1e9:.2f} GB/s, http {served_bytes / pull_http_s / 1e9:.2f} GB/s")
+        fanout_grpc_s = _best(lambda: fanout_pull_seconds(server.grpc, PULLERS), repeat)
+        fanout_http_s = _best(lambda: fanout_pull_seconds(server.http, PULLERS), repeat)
+        say(f"{PULLERS} pullers at once: grpc {PULLERS * served_bytes / fanout_grpc_s / 1e9:.2f} GB/s, "
+            f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")  # fmt: skip
         peak = server.peak_rss_bytes()
         retained = sum(v.data_bytes for v in InferenceClient(server.http).versions())
         learner.close()
@@ -249,14 +319,19 @@ def run_bench(
 
     tcp_up_s = _best(lambda: raw_tcp_seconds(master_bytes, download=False), repeat)
     tcp_down_s = _best(lambda: raw_tcp_seconds(served_bytes, download=True), repeat)
+    tcp_fanout_s = _best(lambda: raw_tcp_fanout_seconds(served_bytes, PULLERS), repeat)
     say(f"raw tcp: up {master_bytes / tcp_up_s / 1e9:.2f} GB/s, down {served_bytes / tcp_down_s / 1e9:.2f} GB/s")
     bound = 1.25 * retained + (300 << 20)
     t1_grpc, t1_http = tcp_down_s / pull_grpc_s, tcp_down_s / pull_http_s
+    t3_grpc, t3_http = tcp_fanout_s / fanout_grpc_s, tcp_fanout_s / fanout_http_s
     result: dict[str, Any] = {
         "T1": round(max(t1_grpc, t1_http), 3),
         "T1_grpc": round(t1_grpc, 3),
         "T1_http": round(t1_http, 3),
         "T2": round(tcp_up_s / push_s, 3),
+        "T3": round(max(t3_grpc, t3_http), 3),
+        "T3_grpc": round(t3_grpc, 3),
+        "T3_http": round(t3_http, 3),
         "M1": round(peak / bound, 3),
         "details": {
             "master_mib": master_bytes >> 20,
@@ -268,6 +343,10 @@ def run_bench(
             "pull_http_gbps": round(served_bytes / pull_http_s / 1e9, 3),
             "raw_tcp_up_gbps": round(master_bytes / tcp_up_s / 1e9, 3),
             "raw_tcp_down_gbps": round(served_bytes / tcp_down_s / 1e9, 3),
+            "fanout_pullers": PULLERS,
+            "fanout_grpc_gbps": round(PULLERS * served_bytes / fanout_grpc_s / 1e9, 3),
+            "fanout_http_gbps": round(PULLERS * served_bytes / fanout_http_s / 1e9, 3),
+            "raw_tcp_fanout_gbps": round(PULLERS * served_bytes / tcp_fanout_s / 1e9, 3),
             "peak_rss_mib": peak >> 20,
             "m1_bound_mib": int(bound) >> 20,
             "retained_mib": retained >> 20,
@@ -284,6 +363,11 @@ def run_bench(
         "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
         "T1_http": {"what": "pull over HTTP vs raw TCP", "value": f"{t1_http:.2f}x", "target": ""},
         "T2": {"what": "push fp32 -> committed vs raw TCP", "value": f"{result['T2']:.2f}x", "target": ">= 0.4x"},
+        "T3": {
+            "what": f"{PULLERS} pullers at once vs {PULLERS} raw TCP streams, aggregate (best of gRPC/HTTP)",
+            "value": f"{result['T3']:.2f}x (grpc {t3_grpc:.2f}x, http {t3_http:.2f}x)",
+            "target": ">= 0.4x",
+        },
         "K1": {"what": "fused sr bf16 export vs x.to(bfloat16)", "value": f"{kernels['K1']:.2f}x", "target": ">= 0.8x"},
         "K2": {"what": "fused ef bf16 export vs x.to(bfloat16)", "value": f"{kernels['K2']:.2f}x", "target": ">= 0.4x"},
         "K1_vs_torch_ops_sr": {

@@ -144,6 +144,9 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
         "T1_grpc",
         "T1_http",
         "T2",
+        "T3",
+        "T3_grpc",
+        "T3_http",
         "M1",
         "K1",
         "K2",
@@ -155,6 +158,7 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
     ):
         assert isinstance(figures[key], float) and figures[key] > 0, key
     assert figures["details"]["master_mib"] == 32
+    assert figures["details"]["fanout_pullers"] == 8
 
 
 def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> None:
