@@ -307,11 +307,12 @@ def run_bench(
         pull_grpc_s = _best(lambda: pull_once(server.grpc), repeat)
         pull_http_s = _best(lambda: pull_once(server.http), repeat)
         say(f"pull: grpc {served_bytes / pull_grpc_s / 1e9:.2f} GB/s, http {served_bytes / pull_http_s / 1e9:.2f} GB/s")
+        peak = server.peak_rss_bytes()  # M1: one learner and one puller at a time
         fanout_grpc_s = _best(lambda: fanout_pull_seconds(server.grpc, PULLERS), repeat)
         fanout_http_s = _best(lambda: fanout_pull_seconds(server.http, PULLERS), repeat)
         say(f"{PULLERS} pullers at once: grpc {PULLERS * served_bytes / fanout_grpc_s / 1e9:.2f} GB/s, "
             f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")  # fmt: skip
-        peak = server.peak_rss_bytes()
+        peak_fanout = server.peak_rss_bytes()  # with the gRPC streams of 8 pullers in flight too
         retained = sum(v.data_bytes for v in InferenceClient(server.http).versions())
         learner.close()
     finally:
@@ -348,6 +349,7 @@ def run_bench(
             "fanout_http_gbps": round(PULLERS * served_bytes / fanout_http_s / 1e9, 3),
             "raw_tcp_fanout_gbps": round(PULLERS * served_bytes / tcp_fanout_s / 1e9, 3),
             "peak_rss_mib": peak >> 20,
+            "peak_rss_fanout_mib": peak_fanout >> 20,
             "m1_bound_mib": int(bound) >> 20,
             "retained_mib": retained >> 20,
             "cpus": os.cpu_count(),

@@ -87,6 +87,10 @@ def serve(
             help="Abandon a multi-rank push whose ranks have not all joined this long after the first.",
         ),
     ] = 60.0,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(envvar="WEIGHTSVC_REDIS_URL", help="Shared registry for replicas (redis://host:6379/0)."),
+    ] = None,
     relay_from: Annotated[
         str | None,
         typer.Option(envvar="WEIGHTSVC_RELAY_FROM", help="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay."),
@@ -112,6 +116,7 @@ def serve(
             allow_nonfinite=allow_nonfinite,
             push_idle_timeout_s=push_idle_timeout_s,
             push_rank_timeout_s=push_rank_timeout_s,
+            redis_url=redis_url,
             relay_from=relay_from,
             log_level=log_level,
         )

@@ -69,6 +69,7 @@ class Server:
         restored = await asyncio.to_thread(self.service.restore)
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
+        await self.service.store.sync_registry()
         self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port)
         sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -115,6 +116,8 @@ class Server:
             await stop_grpc(self._grpc)
         if self.service is not None:
             await asyncio.to_thread(self.service.close)
+            await self.service.store.flush_acks()
+            await self.service.store.registry.close()
 
 
 class BackgroundServer:

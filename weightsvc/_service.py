@@ -41,6 +41,7 @@ from weightsvc._manifest import (
 )
 from weightsvc._memory import alloc
 from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
+from weightsvc._registry import MemoryRegistry, RedisRegistry
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
 from weightsvc.errors import (
@@ -514,7 +515,10 @@ class Service:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
-        self.store = VersionStore(retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics)
+        registry = RedisRegistry(settings.redis_url) if settings.redis_url else MemoryRegistry()
+        self.store = VersionStore(
+            retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
+        )
         # One export at a time: the kernel itself uses every core.
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)

@@ -45,6 +45,8 @@ class Settings(BaseSettings):
     # A multi-rank push whose ranks have not all sent their headers this long after the first is
     # abandoned (a rank that crashed or was never started) and nothing of it is visible.
     push_rank_timeout_s: float = Field(60.0, gt=0)
+    # Redis URL of the shared registry (redis://host:6379/0); unset: the embedded, in-process one.
+    redis_url: str | None = None
     # gRPC HOST:PORT of an upstream weightsvc to mirror (a relay); pushes are then refused here.
     relay_from: str | None = None
     log_level: str = "info"

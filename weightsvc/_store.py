@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import math
 import mmap
@@ -31,6 +32,7 @@ from weightsvc._manifest import (
     verify,
 )
 from weightsvc._memory import BufferPool
+from weightsvc._registry import MemoryRegistry, Registry, check_commit
 from weightsvc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -85,16 +87,21 @@ class ClientAck:
 
 
 class VersionStore:
-    def __init__(self, *, retain: int, data_dir: Path | None, metrics: Metrics) -> None:
+    def __init__(
+        self, *, retain: int, data_dir: Path | None, metrics: Metrics, registry: Registry | None = None
+    ) -> None:
         self.retain = retain
         self.data_dir = data_dir
         self.metrics = metrics
+        # Decides commits and carries events and acks; this store holds the bytes.
+        self.registry: Registry = registry if registry is not None else MemoryRegistry()
         self._versions: dict[str, dict[int, Version]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._changed = asyncio.Condition()
         self._clients: dict[str, dict[str, ClientAck]] = {}
         self.pool = BufferPool()
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
+        self._acking: set[asyncio.Future[None]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
         self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
@@ -188,20 +195,12 @@ class VersionStore:
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             vs = self._versions.setdefault(m.model, {})
             existing = vs.get(m.version)
-            if existing is not None:
-                if existing.manifest.master_digest == m.master_digest:
-                    return existing, False
-                raise AlreadyExists(
-                    f"model {m.model!r} version {m.version} is already committed with different "
-                    f"content (master digest {existing.manifest.master_digest}, pushed {m.master_digest})",
-                    reason="content_conflict",
-                )
             latest = max(vs) if vs else None
-            if latest is not None and m.version < latest:
-                raise FailedPrecondition(
-                    f"model {m.model!r}: step {m.version} is not above the latest version {latest}",
-                    reason="step_not_above_latest",
-                )
+            # Checked here first too: a rejected push must not overwrite this server's files.
+            if not check_commit(m.model, m.version, m.master_digest,
+                                existing.manifest.master_digest if existing else None, latest):  # fmt: skip
+                assert existing is not None
+                return existing, False
             if residual is not None and residual[0] != latest:
                 raise FailedPrecondition(
                     f"model {m.model!r} step {m.version}: version {latest} committed while this ef push "
@@ -220,9 +219,16 @@ class VersionStore:
                     if residual is not None:
                         await asyncio.to_thread(self._write_residual, m.model, residual[1])
                     await asyncio.to_thread(self._write, version)
+                # The registry decides (with Redis, across replicas) and announces the version.
+                decided = await self.registry.commit(m.model, m.version, m.master_digest, json.dumps(m.to_dict()),
+                                                     self.retain)  # fmt: skip
             except BaseException:
                 self._lag[m.model] = before
+                if self.data_dir is not None:
+                    await asyncio.to_thread(self._unlink_files, m.model, m.version, residual is not None)
                 raise
+            if not decided.created:  # committed meanwhile by another replica
+                return vs.get(m.version, version), False
             vs[m.version] = version
             self._remember(m.model, m.version, m.committed_unix)
             if residual is not None:
@@ -259,18 +265,17 @@ class VersionStore:
 
     async def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]:
         """Every retained version above `after` (all when None), then each new one as it commits."""
-        last = -1 if after is None else after
-        while True:
+        async for v in self.registry.events(model, -1 if after is None else after):
+            # The registry may announce a version a moment before this store shows it.
             async with self._changed:
-                await self._changed.wait_for(functools.partial(self._has_above, model, last))
-                newer = [v.manifest for k, v in sorted(self._versions[model].items()) if k > last]
-            for manifest in newer:
-                yield manifest
-                last = manifest.version
+                await self._changed.wait_for(functools.partial(self._has_at_least, model, v))
+            version = self._versions[model].get(v)
+            if version is not None:  # else already evicted: a newer one follows
+                yield version.manifest
 
-    def _has_above(self, model: str, version: int) -> bool:
+    def _has_at_least(self, model: str, version: int) -> bool:
         latest = self.latest(model)
-        return latest is not None and latest > version
+        return latest is not None and latest >= version
 
     def _remember(self, model: str, version: int, committed_unix: float) -> None:
         history = self._history.setdefault(model, [])
@@ -301,7 +306,21 @@ class VersionStore:
             history = self._history.get(model, [])
             if i < len(history) and history[i][0] == version:
                 self.metrics.version_sync_seconds.labels(model).observe(max(0.0, now - history[i][1]))
+        # Shared with the other replicas when the registry is Redis; an ack is not worth failing
+        # for, so an unreachable registry only costs the fleet-wide view of this one.
+        task = asyncio.ensure_future(self.registry.ack(model, client_id, version, now))
+        self._acking.add(task)
+        task.add_done_callback(self._acked)
         return latest
+
+    async def flush_acks(self) -> None:
+        """Wait for the acks on their way to the registry."""
+        await asyncio.gather(*self._acking, return_exceptions=True)
+
+    def _acked(self, task: asyncio.Future[None]) -> None:
+        self._acking.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("ack not recorded in the registry: %s", task.exception())
 
     def clients(self, model: str) -> list[ClientAck]:
         return list(self._clients.get(model, {}).values())
@@ -356,6 +375,38 @@ class VersionStore:
             residual.save(path)
         except OSError as e:
             raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
+
+    def _unlink_files(self, model: str, version: int, residual: bool) -> None:
+        """The files of a version that did not commit (best effort: the failure itself is reported)."""
+        with contextlib.suppress(OSError):
+            self._path(model, version).unlink(missing_ok=True)
+            if residual:
+                self._residual_path(model, version).unlink(missing_ok=True)
+
+    async def sync_registry(self) -> None:
+        """After a restart, make the registry and the restored versions agree. A version the registry
+        never committed (a crash between the file and the registry) above its latest is dropped; a
+        registry that knows nothing of a model (a fresh one, or the embedded one) takes the files."""
+        for model, vs in self._versions.items():
+            known = await self.registry.versions(model)
+            dropped = []
+            for v in sorted(vs):
+                if v in known:
+                    continue
+                if known and v > known[-1]:
+                    dropped.append(v)
+                    continue
+                m = vs[v].manifest
+                try:
+                    await self.registry.commit(model, v, m.master_digest, json.dumps(m.to_dict()), self.retain)
+                except (AlreadyExists, FailedPrecondition):
+                    dropped.append(v)  # retired meanwhile, or replaced: the registry decides
+            for v in dropped:
+                log.warning("model %s version %d: restored, but not committed in the registry; dropped", model, v)
+                vs.pop(v).evicted = True
+            if dropped and self.data_dir is not None:
+                await asyncio.to_thread(self._unlink, model, dropped)
+            self._update_gauges(model)
 
     def _unlink(self, model: str, versions: list[int]) -> None:
         for v in versions:

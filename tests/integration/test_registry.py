@@ -1,0 +1,209 @@
+"""The registry contract, run against the embedded registry and against real Redis; then the
+service on Redis: shared state, and what happens when Redis goes away and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import make_masters, serving
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry
+from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/test.sh starts one)")
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
+async def registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry]:
+    if request.param == "memory":
+        yield MemoryRegistry()
+        return
+    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
+    reg = RedisRegistry(REDIS_URL, prefix=prefix)
+    yield reg
+    await reg.close()
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def manifest(version: int) -> str:
+    return json.dumps({"model": "m", "version": version})
+
+
+async def test_commit_rules(registry: Registry) -> None:
+    assert (await registry.commit("m", 5, "d5", manifest(5), retain=4)).created
+    assert not (await registry.commit("m", 5, "d5", manifest(5), retain=4)).created  # idempotent
+    with pytest.raises(AlreadyExists, match=r"model 'm' version 5 is already committed with different content "
+                                            r"\(master digest d5, pushed other\)"):  # fmt: skip
+        await registry.commit("m", 5, "other", manifest(5), retain=4)
+    with pytest.raises(FailedPrecondition, match=r"model 'm': step 3 is not above the latest version 5"):
+        await registry.commit("m", 3, "d3", manifest(3), retain=4)
+    assert await registry.versions("m") == [5]
+    assert json.loads(await registry.manifest("m", 5) or "") == {"model": "m", "version": 5}
+    assert await registry.manifest("m", 4) is None
+    assert await registry.models() == ["m"]
+    assert await registry.versions("unknown") == []
+
+
+async def test_retention_keeps_the_newest_versions(registry: Registry) -> None:
+    evicted = [(await registry.commit("m", v, f"d{v}", manifest(v), retain=2)).evicted for v in (1, 2, 3, 4)]
+    assert evicted == [(), (), (1,), (2,)]
+    assert await registry.versions("m") == [3, 4]
+    assert await registry.manifest("m", 1) is None
+
+
+async def test_concurrent_commits_of_one_step_have_one_winner(registry: Registry) -> None:
+    results = await asyncio.gather(
+        *(registry.commit("m", 1, f"digest-{i}", manifest(1), retain=4) for i in range(8)), return_exceptions=True
+    )
+    assert sum(not isinstance(r, BaseException) and r.created for r in results) == 1
+    assert all(isinstance(r, AlreadyExists) for r in results if isinstance(r, BaseException))
+
+
+async def test_events_give_retained_versions_then_each_new_one(registry: Registry) -> None:
+    await registry.commit("m", 1, "d1", manifest(1), retain=4)
+    await registry.commit("m", 2, "d2", manifest(2), retain=4)
+    seen: list[int] = []
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        async for v in registry.events("m", after=1):
+            seen.append(v)
+            if v == 4:
+                done.set()
+                return
+
+    task = asyncio.create_task(watch())
+    await registry.commit("m", 3, "d3", manifest(3), retain=4)
+    await registry.commit("m", 4, "d4", manifest(4), retain=4)
+    await asyncio.wait_for(done.wait(), 10)
+    await task
+    assert seen == [2, 3, 4]
+
+
+async def test_acks(registry: Registry) -> None:
+    await registry.ack("m", "pod-a", 3, 100.0)
+    await registry.ack("m", "pod-b", 2, 101.0)
+    await registry.ack("m", "pod-a", 4, 102.0)
+    assert await registry.acks("m") == {"pod-a": (4, 102.0), "pod-b": (2, 101.0)}
+
+
+# ---- the service on Redis ----------------------------------------------------------------------
+
+
+@needs_redis
+def test_service_on_redis_commits_watches_and_acks_through_it(model: str) -> None:
+    prefix_keys = f"weightsvc:{{{model}}}:*"
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(prefix_keys):
+        client.delete(key)
+    with serving(redis_url=REDIS_URL) as srv, LearnerClient(srv.grpc_target) as learner:
+        learner.push(1, make_masters(), model=model)
+        with InferenceClient(srv.grpc_target) as puller:
+            assert next(iter(puller.watch(model))).version == 1
+            puller.ack(model, 1, "pod-0")
+            digest = puller.manifest(model, 1).master_digest
+        assert [int(v) for v in client.zrange(f"weightsvc:{{{model}}}:versions", 0, -1)] == [1]
+        assert json.loads(client.hget(f"weightsvc:{{{model}}}:manifests", "1") or b"")["master_digest"] == digest
+        srv.call(srv.service.store.flush_acks())  # the ack's write to Redis
+        assert json.loads(client.hget(f"weightsvc:{{{model}}}:acks", "pod-0") or b"")[0] == 1
+    for key in client.scan_iter(prefix_keys):
+        client.delete(key)
+
+
+class PrivateRedis:
+    """A redis-server of this test's own, that the test can kill and restart (append-only file on)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
+             "--dir", str(self.workdir), "--logfile", ""],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # its own log says when it serves
+            if "Ready to accept connections" in line:
+                return
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    r = PrivateRedis(tmp_path)
+    r.start()
+    yield r
+    r.kill()
+
+
+def test_losing_redis_keeps_serving_refuses_pushes_and_recovers(
+    private_redis: PrivateRedis, tmp_path: Path, model: str
+) -> None:
+    masters = make_masters()
+    with serving(redis_url=private_redis.url, data_dir=tmp_path / "data") as srv:
+        learner, puller = LearnerClient(srv.grpc_target), InferenceClient(srv.grpc_target)
+        learner.push(1, masters, model=model)
+        private_redis.kill()
+        # Committed versions keep being served; a push fails with UNAVAILABLE and leaves nothing.
+        assert puller.pull(model, 1)["embed.weight"].shape == (97, 64)
+        with pytest.raises(Unavailable, match=rf"registry {private_redis.url} unreachable while committing model "
+                                              rf"'{model}' version 2"):  # fmt: skip
+            learner.push(2, masters, model=model)
+        assert [v.version for v in puller.versions(model)] == [1]
+        assert sorted(p.name for p in (tmp_path / "data" / "models" / model).iterdir()) == [f"{1:020d}.safetensors"]
+        puller.ack(model, 1, "pod-0")  # acks still work (this server's view)
+        private_redis.start()
+        assert learner.push(2, masters, model=model).version == 2  # redis-py reconnects by itself
+        assert [v.version for v in puller.versions(model)] == [1, 2]
+
+
+def test_restart_drops_a_version_the_registry_never_committed(
+    private_redis: PrivateRedis, tmp_path: Path, model: str
+) -> None:
+    with serving(redis_url=private_redis.url, data_dir=tmp_path / "data") as srv:
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, make_masters(), model=model)
+        learner.push(2, make_masters(1), model=model)
+    # As if the server died between writing version 2's file and committing it in Redis.
+    r = redis.Redis.from_url(private_redis.url)
+    r.zrem(f"weightsvc:{{{model}}}:versions", "2")
+    r.hdel(f"weightsvc:{{{model}}}:manifests", "2")
+    r.hdel(f"weightsvc:{{{model}}}:digests", "2")
+    with serving(redis_url=private_redis.url, data_dir=tmp_path / "data") as srv:
+        assert [v.version for v in InferenceClient(srv.grpc_target).versions(model)] == [1]
+    assert not (tmp_path / "data" / "models" / model / f"{2:020d}.safetensors").exists()

@@ -1,0 +1,229 @@
+"""The registry: which versions of which model are committed, their manifests, version events and
+client acks. Payload bytes never go through it; they stay with the server that holds them.
+
+`MemoryRegistry` is the embedded default (one process). `RedisRegistry` (`--redis-url`) shares the
+same state between replicas: a commit is one Lua script (check the step, add the version, record its
+manifest, append the event, apply retention), events are a Redis Stream per model, acks a hash.
+Both follow one contract (tests/integration/test_registry.py runs the same tests on each).
+
+Commit rules (DESIGN §4): a step above the model's latest commits; the same step with the same
+master digest is an idempotent success; the same step with another digest is ALREADY_EXISTS; a step
+below the latest is FAILED_PRECONDITION. Retention keeps the newest `retain` versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
+
+EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    created: bool  # False: the same step with the same digest was already committed
+    evicted: tuple[int, ...] = ()  # versions retention dropped
+
+
+def check_commit(model: str, version: int, digest: str, existing: str | None, latest: int | None) -> bool:
+    """The commit rules: True to commit, False for an idempotent re-push; raises otherwise."""
+    if existing is not None:
+        if existing == digest:
+            return False
+        raise _conflict(model, version, existing, digest)
+    if latest is not None and version < latest:
+        raise _not_above(model, version, latest)
+    return True
+
+
+def _conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyExists:
+    return AlreadyExists(
+        f"model {model!r} version {version} is already committed with different content "
+        f"(master digest {existing}, pushed {pushed})",
+        reason="content_conflict",
+    )
+
+
+def _not_above(model: str, version: int, latest: int) -> FailedPrecondition:
+    return FailedPrecondition(
+        f"model {model!r}: step {version} is not above the latest version {latest}", reason="step_not_above_latest"
+    )
+
+
+class MemoryRegistry:
+    """The registry of one process."""
+
+    def __init__(self) -> None:
+        self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
+        self._acks: dict[str, dict[str, tuple[int, float]]] = {}
+        self._changed = asyncio.Condition()
+
+    async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
+        vs = self._manifests.setdefault(model, {})
+        if not check_commit(model, version, digest, vs[version][0] if version in vs else None, max(vs, default=None)):
+            return CommitResult(created=False)
+        vs[version] = (digest, manifest)
+        evicted = tuple(sorted(vs)[: max(0, len(vs) - retain)])
+        for v in evicted:
+            del vs[v]
+        async with self._changed:
+            self._changed.notify_all()
+        return CommitResult(created=True, evicted=evicted)
+
+    async def versions(self, model: str) -> list[int]:
+        return sorted(self._manifests.get(model, {}))
+
+    async def manifest(self, model: str, version: int) -> str | None:
+        entry = self._manifests.get(model, {}).get(version)
+        return entry[1] if entry else None
+
+    async def models(self) -> list[str]:
+        return sorted(m for m, vs in self._manifests.items() if vs)
+
+    async def events(self, model: str, after: int) -> AsyncIterator[int]:
+        """Each committed version above `after`, in order, as it commits (retained ones first)."""
+        last = after
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(functools.partial(self._has_above, model, last))
+                newer = sorted(v for v in self._manifests[model] if v > last)
+            for v in newer:
+                yield v
+                last = v
+
+    def _has_above(self, model: str, version: int) -> bool:
+        return any(v > version for v in self._manifests.get(model, {}))
+
+    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
+        self._acks.setdefault(model, {})[client_id] = (version, unix)
+
+    async def acks(self, model: str) -> dict[str, tuple[int, float]]:
+        return dict(self._acks.get(model, {}))
+
+    async def close(self) -> None:
+        pass
+
+
+# KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set)
+# ARGV: model, version, digest, manifest, retain, events kept
+_COMMIT = """
+local version = tonumber(ARGV[2])
+local existing = redis.call('HGET', KEYS[3], ARGV[2])
+if existing then
+  if existing == ARGV[3] then return {'exists'} end
+  return {'conflict', existing}
+end
+local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
+if top[1] and tonumber(top[1]) > version then return {'not_above', top[1]} end
+redis.call('ZADD', KEYS[1], version, ARGV[2])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+redis.call('SADD', KEYS[5], ARGV[1])
+redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[2])
+local result = {'created'}
+local extra = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
+if extra > 0 then
+  local old = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
+  for _, v in ipairs(old) do
+    redis.call('ZREM', KEYS[1], v)
+    redis.call('HDEL', KEYS[2], v)
+    redis.call('HDEL', KEYS[3], v)
+    table.insert(result, v)
+  end
+end
+return result
+"""
+
+
+class RedisRegistry:
+    """The registry shared by replicas, in Redis. Losing Redis raises UNAVAILABLE; redis-py
+    reconnects by itself on the next call."""
+
+    def __init__(self, url: str, prefix: str = "weightsvc") -> None:
+        import redis.asyncio as aioredis
+
+        self.url = url
+        self.prefix = prefix
+        self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+        self._commit = self._redis.register_script(_COMMIT)
+
+    def _key(self, model: str, what: str) -> str:
+        return f"{self.prefix}:{{{model}}}:{what}"  # one hash slot per model: the script's keys on a cluster
+
+    def _unavailable(self, what: str, e: Exception) -> Unavailable:
+        return Unavailable(f"registry {self.url} unreachable while {what}: {e}", reason="registry")
+
+    async def _call(self, what: str, coro: object) -> object:
+        from redis.exceptions import ConnectionError, TimeoutError
+
+        try:
+            return await coro  # type: ignore[misc]
+        except (ConnectionError, TimeoutError, OSError) as e:
+            raise self._unavailable(what, e) from None
+
+    async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
+        keys = [self._key(model, k) for k in ("versions", "manifests", "digests", "events")] + [f"{self.prefix}:models"]
+        where = f"committing model {model!r} version {version}"
+        out = await self._call(
+            where, self._commit(keys=keys, args=[model, version, digest, manifest, retain, EVENTS_KEPT])
+        )
+        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]  # type: ignore[attr-defined]
+        if status == "exists":
+            return CommitResult(created=False)
+        if status == "conflict":
+            raise _conflict(model, version, rest[0], digest)
+        if status == "not_above":
+            raise _not_above(model, version, int(rest[0]))
+        return CommitResult(created=True, evicted=tuple(int(v) for v in rest))
+
+    async def versions(self, model: str) -> list[int]:
+        raw = await self._call(f"listing model {model!r}", self._redis.zrange(self._key(model, "versions"), 0, -1))
+        return sorted(int(v) for v in raw)  # type: ignore[attr-defined]
+
+    async def manifest(self, model: str, version: int) -> str | None:
+        raw = await self._call(f"reading model {model!r} version {version}",
+                               self._redis.hget(self._key(model, "manifests"), str(version)))  # fmt: skip
+        return raw.decode() if isinstance(raw, bytes) else None
+
+    async def models(self) -> list[str]:
+        raw = await self._call("listing models", self._redis.smembers(f"{self.prefix}:models"))
+        return sorted(m.decode() for m in raw)  # type: ignore[attr-defined]
+
+    async def events(self, model: str, after: int) -> AsyncIterator[int]:
+        """Retained versions above `after`, then each new one from the model's stream (XREAD BLOCK)."""
+        stream = self._key(model, "events")
+        info = await self._call(f"watching model {model!r}", self._redis.xrevrange(stream, count=1))
+        cursor = info[0][0] if info else b"0-0"  # type: ignore[index]
+        last = after
+        for v in await self.versions(model):
+            if v > last:
+                yield v
+                last = v
+        while True:
+            got = await self._call(f"watching model {model!r}", self._redis.xread({stream: cursor}, block=5000))
+            for _, entries in got or []:  # type: ignore[attr-defined]
+                for entry_id, fields in entries:
+                    cursor = entry_id
+                    v = int(fields[b"version"])
+                    if v > last:
+                        yield v
+                        last = v
+
+    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
+        await self._call(f"acking model {model!r}", self._redis.hset(self._key(model, "acks"), client_id,
+                                                                    json.dumps([version, unix])))  # fmt: skip
+
+    async def acks(self, model: str) -> dict[str, tuple[int, float]]:
+        raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
+        return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+
+Registry = MemoryRegistry | RedisRegistry
