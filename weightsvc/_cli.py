@@ -58,6 +58,15 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         yield lambda n: bar.advance(task, n)
 
 
+# Client credentials: the commands that talk to a server take them as options or from the environment.
+Token = Annotated[
+    str | None, typer.Option(envvar="WEIGHTSVC_TOKEN", help="Bearer token (role push to push, pull to read).")
+]
+CaCert = Annotated[
+    Path | None, typer.Option(envvar="WEIGHTSVC_CA_CERT", help="PEM CA bundle for grpcs:// and https:// targets.")
+]
+
+
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(envvar="WEIGHTSVC_HOST", help="Address to bind.")] = "127.0.0.1",
@@ -87,6 +96,15 @@ def serve(
             help="Abandon a multi-rank push whose ranks have not all joined this long after the first.",
         ),
     ] = 60.0,
+    auth_file: Annotated[
+        Path | None,
+        typer.Option(envvar="WEIGHTSVC_AUTH_FILE", help='Tokens per role, JSON {"pull": [...], "push": [...]}.'),
+    ] = None,
+    auth_open_paths: Annotated[
+        str, typer.Option(envvar="WEIGHTSVC_AUTH_OPEN_PATHS", help="HTTP paths that need no token.")
+    ] = "/healthz,/readyz,/metrics",
+    tls_cert: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_TLS_CERT", help="PEM certificate chain.")] = None,
+    tls_key: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_TLS_KEY", help="PEM private key.")] = None,
     redis_url: Annotated[
         str | None,
         typer.Option(envvar="WEIGHTSVC_REDIS_URL", help="Shared registry for replicas (redis://host:6379/0)."),
@@ -116,6 +134,10 @@ def serve(
             allow_nonfinite=allow_nonfinite,
             push_idle_timeout_s=push_idle_timeout_s,
             push_rank_timeout_s=push_rank_timeout_s,
+            auth_file=auth_file,
+            auth_open_paths=auth_open_paths,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
             redis_url=redis_url,
             relay_from=relay_from,
             log_level=log_level,
@@ -151,6 +173,8 @@ def push(
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
     target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = "127.0.0.1:50051",
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    token: Token = None,
+    ca_cert: CaCert = None,
 ) -> None:
     """Push fp32 master weights; prints the committed version."""
     from safetensors import SafetensorError
@@ -164,7 +188,10 @@ def push(
         fail(f"cannot read {file}: {e}")
     total = sum(t.numel() * 4 for t in state.values())
     try:
-        with LearnerClient(target) as client, progress_bar(f"push step {step}", total, progress) as bar:
+        with (
+            LearnerClient(target, token=token, ca_cert=ca_cert) as client,
+            progress_bar(f"push step {step}", total, progress) as bar,
+        ):
             info = client.push(step, state, model=model, progress=bar)
     except (WeightsvcError, TypeError) as e:
         fail(str(e))
@@ -187,6 +214,8 @@ def pull(
     target: Annotated[str | None, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = None,
     url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080.")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    token: Token = None,
+    ca_cert: CaCert = None,
 ) -> None:
     """Pull a served version into a safetensors file (checksums verified)."""
     from weightsvc.client import InferenceClient
@@ -194,7 +223,7 @@ def pull(
     if (target is None) == (url is None):
         fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
     try:
-        with InferenceClient(url or target or "") as client:
+        with InferenceClient(url or target or "", token=token, ca_cert=ca_cert) as client:
             size = client.manifest(model, version).data_bytes
             with progress_bar(f"pull {model}@{version}", size, progress) as bar:
                 manifest = client.pull_file(output, model, version, base=base, progress=bar)
@@ -263,12 +292,14 @@ def status(
     ] = "127.0.0.1:50051",
     model: Annotated[str | None, typer.Option(help="Only this model.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    token: Token = None,
+    ca_cert: CaCert = None,
 ) -> None:
     """Models and their retained versions."""
     from weightsvc.client import InferenceClient
 
     try:
-        with InferenceClient(target) as client:
+        with InferenceClient(target, token=token, ca_cert=ca_cert) as client:
             models = [m for m in client.models() if model is None or m["model"] == model]
             if model is not None and not models:
                 fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")

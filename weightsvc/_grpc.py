@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from weightsvc._auth import Auth, GrpcAuth
 from weightsvc._manifest import TensorSpec, parse_version_ref
 from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
 from weightsvc._wire import (
@@ -173,9 +174,14 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-async def start_grpc(service: Service, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the gRPC server (WeightService + health); returns it and the bound port."""
-    server = grpc.aio.server(options=grpc_options(service.settings.max_message_bytes))
+async def start_grpc(
+    service: Service, host: str, port: int, *, auth: Auth | None = None, tls: tuple[bytes, bytes] | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC server (WeightService + health); returns it and the bound port.
+    `tls` is (certificate chain, private key) in PEM."""
+    server = grpc.aio.server(
+        options=grpc_options(service.settings.max_message_bytes), interceptors=[GrpcAuth(auth)] if auth else None
+    )
     servicer = WeightServicer(service)
     handlers = {
         # The bulk methods use the zero-copy chunk framing of `_wire`.
@@ -205,7 +211,11 @@ async def start_grpc(service: Service, host: str, port: int) -> tuple[grpc.aio.S
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    if tls is not None:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls[1], tls[0])]))
+    else:
+        bound = server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()

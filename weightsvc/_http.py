@@ -145,7 +145,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def manifest(model: str, version: str) -> dict[str, Any]:
         return service.manifest(model, parse_version_ref(version)).to_dict()
 
-    @app.api_route("/v1/models/{model}/versions/{version}/safetensors", methods=["GET", "HEAD"], response_model=None)
+    @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
+    @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
     async def safetensors(model: str, version: str, request: Request) -> Response:
         held = service.store.get(model, parse_version_ref(version))
         span: tuple[int, int] | None = None

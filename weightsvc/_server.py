@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 
+from weightsvc._auth import HttpAuth
 from weightsvc._grpc import start_grpc, stop_grpc
 from weightsvc._http import create_app
 from weightsvc._relay import Relay
@@ -56,11 +57,13 @@ class Server:
 
     @property
     def grpc_target(self) -> str:
-        return f"{self.settings.host}:{self.grpc_port}"
+        scheme = "grpcs://" if self.settings.tls_cert else ""
+        return f"{scheme}{self.settings.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.settings.host}:{self.http_port}"
+        scheme = "https" if self.settings.tls_cert else "http"
+        return f"{scheme}://{self.settings.host}:{self.http_port}"
 
     async def start(self) -> None:
         s = self.settings
@@ -70,13 +73,20 @@ class Server:
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
         await self.service.store.sync_registry()
-        self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port)
+        auth = s.auth()
+        tls = (s.tls_cert.read_bytes(), s.tls_key.read_bytes()) if s.tls_cert and s.tls_key else None
+        self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port, auth=auth, tls=tls)
         sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((s.host, s.http_port))
         self.http_port = sock.getsockname()[1]
+        app: Any = create_app(self.service, is_ready=lambda: self.ready)
+        if auth is not None:
+            app = HttpAuth(app, auth, [p for p in s.auth_open_paths.split(",") if p])
         config = uvicorn.Config(
-            create_app(self.service, is_ready=lambda: self.ready),
+            app,
+            ssl_certfile=s.tls_cert,
+            ssl_keyfile=s.tls_key,
             http="httptools",
             lifespan="off",
             log_config=None,

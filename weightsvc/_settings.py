@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from weightsvc._auth import Auth
 from weightsvc.rounding import DEFAULT_FP8_PATTERN, FORMATS, ROUNDINGS, SCALINGS, ExportSpec, check_choice
 
 # This build exports on the CPU; 'auto' picks it (the GPU kernel comes with the numerics work).
@@ -45,11 +46,26 @@ class Settings(BaseSettings):
     # A multi-rank push whose ranks have not all sent their headers this long after the first is
     # abandoned (a rank that crashed or was never started) and nothing of it is visible.
     push_rank_timeout_s: float = Field(60.0, gt=0)
+    # Bearer tokens per role, comma-separated (see weightsvc/_auth.py); none at all: auth is off.
+    pull_tokens: SecretStr | None = None
+    push_tokens: SecretStr | None = None
+    admin_tokens: SecretStr | None = None
+    auth_file: Path | None = None
+    auth_open_paths: str = "/healthz,/readyz,/metrics"  # HTTP paths that need no token
+    # TLS for gRPC and HTTP (PEM files); both or neither.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
     # Redis URL of the shared registry (redis://host:6379/0); unset: the embedded, in-process one.
     redis_url: str | None = None
     # gRPC HOST:PORT of an upstream weightsvc to mirror (a relay); pushes are then refused here.
     relay_from: str | None = None
     log_level: str = "info"
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("--tls-cert and --tls-key go together")
+        return self
 
     @field_validator("format")
     @classmethod
@@ -70,6 +86,10 @@ class Settings(BaseSettings):
     @classmethod
     def _device(cls, v: str) -> str:
         return check_choice("device", v, DEVICES)
+
+    def auth(self) -> Auth | None:
+        secrets = {"pull": self.pull_tokens, "push": self.push_tokens, "admin": self.admin_tokens}
+        return Auth.load({r: s.get_secret_value() if s else None for r, s in secrets.items()}, self.auth_file)
 
     @property
     def export_spec(self) -> ExportSpec:

@@ -10,6 +10,7 @@ arrive as `weightsvc.errors` exceptions carrying the server's message.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import http.client
@@ -17,6 +18,7 @@ import json
 import math
 import os
 import socket
+import ssl
 import struct
 import time
 import urllib.parse
@@ -107,18 +109,66 @@ def _raise(e: grpc.RpcError) -> NoReturn:
     raise err from None
 
 
-def _channel(target: str) -> grpc.Channel:
-    target = target.removeprefix("grpc://")
-    return grpc.insecure_channel(
-        target,
-        options=[
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-            # A client of its own: a new client connects at once, even while another one in this
-            # process waits out its reconnect backoff to the same address (a restarted server).
-            ("grpc.use_local_subchannel_pool", 1),
-        ],
-    )
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = tuple(d.metadata or ()) + self._metadata
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)  # type: ignore[attr-defined]
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+def _credentials(token: str | None, ca_cert: str | Path | bytes | None) -> tuple[str | None, bytes | None]:
+    """The token and the CA bundle (PEM) a client uses: given, or $WEIGHTSVC_TOKEN / $WEIGHTSVC_CA_CERT."""
+    token = token if token is not None else os.environ.get("WEIGHTSVC_TOKEN") or None
+    ca = ca_cert if ca_cert is not None else os.environ.get("WEIGHTSVC_CA_CERT") or None
+    if isinstance(ca, bytes) or ca is None:
+        return token, ca
+    return token, Path(ca).read_bytes()
+
+
+def _channel(target: str, token: str | None = None, ca: bytes | None = None) -> grpc.Channel:
+    """`host:port` in clear, `grpcs://host:port` over TLS (system roots, or `ca` in PEM)."""
+    options = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        # A client of its own: a new client connects at once, even while another one in this
+        # process waits out its reconnect backoff to the same address (a restarted server).
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    if target.startswith("grpcs://"):
+        channel = grpc.secure_channel(target.removeprefix("grpcs://"), grpc.ssl_channel_credentials(ca), options)
+    else:
+        channel = grpc.insecure_channel(target.removeprefix("grpc://"), options)
+    return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
 def _buffer(nbytes: int) -> memoryview:
@@ -190,11 +240,22 @@ def _as_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
 class LearnerClient:
     """Pushes fp32 masters to weightsvc over gRPC."""
 
-    def __init__(self, target: str, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, timeout: float | None = None):
+    def __init__(
+        self,
+        target: str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+        token: str | None = None,
+        ca_cert: str | Path | bytes | None = None,
+    ) -> None:
+        """`target`: `host:port`, or `grpcs://host:port` for TLS (`ca_cert`: a PEM bundle to trust).
+        `token`: a bearer token with role push (default: $WEIGHTSVC_TOKEN)."""
         self.target = target
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
-        self._channel = _channel(target)
+        self._token, self._ca = _credentials(token, ca_cert)
+        self._channel = _channel(target, self._token, self._ca)
         # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
         self._push = self._channel.stream_unary(
             PUSH_METHOD, request_serializer=encode_message, response_deserializer=pb.PushResponse.FromString
@@ -253,7 +314,7 @@ class LearnerClient:
             _raise(e)
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:
-            with InferenceClient(self.target, timeout=self.timeout) as puller:
+            with InferenceClient(self.target, timeout=self.timeout, token=self._token, ca_cert=self._ca) as puller:
                 info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
         return info
 
@@ -270,8 +331,19 @@ class LearnerClient:
 class InferenceClient:
     """Pulls served copies. `target` is "host:port" for gRPC or "http://host:port" for HTTP."""
 
-    def __init__(self, target: str, *, timeout: float | None = None, resume_attempts: int = 3) -> None:
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        resume_attempts: int = 3,
+        token: str | None = None,
+        ca_cert: str | Path | bytes | None = None,
+    ) -> None:
+        """`token`: a bearer token with role pull (default: $WEIGHTSVC_TOKEN); `ca_cert`: a PEM
+        bundle to trust for `grpcs://` and `https://` targets (default: $WEIGHTSVC_CA_CERT)."""
         self.target = target
+        self._token, self._ca = _credentials(token, ca_cert)
         self.timeout = timeout
         self.resume_attempts = resume_attempts  # a pull broken mid-stream resumes from its offset
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
@@ -281,7 +353,7 @@ class InferenceClient:
         if self._http:
             self._url = urllib.parse.urlsplit(target)
         else:
-            self._channel = _channel(target)
+            self._channel = _channel(target, self._token, self._ca)
             self._stub = pb_grpc.WeightServiceStub(self._channel)
             self._pull = self._channel.unary_stream(
                 PULL_METHOD,
@@ -444,10 +516,18 @@ class InferenceClient:
         return manifest, full
 
     def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
-        conn_cls = http.client.HTTPSConnection if self._url.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(self._url.hostname or "127.0.0.1", self._url.port, timeout=self.timeout)
+        host = self._url.hostname or "127.0.0.1"
+        conn: http.client.HTTPConnection
+        if self._url.scheme == "https":
+            context = ssl.create_default_context(cadata=self._ca.decode() if self._ca else None)
+            conn = http.client.HTTPSConnection(host, self._url.port, timeout=self.timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(host, self._url.port, timeout=self.timeout)
+        headers = dict(headers or {})
+        if self._token:
+            headers["Authorization"] = f"Bearer {self._token}"
         try:
-            conn.request("GET", self._url.path.rstrip("/") + path, headers=headers or {})
+            conn.request("GET", self._url.path.rstrip("/") + path, headers=headers)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()

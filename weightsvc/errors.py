@@ -67,6 +67,16 @@ class DeadlineExceeded(WeightsvcError):
     http_status = 504
 
 
+class Unauthenticated(WeightsvcError):
+    grpc_code = "UNAUTHENTICATED"
+    http_status = 401
+
+
+class PermissionDenied(WeightsvcError):
+    grpc_code = "PERMISSION_DENIED"
+    http_status = 403
+
+
 class DataLoss(WeightsvcError):
     """A checksum did not match: the bytes received are not the bytes committed."""
 
@@ -86,6 +96,8 @@ BY_GRPC_CODE: dict[str, type[WeightsvcError]] = {
         Cancelled,
         Aborted,
         DeadlineExceeded,
+        Unauthenticated,
+        PermissionDenied,
         DataLoss,
     )
 }

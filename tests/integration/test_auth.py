@@ -1,0 +1,189 @@
+"""Auth tokens with roles on every gRPC method and HTTP route, and TLS with a certificate made here."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+import shutil
+import subprocess
+import urllib.parse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import make_masters, serving
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._http import create_app
+from weightsvc._server import BackgroundServer
+from weightsvc.errors import PermissionDenied, Unauthenticated, Unavailable
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+TOKENS = {"pull": "pull-secret-1", "push": "push-secret-2", "admin": "admin-secret-3"}
+MODEL = "authed"
+
+
+@pytest.fixture(scope="module")
+def authed() -> Iterator[BackgroundServer]:
+    with serving(**{f"{role}_tokens": token for role, token in TOKENS.items()}) as srv:
+        LearnerClient(srv.grpc_target, token=TOKENS["push"]).push(1, make_masters(), model=MODEL)
+        yield srv
+
+
+def _metadata(token: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
+def _push_requests(step: int) -> Iterator[pb.PushRequest]:
+    spec = pb.TensorSpec(name="w", shape=[4], dtype="F32")
+    yield pb.PushRequest(header=pb.PushHeader(model=MODEL, step=step, tensors=[spec]))
+    yield pb.PushRequest(chunk=pb.Chunk(tensor="w", offset=0, data=torch.ones(4).numpy().tobytes()))
+    yield pb.PushRequest(commit=pb.PushCommit())
+
+
+_steps = iter(range(100, 10_000))
+CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], Any]] = {
+    "ListModels": lambda s, md: s.ListModels(pb.ListModelsRequest(), metadata=md),
+    "ListVersions": lambda s, md: s.ListVersions(pb.ListVersionsRequest(model=MODEL), metadata=md),
+    "GetManifest": lambda s, md: s.GetManifest(pb.GetManifestRequest(model=MODEL), metadata=md),
+    "Pull": lambda s, md: next(iter(s.Pull(pb.PullRequest(model=MODEL), metadata=md))),
+    "Watch": lambda s, md: next(iter(s.Watch(pb.WatchRequest(model=MODEL), metadata=md))),
+    "Ack": lambda s, md: s.Ack(pb.AckRequest(model=MODEL, version=1, client_id="c"), metadata=md),
+    "Push": lambda s, md: s.Push(_push_requests(next(_steps)), metadata=md),
+}
+# What each credential may do: None = nothing; the roles nest (pull < push < admin).
+ALLOWED = {
+    None: set(),
+    "not-a-token": set(),
+    "pull": set(CALLS) - {"Push"},
+    "push": set(CALLS),
+    "admin": set(CALLS),
+}
+
+
+def test_the_grpc_service_covers_every_method() -> None:
+    assert set(CALLS) == {m.name for m in pb.DESCRIPTOR.services_by_name["WeightService"].methods}
+
+
+@pytest.mark.parametrize("method", sorted(CALLS))
+@pytest.mark.parametrize("who", [None, "not-a-token", "pull", "push", "admin"])
+def test_every_grpc_method_checks_the_token_role(authed: BackgroundServer, method: str, who: str | None) -> None:
+    token = TOKENS.get(who or "", who)
+    with grpc.insecure_channel(authed.grpc_target) as channel:
+        stub = pb_grpc.WeightServiceStub(channel)
+        try:
+            CALLS[method](stub, _metadata(token))
+            code = grpc.StatusCode.OK
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details()
+    if method in ALLOWED[who]:
+        assert code == grpc.StatusCode.OK, code
+    elif who in ("pull",):
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        assert details == f"{method} needs role push; this token has role pull"
+    else:
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        assert method in details and (who is None or "not valid" in details)
+
+
+def test_grpc_health_stays_open(authed: BackgroundServer) -> None:
+    with grpc.insecure_channel(authed.grpc_target) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _routes(srv: BackgroundServer) -> list[str]:
+    app = create_app(srv.service)
+    paths = sorted({r.path for r in app.routes if "GET" in getattr(r, "methods", set())})  # type: ignore[attr-defined]
+    return [p.replace("{model}", MODEL).replace("{version}", "1") for p in paths]
+
+
+def _get(url: str, path: str, token: str | None) -> tuple[int, dict[str, str], bytes]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+def test_every_http_route_checks_the_token_and_probes_stay_open(authed: BackgroundServer) -> None:
+    routes = _routes(authed)
+    assert {"/healthz", "/readyz", "/metrics", f"/v1/models/{MODEL}/versions/1/safetensors"} <= set(routes)
+    for path in routes:
+        if path in ("/healthz", "/readyz", "/metrics"):
+            assert _get(authed.http_url, path, None)[0] == 200, path
+            continue
+        status, headers, body = _get(authed.http_url, path, None)
+        assert (status, headers.get("www-authenticate")) == (401, 'Bearer realm="weightsvc"'), path
+        assert b'"UNAUTHENTICATED"' in body and b"needs a bearer token" in body
+        assert _get(authed.http_url, path, "not-a-token")[0] == 401, path
+        for role in ("pull", "push", "admin"):
+            assert _get(authed.http_url, path, TOKENS[role])[0] == 200, (path, role)
+
+
+def test_clients_carry_tokens_and_get_clear_errors(
+    authed: BackgroundServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    with pytest.raises(PermissionDenied, match=r"PERMISSION_DENIED: Push needs role push; this token has role pull"):
+        LearnerClient(authed.grpc_target, token=TOKENS["pull"]).push(20_000, make_masters(), model=MODEL)
+    with pytest.raises(Unauthenticated, match=r"UNAUTHENTICATED: Pull needs a bearer token"):
+        InferenceClient(authed.grpc_target, token="").pull(MODEL)
+    with pytest.raises(Unauthenticated, match=r"GET /v1/models needs a bearer token \(role pull or above\)"):
+        InferenceClient(authed.http_url, token="").models()
+    pusher = LearnerClient(authed.grpc_target, token=TOKENS["push"])
+    info = pusher.push(20_000, make_masters(), model=MODEL, return_served=True)
+    assert info.served is not None
+    monkeypatch.setenv("WEIGHTSVC_TOKEN", TOKENS["pull"])  # the default for clients, as for the CLI
+    assert InferenceClient(authed.http_url).pull(MODEL, 20_000).keys() == info.served.keys()
+    assert InferenceClient(authed.grpc_target).manifest(MODEL).version == 20_000
+    for token in TOKENS.values():  # never logged, never in the settings' repr
+        assert token not in caplog.text and token not in repr(authed.server.settings)
+
+
+# ---- TLS ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+def test_tls_on_grpc_and_http_with_a_self_signed_certificate(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    with serving(tls_cert=cert, tls_key=key, push_tokens=TOKENS["push"]) as srv:
+        assert srv.grpc_target.startswith("grpcs://") and srv.http_url.startswith("https://")
+        masters = make_masters()
+        LearnerClient(srv.grpc_target, ca_cert=cert, token=TOKENS["push"], timeout=30).push(1, masters, model="m")
+        over_grpc = InferenceClient(srv.grpc_target, ca_cert=cert, token=TOKENS["push"]).pull("m")
+        over_http = InferenceClient(srv.http_url, ca_cert=cert, token=TOKENS["push"]).pull("m")
+        assert all(torch.equal(over_grpc[n].view(torch.int16), over_http[n].view(torch.int16)) for n in masters)
+        # A client that does not trust the certificate, or speaks in clear, gets nowhere.
+        with pytest.raises(Unavailable):
+            InferenceClient(srv.grpc_target, token=TOKENS["push"], timeout=5).manifest("m")
+        with pytest.raises(Unavailable, match=re.escape("CERTIFICATE_VERIFY_FAILED")):
+            InferenceClient(srv.http_url, token=TOKENS["push"], timeout=5).manifest("m")
+        with pytest.raises(Unavailable):
+            InferenceClient(srv.grpc_target.removeprefix("grpcs://"), token=TOKENS["push"], timeout=5).manifest("m")
+
+
+def test_tls_needs_both_files(certificate: tuple[Path, Path]) -> None:
+    with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
+        serving(tls_cert=certificate[0])

@@ -1,0 +1,148 @@
+"""Who may do what: bearer tokens with roles, on gRPC metadata and the HTTP Authorization header.
+
+Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP read route), `push` also pushes (a
+learner pulls its served copy back), `admin` may do everything. Tokens come from
+`WEIGHTSVC_{PULL,PUSH,ADMIN}_TOKENS` (comma-separated) and/or `--auth-file` (JSON:
+{"pull": [...], "push": [...], "admin": [...]}). Auth is on as soon as one token is configured.
+Tokens are kept as SHA-256 digests and never logged; `/healthz`, `/readyz`, `/metrics` and the gRPC
+health service stay open (`--auth-open-paths`), so probes and scrapers need no secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
+
+ROLES = ("pull", "push", "admin")  # each includes the ones before it
+SERVICE = "weightsvc.v1.WeightService"
+# gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
+METHOD_ROLES = {f"/{SERVICE}/Push": "push"}
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class Auth:
+    def __init__(self, tokens: Mapping[str, Iterable[str]]) -> None:
+        self._roles: dict[bytes, int] = {}  # token digest -> highest role index
+        for role, listed in tokens.items():
+            if role not in ROLES:
+                raise InvalidArgument(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
+            for token in listed:
+                if token.strip():
+                    d = _digest(token.strip())
+                    self._roles[d] = max(self._roles.get(d, 0), ROLES.index(role))
+
+    @classmethod
+    def load(cls, env_tokens: Mapping[str, str | None], auth_file: Path | None) -> Auth | None:
+        """Tokens from the settings and the auth file; None when there are none (auth off)."""
+        tokens: dict[str, list[str]] = {role: (env_tokens.get(role) or "").split(",") for role in ROLES}
+        if auth_file is not None:
+            try:
+                listed = json.loads(auth_file.read_text())
+            except (OSError, ValueError) as e:
+                raise InvalidArgument(f"--auth-file {auth_file}: {e}") from None
+            if not isinstance(listed, dict) or not all(isinstance(v, list) for v in listed.values()):
+                raise InvalidArgument(f'--auth-file {auth_file}: expected {{"pull": [...], "push": [...], ...}}')
+            for role, values in listed.items():
+                tokens.setdefault(role, []).extend(map(str, values))
+        auth = cls(tokens)
+        return auth if auth._roles else None
+
+    def check(self, authorization: str | None, need: str, what: str) -> None:
+        """Raise unless `authorization` ("Bearer <token>") carries a role of at least `need`."""
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise Unauthenticated(f"{what} needs a bearer token (role {need} or above)", reason="unauthenticated")
+        role = self._roles.get(_digest(token.strip()))
+        if role is None:
+            raise Unauthenticated(f"{what}: the token is not valid here", reason="unauthenticated")
+        if role < ROLES.index(need):
+            raise PermissionDenied(
+                f"{what} needs role {need}; this token has role {ROLES[role]}", reason="permission_denied"
+            )
+
+
+# ---- gRPC ---------------------------------------------------------------------------------------
+
+
+def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionDenied) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that only answers with `error`."""
+    code = getattr(grpc.StatusCode, error.grpc_code)
+
+    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, error.message)
+
+    async def streaming(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(code, error.message)
+        yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    kind = (handler.request_streaming, handler.response_streaming)
+    return kinds[kind](
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class GrpcAuth(grpc.aio.ServerInterceptor):
+    """Checks the `authorization` metadata of every WeightService call before its handler runs."""
+
+    def __init__(self, auth: Auth) -> None:
+        self.auth = auth
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        method = details.method
+        if handler is None or not method.startswith(f"/{SERVICE}/"):
+            return handler  # the health service stays open
+        metadata = dict(details.invocation_metadata or ())
+        try:
+            self.auth.check(metadata.get("authorization"), METHOD_ROLES.get(method, "pull"), method.rsplit("/", 1)[1])
+        except (Unauthenticated, PermissionDenied) as e:
+            return _denied(handler, e)
+        return handler
+
+
+# ---- HTTP ---------------------------------------------------------------------------------------
+
+
+class HttpAuth:
+    """ASGI middleware: every route needs role `pull` except the open paths."""
+
+    def __init__(self, app: Any, auth: Auth, open_paths: Iterable[str]) -> None:
+        self.app = app
+        self.auth = auth
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or ())
+        value = headers.get(b"authorization")
+        try:
+            self.auth.check(value.decode("latin-1") if value else None, "pull", f"{scope['method']} {scope['path']}")
+        except (Unauthenticated, PermissionDenied) as e:
+            body = json.dumps({"error": {"code": e.grpc_code, "message": e.message}}).encode()
+            response_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            if isinstance(e, Unauthenticated):
+                response_headers.append((b"www-authenticate", b'Bearer realm="weightsvc"'))
+            await send({"type": "http.response.start", "status": e.http_status, "headers": response_headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
