@@ -20,6 +20,7 @@ import os
 import socket
 import ssl
 import struct
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
@@ -291,7 +292,13 @@ class LearnerClient:
             model=model, step=step, format=format, rounding=rounding, tensors=specs, rank=rank, world_size=world_size
         )
 
+        senders: list[threading.Thread] = []  # the thread gRPC runs this stream on
+
         def requests() -> Iterator[pb.PushRequest | bytes]:
+            senders.append(threading.current_thread())
+            yield from messages()
+
+        def messages() -> Iterator[pb.PushRequest | bytes]:
             yield pb.PushRequest(header=header)
             for spec, (name, tensor) in zip(specs, tensors.items(), strict=True):
                 raw = _as_master(name, tensor).view(torch.uint8).numpy().data
@@ -311,6 +318,11 @@ class LearnerClient:
         try:
             resp = self._push(requests(), timeout=self.timeout)
         except grpc.RpcError as e:
+            # Refused early, the call ends while gRPC's thread may still be sending: let it finish,
+            # or a process that exits right after can abort inside gRPC.
+            for sender in senders:
+                if sender is not threading.current_thread():
+                    sender.join(5)
             _raise(e)
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,17 +22,19 @@ EXE = Path(sys.executable).with_name("weightsvc")
 CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightsvc"]
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout)
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})  # fmt: skip
 
 
 class Serve:
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.proc = subprocess.Popen(
             [*CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            env={**os.environ, **(env or {})},
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()  # the ready line, printed once both servers listen
@@ -217,3 +220,23 @@ def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) ->
     line = one_error_line(cli("pull", "--model", "delta", "--version", "2", "--base", "1", "-o", str(out),
                               "--target", t))  # fmt: skip
     assert "holds model 'delta' version 2, not model 'delta' version 1" in line
+
+
+def test_tokens_from_the_environment_and_the_token_option(
+    tmp_path: Path, checkpoint: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    srv = Serve(env={"WEIGHTSVC_PUSH_TOKENS": "learner-token", "WEIGHTSVC_PULL_TOKENS": "fleet-a,fleet-b"})
+    try:
+        path, _ = checkpoint
+        denied = cli("push", str(path), "--step", "1", "--target", srv.target, "--token", "fleet-a")
+        assert denied.returncode == 1
+        assert denied.stderr.strip() == "error: PERMISSION_DENIED: Push needs role push; this token has role pull"
+        pushed = cli("push", str(path), "--step", "1", "--target", srv.target, env={"WEIGHTSVC_TOKEN": "learner-token"})
+        assert pushed.returncode == 0, pushed.stderr
+        anonymous = cli("status", "--target", srv.url)
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
+        assert cli("status", "--target", srv.url, "--token", "fleet-b").returncode == 0
+    finally:
+        assert srv.stop() == 0
+    _, stderr = srv.proc.communicate()
+    assert "learner-token" not in stderr and "fleet-a" not in stderr  # never logged
