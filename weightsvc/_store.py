@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightsvc._faults import crash_point
 from weightsvc._lag import LagTracker, Sample
 from weightsvc._manifest import (
     Manifest,
@@ -218,7 +219,9 @@ class VersionStore:
                     # residual goes first, named by its version, so a restart pairs it correctly.
                     if residual is not None:
                         await asyncio.to_thread(self._write_residual, m.model, residual[1])
+                        crash_point("commit.residual-written")
                     await asyncio.to_thread(self._write, version)
+                    crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 decided = await self.registry.commit(m.model, m.version, m.master_digest, json.dumps(m.to_dict()),
                                                      self.retain)  # fmt: skip
@@ -240,6 +243,7 @@ class VersionStore:
             self.metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
         async with self._changed:
             self._changed.notify_all()
+        crash_point("commit.visible")
         if self.data_dir is not None and (evicted or residual is not None):
             await asyncio.to_thread(self._unlink, m.model, evicted)
         return version, True
@@ -350,6 +354,7 @@ class VersionStore:
                 f.write(version.data)
                 f.flush()
                 os.fsync(f.fileno())
+            crash_point("commit.version-written")
             os.replace(tmp, path)
             dir_fd = os.open(path.parent, os.O_RDONLY)
             try:

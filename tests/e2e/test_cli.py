@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,36 +13,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import make_masters
+from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters
 from weightsvc.rounding import fair_cast
 
-EXE = Path(sys.executable).with_name("weightsvc")
-CMD = [str(EXE)] if EXE.exists() else [sys.executable, "-m", "weightsvc"]
+CMD = WEIGHTSVC_CMD
+Serve = ServeProcess
 
 
 def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})  # fmt: skip
-
-
-class Serve:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [*CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, printed once both servers listen
-        assert line.startswith("weightsvc ready "), (line, self.proc.stderr.read() if self.proc.stderr else "")
-        fields = dict(part.split("=", 1) for part in line.split()[2:])
-        self.target, self.url = fields["grpc"], fields["http"]
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
 
 
 @pytest.fixture(scope="module")
