@@ -113,12 +113,32 @@ def serve(
         str | None,
         typer.Option(envvar="WEIGHTSVC_RELAY_FROM", help="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay."),
     ] = None,
+    max_version_bytes: Annotated[int | None, typer.Option(help="Master bytes of one version.")] = None,
+    max_tensor_bytes: Annotated[int | None, typer.Option(help="Master bytes of one tensor.")] = None,
+    max_tensors: Annotated[int | None, typer.Option(help="Tensors of one version.")] = None,
+    max_staged_bytes: Annotated[int | None, typer.Option(help="Served bytes staged by pushes in progress.")] = None,
+    max_pushes: Annotated[int | None, typer.Option(help="Push streams at once.")] = None,
+    max_pulls: Annotated[int | None, typer.Option(help="Pulls at once.")] = None,
+    max_rss_bytes: Annotated[int | None, typer.Option(help="Memory high-water mark for new pushes.")] = None,
+    pull_stall_timeout_s: Annotated[
+        float | None, typer.Option(help="Drop a pull that reads nothing this long.")
+    ] = None,
     log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
     from weightsvc._server import Server
     from weightsvc._settings import Settings
 
+    limits: dict[str, Any] = {
+        "max_version_bytes": max_version_bytes,
+        "max_tensor_bytes": max_tensor_bytes,
+        "max_tensors": max_tensors,
+        "max_staged_bytes": max_staged_bytes,
+        "max_pushes": max_pushes,
+        "max_pulls": max_pulls,
+        "max_rss_bytes": max_rss_bytes,
+        "pull_stall_timeout_s": pull_stall_timeout_s,
+    }
     try:
         settings = Settings(
             host=host,
@@ -141,6 +161,8 @@ def serve(
             redis_url=redis_url,
             relay_from=relay_from,
             log_level=log_level,
+            # Limits: given on the command line, else WEIGHTSVC_* or the defaults of Settings.
+            **{k: v for k, v in limits.items() if v is not None},
         )
     except ValidationError as e:
         first = e.errors()[0]

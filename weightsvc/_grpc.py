@@ -26,7 +26,7 @@ from weightsvc._wire import (
     info_to_proto,
     manifest_to_proto,
 )
-from weightsvc.errors import InvalidArgument, WeightsvcError
+from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -82,8 +82,23 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
 
     @_abort_on_domain_error
-    async def Pull(self, request: pb.PullRequest, context: Any) -> AsyncIterator[pb.PullResponse | bytes]:
+    async def Pull(self, request: pb.PullRequest, context: Any) -> None:
         chunk = self.service.settings.chunk_bytes
+        stall = self.service.settings.pull_stall_timeout_s
+
+        async def write(message: pb.PullResponse | bytes) -> None:
+            # Written here rather than yielded: a client that stops reading holds the version, and
+            # only a timeout around the write (which waits on flow control) can take it back.
+            try:
+                async with asyncio.timeout(stall):
+                    await context.write(message)
+            except TimeoutError:
+                raise DeadlineExceeded(
+                    f"model {request.model!r} version {version.manifest.version}: the client read nothing for "
+                    f"{stall:g} s (--pull-stall-timeout-s); pull dropped",
+                    reason="stalled",
+                ) from None
+
         version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
         try:
             data, delta_header = version.data, None
@@ -97,12 +112,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                     f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
                     f"is outside its {len(data)}-byte data section"
                 )
-            yield pb.PullResponse(manifest=manifest_to_proto(version.manifest))
+            await write(pb.PullResponse(manifest=manifest_to_proto(version.manifest)))
             if delta_header is not None:
-                yield pb.PullResponse(delta=delta_header)
+                await write(pb.PullResponse(delta=delta_header))
             for offset in range(request.offset, len(data), chunk):
                 piece = data[offset : offset + chunk]
-                yield encode_chunk("", offset, piece)  # pre-encoded: one copy, not three
+                await write(encode_chunk("", offset, piece))  # pre-encoded: one copy, not three
                 self.service.count_pulled(version.manifest.model, "grpc", len(piece))
         finally:
             self.service.close_pull(version, "grpc")

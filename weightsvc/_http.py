@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import re
@@ -90,8 +91,15 @@ class VersionFileResponse(Response):
                 # Zero-copy: the server's transport may keep views of what it could not send yet
                 # beyond this response, so the store never recycles this version's buffer.
                 self.version.lent = True
+                stall = self.service.settings.pull_stall_timeout_s
                 for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
-                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    try:  # send waits on the transport's flow control: a client that reads nothing stalls it
+                        async with asyncio.timeout(stall):
+                            await send({"type": "http.response.body", "body": piece, "more_body": True})
+                    except TimeoutError:
+                        log.warning("model %s version %d: an HTTP client read nothing for %g s; pull dropped",
+                                    m.model, m.version, stall)  # fmt: skip
+                        return  # an incomplete response: the server closes the connection
                     self.service.count_pulled(m.model, "http", len(piece))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -52,3 +52,12 @@ class BufferPool:
     @property
     def free_bytes(self) -> int:
         return sum(len(b) for bufs in self._free.values() for b in bufs)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (RSS), from /proc; 0 where there is none."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * mmap.PAGESIZE
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -39,7 +39,7 @@ from weightsvc._manifest import (
     checksum,
     layout,
 )
-from weightsvc._memory import alloc
+from weightsvc._memory import alloc, resident_bytes
 from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
 from weightsvc._registry import MemoryRegistry, RedisRegistry
 from weightsvc._settings import Settings
@@ -51,13 +51,13 @@ from weightsvc.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    TooManyRequests,
     WeightsvcError,
 )
 from weightsvc.metrics import Metrics
 
 log = logging.getLogger("weightsvc.service")
 
-MAX_TENSORS = 1_000_000
 MAX_NAME_CHARS = 1024
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
 # learner (gRPC flow control) when export is slower than the network.
@@ -449,7 +449,7 @@ def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
     return (-(-n // rounding.BLOCK), -(-k // rounding.BLOCK))
 
 
-def validate_header(header: PushHeader, max_version_bytes: int) -> None:
+def validate_header(header: PushHeader, settings: Settings) -> None:
     check_model_name(header.model)
     where = f"model {header.model!r} step {header.step}"
     if header.step < 0:
@@ -462,8 +462,12 @@ def validate_header(header: PushHeader, max_version_bytes: int) -> None:
                               reason="invalid_header")  # fmt: skip
     if not header.tensors:
         raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
-    if len(header.tensors) > MAX_TENSORS:
-        raise InvalidArgument(f"{where}: more than {MAX_TENSORS} tensors", reason="too_large")
+    if len(header.tensors) > settings.max_tensors:
+        raise ResourceExhausted(
+            f"{where}: {len(header.tensors)} tensors, more than the {settings.max_tensors} a version may have "
+            "(--max-tensors)",
+            reason="too_large",
+        )
     seen: set[str] = set()
     total = 0
     for t in header.tensors:
@@ -499,11 +503,18 @@ def validate_header(header: PushHeader, max_version_bytes: int) -> None:
                 f"(shape {list(t.shape)})",
                 reason="invalid_header",
             )
-        total += t.numel * DTYPE_SIZES[t.dtype]
-        if total > max_version_bytes:
+        nbytes = t.numel * DTYPE_SIZES[t.dtype]
+        if nbytes > settings.max_tensor_bytes:
+            raise ResourceExhausted(
+                f"{where}: tensor {t.name!r} of shape {list(t.shape)} holds {nbytes} bytes, more than the "
+                f"{settings.max_tensor_bytes} bytes a tensor may have (--max-tensor-bytes)",
+                reason="too_large",
+            )
+        total += nbytes
+        if total > settings.max_version_bytes:
             raise ResourceExhausted(
                 f"{where}: the masters declared up to tensor {t.name!r} already hold {total} bytes, more "
-                f"than the {max_version_bytes} bytes a version may have (--max-version-bytes)",
+                f"than the {settings.max_version_bytes} bytes a version may have (--max-version-bytes)",
                 reason="too_large",
             )
 
@@ -524,6 +535,8 @@ class Service:
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
         self._pushes: set[PushSession] = set()
+        self._push_streams = 0  # push streams open (each rank's counts), against --max-pushes
+        self._pulls = 0  # pulls holding a version, against --max-pulls
         self._groups: dict[tuple[str, int], RankGroup] = {}  # multi-rank pushes in progress
         self._releasing: set[asyncio.Future[None]] = set()
         self._changes = _Changes()
@@ -546,7 +559,14 @@ class Service:
         rank = 0
         idle = self.settings.push_idle_timeout_s
         self.metrics.pushes_in_flight.inc()
+        self._push_streams += 1
         try:
+            if self._push_streams > self.settings.max_pushes:
+                raise TooManyRequests(
+                    f"{self._push_streams - 1} push streams in progress, the most this server takes "
+                    f"(--max-pushes {self.settings.max_pushes}); retry later",
+                    reason="too_many",
+                )
             header = await self._next(messages, idle)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
@@ -556,7 +576,7 @@ class Service:
                     "push there",
                     reason="relay",
                 )
-            validate_header(header, self.settings.max_version_bytes)
+            validate_header(header, self.settings)
             self.store.check_step(header.model, header.step)
             rank = header.rank
             group = self._join(header)
@@ -600,6 +620,7 @@ class Service:
             raise
         finally:
             self.metrics.pushes_in_flight.dec()
+            self._push_streams -= 1
             if group is not None:
                 group.tasks.pop(rank, None)
                 group.attached -= 1
@@ -631,7 +652,7 @@ class Service:
         try:
             tensors = merge_parts(group.where, group.headers)
             whole = dataclasses.replace(header, tensors=tensors, rank=0)
-            validate_header(whole, self.settings.max_version_bytes)
+            validate_header(whole, self.settings)
             reserved = self._reserve_staging(whole)
             try:
                 session = await PushSession.open(self, whole, group.headers)
@@ -667,6 +688,13 @@ class Service:
     def _reserve_staging(self, header: PushHeader) -> int:
         """Reserve the served bytes a push will stage, or refuse it if over the memory budget."""
         served = sum(t.numel for t in header.tensors) * 2  # every served format is at most 2 bytes
+        rss, mark = resident_bytes(), self.settings.rss_high_water
+        if rss + served > mark:
+            raise ResourceExhausted(
+                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {served} more "
+                f"would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
+                reason="too_large",
+            )
         if self._staging_reserved + served > self.settings.max_staged_bytes:
             raise ResourceExhausted(
                 f"model {header.model!r} step {header.step}: pushes in progress hold "
@@ -712,13 +740,21 @@ class Service:
 
     def open_pull(self, model: str, version: int | None, transport: str) -> Version:
         """Hold a version for a pull; eviction cannot recycle its buffer until `close_pull`."""
+        if transport != "delta" and self._pulls >= self.settings.max_pulls:
+            raise TooManyRequests(
+                f"{self._pulls} pulls in progress, the most this server takes (--max-pulls "
+                f"{self.settings.max_pulls}); retry later",
+                reason="too_many",
+            )
         held = self.store.get(model, version)
         self.store.hold(held)
+        self._pulls += transport != "delta"
         self.metrics.pulls_in_flight.labels(transport).inc()
         return held
 
     def close_pull(self, version: Version, transport: str) -> None:
         self.metrics.pulls_in_flight.labels(transport).dec()
+        self._pulls -= transport != "delta"
         self.store.release(version)
         self._changes.notify()
 

@@ -16,7 +16,16 @@ DEVICES = ("auto", "cpu")
 
 
 def _physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The memory this process may use: the machine's, or its cgroup's limit when lower (a pod)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
 class Settings(BaseSettings):
@@ -41,8 +50,18 @@ class Settings(BaseSettings):
     # Size limits: master bytes of one version, and served bytes staged by all pushes in progress.
     max_version_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
     max_staged_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
+    max_tensors: int = Field(1_000_000, ge=1)  # per version
+    max_tensor_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)  # master bytes of one
+    # Streams served at once; beyond them a new one gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
+    max_pushes: int = Field(64, ge=1)  # push streams (each rank of a multi-rank push is one)
+    max_pulls: int = Field(1024, ge=1)  # gRPC and HTTP pulls
+    # High-water mark of this process's resident memory: no new push is staged above it (0: 90% of
+    # the memory this process may use).
+    max_rss_bytes: int = Field(0, ge=0)
     # A push that sends nothing for this long is abandoned and freed.
     push_idle_timeout_s: float = Field(120.0, gt=0)
+    # A pull whose client reads nothing for this long is dropped, and its version released.
+    pull_stall_timeout_s: float = Field(120.0, gt=0)
     # A multi-rank push whose ranks have not all sent their headers this long after the first is
     # abandoned (a rank that crashed or was never started) and nothing of it is visible.
     push_rank_timeout_s: float = Field(60.0, gt=0)
@@ -86,6 +105,10 @@ class Settings(BaseSettings):
     @classmethod
     def _device(cls, v: str) -> str:
         return check_choice("device", v, DEVICES)
+
+    @property
+    def rss_high_water(self) -> int:
+        return self.max_rss_bytes or int(_physical_memory() * 0.9)
 
     def auth(self) -> Auth | None:
         secrets = {"pull": self.pull_tokens, "push": self.push_tokens, "admin": self.admin_tokens}

@@ -45,6 +45,12 @@ class ResourceExhausted(WeightsvcError):
     http_status = 413
 
 
+class TooManyRequests(ResourceExhausted):
+    """A limit on streams in progress: retry later."""
+
+    http_status = 429
+
+
 class Unavailable(WeightsvcError):
     grpc_code = "UNAVAILABLE"
     http_status = 503

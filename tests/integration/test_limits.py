@@ -1,0 +1,109 @@
+"""Limits: sizes per version and tensor, streams at once, a memory high-water mark, and pulls whose
+client stops reading. Each answers a clear RESOURCE_EXHAUSTED / DEADLINE_EXCEEDED, frees what it
+held, and leaves the server serving."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import urllib.parse
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import make_masters, serving
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._server import BackgroundServer
+from weightsvc.errors import ResourceExhausted
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+
+def test_size_limits_name_the_limit_and_the_tensor(model: str) -> None:
+    with serving(max_tensors=3, max_tensor_bytes=64 << 10) as srv, LearnerClient(srv.grpc_target) as learner:
+        with pytest.raises(ResourceExhausted, match=r"6 tensors, more than the 3 a version may have \(--max-tensors\)"):
+            learner.push(1, make_masters(), model=model)
+        big = {"small": torch.zeros(8), "layers.0.mlp.up.weight": torch.zeros(300, 64)}
+        too_big = r"tensor 'layers.0.mlp.up.weight' of shape \[300, 64\] holds 76800 bytes, more than the 65536"
+        with pytest.raises(ResourceExhausted, match=too_big):
+            learner.push(1, big, model=model)
+        assert learner.push(1, {"small": torch.zeros(8)}, model=model).version == 1
+
+
+def _open_push(target: str, model: str, release: threading.Event) -> tuple[grpc.Channel, grpc.Future]:
+    """A push stream that sent its header and then waits for `release`: it holds a push slot."""
+    channel = grpc.insecure_channel(target)
+    spec = pb.TensorSpec(name="w", shape=[4], dtype="F32")
+    header = pb.PushRequest(header=pb.PushHeader(model=model, step=1, tensors=[spec]))
+
+    def requests() -> Iterator[pb.PushRequest]:
+        yield header
+        release.wait()
+
+    call = pb_grpc.WeightServiceStub(channel).Push.future(requests())
+    return channel, call
+
+
+def test_streams_beyond_max_pushes_are_refused_and_the_slot_comes_back(model: str) -> None:
+    with serving(max_pushes=1) as srv:
+        release = threading.Event()
+        channel, call = _open_push(srv.grpc_target, model, release)
+        try:
+            srv.call(srv.service.wait_pushes(1))  # the first push is staged and holds the only slot
+            with pytest.raises(ResourceExhausted, match=r"1 push streams in progress.*\(--max-pushes 1\); retry later"):
+                LearnerClient(srv.grpc_target).push(2, make_masters(), model=model + "-2")
+        finally:
+            call.cancel()
+            release.set()
+            channel.close()
+        srv.call(srv.service.wait_pushes(0))
+        assert LearnerClient(srv.grpc_target).push(2, make_masters(), model=model + "-2").version == 2
+
+
+def test_memory_high_water_mark_refuses_new_pushes(model: str) -> None:
+    with serving(max_rss_bytes=64 << 20) as srv:  # far below what this process already holds
+        with pytest.raises(ResourceExhausted, match=r"would pass its memory high-water mark of 67108864 bytes"):
+            LearnerClient(srv.grpc_target).push(1, make_masters(), model=model)
+        srv.call(srv.service.wait_pushes(0))
+
+
+@pytest.fixture
+def stalling() -> Iterator[BackgroundServer]:
+    with serving(pull_stall_timeout_s=0.5, max_pulls=1) as srv:
+        LearnerClient(srv.grpc_target).push(1, {"w": torch.randn(4096, 4096)}, model="big")  # 32 MiB served
+        yield srv
+
+
+def _pulls_done(srv: BackgroundServer) -> None:
+    srv.call(srv.service.wait_for(lambda: srv.service._pulls == 0), timeout=30)
+
+
+def test_a_grpc_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling: BackgroundServer) -> None:
+    channel = grpc.insecure_channel(stalling.grpc_target)
+    stream = pb_grpc.WeightServiceStub(channel).Pull(pb.PullRequest(model="big"))
+    assert next(stream).HasField("manifest")  # then read nothing more
+    with pytest.raises(ResourceExhausted, match=r"1 pulls in progress.*\(--max-pulls 1\)"):
+        InferenceClient(stalling.grpc_target).pull("big")
+    _pulls_done(stalling)  # the server gave up on the stalled reader after 0.5 s
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in stream:
+            pass
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "the client read nothing for 0.5 s (--pull-stall-timeout-s)" in (e.value.details() or "")
+    channel.close()
+    assert InferenceClient(stalling.grpc_target).pull("big")["w"].shape == (4096, 4096)
+
+
+def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling: BackgroundServer) -> None:
+    u = urllib.parse.urlsplit(stalling.http_url)
+    with socket.create_connection((u.hostname, u.port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /v1/models/big/versions/1/safetensors HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(12) == b"HTTP/1.1 200"  # then read nothing more
+        stalling.call(stalling.service.wait_for(lambda: stalling.service._pulls == 1))
+        with pytest.raises(ResourceExhausted, match=r"\(HTTP 429\)"):
+            InferenceClient(stalling.http_url).pull("big")
+        _pulls_done(stalling)
+    assert InferenceClient(stalling.http_url).pull("big")["w"].shape == (4096, 4096)
