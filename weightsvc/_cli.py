@@ -380,11 +380,22 @@ def bench(
     size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB.")] = 1024,
     repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by figure id.")] = False,
+    soak: Annotated[
+        float | None,
+        typer.Option(help="Instead: SECONDS of one learner pushing and 8 pullers; RSS must stay within 10%."),
+    ] = None,
 ) -> None:
     """Transfer benchmarks (DESIGN §8): T1 pull and T2 push vs raw TCP loopback, M1 server RSS."""
     from weightsvc._bench import run_bench
+    from weightsvc._bench import soak as run_soak
 
     configure_logging("warning")
+    if soak is not None:
+        result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else err.print)
+        print(json.dumps(result, indent=2))
+        if not result["ok"]:
+            raise typer.Exit(1)
+        return
     result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else err.print)
     report = result.pop("report")
     if json_out:

@@ -265,7 +265,14 @@ def test_stalled_push_times_out_and_leaves_nothing(model: str) -> None:
 def test_oversized_and_reserved_headers(server: BackgroundServer, model: str) -> None:
     err = raw_push(server.grpc_target, [header(model, tensors=[("w", [1 << 62, 1 << 62], "F32")]), COMMIT])
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "more than the" in err.details() and "--max-version-bytes" in err.details()
+    assert "tensor 'w' of shape [4611686018427387904, 4611686018427387904] holds" in err.details()
+    assert "bytes a tensor may have (--max-tensor-bytes)" in err.details()
+    two = [("a", [1 << 20, 1 << 10], "F32"), ("b", [1 << 20, 1 << 10], "F32")]  # 4 GiB each, 8 GiB together
+    with serving(max_version_bytes=6 << 30, max_tensor_bytes=5 << 30) as srv:
+        err = raw_push(srv.grpc_target, [header(model, tensors=two), COMMIT])
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the masters declared up to tensor 'b' already hold 8589934592 bytes, more than the" in err.details()
+    assert "(--max-version-bytes)" in err.details()
     err = raw_push(server.grpc_target, [header(model, tensors=[("__metadata__", [4], "F32")]), COMMIT])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "'__metadata__' is reserved" in err.details()
