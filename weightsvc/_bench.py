@@ -429,10 +429,11 @@ def soak(
     def learn() -> None:
         with LearnerClient(server.grpc) as learner:
             step = 0
-            while not stop.is_set():
+            while step == 0 or not stop.is_set():  # the first version before the pullers start
                 step += 1
                 learner.push(step, {name: t + 1e-4 * step for name, t in model.items()})
                 pushed[0] = step
+                first.set()
 
     def pull(i: int) -> None:
         with InferenceClient(server.http if i % 2 else server.grpc) as client:
@@ -451,8 +452,11 @@ def soak(
     threads += [threading.Thread(target=run, args=(pull, i)) for i in range(pullers)]
     samples: list[tuple[float, int]] = []  # (seconds since start, server RSS)
     start = time.monotonic()
+    first = threading.Event()
     try:
-        for t in threads:
+        threads[0].start()
+        first.wait(120)
+        for t in threads[1:]:
             t.start()
         warm_until = None
         while not stop.is_set() and time.monotonic() - start < seconds:

@@ -218,3 +218,12 @@ def test_tokens_from_the_environment_and_the_token_option(
         assert srv.stop() == 0
     _, stderr = srv.proc.communicate()
     assert "learner-token" not in stderr and "fleet-a" not in stderr  # never logged
+
+
+def test_bench_soak_holds_memory_flat_and_leaks_nothing() -> None:
+    result = cli("bench", "--soak", "15", "--size-mib", "16", "--json", timeout=300)
+    soak = json.loads(result.stdout)
+    assert result.returncode == 0, (soak, result.stderr)
+    assert soak["ok"] and soak["rss_growth"] <= 0.10 and not soak["failures"]
+    assert soak["versions_pushed"] > 4 and soak["pulls"] > soak["pullers"]
+    assert (soak["retained_versions"], soak["staged_bytes"], soak["pulls_in_flight"]) == (4, 0, 0)
