@@ -17,6 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from weightsvc._auth import Auth, GrpcAuth
 from weightsvc._manifest import TensorSpec, parse_version_ref
 from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
+from weightsvc._topology import HASHING
 from weightsvc._wire import (
     ChunkView,
     Malformed,
@@ -141,6 +142,11 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             yield pb.VersionEvent(version=info_to_proto(manifest))
 
     @_abort_on_domain_error
+    async def GetTopology(self, request: pb.GetTopologyRequest, context: Any) -> pb.Topology:
+        replicas = await self.service.topology()
+        return pb.Topology(replicas=[pb.Replica(**dataclasses.asdict(r)) for r in replicas], hashing=HASHING)
+
+    @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         latest = self.service.ack(request.model, request.version, request.client_id or context.peer())
         return pb.AckResponse(latest_version=latest)
@@ -217,6 +223,7 @@ async def start_grpc(
         ("GetManifest", pb.GetManifestRequest, pb.Manifest, grpc.unary_unary_rpc_method_handler),
         ("Watch", pb.WatchRequest, pb.VersionEvent, grpc.unary_stream_rpc_method_handler),
         ("Ack", pb.AckRequest, pb.AckResponse, grpc.unary_unary_rpc_method_handler),
+        ("GetTopology", pb.GetTopologyRequest, pb.Topology, grpc.unary_unary_rpc_method_handler),
     ):
         handlers[name] = kind(
             getattr(servicer, name),

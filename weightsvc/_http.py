@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 from weightsvc._manifest import parse_version_ref
 from weightsvc._service import Service
 from weightsvc._store import CLIENT_TIMEOUT_S, Version
+from weightsvc._topology import HASHING
 from weightsvc.errors import WeightsvcError
 
 log = logging.getLogger("weightsvc.http")
@@ -175,6 +176,11 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         # Held from here: the response releases it when it has sent its last byte.
         held = service.open_pull(model, held.manifest.version, "http")
         return VersionFileResponse(service, held, start, end, 206 if span else 200)
+
+    @app.get("/v1/topology")
+    async def topology() -> dict[str, Any]:
+        replicas = await service.topology()
+        return {"replicas": [dataclasses.asdict(r) for r in replicas], "hashing": HASHING}
 
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:

@@ -14,14 +14,18 @@ below the latest is FAILED_PRECONDITION. Retention keeps the newest `retain` ver
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
+from weightsvc._topology import Replica
 from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
+REPLICA_TTL_S = 15.0  # a replica that has not renewed its registration for this long is gone
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ class MemoryRegistry:
     def __init__(self) -> None:
         self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
         self._acks: dict[str, dict[str, tuple[int, float]]] = {}
+        self._replicas: dict[str, Replica] = {}
         self._changed = asyncio.Condition()
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
@@ -104,6 +109,15 @@ class MemoryRegistry:
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         return dict(self._acks.get(model, {}))
+
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+        self._replicas[replica.id] = replica
+
+    async def deregister(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    async def replicas(self) -> list[Replica]:
+        return sorted(self._replicas.values())
 
     async def close(self) -> None:
         pass
@@ -158,11 +172,11 @@ class RedisRegistry:
     def _unavailable(self, what: str, e: Exception) -> Unavailable:
         return Unavailable(f"registry {self.url} unreachable while {what}: {e}", reason="registry")
 
-    async def _call(self, what: str, coro: object) -> object:
+    async def _call(self, what: str, coro: Any) -> Any:
         from redis.exceptions import ConnectionError, TimeoutError
 
         try:
-            return await coro  # type: ignore[misc]
+            return await coro
         except (ConnectionError, TimeoutError, OSError) as e:
             raise self._unavailable(what, e) from None
 
@@ -221,6 +235,36 @@ class RedisRegistry:
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
         return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
+
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+        """Announce (or renew) a replica; it expires unless renewed within `ttl` seconds."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(f"{self.prefix}:replica:{replica.id}", json.dumps(dataclasses.asdict(replica)), px=int(ttl * 1000))
+            pipe.sadd(f"{self.prefix}:replicas", replica.id)
+            await self._call(f"registering replica {replica.id!r}", pipe.execute())
+
+    async def deregister(self, replica_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(f"{self.prefix}:replica:{replica_id}")
+            pipe.srem(f"{self.prefix}:replicas", replica_id)
+            await self._call(f"deregistering replica {replica_id!r}", pipe.execute())
+
+    async def replicas(self) -> list[Replica]:
+        """The live replicas; ones whose registration expired are dropped from the set."""
+        members = await self._call("listing replicas", self._redis.smembers(f"{self.prefix}:replicas"))
+        ids = sorted(m.decode() for m in members)
+        if not ids:
+            return []
+        raw = await self._call("listing replicas", self._redis.mget([f"{self.prefix}:replica:{i}" for i in ids]))
+        live, gone = [], []
+        for replica_id, value in zip(ids, raw, strict=True):
+            if value is None:
+                gone.append(replica_id)
+            else:
+                live.append(Replica(**json.loads(value)))
+        if gone:
+            await self._call("pruning replicas", self._redis.srem(f"{self.prefix}:replicas", *gone))
+        return live
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -23,9 +23,12 @@ import uvicorn
 from weightsvc._auth import HttpAuth
 from weightsvc._grpc import start_grpc, stop_grpc
 from weightsvc._http import create_app
+from weightsvc._registry import REPLICA_TTL_S
 from weightsvc._relay import Relay
 from weightsvc._service import Service
 from weightsvc._settings import Settings
+from weightsvc._topology import Replica
+from weightsvc.errors import WeightsvcError
 
 log = logging.getLogger("weightsvc.server")
 T = TypeVar("T")
@@ -54,6 +57,8 @@ class Server:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._relay: Relay | None = None
+        self.replica: Replica | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -102,6 +107,9 @@ class Server:
         if s.relay_from:
             self._relay = Relay(s.relay_from, self.service, asyncio.get_running_loop())
             self._relay.start()
+        self.replica = self._describe()
+        await self.service.store.registry.register(self.replica)
+        self._heartbeat = asyncio.create_task(self._renew(self.replica))
         self.ready = True
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
@@ -114,8 +122,35 @@ class Server:
             s.relay_from,
         )
 
+    def _describe(self) -> Replica:
+        """This replica as clients reach it."""
+        s = self.settings
+        host = s.advertise_host or (socket.gethostname() if s.host in ("0.0.0.0", "::", "") else s.host)
+        host = f"[{host}]" if ":" in host else host
+        scheme = "grpcs://" if s.tls_cert else ""
+        http = "https" if s.tls_cert else "http"
+        replica_id = s.replica_id or f"{socket.gethostname()}-{self.grpc_port}"
+        return Replica(replica_id, f"{scheme}{host}:{self.grpc_port}", f"{http}://{host}:{self.http_port}")
+
+    async def _renew(self, replica: Replica) -> None:
+        """Keep this replica's registration alive (it expires if the process dies)."""
+        registry = self.service.store.registry if self.service else None
+        while registry is not None:
+            await asyncio.sleep(REPLICA_TTL_S / 3)
+            try:
+                await registry.register(replica)
+            except WeightsvcError as e:  # the registry is away: keep serving, try again
+                log.warning("cannot renew replica %s: %s", replica.id, e)
+
     async def stop(self) -> None:
         self.ready = False
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._heartbeat
+        if self.service is not None and self.replica is not None:
+            with contextlib.suppress(WeightsvcError):
+                await self.service.store.registry.deregister(self.replica.id)
         if self._relay is not None:
             await asyncio.to_thread(self._relay.stop)
         if self._http is not None and self._http_task is not None:

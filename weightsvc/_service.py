@@ -44,6 +44,7 @@ from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
 from weightsvc._registry import MemoryRegistry, RedisRegistry
 from weightsvc._settings import Settings
 from weightsvc._store import ClientAck, Version, VersionStore
+from weightsvc._topology import Replica
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -526,7 +527,9 @@ class Service:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
-        registry = RedisRegistry(settings.redis_url) if settings.redis_url else MemoryRegistry()
+        registry = (
+            RedisRegistry(settings.redis_url, prefix=settings.redis_prefix) if settings.redis_url else MemoryRegistry()
+        )
         self.store = VersionStore(
             retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
         )
@@ -795,6 +798,9 @@ class Service:
 
     def ack(self, model: str, version: int, client_id: str) -> int:
         return self.store.ack(model, version, client_id)
+
+    async def topology(self) -> list[Replica]:
+        return await self.store.registry.replicas()
 
     def clients(self, model: str) -> list[ClientAck]:
         return self.store.clients(model)

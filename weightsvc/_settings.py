@@ -76,6 +76,11 @@ class Settings(BaseSettings):
     tls_key: Path | None = None
     # Redis URL of the shared registry (redis://host:6379/0); unset: the embedded, in-process one.
     redis_url: str | None = None
+    redis_prefix: str = "weightsvc"  # key prefix: deployments sharing one Redis keep apart
+    # This replica's stable name (a pod name; default <hostname>-<grpc port>) and the host clients
+    # reach it by (default: --host, or the hostname when bound to all interfaces).
+    replica_id: str = ""
+    advertise_host: str = ""
     # gRPC HOST:PORT of an upstream weightsvc to mirror (a relay); pushes are then refused here.
     relay_from: str | None = None
     log_level: str = "info"

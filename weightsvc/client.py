@@ -42,6 +42,7 @@ from weightsvc._manifest import (
     verify,
 )
 from weightsvc._memory import alloc
+from weightsvc._topology import Replica
 from weightsvc._wire import (
     ChunkView,
     decode_pull_response,
@@ -452,6 +453,16 @@ class InferenceClient:
             manifest, data = self._grpc_pull(model, str(version), base, progress)
         self._held[model] = (manifest, data)
         return manifest, data
+
+    def topology(self) -> list[Replica]:
+        """The replicas of the deployment, as its registry knows them (sorted by id)."""
+        if self._http:
+            return [Replica(**r) for r in self._get_json("/v1/topology")["replicas"]]
+        try:
+            reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        return [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
 
     def held(self, model: str = "default") -> Manifest | None:
         """The manifest of the version this client holds of `model` (its last pull): a delta base."""

@@ -56,6 +56,7 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     "Watch": lambda s, md: next(iter(s.Watch(pb.WatchRequest(model=MODEL), metadata=md))),
     "Ack": lambda s, md: s.Ack(pb.AckRequest(model=MODEL, version=1, client_id="c"), metadata=md),
     "Push": lambda s, md: s.Push(_push_requests(next(_steps)), metadata=md),
+    "GetTopology": lambda s, md: s.GetTopology(pb.GetTopologyRequest(), metadata=md),
 }
 # What each credential may do: None = nothing; the roles nest (pull < push < admin).
 ALLOWED = {

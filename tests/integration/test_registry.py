@@ -18,6 +18,8 @@ import redis
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry
+from weightsvc._server import BackgroundServer
+from weightsvc._topology import Replica
 from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -207,3 +209,34 @@ def test_restart_drops_a_version_the_registry_never_committed(
     with serving(redis_url=private_redis.url, data_dir=tmp_path / "data") as srv:
         assert [v.version for v in InferenceClient(srv.grpc_target).versions(model)] == [1]
     assert not (tmp_path / "data" / "models" / model / f"{2:020d}.safetensors").exists()
+
+
+async def test_replicas_register_renew_and_leave(registry: Registry) -> None:
+    a, b = Replica("a", "a:1", "http://a:2"), Replica("b", "b:1", "http://b:2")
+    await registry.register(b)
+    await registry.register(a)
+    await registry.register(a)  # a renewal
+    assert await registry.replicas() == [a, b]
+    await registry.deregister("b")
+    assert await registry.replicas() == [a]
+
+
+@needs_redis
+def test_replicas_sharing_redis_see_each_other(model: str) -> None:
+    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
+    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1:
+        with serving(**shared, replica_id="r2") as r2:
+            for srv in (r0, r1, r2):  # every replica gives the same topology, over gRPC and HTTP
+                assert [r.id for r in InferenceClient(srv.grpc_target).topology()] == ["r0", "r1", "r2"]
+            assert InferenceClient(r1.http_url).topology()[2].grpc == r2.grpc_target
+        # A replica that stops leaves the topology at once.
+        assert [r.id for r in InferenceClient(r0.grpc_target).topology()] == ["r0", "r1"]
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def test_a_single_server_is_its_own_topology(server: BackgroundServer) -> None:
+    (only,) = InferenceClient(server.grpc_target).topology()
+    assert (only.grpc, only.http) == (server.grpc_target, server.http_url)

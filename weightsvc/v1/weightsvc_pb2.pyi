@@ -255,3 +255,25 @@ class AckResponse(_message.Message):
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
+
+class GetTopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("id", "grpc", "http")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GRPC_FIELD_NUMBER: _ClassVar[int]
+    HTTP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    grpc: str
+    http: str
+    def __init__(self, id: _Optional[str] = ..., grpc: _Optional[str] = ..., http: _Optional[str] = ...) -> None: ...
+
+class Topology(_message.Message):
+    __slots__ = ("replicas", "hashing")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    HASHING_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    hashing: str
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., hashing: _Optional[str] = ...) -> None: ...

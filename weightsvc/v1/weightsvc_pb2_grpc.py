@@ -69,6 +69,11 @@ class WeightServiceStub:
                 request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.AckRequest.SerializeToString,
                 response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.AckResponse.FromString,
                 _registered_method=True)
+        self.GetTopology = channel.unary_unary(
+                '/weightsvc.v1.WeightService/GetTopology',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.Topology.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -121,6 +126,14 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTopology(self, request, context):
+        """The replicas of this deployment as the registry knows them; tensors map to replicas by
+        rendezvous hashing of their names (`hashing`), so every client computes the same owners.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.Ack,
                     request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.AckRequest.FromString,
                     response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.AckResponse.SerializeToString,
+            ),
+            'GetTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTopology,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.Topology.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +367,33 @@ class WeightService:
             '/weightsvc.v1.WeightService/Ack',
             weightsvc_dot_v1_dot_weightsvc__pb2.AckRequest.SerializeToString,
             weightsvc_dot_v1_dot_weightsvc__pb2.AckResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/GetTopology',
+            weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.Topology.FromString,
             options,
             channel_credentials,
             insecure,
