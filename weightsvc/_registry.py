@@ -16,15 +16,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from weightsvc._topology import Replica
-from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
+from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
+PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
 REPLICA_TTL_S = 15.0  # a replica that has not renewed its registration for this long is gone
 
 
@@ -43,6 +45,19 @@ def check_commit(model: str, version: int, digest: str, existing: str | None, la
     if latest is not None and version < latest:
         raise _not_above(model, version, latest)
     return True
+
+
+def combined_digest(owners: Sequence[str], digests: Mapping[str, str]) -> str:
+    """The digest of a version made of parts: over each owner's part digest, in owner order."""
+    return "sha1:" + hashlib.sha1("\n".join(f"{o}:{digests[o]}" for o in owners).encode()).hexdigest()
+
+
+def _owners_disagree(model: str, version: int, owner: str, owners: Sequence[str], declared: str) -> InvalidArgument:
+    return InvalidArgument(
+        f"model {model!r} version {version}: replica {owner!r} declares the owners {list(owners)}, the parts "
+        f"already in declare {json.loads(declared)}",
+        reason="invalid_header",
+    )
 
 
 def _conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyExists:
@@ -66,6 +81,7 @@ class MemoryRegistry:
         self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
         self._acks: dict[str, dict[str, tuple[int, float]]] = {}
         self._replicas: dict[str, Replica] = {}
+        self._pending: dict[tuple[str, int], dict[str, str]] = {}  # parts of versions not yet complete
         self._changed = asyncio.Condition()
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
@@ -79,6 +95,42 @@ class MemoryRegistry:
         async with self._changed:
             self._changed.notify_all()
         return CommitResult(created=True, evicted=evicted)
+
+    async def commit_part(
+        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
+    ) -> CommitResult | None:
+        """Record `owner`'s part of a version made of the parts of `owners`; the last part commits the
+        version (its manifest: the parts by owner). None: recorded, other parts still missing."""
+        owners = sorted(owners)
+        committed = self._manifests.get(model, {}).get(version)
+        if committed is not None:
+            part = json.loads(committed[1]).get(owner) if committed[1].startswith("{") else None
+            if isinstance(part, dict) and part.get("digest") == digest:
+                return CommitResult(created=False)
+            raise _conflict(model, version, committed[0], digest)
+        latest = max(self._manifests.get(model, {}), default=None)
+        if latest is not None and version < latest:
+            raise _not_above(model, version, latest)
+        pending = self._pending.setdefault((model, version), {"__owners": json.dumps(owners)})
+        if pending["__owners"] != json.dumps(owners):
+            raise _owners_disagree(model, version, owner, owners, pending["__owners"])
+        pending[owner] = json.dumps({"digest": digest, "manifest": manifest})
+        if any(o not in pending for o in owners):
+            return None
+        del self._pending[(model, version)]
+        parts = {o: json.loads(pending[o]) for o in owners}
+        combined = combined_digest(owners, {o: p["digest"] for o, p in parts.items()})
+        return await self.commit(model, version, combined, json.dumps(parts), retain)
+
+    async def withdraw_part(self, model: str, version: int, owner: str) -> bool:
+        """Take back a part of a version that never completed; False: too late, it committed."""
+        if version in self._manifests.get(model, {}):
+            return False
+        pending = self._pending.get((model, version), {})
+        pending.pop(owner, None)
+        if len(pending) <= 1:
+            self._pending.pop((model, version), None)
+        return True
 
     async def versions(self, model: str) -> list[int]:
         return sorted(self._manifests.get(model, {}))
@@ -123,34 +175,73 @@ class MemoryRegistry:
         pass
 
 
-# KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set)
+# Every script's KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set),
+# and for parts: the pending parts of the version (hash). `finish` applies the commit rules.
+_FINISH = """
+local function finish(model, v, digest, manifest, retain, kept)
+  local existing = redis.call('HGET', KEYS[3], v)
+  if existing then
+    if existing == digest then return {'exists'} end
+    return {'conflict', existing}
+  end
+  local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
+  if top[1] and tonumber(top[1]) > tonumber(v) then return {'not_above', top[1]} end
+  redis.call('ZADD', KEYS[1], tonumber(v), v)
+  redis.call('HSET', KEYS[2], v, manifest)
+  redis.call('HSET', KEYS[3], v, digest)
+  redis.call('SADD', KEYS[5], model)
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', kept, '*', 'version', v)
+  local result = {'created'}
+  local extra = redis.call('ZCARD', KEYS[1]) - tonumber(retain)
+  if extra > 0 then
+    local old = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
+    for _, o in ipairs(old) do
+      redis.call('ZREM', KEYS[1], o)
+      redis.call('HDEL', KEYS[2], o)
+      redis.call('HDEL', KEYS[3], o)
+      table.insert(result, o)
+    end
+  end
+  return result
+end
+"""
 # ARGV: model, version, digest, manifest, retain, events kept
-_COMMIT = """
-local version = tonumber(ARGV[2])
-local existing = redis.call('HGET', KEYS[3], ARGV[2])
-if existing then
-  if existing == ARGV[3] then return {'exists'} end
-  return {'conflict', existing}
+_COMMIT = _FINISH + "return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])"
+# ARGV: model, version, owner, owners (JSON list, sorted), part digest, part manifest, retain, events kept,
+# ms the pending parts live. The owners' parts are gathered; the last one commits the version.
+_COMMIT_PART = (
+    _FINISH
+    + """
+local v, owner = ARGV[2], ARGV[3]
+local committed = redis.call('HGET', KEYS[2], v)
+if committed then
+  local part = cjson.decode(committed)[owner]
+  if part and part['digest'] == ARGV[5] then return {'exists'} end
+  return {'conflict', redis.call('HGET', KEYS[3], v)}
 end
 local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
-if top[1] and tonumber(top[1]) > version then return {'not_above', top[1]} end
-redis.call('ZADD', KEYS[1], version, ARGV[2])
-redis.call('HSET', KEYS[2], ARGV[2], ARGV[4])
-redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
-redis.call('SADD', KEYS[5], ARGV[1])
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', 'version', ARGV[2])
-local result = {'created'}
-local extra = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
-if extra > 0 then
-  local old = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
-  for _, v in ipairs(old) do
-    redis.call('ZREM', KEYS[1], v)
-    redis.call('HDEL', KEYS[2], v)
-    redis.call('HDEL', KEYS[3], v)
-    table.insert(result, v)
-  end
+if top[1] and tonumber(top[1]) > tonumber(v) then return {'not_above', top[1]} end
+local declared = redis.call('HGET', KEYS[6], '__owners')
+if declared and declared ~= ARGV[4] then return {'owners', declared} end
+redis.call('HSET', KEYS[6], '__owners', ARGV[4], owner, cjson.encode({digest = ARGV[5], manifest = ARGV[6]}))
+redis.call('PEXPIRE', KEYS[6], ARGV[9])
+local owners, parts, lines = cjson.decode(ARGV[4]), {}, {}
+for _, o in ipairs(owners) do
+  local raw = redis.call('HGET', KEYS[6], o)
+  if not raw then return {'pending'} end
+  parts[o] = cjson.decode(raw)
+  table.insert(lines, o .. ':' .. parts[o]['digest'])
 end
-return result
+redis.call('DEL', KEYS[6])
+return finish(ARGV[1], v, 'sha1:' .. redis.sha1hex(table.concat(lines, '\\n')), cjson.encode(parts), ARGV[7], ARGV[8])
+"""
+)
+# ARGV: version, owner. 1: the part is withdrawn; 0: too late, the version committed.
+_WITHDRAW_PART = """
+if redis.call('HGET', KEYS[3], ARGV[1]) then return 0 end
+redis.call('HDEL', KEYS[6], ARGV[2])
+if redis.call('HLEN', KEYS[6]) <= 1 then redis.call('DEL', KEYS[6]) end
+return 1
 """
 
 
@@ -165,6 +256,8 @@ class RedisRegistry:
         self.prefix = prefix
         self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
         self._commit = self._redis.register_script(_COMMIT)
+        self._commit_part = self._redis.register_script(_COMMIT_PART)
+        self._withdraw_part = self._redis.register_script(_WITHDRAW_PART)
 
     def _key(self, model: str, what: str) -> str:
         return f"{self.prefix}:{{{model}}}:{what}"  # one hash slot per model: the script's keys on a cluster
@@ -181,12 +274,14 @@ class RedisRegistry:
             raise self._unavailable(what, e) from None
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
-        keys = [self._key(model, k) for k in ("versions", "manifests", "digests", "events")] + [f"{self.prefix}:models"]
-        where = f"committing model {model!r} version {version}"
-        out = await self._call(
-            where, self._commit(keys=keys, args=[model, version, digest, manifest, retain, EVENTS_KEPT])
-        )
-        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]  # type: ignore[attr-defined]
+        args: list[str | int] = [model, version, digest, manifest, retain, EVENTS_KEPT]
+        out = await self._call(f"committing model {model!r} version {version}",
+                               self._commit(keys=self._keys(model), args=args))  # fmt: skip
+        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
+        return self._decided(model, version, digest, status, rest)
+
+    @staticmethod
+    def _decided(model: str, version: int, digest: str, status: str, rest: list[str]) -> CommitResult:
         if status == "exists":
             return CommitResult(created=False)
         if status == "conflict":
@@ -194,6 +289,30 @@ class RedisRegistry:
         if status == "not_above":
             raise _not_above(model, version, int(rest[0]))
         return CommitResult(created=True, evicted=tuple(int(v) for v in rest))
+
+    def _keys(self, model: str, version: int | None = None) -> list[str]:
+        keys = [self._key(model, k) for k in ("versions", "manifests", "digests", "events")] + [f"{self.prefix}:models"]
+        return keys if version is None else [*keys, self._key(model, f"pending:{version}")]
+
+    async def commit_part(
+        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
+    ) -> CommitResult | None:
+        owners_json = json.dumps(sorted(owners))
+        ttl_ms = int(PART_TTL_S * 1000)
+        args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms]
+        out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
+                               self._commit_part(keys=self._keys(model, version), args=args))  # fmt: skip
+        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
+        if status == "pending":
+            return None
+        if status == "owners":
+            raise _owners_disagree(model, version, owner, owners, rest[0])
+        return self._decided(model, version, digest, status, rest)
+
+    async def withdraw_part(self, model: str, version: int, owner: str) -> bool:
+        out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
+                               self._withdraw_part(keys=self._keys(model, version), args=[version, owner]))  # fmt: skip
+        return bool(int(out))
 
     async def versions(self, model: str) -> list[int]:
         raw = await self._call(f"listing model {model!r}", self._redis.zrange(self._key(model, "versions"), 0, -1))

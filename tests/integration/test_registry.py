@@ -17,10 +17,10 @@ import redis
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry
+from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
 from weightsvc._server import BackgroundServer
 from weightsvc._topology import Replica
-from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
+from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -240,3 +240,39 @@ def test_replicas_sharing_redis_see_each_other(model: str) -> None:
 def test_a_single_server_is_its_own_topology(server: BackgroundServer) -> None:
     (only,) = InferenceClient(server.grpc_target).topology()
     assert (only.grpc, only.http) == (server.grpc_target, server.http_url)
+
+
+async def test_a_version_of_parts_commits_when_the_last_owner_has_its_part_in(registry: Registry) -> None:
+    owners = ["r2", "r0", "r1"]
+    assert await registry.commit_part("m", 7, "r0", owners, "d0", '{"p": 0}', retain=4) is None
+    assert await registry.commit_part("m", 7, "r2", owners, "d2", '{"p": 2}', retain=4) is None
+    assert await registry.versions("m") == []  # nothing visible while a part is missing
+    done = await registry.commit_part("m", 7, "r1", owners, "d1", '{"p": 1}', retain=4)
+    assert done is not None and done.created
+    assert await registry.versions("m") == [7]
+    parts = json.loads(await registry.manifest("m", 7) or "")
+    assert {o: (p["digest"], json.loads(p["manifest"])) for o, p in parts.items()} == {
+        "r0": ("d0", {"p": 0}), "r1": ("d1", {"p": 1}), "r2": ("d2", {"p": 2})
+    }  # fmt: skip
+    # An owner that retries its part of the committed version is told so; another part is a conflict.
+    again = await registry.commit_part("m", 7, "r2", owners, "d2", '{"p": 2}', retain=4)
+    assert again is not None and not again.created
+    # The version's digest covers every part, the same in either registry.
+    combined = combined_digest(["r0", "r1", "r2"], {"r0": "d0", "r1": "d1", "r2": "d2"})
+    with pytest.raises(AlreadyExists, match=rf"already committed with different content \(master digest {combined},"):
+        await registry.commit_part("m", 7, "r2", owners, "other", '{"p": 9}', retain=4)
+    assert not await registry.withdraw_part("m", 7, "r0")  # too late: it committed
+
+
+async def test_parts_withdrawn_leave_nothing_and_owners_must_agree(registry: Registry) -> None:
+    assert await registry.commit_part("m", 3, "r0", ["r0", "r1"], "d0", "{}", retain=4) is None
+    with pytest.raises(InvalidArgument, match=r"replica 'r1' declares the owners \['r1', 'r2'\], the parts already "
+                                              r"in declare \['r0', 'r1'\]"):  # fmt: skip
+        await registry.commit_part("m", 3, "r1", ["r1", "r2"], "d1", "{}", retain=4)
+    assert await registry.withdraw_part("m", 3, "r0")  # r1 never came: r0 takes its part back
+    # A new attempt starts from nothing: r0's old part does not complete it.
+    assert await registry.commit_part("m", 3, "r1", ["r0", "r1"], "d1", "{}", retain=4) is None
+    assert await registry.versions("m") == []
+    with pytest.raises(FailedPrecondition, match="step 2 is not above the latest version 5"):
+        await registry.commit("m", 5, "d5", manifest(5), retain=4)
+        await registry.commit_part("m", 2, "r0", ["r0"], "d", "{}", retain=4)
