@@ -113,6 +113,9 @@ def serve(
         str | None,
         typer.Option(envvar="WEIGHTSVC_RELAY_FROM", help="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay."),
     ] = None,
+    redis_prefix: Annotated[str | None, typer.Option(help="Key prefix in Redis (deployments sharing it).")] = None,
+    replica_id: Annotated[str | None, typer.Option(help="This replica's stable name (default HOST-GRPCPORT).")] = None,
+    advertise_host: Annotated[str | None, typer.Option(help="The host clients reach this replica by.")] = None,
     max_version_bytes: Annotated[int | None, typer.Option(help="Master bytes of one version.")] = None,
     max_tensor_bytes: Annotated[int | None, typer.Option(help="Master bytes of one tensor.")] = None,
     max_tensors: Annotated[int | None, typer.Option(help="Tensors of one version.")] = None,
@@ -130,6 +133,9 @@ def serve(
     from weightsvc._settings import Settings
 
     limits: dict[str, Any] = {
+        "redis_prefix": redis_prefix,
+        "replica_id": replica_id,
+        "advertise_host": advertise_host,
         "max_version_bytes": max_version_bytes,
         "max_tensor_bytes": max_tensor_bytes,
         "max_tensors": max_tensors,

@@ -75,6 +75,13 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
         assert {p["targetPort"] for p in svc["spec"]["ports"]} == {"grpc", "http"}, name
     sts = workloads["weightsvc"]
     assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    # Replicas register under their pod names, reachable through the headless Service.
+    env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["WEIGHTSVC_REPLICA_ID"] == "$(POD_NAME)"
+    assert env["WEIGHTSVC_ADVERTISE_HOST"] == f"$(POD_NAME).{sts['spec']['serviceName']}"
+    assert {k.removeprefix("WEIGHTSVC_").lower() for k in env if k.startswith("WEIGHTSVC_")} <= set(
+        Settings.model_fields
+    )
     for pdb in by_kind(docs, "PodDisruptionBudget").values():
         assert sum(selects(pdb["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
                    for w in workloads.values()) == 1  # fmt: skip
