@@ -80,7 +80,6 @@ class RankGroup:
         self.join_timeout = join_timeout
         self.headers: dict[int, tuple[TensorSpec, ...]] = {}
         self.format = self.rounding = ""
-        self.tasks: dict[int, asyncio.Task[object]] = {}  # ranks still streaming; cancelled if the group fails
         loop = asyncio.get_running_loop()
         self.joined: asyncio.Future[None] = loop.create_future()
         self.session: asyncio.Future[PushSession] = loop.create_future()
@@ -108,7 +107,6 @@ class RankGroup:
             )
         self.format, self.rounding = fmt, rnd
         self.headers[rank] = tensors
-        self.tasks[rank] = asyncio.current_task()  # type: ignore[assignment]
         self.attached += 1
         if len(self.headers) < self.world_size:
             return False
@@ -135,24 +133,25 @@ class RankGroup:
         return await asyncio.shield(self.session)
 
     def fail(self, error: WeightsvcError, rank: int | None = None) -> None:
-        """Fail every rank: with `error` itself when it concerns the group, else naming the rank."""
+        """Fail every rank: with `error` itself when it concerns the group, else naming the rank.
+
+        Ranks waiting on the group get the error at once; ranks still streaming get it at their next
+        message (their handlers are not cancelled: a gRPC handler cancelled mid-read may never answer)."""
         if self.failure is not None or self.commit_task is not None:
             return  # the first failure is the one reported; a commit in progress decides for itself
         if rank is not None and self.world_size > 1:
             error = Aborted(f"{self.where}: rank {rank} of {self.world_size} failed, so the push is aborted: {error}",
                             reason="aborted")  # fmt: skip
         self.failure = error
-        for future in (self.joined, self.session):
+        for future in (self.joined, self.session, self.result):
             if not future.done():
                 future.set_exception(error)
                 future.exception()  # retrieved: a group that fails before anyone waits is not an error
-        current = asyncio.current_task()
-        for task in self.tasks.values():
-            if task is not current:
-                task.cancel()
 
     async def commit(self, rank: int, commit: Callable[[], Coroutine[Any, Any, Committed]]) -> Committed:
         """This rank has pushed all its parts; the last rank to get here starts `commit()` for all."""
+        if self.failure is not None:
+            raise self.failure
         self.committed.add(rank)
         if len(self.committed) == self.world_size:
             # A task of its own: it runs to the end even if the stream that started it is cancelled.
@@ -161,6 +160,8 @@ class RankGroup:
         return await asyncio.shield(self.result)
 
     def _settle(self, task: asyncio.Future[Committed]) -> None:
+        if self.result.done():
+            return
         if task.cancelled():
             self.result.cancel()
         elif (error := task.exception()) is not None:

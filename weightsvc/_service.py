@@ -281,7 +281,9 @@ class PushSession:
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
         if len(self.pending) > MAX_PENDING_CHUNKS:
-            await self.pending[0]
+            # Shielded: the ranks of a push share these futures, and a rank whose stream is cancelled
+            # must not cancel the export another rank waits on.
+            await asyncio.shield(self.pending[0])
 
     def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
                byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
@@ -586,6 +588,8 @@ class Service:
             session = await group.wait_session()
             while True:
                 msg = await self._next(messages, idle)
+                if group.failure is not None:  # another rank failed: this one stops at its next message
+                    raise group.failure
                 if isinstance(msg, PushChunk):
                     await session.add_chunk(rank, msg)
                 elif isinstance(msg, PushCommit):
@@ -614,10 +618,6 @@ class Service:
             raise
         except asyncio.CancelledError:
             self.metrics.pushes_rejected.labels("aborted").inc()
-            task = asyncio.current_task()
-            if group is not None and group.failure is not None and task is not None and task.cancelling():
-                task.uncancel()  # cancelled by the group because another rank failed: say so
-                raise group.failure from None
             if group is not None:
                 group.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
             raise
@@ -625,7 +625,6 @@ class Service:
             self.metrics.pushes_in_flight.dec()
             self._push_streams -= 1
             if group is not None:
-                group.tasks.pop(rank, None)
                 group.attached -= 1
                 if group.attached == 0 and group.session.done() and not group.session.exception():
                     # A cancelled handler may be cancelled again while it cleans up: release the

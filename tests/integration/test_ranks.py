@@ -209,6 +209,8 @@ def test_a_rank_that_breaks_off_mid_stream_aborts_every_rank(server: BackgroundS
     def break_off(n: int) -> None:
         sent[0] += n
         if sent[0] > 4 * CHUNK:
+            # Mid-stream: once both ranks have joined and the version is being staged.
+            server.call(server.service.wait_for(lambda: any(p.header.model == model for p in server.service._pushes)))
             raise ConnectionAbortedError("learner rank 1 died")
 
     pool = ThreadPoolExecutor(2)
