@@ -33,7 +33,7 @@ from weightsvc._manifest import (
     verify,
 )
 from weightsvc._memory import BufferPool
-from weightsvc._registry import MemoryRegistry, Registry, check_commit
+from weightsvc._registry import CommitResult, MemoryRegistry, Registry, check_commit
 from weightsvc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -223,8 +223,7 @@ class VersionStore:
                     await asyncio.to_thread(self._write, version)
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
-                decided = await self.registry.commit(m.model, m.version, m.master_digest, json.dumps(m.to_dict()),
-                                                     self.retain)  # fmt: skip
+                decided = await self._register(m)
             except BaseException:
                 self._lag[m.model] = before
                 if self.data_dir is not None:
@@ -381,6 +380,9 @@ class VersionStore:
         except OSError as e:
             raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
 
+    async def _register(self, m: Manifest) -> CommitResult:
+        return await self.registry.commit(m.model, m.version, m.master_digest, json.dumps(m.to_dict()), self.retain)
+
     def _unlink_files(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
         with contextlib.suppress(OSError):
@@ -403,7 +405,7 @@ class VersionStore:
                     continue
                 m = vs[v].manifest
                 try:
-                    await self.registry.commit(model, v, m.master_digest, json.dumps(m.to_dict()), self.retain)
+                    await self._register(m)
                 except (AlreadyExists, FailedPrecondition):
                     dropped.append(v)  # retired meanwhile, or replaced: the registry decides
             for v in dropped:

@@ -362,7 +362,6 @@ class InferenceClient:
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
         self.last_pull_bytes = 0  # payload bytes the last gRPC pull received (a delta is smaller)
         self._http = target.startswith(("http://", "https://"))
-        self.transport = "http" if self._http else "grpc"  # acks and watch need gRPC
         if self._http:
             self._url = urllib.parse.urlsplit(target)
         else:
@@ -453,6 +452,11 @@ class InferenceClient:
             manifest, data = self._grpc_pull(model, str(version), base, progress)
         self._held[model] = (manifest, data)
         return manifest, data
+
+    @property
+    def transport(self) -> str:
+        """"grpc" or "http" (acks and watch need gRPC)."""
+        return "http" if self._http else "grpc"
 
     def topology(self) -> list[Replica]:
         """The replicas of the deployment, as its registry knows them (sorted by id)."""

@@ -21,7 +21,7 @@ HF transformers or plain torch (`load_state_dict` semantics, in place, dtype cas
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,9 +51,16 @@ def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, st
         return module.load_state_dict(dequantize(served), strict=strict)
 
 
-def _ack(client: InferenceClient, model: str, version: int, client_id: str | None) -> None:
-    if client.transport == "grpc":  # acks travel over gRPC only; an HTTP puller stays unseen
-        client.ack(model, version, client_id)
+def _update(
+    target: str, model: str, version: int | str, client_id: str | None, load: Callable[[InferenceClient, int], None]
+) -> int:
+    """Resolve `version` once, `load(client, number)` it, ack it; returns the version number."""
+    with InferenceClient(target) as client:
+        number = client.manifest(model, version).version
+        load(client, number)
+        if client.transport == "grpc":  # acks travel over gRPC only; an HTTP puller stays unseen
+            client.ack(model, number, client_id)
+    return number
 
 
 def update_module(
@@ -66,11 +73,8 @@ def update_module(
     strict: bool = True,
 ) -> int:
     """Pull a version into a torch module (an HF transformers model included) and ack it; returns it."""
-    with InferenceClient(target) as client:
-        number = client.manifest(model, version).version
-        load_into(module, client.pull(model, number), strict=strict)
-        _ack(client, model, number, client_id)
-    return number
+    return _update(target, model, version, client_id,
+                   lambda client, number: load_into(module, client.pull(model, number), strict=strict))  # fmt: skip
 
 
 def update_sglang(
@@ -87,12 +91,12 @@ def update_sglang(
     SGLang's model loaders take checkpoint names and shapes, as the learner pushed them, and fp8
     tensors with their `<name>_scale_inv` scales. The prefix cache is flushed: KV entries computed
     with the old weights are stale."""
-    with InferenceClient(target) as client:
-        number = client.manifest(model, version).version
+
+    def load(client: InferenceClient, number: int) -> None:
         weights = client.pull(model, number)
         engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=flush_cache)
-        _ack(client, model, number, client_id)
-    return number
+
+    return _update(target, model, version, client_id, load)
 
 
 class VllmWorkerExtension:
@@ -123,10 +127,10 @@ def update_vllm(
     The version is resolved here, once, so that all tensor-parallel workers load the same one even
     if a new version commits meanwhile. The prefix cache is reset afterwards (its KV entries were
     computed with the old weights)."""
-    with InferenceClient(target) as client:
-        number = client.manifest(model, version).version
-        llm.collective_rpc("weightsvc_load", args=(target, model, number))
+
+    def load(_client: InferenceClient, number: int) -> None:
+        llm.collective_rpc("weightsvc_load", args=(target, model, number))  # each worker pulls it
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
-        _ack(client, model, number, client_id)
-    return number
+
+    return _update(target, model, version, client_id, load)
