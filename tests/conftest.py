@@ -16,9 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
 
 from weightsvc import InferenceClient, LearnerClient, Settings
 from weightsvc._server import BackgroundServer
+
+# The suite draws the same examples every run, so a red CI names a change, not a lucky draw;
+# `HYPOTHESIS_PROFILE=explore` draws new ones each run (fuzzing by hand).
+settings.register_profile("suite", derandomize=True, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 def serving(**overrides: object) -> BackgroundServer:
