@@ -18,7 +18,6 @@ import pytest
 import torch
 from hypothesis import settings
 
-
 from weightsvc import InferenceClient, LearnerClient, Settings
 from weightsvc._server import BackgroundServer
 

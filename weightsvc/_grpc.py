@@ -103,21 +103,26 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
         try:
             data, delta_header = version.data, None
-            if request.base:  # a delta against a version the client holds, when it is smaller
+            if request.base and version.part is None:  # a delta against a version the client holds, if smaller
                 delta = await self.service.delta(version, parse_version_ref(request.base))
                 if delta is not None:
                     data = memoryview(delta)
                     delta_header = pb.Delta(base_version=int(request.base), delta_bytes=len(delta))
-            if not 0 <= request.offset <= len(data):
+            total = len(data) if delta_header else version.manifest.data_bytes
+            if not 0 <= request.offset <= total:
                 raise InvalidArgument(
                     f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
-                    f"is outside its {len(data)}-byte data section"
+                    f"is outside its {total}-byte data section"
                 )
+            # A replica holding one part sends the bytes of its part from the offset on; asked for an
+            # offset outside its part, the manifest alone (it tells the client who holds the rest).
+            start, end = version.held if delta_header is None else (0, len(data))
+            first = request.offset if start <= request.offset <= end else end
             await write(pb.PullResponse(manifest=manifest_to_proto(version.manifest)))
             if delta_header is not None:
                 await write(pb.PullResponse(delta=delta_header))
-            for offset in range(request.offset, len(data), chunk):
-                piece = data[offset : offset + chunk]
+            for offset in range(first, end, chunk):
+                piece = data[offset - start : offset - start + chunk]
                 await write(encode_chunk("", offset, piece))  # pre-encoded: one copy, not three
                 self.service.count_pulled(version.manifest.model, "grpc", len(piece))
         finally:
@@ -177,6 +182,7 @@ async def _push_messages(
                 rounding=h.rounding,
                 rank=h.rank,
                 world_size=h.world_size or 1,
+                owners=tuple(h.owners),
             )
         elif kind == "commit":
             yield PushCommit()

@@ -158,6 +158,15 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
     async def safetensors(model: str, version: str, request: Request) -> Response:
         held = service.store.get(model, parse_version_ref(version))
+        if held.part is not None:
+            owners = [p.owner for p in held.manifest.parts]
+            return _error(
+                409,
+                "FAILED_PRECONDITION",
+                f"model {model!r} version {held.manifest.version} is sharded over the replicas {owners}; this one "
+                f"holds bytes {list(held.held)} of its data section. Pull it with the gRPC InferenceClient, which "
+                "gathers the parts",
+            )
         span: tuple[int, int] | None = None
         if_range = request.headers.get("if-range")
         if if_range is None or if_range == _etag(held):  # a stale If-Range gets the whole new file

@@ -12,12 +12,13 @@ import json
 import math
 import re
 import struct
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import xxhash
 
-from weightsvc._lag import LagMetrics
+from weightsvc._lag import LagMetrics, pool_lag
 from weightsvc.errors import DataLoss, InvalidArgument
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
@@ -134,6 +135,15 @@ class ServedTensor:
 
 
 @dataclass(frozen=True)
+class Part:
+    """The bytes [offset, offset + nbytes) of a version's data section that one replica holds."""
+
+    owner: str
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     model: str
     version: int
@@ -146,6 +156,9 @@ class Manifest:
     tensors: tuple[ServedTensor, ...] = field(default_factory=tuple)
     scaling: str = ""  # fp8 scale granularity when the version has fp8 tensors
     lag: LagMetrics | None = None  # computed at commit against the model's earlier versions
+    # A version made of parts held by several replicas (sharded replicas), in owner order; empty: one
+    # server holds all of it. A replica's own file holds its part alone, with one Part for itself.
+    parts: tuple[Part, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -156,7 +169,8 @@ class Manifest:
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         tensors = tuple(ServedTensor(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
-        return cls(**{**d, "tensors": tensors, "lag": lag})
+        parts = tuple(Part(**p) for p in d.get("parts", ()))
+        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts})
 
     def info(self) -> dict[str, Any]:
         """The short form used in version lists and events."""
@@ -183,6 +197,39 @@ class Manifest:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
+
+
+PART_ALIGN = 8  # parts start on 8-byte boundaries, so every tensor stays naturally aligned
+
+
+def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
+    """The manifest of a version made of the replicas' parts: their tensors back to back in owner
+    order (each part 8-byte aligned), the combined master digest, and lag metrics pooled over parts."""
+    owners = sorted(parts)
+    first = parts[owners[0]]
+    tensors: list[ServedTensor] = []
+    placed: list[Part] = []
+    offset = 0
+    for owner in owners:
+        m = parts[owner]
+        offset += -offset % PART_ALIGN
+        placed.append(Part(owner, offset, m.data_bytes))
+        tensors += [replace(t, offset=t.offset + offset) for t in m.tensors]
+        offset += m.data_bytes
+    return Manifest(
+        model=first.model,
+        version=first.version,
+        format=first.format,
+        rounding=first.rounding,
+        seed=first.seed,
+        committed_unix=max(m.committed_unix for m in parts.values()),
+        data_bytes=offset,
+        master_digest=digest,
+        tensors=tuple(tensors),
+        scaling=next((m.scaling for m in parts.values() if m.scaling), ""),
+        lag=pool_lag([parts[o].lag for o in owners]),
+        parts=tuple(placed),
+    )
 
 
 def layout(tensors: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[ServedTensor], int]:

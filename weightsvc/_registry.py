@@ -22,8 +22,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightsvc._manifest import Manifest, combine_parts
 from weightsvc._topology import Replica
-from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
@@ -50,6 +51,20 @@ def check_commit(model: str, version: int, digest: str, existing: str | None, la
 def combined_digest(owners: Sequence[str], digests: Mapping[str, str]) -> str:
     """The digest of a version made of parts: over each owner's part digest, in owner order."""
     return "sha1:" + hashlib.sha1("\n".join(f"{o}:{digests[o]}" for o in owners).encode()).hexdigest()
+
+
+def manifest_from_registry(raw: str, where: str) -> Manifest:
+    """A committed version's manifest as the registry records it: a manifest, or for a version made
+    of parts, each owner's part (digest and manifest), combined here."""
+    try:
+        d = json.loads(raw)
+        if "model" in d:
+            return Manifest.from_dict(d)
+        parts = {owner: Manifest.from_dict(json.loads(p["manifest"])) for owner, p in d.items()}
+        owners = sorted(parts)
+        return combine_parts(parts, combined_digest(owners, {o: d[o]["digest"] for o in owners}))
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataLoss(f"{where}: the registry holds no readable manifest ({e})") from None
 
 
 def _owners_disagree(model: str, version: int, owner: str, owners: Sequence[str], declared: str) -> InvalidArgument:

@@ -108,6 +108,7 @@ class Server:
             self._relay = Relay(s.relay_from, self.service, asyncio.get_running_loop())
             self._relay.start()
         self.replica = self._describe()
+        self.service.store.replica_id = self.replica.id
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         self.ready = True

@@ -77,6 +77,7 @@ class PushHeader:
     rounding: str = ""
     rank: int = 0  # this learner rank, of world_size ranks that push the version together
     world_size: int = 1
+    owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
 
 
 @dataclass(frozen=True)
@@ -425,8 +426,9 @@ class PushSession:
         sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
                           for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())
-        lag_input = (sample, saturated, self.stride == 1)
-        committed, created = await self.service.store.commit(version, residual, lag_input)
+        lag_input = (sample, saturated, self.stride == 1) if self.tensors else None  # (an empty part)
+        part_of = (self.header.owners, self.service.settings.push_rank_timeout_s) if self.header.owners else None
+        committed, created = await self.service.store.commit(version, residual, lag_input, part_of)
         self.committed = created
         return committed, created
 
@@ -463,7 +465,11 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
     if not 0 <= header.rank < header.world_size:
         raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
                               reason="invalid_header")  # fmt: skip
-    if not header.tensors:
+    if header.owners:
+        if len(set(header.owners)) != len(header.owners) or not all(header.owners):
+            raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
+                                  reason="invalid_header")  # fmt: skip
+    elif not header.tensors:  # (a sharded replica may own none of a version's tensors)
         raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
     if len(header.tensors) > settings.max_tensors:
         raise ResourceExhausted(
@@ -582,6 +588,12 @@ class Service:
                     reason="relay",
                 )
             validate_header(header, self.settings)
+            if header.owners and self.store.replica_id not in header.owners:
+                raise FailedPrecondition(
+                    f"model {header.model!r} step {header.step}: this server is replica {self.store.replica_id!r}, "
+                    f"not one of the owners {list(header.owners)}; push each part to its owner (GetTopology)",
+                    reason="invalid_header",
+                )
             self.store.check_step(header.model, header.step)
             rank = header.rank
             group = self._join(header)
@@ -620,6 +632,8 @@ class Service:
             self.metrics.pushes_rejected.labels("aborted").inc()
             if group is not None:
                 group.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
+                if group.commit_task is not None:  # a part waiting for the other owners': take it back
+                    self.store.abandon(group.model, group.step)
             raise
         finally:
             self.metrics.pushes_in_flight.dec()

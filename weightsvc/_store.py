@@ -28,14 +28,18 @@ from weightsvc._faults import crash_point
 from weightsvc._lag import LagTracker, Sample
 from weightsvc._manifest import (
     Manifest,
+    Part,
     manifest_from_header,
     read_safetensors_header,
     verify,
 )
 from weightsvc._memory import BufferPool
-from weightsvc._registry import CommitResult, MemoryRegistry, Registry, check_commit
+from weightsvc._registry import CommitResult, MemoryRegistry, Registry, check_commit, manifest_from_registry
 from weightsvc.errors import (
+    Aborted,
     AlreadyExists,
+    DataLoss,
+    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
@@ -62,6 +66,20 @@ class Version:
     readers: int = 0  # pulls in progress
     evicted: bool = False
     lent: bool = False  # views of `data` were handed to code we do not control: never recycle
+    # Sharded replicas: this replica's part of the version (the manifest of its own file; `manifest`
+    # is then the whole version's) and where `data` starts in the version's data section.
+    part: Manifest | None = None
+    offset: int = 0
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """The byte range [start, end) of the version's data section that this server holds."""
+        return self.offset, self.offset + len(self.data)
+
+    @property
+    def digest(self) -> str:
+        """The master digest of what this server committed (its part's, for a part)."""
+        return (self.part or self.manifest).master_digest
 
     @property
     def size(self) -> int:
@@ -106,6 +124,8 @@ class VersionStore:
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
         self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
+        self.replica_id = ""  # this server's id in the topology (set when it registers)
+        self._abandoned: dict[tuple[str, int], asyncio.Event] = {}  # parts waiting for the other owners'
         metrics.watch_clients(self.client_lags)
 
     # ---- reads -------------------------------------------------------------------------------
@@ -173,15 +193,20 @@ class VersionStore:
         version: Version,
         residual: tuple[int | None, Residual] | None = None,
         lag_input: tuple[Sample, int, bool] | None = None,
+        part_of: tuple[tuple[str, ...], float] | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
         residual it started from). Returns (the committed version, created).
+
+        With `part_of` (owners, timeout), `version` is this replica's part of a version of sharded
+        replicas: it becomes visible when every owner's part is in, or is withdrawn after `timeout`
+        seconds or when `abandon` is called, and nothing of it stays.
 
         Runs to the end even if the pushing stream is cancelled meanwhile: once the file is in
         place the version must also be in memory, or a restart would resurrect a push that the
         learner saw fail.
         """
-        task = asyncio.ensure_future(self._commit(version, residual, lag_input))
+        task = asyncio.ensure_future(self._commit(version, residual, lag_input, part_of))
         self._committing.add(task)
         task.add_done_callback(self._committing.discard)
         return await asyncio.shield(task)
@@ -191,15 +216,18 @@ class VersionStore:
         version: Version,
         residual: tuple[int | None, Residual] | None,
         lag_input: tuple[Sample, int, bool] | None,
+        part_of: tuple[tuple[str, ...], float] | None = None,
     ) -> tuple[Version, bool]:
         m = version.manifest
+        if part_of is not None:  # the file holds the part alone, marked as this replica's
+            m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
+            version = Version(m, m.safetensors_header(), version.data)
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             vs = self._versions.setdefault(m.model, {})
             existing = vs.get(m.version)
             latest = max(vs) if vs else None
             # Checked here first too: a rejected push must not overwrite this server's files.
-            if not check_commit(m.model, m.version, m.master_digest,
-                                existing.manifest.master_digest if existing else None, latest):  # fmt: skip
+            if not check_commit(m.model, m.version, m.master_digest, existing.digest if existing else None, latest):
                 assert existing is not None
                 return existing, False
             if residual is not None and residual[0] != latest:
@@ -223,7 +251,10 @@ class VersionStore:
                     await asyncio.to_thread(self._write, version)
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
-                decided = await self._register(m)
+                if part_of is None:
+                    decided = await self._register(m)
+                else:
+                    decided, version = await self._commit_part(version, *part_of)
             except BaseException:
                 self._lag[m.model] = before
                 if self.data_dir is not None:
@@ -247,6 +278,64 @@ class VersionStore:
             await asyncio.to_thread(self._unlink, m.model, evicted)
         return version, True
 
+    async def _commit_part(
+        self, part: Version, owners: tuple[str, ...], timeout: float
+    ) -> tuple[CommitResult, Version]:
+        """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
+        registry's decision and the version as served (the whole manifest, this part's bytes)."""
+        m = part.manifest
+        where = f"model {m.model!r} version {m.version}"
+        abandoned = self._abandoned.setdefault((m.model, m.version), asyncio.Event())
+        try:
+            decided = await self.registry.commit_part(m.model, m.version, self.replica_id, owners, m.master_digest,
+                                                      json.dumps(m.to_dict()), self.retain)  # fmt: skip
+            # A withdraw that comes too late (the last part came in meanwhile) leaves the version committed.
+            if (
+                decided is None
+                and not await self._other_parts(m.model, m.version, abandoned, timeout)
+                and await self.registry.withdraw_part(m.model, m.version, self.replica_id)
+            ):
+                if abandoned.is_set():
+                    raise Aborted(
+                        f"{where}: the learner abandoned the push (another owner's part failed); this replica's "
+                        "part was withdrawn, nothing was committed",
+                        reason="aborted",
+                    )
+                raise DeadlineExceeded(
+                    f"{where}: not every owner of {sorted(owners)} committed its part within {timeout:g} s "
+                    "(--push-rank-timeout-s); this replica's part was withdrawn, nothing was committed",
+                    reason="aborted",
+                )
+        finally:
+            self._abandoned.pop((m.model, m.version), None)
+        whole = manifest_from_registry(await self.registry.manifest(m.model, m.version) or "", where)
+        own = next((p for p in whole.parts if p.owner == self.replica_id), None)
+        if own is None or own.nbytes != len(part.data):
+            raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
+        return decided or CommitResult(created=True), Version(whole, part.header, part.data, part=m, offset=own.offset)
+
+    async def _other_parts(self, model: str, version: int, abandoned: asyncio.Event, timeout: float) -> bool:
+        """Wait until the registry commits `version` (True), or until the timeout or `abandon` (False)."""
+
+        async def committed() -> bool:
+            async for v in self.registry.events(model, version - 1):
+                return v == version  # a later version first: this one can no longer commit
+            return False
+
+        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(abandoned.wait())]
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiting:
+                w.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        return waiting[0] in done and not waiting[0].cancelled() and waiting[0].result() is True
+
+    def abandon(self, model: str, version: int) -> None:
+        """The learner gave up on a version of parts: this replica's part, if waiting, is withdrawn."""
+        if (event := self._abandoned.get((model, version))) is not None:
+            event.set()
+
     def _evict(self, model: str) -> list[int]:
         vs = self._versions[model]
         evicted = sorted(vs)[: max(0, len(vs) - self.retain)]
@@ -260,7 +349,7 @@ class VersionStore:
     def _update_gauges(self, model: str) -> None:
         vs = self._versions.get(model, {})
         self.metrics.retained_versions.labels(model).set(len(vs))
-        self.metrics.retained_bytes.labels(model).set(sum(v.manifest.data_bytes for v in vs.values()))
+        self.metrics.retained_bytes.labels(model).set(sum(len(v.data) for v in vs.values()))
         if vs:
             self.metrics.latest_version.labels(model).set(max(vs))
 
@@ -398,6 +487,13 @@ class VersionStore:
             known = await self.registry.versions(model)
             dropped = []
             for v in sorted(vs):
+                if vs[v].manifest.parts:  # a part: served again only as part of what the registry holds
+                    whole = await self._whole_of(vs[v])
+                    if whole is None:
+                        dropped.append(v)
+                    else:
+                        vs[v] = whole
+                    continue
                 if v in known:
                     continue
                 if known and v > known[-1]:
@@ -414,6 +510,19 @@ class VersionStore:
             if dropped and self.data_dir is not None:
                 await asyncio.to_thread(self._unlink, model, dropped)
             self._update_gauges(model)
+
+    async def _whole_of(self, part: Version) -> Version | None:
+        """A restored part with the manifest of the version it belongs to, if that committed."""
+        m = part.manifest
+        raw = await self.registry.manifest(m.model, m.version)
+        if raw is None:
+            return None
+        whole = manifest_from_registry(raw, f"model {m.model!r} version {m.version}")
+        own = next((p for p in whole.parts if p.owner == m.parts[0].owner and p.nbytes == m.data_bytes), None)
+        parts = json.loads(raw)
+        if own is None or parts.get(own.owner, {}).get("digest") != m.master_digest:
+            return None
+        return Version(whole, part.header, part.data, part=m, offset=own.offset)
 
     def _unlink(self, model: str, versions: list[int]) -> None:
         for v in versions:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from weightsvc._lag import LagMetrics
-from weightsvc._manifest import Manifest, ServedTensor
+from weightsvc._manifest import Manifest, Part, ServedTensor
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2
@@ -132,7 +132,8 @@ def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
 
 def manifest_to_proto(m: Manifest) -> pb.Manifest:
     d = m.to_dict()  # the proto mirrors the dataclass field for field
-    return pb.Manifest(**{**d, "tensors": [pb.ServedTensor(**t) for t in d["tensors"]], "lag": lag_to_proto(m.lag)})
+    return pb.Manifest(**{**d, "tensors": [pb.ServedTensor(**t) for t in d["tensors"]], "lag": lag_to_proto(m.lag),
+                          "parts": [pb.ManifestPart(**p) for p in d["parts"]]})  # fmt: skip
 
 
 def lag_to_proto(lag: LagMetrics | None) -> pb.LagMetrics | None:
@@ -158,4 +159,6 @@ def info_to_proto(m: Manifest) -> pb.VersionInfo:
 
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
     tensors = tuple(ServedTensor(**{**_scalars(ServedTensor, t), "shape": tuple(t.shape)}) for t in m.tensors)  # type: ignore[arg-type]
-    return Manifest(**_scalars(Manifest, m, ("tensors", "lag")), tensors=tensors, lag=lag_from_proto(m))  # type: ignore[arg-type]
+    parts = tuple(Part(p.owner, p.offset, p.nbytes) for p in m.parts)
+    return Manifest(**_scalars(Manifest, m, ("tensors", "lag", "parts")), tensors=tensors, lag=lag_from_proto(m),  # type: ignore[arg-type]
+                    parts=parts)  # fmt: skip

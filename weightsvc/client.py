@@ -11,12 +11,14 @@ arrive as `weightsvc.errors` exceptions carrying the server's message.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import http.client
 import json
 import math
 import os
+import queue
 import socket
 import ssl
 import struct
@@ -37,12 +39,13 @@ from weightsvc._manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
+    Part,
     manifest_from_header,
     read_safetensors_header,
     verify,
 )
 from weightsvc._memory import alloc
-from weightsvc._topology import Replica
+from weightsvc._topology import Replica, assign
 from weightsvc._wire import (
     ChunkView,
     decode_pull_response,
@@ -173,6 +176,44 @@ def _channel(target: str, token: str | None = None, ca: bytes | None = None) -> 
     return grpc.intercept_channel(channel, _Bearer(token)) if token else channel
 
 
+class _Replicas:
+    """The replicas of a deployment (GetTopology) and a channel to each, for sharded pushes and pulls."""
+
+    def __init__(self, channel: grpc.Channel, target: str, token: str | None, ca: bytes | None,
+                 timeout: float | None) -> None:  # fmt: skip
+        self._stub = pb_grpc.WeightServiceStub(channel)
+        self._channels: dict[str, grpc.Channel] = {target: channel}  # by address; the first one is the caller's
+        self._token, self._ca, self._timeout = token, ca, timeout
+        self._known: dict[str, Replica] = {}
+        self._lock = threading.Lock()
+
+    def topology(self) -> list[Replica]:
+        try:
+            reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self._timeout)
+        except grpc.RpcError as e:
+            _raise(e)
+        replicas = [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
+        with self._lock:
+            self._known = {r.id: r for r in replicas}
+        return replicas
+
+    def channel(self, replica_id: str, what: str) -> grpc.Channel:
+        """A channel to the replica `replica_id` (asked for again once, if it is not known yet)."""
+        if replica_id not in self._known:
+            self.topology()
+        replica = self._known.get(replica_id)
+        if replica is None:
+            raise Unavailable(f"{what}: replica {replica_id!r} is not in the topology (it is down or has left)")
+        with self._lock:
+            if replica.grpc not in self._channels:
+                self._channels[replica.grpc] = _channel(replica.grpc, self._token, self._ca)
+            return self._channels[replica.grpc]
+
+    def close(self) -> None:
+        for channel in list(self._channels.values())[1:]:  # the first is the caller's to close
+            channel.close()
+
+
 def _buffer(nbytes: int) -> memoryview:
     return alloc(nbytes)
 
@@ -258,10 +299,7 @@ class LearnerClient:
         self.timeout = timeout
         self._token, self._ca = _credentials(token, ca_cert)
         self._channel = _channel(target, self._token, self._ca)
-        # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
-        self._push = self._channel.stream_unary(
-            PUSH_METHOD, request_serializer=encode_message, response_deserializer=pb.PushResponse.FromString
-        )
+        self._replicas = _Replicas(self._channel, target, self._token, self._ca, timeout)
 
     def push(
         self,
@@ -283,55 +321,89 @@ class LearnerClient:
         whole version commits, or raises if any rank fails (nothing is then visible).
         `format` / `rounding` override the server's export for this push (empty: the server's).
         `return_served` pulls the committed version back into `.served`: the exact bits the fleet
-        runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual)."""
-        specs = [_spec(name, value) for name, value in parts.items()]
-        tensors = {name: value.data if isinstance(value, Shard) else value for name, value in parts.items()}
-        for name, t in tensors.items():
+        runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual).
+
+        When the deployment has several replicas (sharded, sharing a Redis registry), each tensor goes
+        to the replica that owns it by rendezvous hashing of its name, all replicas at once; the
+        version commits when every replica has its part, and nothing is visible if one fails."""
+        for name, value in parts.items():
+            t = value.data if isinstance(value, Shard) else value
             if t.dtype not in _EXACT_TO_F32:
                 _as_master(name, t)  # raises with the tensor's name
-        header = pb.PushHeader(
-            model=model, step=step, format=format, rounding=rounding, tensors=specs, rank=rank, world_size=world_size
-        )
-
-        senders: list[threading.Thread] = []  # the thread gRPC runs this stream on
-
-        def requests() -> Iterator[pb.PushRequest | bytes]:
-            senders.append(threading.current_thread())
-            yield from messages()
-
-        def messages() -> Iterator[pb.PushRequest | bytes]:
-            yield pb.PushRequest(header=header)
-            for spec, (name, tensor) in zip(specs, tensors.items(), strict=True):
-                raw = _as_master(name, tensor).view(torch.uint8).numpy().data
-                start = spec.part.offset * 4  # bytes into the whole tensor
-                # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
-                cut = -start % self.chunk_bytes or self.chunk_bytes
-                pos = 0
-                while pos < len(raw):
-                    piece = raw[pos : pos + cut]
-                    yield encode_chunk(name, start + pos, piece)
-                    if progress:
-                        progress(len(piece))
-                    pos += cut
-                    cut = self.chunk_bytes
-            yield pb.PushRequest(commit=pb.PushCommit())
-
-        try:
-            resp = self._push(requests(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            # Refused early, the call ends while gRPC's thread may still be sending: let it finish,
-            # or a process that exits right after can abort inside gRPC.
-            for sender in senders:
-                if sender is not threading.current_thread():
-                    sender.join(5)
-            _raise(e)
+        header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
+                               world_size=world_size)  # fmt: skip
+        replicas = self._replicas.topology()
+        if len(replicas) <= 1:
+            streams = [(self._channel, header, dict(parts))]
+        else:
+            owned = assign(parts, replicas)
+            header.owners.extend(r.id for r in replicas)
+            where = f"model {model!r} step {step}"
+            streams = [
+                (self._replicas.channel(r.id, where), header, {n: parts[n] for n in owned.get(r.id, [])})
+                for r in replicas
+            ]
+        resp = self._push_streams(streams, progress)
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:
             with InferenceClient(self.target, timeout=self.timeout, token=self._token, ca_cert=self._ca) as puller:
                 info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
         return info
 
+    def _push_streams(
+        self, streams: list[tuple[grpc.Channel, pb.PushHeader, dict[str, torch.Tensor | Shard]]],
+        progress: Progress | None,
+    ) -> pb.PushResponse:  # fmt: skip
+        """Run push streams at once (one per replica); the first to fail cancels the others."""
+        senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
+        done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+        calls = []
+        for channel, header, parts in streams:
+            # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
+            push = channel.stream_unary(PUSH_METHOD, request_serializer=encode_message,
+                                        response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+            call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
+            call.add_done_callback(done.put)
+            calls.append(call)
+        for _ in calls:
+            call = done.get()
+            if call.exception() is not None:
+                for other in calls:
+                    other.cancel()
+                # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
+                # or a process that exits right after can abort inside gRPC.
+                for sender in senders:
+                    if sender is not threading.current_thread():
+                        sender.join(5)
+                _raise(call.exception())
+        return calls[0].result()
+
+    def _messages(self, header: pb.PushHeader, parts: dict[str, torch.Tensor | Shard], progress: Progress | None,
+                  senders: list[threading.Thread]) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
+        senders.append(threading.current_thread())
+        specs = [_spec(name, value) for name, value in parts.items()]
+        full = pb.PushHeader()
+        full.CopyFrom(header)
+        full.tensors.extend(specs)
+        yield pb.PushRequest(header=full)
+        for spec, (name, value) in zip(specs, parts.items(), strict=True):
+            tensor = value.data if isinstance(value, Shard) else value
+            raw = _as_master(name, tensor).view(torch.uint8).numpy().data
+            start = spec.part.offset * 4  # bytes into the whole tensor
+            # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
+            cut = -start % self.chunk_bytes or self.chunk_bytes
+            pos = 0
+            while pos < len(raw):
+                piece = raw[pos : pos + cut]
+                yield encode_chunk(name, start + pos, piece)
+                if progress:
+                    progress(len(piece))
+                pos += cut
+                cut = self.chunk_bytes
+        yield pb.PushRequest(commit=pb.PushCommit())
+
     def close(self) -> None:
+        self._replicas.close()
         self._channel.close()
 
     def __enter__(self) -> LearnerClient:
@@ -367,11 +439,7 @@ class InferenceClient:
         else:
             self._channel = _channel(target, self._token, self._ca)
             self._stub = pb_grpc.WeightServiceStub(self._channel)
-            self._pull = self._channel.unary_stream(
-                PULL_METHOD,
-                request_serializer=pb.PullRequest.SerializeToString,
-                response_deserializer=decode_pull_response,
-            )
+            self._replicas = _Replicas(self._channel, target, self._token, self._ca, timeout)
 
     # ---- pulls -------------------------------------------------------------------------------
 
@@ -455,18 +523,14 @@ class InferenceClient:
 
     @property
     def transport(self) -> str:
-        """"grpc" or "http" (acks and watch need gRPC)."""
+        """The transport, "grpc" or "http" (acks and watch need gRPC)."""
         return "http" if self._http else "grpc"
 
     def topology(self) -> list[Replica]:
         """The replicas of the deployment, as its registry knows them (sorted by id)."""
         if self._http:
             return [Replica(**r) for r in self._get_json("/v1/topology")["replicas"]]
-        try:
-            reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            _raise(e)
-        return [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
+        return self._replicas.topology()
 
     def held(self, model: str = "default") -> Manifest | None:
         """The manifest of the version this client holds of `model` (its last pull): a delta base."""
@@ -488,6 +552,8 @@ class InferenceClient:
         received = 0
         delta_bytes: int | None = None
         self.last_pull_bytes = 0
+        pull = self._channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+                                          response_deserializer=decode_pull_response)  # fmt: skip
         for attempt in range(self.resume_attempts + 1):
             # After a break, ask for the same version from the first byte we do not have yet.
             pinned = version if manifest is None else str(manifest.version)
@@ -495,7 +561,7 @@ class InferenceClient:
                 model=model, version=pinned, offset=received, base="" if base is None else str(base)
             )
             try:
-                stream = self._pull(request, timeout=self.timeout)
+                stream = pull(request, timeout=self.timeout)
                 first = next(stream, None)
                 if not isinstance(first, pb.PullResponse) or not first.HasField("manifest"):
                     raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
@@ -526,6 +592,12 @@ class InferenceClient:
                     _raise(e)
                 time.sleep(min(2.0, 0.1 * 2**attempt))  # the connection is re-established by the channel
         assert manifest is not None
+        if manifest.parts and delta_bytes is None and received < manifest.data_bytes:
+            # Sharded replicas: the replica asked sent its own part (if it came first); the others'
+            # parts come from their owners, all at once.
+            data = data or _buffer(manifest.data_bytes)
+            self._pull_parts(manifest, data, received, progress)
+            received = manifest.data_bytes
         expected = manifest.data_bytes if delta_bytes is None else delta_bytes
         if received != expected:
             raise DataLoss(
@@ -541,6 +613,50 @@ class InferenceClient:
         except (ValueError, struct.error) as e:
             raise DataLoss(f"model {model!r} version {manifest.version}: bad delta on version {base}: {e}") from None
         return manifest, full
+
+    def _pull_parts(self, manifest: Manifest, data: memoryview, received: int, progress: Progress | None) -> None:
+        """Pull the bytes of `manifest`'s parts above `received` from their owners, in parallel."""
+        where = f"model {manifest.model!r} version {manifest.version}"
+        todo = [(p, max(p.offset, received)) for p in manifest.parts if p.offset + p.nbytes > received]
+        with concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="weightsvc-part") as pool:
+            futures = [pool.submit(self._pull_part, manifest, part, start, data, progress, where)
+                       for part, start in todo]  # fmt: skip
+            for f in futures:
+                self.last_pull_bytes += f.result()
+
+    def _pull_part(self, manifest: Manifest, part: Part, start: int, data: memoryview, progress: Progress | None,
+                   where: str) -> int:  # fmt: skip
+        """Bytes [start, end of `part`) from the part's owner, resuming after a break; returns the count."""
+        channel = self._replicas.channel(part.owner, where)
+        pull = channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+                                    response_deserializer=decode_pull_response)  # fmt: skip
+        end, pos = part.offset + part.nbytes, start
+        for attempt in range(self.resume_attempts + 1):
+            request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=pos)
+            try:
+                stream = pull(request, timeout=self.timeout)
+                first = next(stream, None)
+                if (not isinstance(first, pb.PullResponse) or not first.HasField("manifest")
+                        or first.manifest.master_digest != manifest.master_digest):  # fmt: skip
+                    raise DataLoss(f"{where}: replica {part.owner!r} answered with another version")
+                for chunk in stream:
+                    n = len(chunk.data) if isinstance(chunk, ChunkView) else -1
+                    if n < 0 or chunk.offset != pos or pos + n > end:
+                        raise DataLoss(f"{where}: unexpected chunk from replica {part.owner!r}")
+                    data[pos : pos + n] = chunk.data
+                    pos += n
+                    if progress:
+                        progress(n)
+                break
+            except grpc.RpcError as e:
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+                if not retryable or attempt == self.resume_attempts:
+                    _raise(e)
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+        if pos != end:
+            raise DataLoss(f"{where}: replica {part.owner!r} sent bytes [{start}, {pos}) of its part [{part.offset}, "
+                           f"{end})")  # fmt: skip
+        return pos - start
 
     def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
         host = self._url.hostname or "127.0.0.1"
@@ -706,6 +822,7 @@ class InferenceClient:
 
     def close(self) -> None:
         if not self._http:
+            self._replicas.close()
             self._channel.close()
 
     def __enter__(self) -> InferenceClient:

@@ -1,0 +1,192 @@
+"""Sharded replicas: several servers on one Redis registry, each holding the tensors it owns by
+rendezvous hashing. The clients split pushes and gather pulls; a version is visible everywhere once
+every owner has its part, and nowhere if one fails. In-process replicas first, then replica
+processes that are killed and restarted."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import torch
+
+from tests.conftest import ServeProcess, make_masters, serving
+from tests.integration.test_registry import REDIS_URL, needs_redis
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc._manifest import Manifest
+from weightsvc._topology import assign
+from weightsvc.errors import WeightsvcError
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+pytestmark = needs_redis
+
+REPLICAS = ("r0", "r1", "r2")
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def _pending_parts(prefix: str) -> list[bytes]:
+    return list(redis.Redis.from_url(REDIS_URL).scan_iter(f"{prefix}:*pending*"))
+
+
+def _no_parts_left(prefix: str, timeout: float = 20) -> bool:
+    """The owners that had their parts in withdraw them once the learner's cancel reaches them (a
+    moment after its push raised); Redis is polled, as there is nothing in it to wait on."""
+    deadline = time.monotonic() + timeout
+    while _pending_parts(prefix) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _pending_parts(prefix)
+
+
+def _steps(masters: dict[str, torch.Tensor], count: int) -> Iterator[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(count):
+        masters = {n: t + 3e-4 * torch.randn(t.shape, generator=gen) for n, t in masters.items()}
+        yield masters
+
+
+def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "rounding": "ef"}
+    gen = torch.Generator().manual_seed(5)
+    masters = make_masters() | {f"layers.{i}.mlp.down.weight": torch.randn(64, 40, generator=gen) for i in range(1, 5)}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
+            serving(**shared, replica_id="r2") as r2, serving(rounding="ef") as alone:  # fmt: skip
+        replicas = (r0, r1, r2)
+        topology = InferenceClient(r0.grpc_target).topology()
+        assert [r.id for r in topology] == list(REPLICAS)
+        owned = assign(masters, topology)
+        assert len(owned) == 3, owned  # every replica owns some of these tensors
+        with LearnerClient(r1.grpc_target) as learner, LearnerClient(alone.grpc_target) as single:
+            # ef across steps: each owner keeps the residual of its own tensors.
+            for step, state in enumerate(_steps(masters, 3)):
+                info = learner.push(step, state, model)
+                plain = single.push(step, state, model)
+                assert (info.version, info.data_bytes >= plain.data_bytes) == (step, True)
+        for srv in replicas:  # each replica holds its own part, and the same manifest
+            held = srv.service.store.get(model, 2)
+            whole = held.manifest
+            assert [p.owner for p in whole.parts] == list(REPLICAS)
+            mine = next(p for p in whole.parts if p.owner == srv.service.store.replica_id)
+            assert held.held == (mine.offset, mine.offset + mine.nbytes)
+            assert {t.name for t in whole.tensors if mine.offset <= t.offset < mine.offset + mine.nbytes} == set(
+                owned[srv.service.store.replica_id]
+            )
+        manifests = {json.dumps(InferenceClient(s.grpc_target).manifest(model, 2).to_dict()) for s in replicas}
+        assert len(manifests) == 1
+        expected = InferenceClient(alone.grpc_target).pull(model, 2)
+        for srv in replicas:  # any replica is a way in: the client gathers the parts from their owners
+            with InferenceClient(srv.grpc_target) as puller:
+                pulled = puller.pull(model, 2)
+                assert puller.last_pull_bytes == puller.manifest(model, 2).data_bytes - _padding(whole)
+            assert pulled.keys() == expected.keys()
+            for name in expected:
+                assert torch.equal(pulled[name].view(torch.int16), expected[name].view(torch.int16)), name
+            assert [v.version for v in InferenceClient(srv.grpc_target).versions(model)] == [0, 1, 2]
+        # HTTP cannot gather parts: a clear refusal naming the owners.
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{r2.http_url}/v1/models/{model}/versions/2/safetensors")
+        assert err.value.code == 409
+        assert "sharded over the replicas ['r0', 'r1', 'r2']" in err.value.read().decode()
+
+
+def _padding(manifest: Manifest) -> int:
+    """Bytes between parts (each starts 8-byte aligned): no replica sends them."""
+    return sum(b.offset - (a.offset + a.nbytes) for a, b in itertools.pairwise(manifest.parts))
+
+
+def _part_push(model: str, owners: list[str]) -> Iterator[pb.PushRequest]:
+    """A replica's part as the learner client sends it: one tensor, declared owners."""
+    spec = pb.TensorSpec(name="w", shape=[2], dtype="F32")
+    yield pb.PushRequest(header=pb.PushHeader(model=model, step=4, owners=owners, tensors=[spec]))
+    yield pb.PushRequest(chunk=pb.Chunk(tensor="w", offset=0, data=torch.ones(2).numpy().tobytes()))
+    yield pb.PushRequest(commit=pb.PushCommit())
+
+
+def test_a_part_whose_owners_never_join_is_withdrawn(prefix: str, model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "push_rank_timeout_s": 0.5}
+    with serving(**shared, replica_id="r0") as r0:
+        with grpc.insecure_channel(r0.grpc_target) as ch, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.WeightServiceStub(ch).Push(_part_push(model, ["r0", "gone"]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "not every owner of ['gone', 'r0'] committed its part within 0.5 s" in err.value.details()
+        assert _pending_parts(prefix) == []
+        assert r0.service.store.models() == []
+        # A replica that is not among the owners refuses the part.
+        with grpc.insecure_channel(r0.grpc_target) as ch, pytest.raises(grpc.RpcError) as err:
+            pb_grpc.WeightServiceStub(ch).Push(_part_push(model, ["r1", "r2"]), timeout=30)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this server is replica 'r0', not one of the owners ['r1', 'r2']" in err.value.details()
+
+
+def _replica(prefix: str, replica_id: str, data_dir: Path, env: dict[str, str] | None = None) -> ServeProcess:
+    return ServeProcess("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--replica-id", replica_id,
+                        "--data-dir", str(data_dir / replica_id), "--push-rank-timeout-s", "30", env=env)  # fmt: skip
+
+
+def test_three_replica_processes_survive_a_replica_killed_mid_push(prefix: str, model: str, tmp_path: Path) -> None:
+    procs = {r: _replica(prefix, r, tmp_path) for r in REPLICAS}
+    try:
+        masters = make_masters(scale=0.05)
+        states = list(_steps(masters, 3))
+        with LearnerClient(procs["r0"].target) as learner:
+            learner.push(1, states[0], model)
+            expected = InferenceClient(procs["r2"].target).pull(model, 1)
+
+            # r1 dies with its part on disk, before the registry has it: the learner hears of it,
+            # the other owners take their parts back, and nothing of step 2 is visible anywhere.
+            procs["r1"].kill()
+            procs["r1"] = _replica(prefix, "r1", tmp_path, env={"WEIGHTSVC_CRASH_AT": "commit.version-renamed"})
+            with pytest.raises(WeightsvcError):
+                learner.push(2, states[1], model)
+            procs["r1"].died()
+            assert _no_parts_left(prefix)
+            for r in ("r0", "r2"):
+                assert [v.version for v in InferenceClient(procs[r].target).versions(model)] == [1]
+
+            # A replica killed while the learner is still streaming to it: the same.
+            procs["r1"] = _replica(prefix, "r1", tmp_path)
+            sent = 0
+
+            def kill_r2_midway(n: int) -> None:
+                nonlocal sent
+                sent += n
+                if sent > 100_000 and procs["r2"].proc.poll() is None:
+                    procs["r2"].proc.kill()
+
+            with pytest.raises(WeightsvcError):
+                learner.push(2, states[1], model, progress=kill_r2_midway)
+            procs["r2"].died()
+            assert _no_parts_left(prefix)
+            for r in ("r0", "r1"):
+                assert [v.version for v in InferenceClient(procs[r].target).versions(model)] == [1]
+
+            # Restarted, r2 serves what it held again, and the step goes through.
+            procs["r2"] = _replica(prefix, "r2", tmp_path)
+            again = learner.push(2, states[1], model)
+            assert again.version == 2
+        for r, proc in procs.items():
+            with InferenceClient(proc.target) as puller:
+                old = puller.pull(model, 1)
+                assert all(torch.equal(old[n], expected[n]) for n in expected), r
+                assert set(puller.pull(model, 2)) == set(expected)
+    finally:
+        for proc in procs.values():
+            if proc.proc.poll() is None:
+                proc.kill()
