@@ -5,6 +5,7 @@ Transfer part (this module): the service runs as a separate process, as it does 
 - T1: pull the committed version (gRPC and HTTP, checksums verified) vs raw TCP on the served bytes.
 - T3: 8 puller processes at once, aggregate, vs 8 raw TCP streams from one process at once.
 - M1: the server's peak RSS against 1.25 x retained bytes + 300 MiB.
+- scale_3v1: 8 pullers at once from 3 sharded replicas (on Redis) vs from 1 replica, aggregate.
 Raw TCP is two Python processes moving a preallocated buffer with sendall/recv_into: the best a
 Python peer can do on this machine, so a ratio of 1.0 means "as fast as the socket".
 """
@@ -160,7 +161,7 @@ def _model(size_mib: int) -> dict[str, torch.Tensor]:
 
 
 class _ServerProcess:
-    def __init__(self, retain: int) -> None:
+    def __init__(self, retain: int, *args: str) -> None:
         cmd = [
             sys.executable,
             "-m",
@@ -174,6 +175,7 @@ class _ServerProcess:
             str(retain),
             "--log-level",
             "warning",
+            *args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
@@ -200,6 +202,44 @@ class _ServerProcess:
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait(30)
+
+
+def scale_bench(*, size_mib: int = 512, repeat: int = 3, redis_url: str = "redis://127.0.0.1:6379/0",
+                log: Callable[[str], Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """scale_3v1: aggregate pull throughput of 8 pullers from 3 sharded replicas vs from 1 (each
+    deployment on its own Redis prefix). Every puller asks replica 0 and gathers the parts from their
+    owners, as InferenceClient does. None when no Redis answers at `redis_url`."""
+    import redis
+
+    say = log or (lambda _m: None)
+    try:
+        redis.Redis.from_url(redis_url, socket_connect_timeout=1).ping()
+    except redis.exceptions.ConnectionError:
+        say(f"scale_3v1: no Redis at {redis_url}; skipped")
+        return {"scale_3v1": None}
+    model = _model(size_mib)
+    seconds = {}
+    for count in (1, 3):
+        prefix = f"weightsvc-bench-{os.getpid()}-{count}"
+        servers = [_ServerProcess(2, "--redis-url", redis_url, "--redis-prefix", prefix, "--replica-id", f"r{i}")
+                   for i in range(count)]  # fmt: skip
+        try:
+            with LearnerClient(servers[0].grpc) as learner:
+                learner.push(1, model)
+            seconds[count] = _best(lambda: fanout_pull_seconds(servers[0].grpc, PULLERS), repeat)  # noqa: B023
+            served = InferenceClient(servers[0].grpc).manifest().data_bytes
+            say(f"{PULLERS} pullers from {count} replica(s): {PULLERS * served / seconds[count] / 1e9:.2f} GB/s")
+        finally:
+            for server in servers:
+                server.close()
+            client = redis.Redis.from_url(redis_url)
+            for key in client.scan_iter(f"{prefix}:*"):
+                client.delete(key)
+    gbps = {count: round(PULLERS * served / s / 1e9, 3) for count, s in seconds.items()}
+    return {
+        "scale_3v1": round(seconds[1] / seconds[3], 3),
+        "details": {"scale_1_replica_gbps": gbps[1], "scale_3_replicas_gbps": gbps[3]},
+    }
 
 
 def _best(fn: Callable[[], float], repeat: int) -> float:
@@ -367,6 +407,9 @@ def run_bench(
     result.update({k: v for k, v in kernels.items() if not k.startswith("kernel_")})
     result.update(delta_bench())
     result["details"].update({k: v for k, v in kernels.items() if k.startswith("kernel_")})
+    scale = scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say)
+    result["scale_3v1"] = scale["scale_3v1"]
+    result["details"].update(scale.get("details", {}))
     result["report"] = {
         "T1": {"what": "pull vs raw TCP (best of gRPC/HTTP)", "value": f"{result['T1']:.2f}x", "target": ">= 0.5x"},
         "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
@@ -383,6 +426,11 @@ def run_bench(
             "what": "fused sr vs sr composed from torch ops",
             "value": f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster",
             "target": "",
+        },
+        "scale_3v1": {
+            "what": f"{PULLERS} pullers from 3 sharded replicas vs from 1, aggregate",
+            "value": "no Redis" if result["scale_3v1"] is None else f"{result['scale_3v1']:.2f}x",
+            "target": f"cores here: {os.cpu_count()}",
         },
         "M1": {
             "what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",

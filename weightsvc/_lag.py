@@ -35,6 +35,12 @@ def sampled_indices(first: int, count: int, stride: int) -> np.ndarray:
     return np.arange(start, count, stride, dtype=np.int64)
 
 
+def _dot(a: np.ndarray, b: np.ndarray) -> float:
+    """A dot product whose result depends on the values alone: numpy's pairwise sum, unlike BLAS,
+    does not change with the arrays' memory alignment (the same version gives the same metrics)."""
+    return float(np.sum(a * b))
+
+
 @dataclass
 class Sample:
     """Sampled master values, served values (dequantized) and served bits of one version."""
@@ -80,24 +86,24 @@ class LagTracker:
         if self.prev is not None:
             churn = float(np.mean(sample.bits != self.prev.bits)) if sample.bits.size else 0.0
             dm = m - self.prev.master
-            norm2 = float(dm @ dm)
+            norm2 = _dot(dm, dm)
             if norm2 > 0:
-                visibility = float((s - self.prev.served) @ dm) / norm2
+                visibility = _dot(s - self.prev.served, dm) / norm2
         dm_ref = m - ref_m
-        d_t = math.sqrt(float(dm_ref @ dm_ref))
+        d_t = math.sqrt(_dot(dm_ref, dm_ref))
         self.distances[version] = d_t
         if d_t == 0:
             lag = 0
         else:
-            s_t = float((s - ref_s) @ dm_ref) / d_t
+            s_t = _dot(s - ref_s, dm_ref) / d_t
             if s_t >= d_t * (1 - 1e-9):  # equal up to the rounding of the two float64 reductions
                 lag = 0
             else:
                 reached = [tau for tau, d in self.distances.items() if d <= s_t and tau <= version]
                 lag = version - (max(reached) if reached else self.ref_version or 0)
-        norm_m = math.sqrt(float(m @ m))
+        norm_m = math.sqrt(_dot(m, m))
         err = s - m
-        rel = math.sqrt(float(err @ err)) / norm_m if norm_m > 0 else 0.0
+        rel = math.sqrt(_dot(err, err)) / norm_m if norm_m > 0 else 0.0
         self.prev = sample
         return LagMetrics(churn, visibility, lag, rel, saturated, int(sample.master.size), exact)
 

@@ -421,8 +421,10 @@ class PushSession:
                 self.base_version,
                 rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
             )
-        # In element order, so that the lag metrics do not depend on the order chunks arrived in.
-        sampled = [t.samples[first] for t in self.tensors.values() for first in sorted(t.samples)]
+        # By name, then element: the lag metrics depend neither on the order chunks arrived in nor
+        # on the order the ranks declared the tensors in.
+        sampled = [self.tensors[n].samples[first] for n in sorted(self.tensors)
+                   for first in sorted(self.tensors[n].samples)]  # fmt: skip
         sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
                           for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,8 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     _, docs = rendered
     workloads = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment")}
     services = by_kind(docs, "Service")
-    assert set(workloads) == {"weightsvc", "weightsvc-relay"}
+    assert set(workloads) == {"weightsvc", "weightsvc-relay", "weightsvc-redis"}
+    _check_registry(docs, workloads.pop("weightsvc-redis"), services.pop("weightsvc-redis"))
     for name, w in workloads.items():
         pod = w["spec"]["template"]
         assert selects(w["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"]), name
@@ -90,7 +92,7 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     upstream = relay_args[relay_args.index("--relay-from") + 1]
     assert upstream == f"weightsvc:{Settings().grpc_port}" and "weightsvc" in services
     # The NetworkPolicy covers both workloads and lets relays reach the server.
-    (policy,) = by_kind(docs, "NetworkPolicy").values()
+    policy = by_kind(docs, "NetworkPolicy")["weightsvc"]
     for w in workloads.values():
         assert selects(policy["spec"]["podSelector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
     peers = [
@@ -101,6 +103,29 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     ]
     assert {"weightsvc.io/client": "true"} in peers  # clients need only this label
     assert any(selects(p, workloads["weightsvc-relay"]["spec"]["template"]["metadata"]["labels"]) for p in peers)
+
+
+def _check_registry(docs: list[dict[str, Any]], redis: dict[str, Any], service: dict[str, Any]) -> None:
+    """Redis: the replicas' registry URL names its Service, which selects it alone; only server pods
+    reach it; there are several server replicas to share it."""
+    config = by_kind(docs, "ConfigMap")["weightsvc"]["data"]
+    url = urllib.parse.urlsplit(config["WEIGHTSVC_REDIS_URL"])
+    (port,) = service["spec"]["ports"]
+    assert (url.hostname, url.port) == (service["metadata"]["name"], port["port"])
+    pod_labels = redis["spec"]["template"]["metadata"]["labels"]
+    assert selects(service["spec"]["selector"], pod_labels)
+    server = by_kind(docs, "StatefulSet")["weightsvc"]
+    assert not selects(service["spec"]["selector"], server["spec"]["template"]["metadata"]["labels"])
+    assert server["spec"]["replicas"] >= 2
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]}[port["targetPort"]] == 6379
+    policy = by_kind(docs, "NetworkPolicy")["weightsvc-redis"]
+    assert selects(policy["spec"]["podSelector"]["matchLabels"], pod_labels)
+    (rule,) = policy["spec"]["ingress"]
+    allowed = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
+    relay = by_kind(docs, "Deployment")["weightsvc-relay"]["spec"]["template"]["metadata"]["labels"]
+    assert any(selects(p, server["spec"]["template"]["metadata"]["labels"]) for p in allowed)
+    assert not any(selects(p, relay) for p in allowed)
 
 
 def test_config_keys_are_settings_of_the_service(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -118,6 +143,7 @@ def test_service_monitor_scrapes_each_pod_once_on_metrics(rendered: tuple[str, l
     scraped = [s for s in by_kind(docs, "Service").values() if selects(monitor["spec"]["selector"]["matchLabels"],
                                                                         s["metadata"].get("labels", {}))]  # fmt: skip
     workloads = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment")}
+    workloads.pop("weightsvc-redis")  # no /metrics of ours there
     for w in workloads.values():  # each workload behind exactly one scraped Service
         labels = w["spec"]["template"]["metadata"]["labels"]
         assert sum(selects(s["spec"]["selector"], labels) for s in scraped) == 1
