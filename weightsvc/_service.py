@@ -53,6 +53,7 @@ from weightsvc.errors import (
     NotFound,
     ResourceExhausted,
     TooManyRequests,
+    Unavailable,
     WeightsvcError,
 )
 from weightsvc.metrics import Metrics
@@ -555,6 +556,7 @@ class Service:
         self._changes = _Changes()
         self._staging_reserved = 0
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # recent delta encodings, oldest first
+        self._topology: list[Replica] | None = None  # the last the registry gave
 
     def restore(self) -> int:
         return self.store.restore()
@@ -815,7 +817,14 @@ class Service:
         return self.store.ack(model, version, client_id)
 
     async def topology(self) -> list[Replica]:
-        return await self.store.registry.replicas()
+        """The replicas as the registry knows them; while it is unreachable, as it last knew them
+        (clients keep pulling from the owners; pushes fail at their commit, with UNAVAILABLE)."""
+        try:
+            self._topology = await self.store.registry.replicas()
+        except Unavailable:
+            if self._topology is None:
+                raise
+        return self._topology
 
     def clients(self, model: str) -> list[ClientAck]:
         return self.store.clients(model)
