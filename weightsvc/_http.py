@@ -61,9 +61,12 @@ def _unsatisfiable(header: str) -> tuple[int, int]:
     raise ValueError(header)
 
 
-def _etag(version: Version) -> str:
-    m = version.manifest
-    return f'"{m.model}-{m.version}-{m.master_digest.rsplit(":", 1)[-1]}"'
+def _holds(version: Version, start: int, end: int) -> bool:
+    """Whether this server holds the bytes [start, end) of the version's file (a replica holding a
+    part has the header and its part; they are contiguous only for the first part)."""
+    head = len(version.header)
+    lo, hi = (head + b for b in version.held)
+    return end <= head or (lo <= start and end <= hi) or (lo == head and end <= hi)
 
 
 class VersionFileResponse(Response):
@@ -74,7 +77,7 @@ class VersionFileResponse(Response):
         headers = {
             "content-length": str(end - start),
             "accept-ranges": "bytes",
-            "etag": _etag(version),
+            "etag": version.manifest.etag,
             "x-weightsvc-model": m.model,
             "x-weightsvc-version": str(m.version),
             "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
@@ -158,18 +161,9 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
     async def safetensors(model: str, version: str, request: Request) -> Response:
         held = service.store.get(model, parse_version_ref(version))
-        if held.part is not None:
-            owners = [p.owner for p in held.manifest.parts]
-            return _error(
-                409,
-                "FAILED_PRECONDITION",
-                f"model {model!r} version {held.manifest.version} is sharded over the replicas {owners}; this one "
-                f"holds bytes {list(held.held)} of its data section. Pull it with the gRPC InferenceClient, which "
-                "gathers the parts",
-            )
         span: tuple[int, int] | None = None
         if_range = request.headers.get("if-range")
-        if if_range is None or if_range == _etag(held):  # a stale If-Range gets the whole new file
+        if if_range is None or if_range == held.manifest.etag:  # a stale If-Range gets the whole new file
             try:
                 span = _parse_range(request.headers.get("range"), held.size)
             except ValueError:
@@ -182,6 +176,15 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
                 resp.headers["content-range"] = f"bytes */{held.size}"
                 return resp
         start, end = span or (0, held.size)
+        if held.part is not None and not _holds(held, start, end):
+            owners = ", ".join(f"{p.owner} [{p.offset}, {p.offset + p.nbytes})" for p in held.manifest.parts)
+            return _error(
+                409,
+                "FAILED_PRECONDITION",
+                f"model {model!r} version {held.manifest.version} is sharded over replicas that each hold a part of "
+                f"its data section ({owners}); this one serves its header ({len(held.header)} bytes) and its own "
+                "part by Range. The InferenceClient gathers the parts from their owners",
+            )
         # Held from here: the response releases it when it has sent its last byte.
         held = service.open_pull(model, held.manifest.version, "http")
         return VersionFileResponse(service, held, start, end, 206 if span else 200)

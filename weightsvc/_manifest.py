@@ -185,6 +185,11 @@ class Manifest:
             "lag": None if self.lag is None else self.lag.to_dict(),
         }
 
+    @property
+    def etag(self) -> str:
+        """The HTTP entity tag of the version's file: the same on every server that serves it."""
+        return f'"{self.model}-{self.version}-{self.master_digest.rsplit(":", 1)[-1]}"'
+
     def safetensors_header(self) -> bytes:
         """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes."""
         header: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(self.to_dict())}}

@@ -803,7 +803,9 @@ class Service:
         return delta
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
-        """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit."""
+        """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
+        version of sharded replicas is whole here: the relay serves all of it."""
+        manifest = dataclasses.replace(manifest, parts=())
         await self.store.commit(Version(manifest, manifest.safetensors_header(), data))
 
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:

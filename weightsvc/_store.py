@@ -83,18 +83,21 @@ class Version:
 
     @property
     def size(self) -> int:
-        return len(self.header) + len(self.data)
+        """Bytes of the version's safetensors file (of which a part's replica holds the header and its part)."""
+        return len(self.header) + self.manifest.data_bytes
 
     def file_range(self, start: int, end: int, piece: int) -> Iterator[memoryview]:
-        """Pieces of at most `piece` bytes covering [start, end) of the safetensors file."""
+        """Pieces of at most `piece` bytes covering [start, end) of the safetensors file (for a part:
+        a range of the header and the bytes this replica holds)."""
         head = memoryview(self.header)
+        skip = len(head) + self.offset  # file offset of data[0]
         while start < end:
             if start < len(head):
                 stop = min(end, len(head), start + piece)
                 yield head[start:stop]
             else:
                 stop = min(end, start + piece)
-                yield self.data[start - len(head) : stop - len(head)]
+                yield self.data[start - skip : stop - skip]
             start = stop
 
 
@@ -312,7 +315,8 @@ class VersionStore:
         own = next((p for p in whole.parts if p.owner == self.replica_id), None)
         if own is None or own.nbytes != len(part.data):
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
-        return decided or CommitResult(created=True), Version(whole, part.header, part.data, part=m, offset=own.offset)
+        served = Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
+        return decided or CommitResult(created=True), served
 
     async def _other_parts(self, model: str, version: int, abandoned: asyncio.Event, timeout: float) -> bool:
         """Wait until the registry commits `version` (True), or until the timeout or `abandon` (False)."""
@@ -522,7 +526,7 @@ class VersionStore:
         parts = json.loads(raw)
         if own is None or parts.get(own.owner, {}).get("digest") != m.master_digest:
             return None
-        return Version(whole, part.header, part.data, part=m, offset=own.offset)
+        return Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
 
     def _unlink(self, model: str, versions: list[int]) -> None:
         for v in versions:

@@ -54,7 +54,14 @@ from weightsvc._wire import (
     lag_from_proto,
     manifest_from_proto,
 )
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.errors import (
+    BY_GRPC_CODE,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    WeightsvcError,
+)
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -617,7 +624,7 @@ class InferenceClient:
     def _pull_parts(self, manifest: Manifest, data: memoryview, received: int, progress: Progress | None) -> None:
         """Pull the bytes of `manifest`'s parts above `received` from their owners, in parallel."""
         where = f"model {manifest.model!r} version {manifest.version}"
-        todo = [(p, max(p.offset, received)) for p in manifest.parts if p.offset + p.nbytes > received]
+        todo = [(p, max(p.offset, received)) for p in manifest.parts if p.nbytes and p.offset + p.nbytes > received]
         with concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="weightsvc-part") as pool:
             futures = [pool.submit(self._pull_part, manifest, part, start, data, progress, where)
                        for part, start in todo]  # fmt: skip
@@ -658,23 +665,26 @@ class InferenceClient:
                            f"{end})")  # fmt: skip
         return pos - start
 
-    def _request(self, path: str, headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
-        host = self._url.hostname or "127.0.0.1"
+    def _request(self, path: str, headers: dict[str, str] | None = None, base: str | None = None
+                 ) -> http.client.HTTPResponse:  # fmt: skip
+        """GET `path` of the target (or of `base`, another replica's HTTP URL); errors raised as ours."""
+        url = self._url if base is None else urllib.parse.urlsplit(base)
+        host = url.hostname or "127.0.0.1"
         conn: http.client.HTTPConnection
-        if self._url.scheme == "https":
+        if url.scheme == "https":
             context = ssl.create_default_context(cadata=self._ca.decode() if self._ca else None)
-            conn = http.client.HTTPSConnection(host, self._url.port, timeout=self.timeout, context=context)
+            conn = http.client.HTTPSConnection(host, url.port, timeout=self.timeout, context=context)
         else:
-            conn = http.client.HTTPConnection(host, self._url.port, timeout=self.timeout)
+            conn = http.client.HTTPConnection(host, url.port, timeout=self.timeout)
         headers = dict(headers or {})
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         try:
-            conn.request("GET", self._url.path.rstrip("/") + path, headers=headers)
+            conn.request("GET", url.path.rstrip("/") + path, headers=headers)
             resp = conn.getresponse()
         except (OSError, http.client.HTTPException) as e:
             conn.close()
-            raise Unavailable(f"UNAVAILABLE: {self.target}: {e}") from None
+            raise Unavailable(f"UNAVAILABLE: {base or self.target}: {e}") from None
         if resp.status >= 400:
             body = resp.read()
             conn.close()
@@ -704,7 +714,13 @@ class InferenceClient:
                 if manifest is None:
                     # One request: the file's own header carries the manifest, so "latest" cannot
                     # change under us.
-                    resp = self._request(f"/v1/models/{q(model)}/versions/{q(version)}/safetensors")
+                    try:
+                        resp = self._request(f"/v1/models/{q(model)}/versions/{q(version)}/safetensors")
+                    except FailedPrecondition:
+                        sharded = self.manifest(model, version)
+                        if not sharded.parts:
+                            raise
+                        return sharded, self._http_pull_parts(sharded, progress)
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
                     header_len = int.from_bytes(head, "little")
@@ -737,6 +753,49 @@ class InferenceClient:
                 time.sleep(min(2.0, 0.1 * 2**attempt))
         assert manifest is not None
         return manifest, data
+
+    def _http_pull_parts(self, manifest: Manifest, progress: Progress | None) -> memoryview:
+        """A version of sharded replicas over HTTP: each part by Range from its owner, in parallel."""
+        where = f"model {manifest.model!r} version {manifest.version}"
+        urls = {r.id: r.http for r in self.topology()}
+        head = len(manifest.safetensors_header())
+        data = _buffer(manifest.data_bytes)
+
+        def pull(part: Part) -> None:
+            if part.owner not in urls:
+                raise Unavailable(f"{where}: replica {part.owner!r} is not in the topology (it is down or has left)")
+            pos, end = part.offset, part.offset + part.nbytes
+            for attempt in range(self.resume_attempts + 1):
+                try:
+                    resp = self._request(
+                        f"/v1/models/{urllib.parse.quote(manifest.model)}/versions/{manifest.version}/safetensors",
+                        {"Range": f"bytes={head + pos}-{head + end - 1}", "If-Range": manifest.etag},
+                        base=urls[part.owner],
+                    )
+                    try:
+                        if resp.status != 206:
+                            raise DataLoss(f"{where}: replica {part.owner!r} did not answer with its part")
+                        while pos < end:
+                            n = resp.readinto(data[pos : min(end, pos + (4 << 20))])
+                            if not n:
+                                raise http.client.IncompleteRead(b"", end - pos)
+                            pos += n
+                            if progress:
+                                progress(n)
+                    finally:
+                        resp.close()
+                    return
+                except (OSError, http.client.HTTPException, Unavailable) as e:
+                    if attempt == self.resume_attempts:
+                        raise Unavailable(f"UNAVAILABLE: {where}: the part of replica {part.owner!r} broke off: "
+                                          f"{e!r}") from None  # fmt: skip
+                    time.sleep(min(2.0, 0.1 * 2**attempt))
+
+        parts = [p for p in manifest.parts if p.nbytes]
+        with concurrent.futures.ThreadPoolExecutor(max(1, len(parts)), thread_name_prefix="weightsvc-part") as pool:
+            for f in [pool.submit(pull, p) for p in parts]:
+                f.result()
+        return data
 
     # ---- metadata ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import torch
 
 from tests.conftest import ServeProcess, make_masters, serving
 from tests.integration.test_registry import REDIS_URL, needs_redis
+from tests.integration.test_relay import relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._manifest import Manifest
 from weightsvc._topology import assign
@@ -62,7 +63,7 @@ def _steps(masters: dict[str, torch.Tensor], count: int) -> Iterator[dict[str, t
         yield masters
 
 
-def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: str) -> None:
+def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: str, tmp_path: Path) -> None:
     shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "rounding": "ef"}
     gen = torch.Generator().manual_seed(5)
     masters = make_masters() | {f"layers.{i}.mlp.down.weight": torch.randn(64, 40, generator=gen) for i in range(1, 5)}
@@ -99,11 +100,29 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: 
             for name in expected:
                 assert torch.equal(pulled[name].view(torch.int16), expected[name].view(torch.int16)), name
             assert [v.version for v in InferenceClient(srv.grpc_target).versions(model)] == [0, 1, 2]
-        # HTTP cannot gather parts: a clear refusal naming the owners.
+        # Watch at any replica sees each version once every part is in.
+        with InferenceClient(r2.grpc_target) as watcher:
+            assert [next(iter(watcher.watch(model, after=1))).version] == [2]
+        # A relay of the sharded replicas gathers each version and serves it whole, over HTTP too.
+        with serving(relay_from=r0.grpc_target) as relay:
+            assert relayed(relay, model, after=1) == 2
+            relay_file = served_file(relay, model, 2, tmp_path / "relayed.safetensors")
+            with urllib.request.urlopen(f"{relay.http_url}/v1/models/{model}/versions/2/safetensors") as resp:
+                assert resp.read() == relay_file
+            relayed_bits = InferenceClient(relay.http_url).pull(model, 2)
+            assert all(torch.equal(relayed_bits[n], expected[n]) for n in expected)
+        # Over HTTP too, the client gathers the parts (by Range, from each owner).
+        for srv in replicas:
+            over_http = InferenceClient(srv.http_url).pull(model, 2)
+            assert all(torch.equal(over_http[n], expected[n]) for n in expected)
+        # A replica serves the header and its own part; asked for the whole file, it says who holds what.
+        url = f"{r2.http_url}/v1/models/{model}/versions/2/safetensors"
         with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(f"{r2.http_url}/v1/models/{model}/versions/2/safetensors")
+            urllib.request.urlopen(url)
         assert err.value.code == 409
-        assert "sharded over the replicas ['r0', 'r1', 'r2']" in err.value.read().decode()
+        assert f"sharded over replicas that each hold a part of its data section (r0 [0, {whole.parts[0].nbytes})" in (
+            err.value.read().decode()
+        )
 
 
 def _padding(manifest: Manifest) -> int:
