@@ -20,11 +20,13 @@ import redis
 import torch
 
 from tests.conftest import ServeProcess, make_masters, serving
+from tests.integration.test_ranks import push_ranks
 from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_relay import relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._manifest import Manifest
 from weightsvc._topology import assign
+from weightsvc.client import Shard
 from weightsvc.errors import WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -209,3 +211,28 @@ def test_three_replica_processes_survive_a_replica_killed_mid_push(prefix: str, 
         for proc in procs.values():
             if proc.proc.poll() is None:
                 proc.kill()
+
+
+def test_learner_ranks_push_to_sharded_replicas(prefix: str, model: str) -> None:
+    """FSDP-style ranks, each with whole tensors and a shard of one, over three replicas: each rank
+    sends every replica its share (possibly nothing); the version equals a one-rank push to one server."""
+    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix}
+    state = make_masters(seed=3)
+    split = "layers.0.mlp.up.weight"
+    others = [n for n in state if n != split]
+    flat, shape = state[split].reshape(-1), tuple(state[split].shape)
+    ranks: list[dict[str, torch.Tensor | Shard]] = [
+        {n: state[n] for n in others[:2]} | {split: Shard(flat[:5000], 0, shape)},
+        {n: state[n] for n in others[2:4]} | {split: Shard(flat[5000:], 5000, shape)},
+        {n: state[n] for n in others[4:]},
+    ]
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1"), \
+            serving(**shared, replica_id="r2"), serving() as alone:  # fmt: skip
+        for f in push_ranks(r0.grpc_target, 1, ranks, model):
+            assert f.result().tensor_count == len(state)
+        with LearnerClient(alone.grpc_target) as single:
+            single.push(1, state, model)
+        expected = InferenceClient(alone.grpc_target).pull(model, 1)
+        pulled = InferenceClient(r0.grpc_target).pull(model, 1)
+        assert pulled.keys() == expected.keys()
+        assert all(torch.equal(pulled[n], expected[n]) for n in expected)
