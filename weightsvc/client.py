@@ -221,6 +221,19 @@ class _Replicas:
             channel.close()
 
 
+def _read_into(resp: http.client.HTTPResponse, data: memoryview, pos: int, end: int,
+               progress: Progress | None) -> Iterator[int]:  # fmt: skip
+    """Read a response body into data[pos:end], yielding each count read; a short body raises."""
+    while pos < end:
+        n = resp.readinto(data[pos : min(end, pos + (4 << 20))])
+        if not n:
+            raise http.client.IncompleteRead(b"", end - pos)
+        pos += n
+        if progress:
+            progress(n)
+        yield n
+
+
 def _buffer(nbytes: int) -> memoryview:
     return alloc(nbytes)
 
@@ -737,13 +750,8 @@ class InferenceClient:
                     if resp.status != 206:
                         raise DataLoss(f"model {model!r} version {manifest.version} changed while resuming its pull")
                 try:
-                    while received < len(data):
-                        n = resp.readinto(data[received : received + (4 << 20)])
-                        if not n:
-                            raise http.client.IncompleteRead(b"", len(data) - received)
-                        received += n
-                        if progress:
-                            progress(n)
+                    for n in _read_into(resp, data, received, len(data), progress):
+                        received += n  # kept as it grows: a break resumes from here
                 finally:
                     resp.close()
                 break
@@ -775,13 +783,8 @@ class InferenceClient:
                     try:
                         if resp.status != 206:
                             raise DataLoss(f"{where}: replica {part.owner!r} did not answer with its part")
-                        while pos < end:
-                            n = resp.readinto(data[pos : min(end, pos + (4 << 20))])
-                            if not n:
-                                raise http.client.IncompleteRead(b"", end - pos)
+                        for n in _read_into(resp, data, pos, end, progress):
                             pos += n
-                            if progress:
-                                progress(n)
                     finally:
                         resp.close()
                     return
