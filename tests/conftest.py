@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,21 @@ from weightsvc._server import BackgroundServer
 settings.register_profile("suite", derandomize=True, print_blob=True)
 settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+
+REDIS_URL = "redis://127.0.0.1:6379/0"  # scripts/test.sh starts one when none answers
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    """A Redis key prefix of the test's own (registries and replicas keep apart); deleted afterwards."""
+    import redis
+
+    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
 
 
 def serving(**overrides: object) -> BackgroundServer:

@@ -185,10 +185,10 @@ class Manifest:
             "lag": None if self.lag is None else self.lag.to_dict(),
         }
 
-    @property
-    def etag(self) -> str:
-        """The HTTP entity tag of the version's file: the same on every server that serves it."""
-        return f'"{self.model}-{self.version}-{self.master_digest.rsplit(":", 1)[-1]}"'
+    def etag(self, header: bytes) -> str:
+        """The HTTP entity tag of the version's file with this `header`: equal only where the bytes
+        are (a relay serves a version of parts whole, under a header without them)."""
+        return f'"{self.model}-{self.version}-{xxhash.xxh3_64_hexdigest(header)}"'
 
     def safetensors_header(self) -> bytes:
         """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes."""
@@ -204,12 +204,11 @@ class Manifest:
         return struct.pack("<Q", len(raw)) + raw
 
 
-PART_ALIGN = 8  # parts start on 8-byte boundaries, so every tensor stays naturally aligned
-
-
 def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
     """The manifest of a version made of the replicas' parts: their tensors back to back in owner
-    order (each part 8-byte aligned), the combined master digest, and lag metrics pooled over parts."""
+    order, the combined master digest, and lag metrics pooled over parts. Parts follow each other
+    without gaps (safetensors allows none), so a tensor after a part of odd size may sit unaligned in
+    the file; torch and numpy read such tensors as they are."""
     owners = sorted(parts)
     first = parts[owners[0]]
     tensors: list[ServedTensor] = []
@@ -217,7 +216,6 @@ def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
     offset = 0
     for owner in owners:
         m = parts[owner]
-        offset += -offset % PART_ALIGN
         placed.append(Part(owner, offset, m.data_bytes))
         tensors += [replace(t, offset=t.offset + offset) for t in m.tensors]
         offset += m.data_bytes

@@ -264,12 +264,16 @@ class RedisRegistry:
     """The registry shared by replicas, in Redis. Losing Redis raises UNAVAILABLE; redis-py
     reconnects by itself on the next call."""
 
-    def __init__(self, url: str, prefix: str = "weightsvc") -> None:
+    def __init__(self, url: str, prefix: str = "weightsvc", socket_timeout: float = 5.0) -> None:
         import redis.asyncio as aioredis
 
         self.url = url
         self.prefix = prefix
-        self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+        self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
+                                              health_check_interval=10)  # fmt: skip
+        # A blocking read of a model's events waits well under the socket timeout, which would
+        # otherwise end an idle watch (and a part waiting for the other owners') with UNAVAILABLE.
+        self._block_ms = max(1, int(socket_timeout * 400))
         self._commit = self._redis.register_script(_COMMIT)
         self._commit_part = self._redis.register_script(_COMMIT_PART)
         self._withdraw_part = self._redis.register_script(_WITHDRAW_PART)
@@ -353,7 +357,8 @@ class RedisRegistry:
                 yield v
                 last = v
         while True:
-            got = await self._call(f"watching model {model!r}", self._redis.xread({stream: cursor}, block=5000))
+            read = self._redis.xread({stream: cursor}, block=self._block_ms)
+            got = await self._call(f"watching model {model!r}", read)
             for _, entries in got or []:  # type: ignore[attr-defined]
                 for entry_id, fields in entries:
                     cursor = entry_id

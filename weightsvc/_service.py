@@ -43,7 +43,7 @@ from weightsvc._memory import alloc, resident_bytes
 from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
 from weightsvc._registry import MemoryRegistry, RedisRegistry
 from weightsvc._settings import Settings
-from weightsvc._store import ClientAck, Version, VersionStore
+from weightsvc._store import ClientAck, PartOf, Version, VersionStore
 from weightsvc._topology import Replica
 from weightsvc.errors import (
     Aborted,
@@ -180,6 +180,9 @@ class PushSession:
             service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
         )
         self.base_version = service.store.latest(header.model)  # an ef push continues from this one
+        # Sharded replicas: this push is this replica's part of the version.
+        timeout = service.settings.push_rank_timeout_s
+        self.part_of = PartOf(header.owners, timeout) if header.owners else None
         self.stride = sample_stride(sum(t.spec.numel for t in tensors.values()))
         self.staged_bytes = 0
         self._stage(data_bytes)
@@ -430,8 +433,7 @@ class PushSession:
                           for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())
         lag_input = (sample, saturated, self.stride == 1) if self.tensors else None  # (an empty part)
-        part_of = (self.header.owners, self.service.settings.push_rank_timeout_s) if self.header.owners else None
-        committed, created = await self.service.store.commit(version, residual, lag_input, part_of)
+        committed, created = await self.service.store.commit(version, residual, lag_input, self.part_of)
         self.committed = created
         return committed, created
 
@@ -636,8 +638,9 @@ class Service:
             self.metrics.pushes_rejected.labels("aborted").inc()
             if group is not None:
                 group.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
-                if group.commit_task is not None:  # a part waiting for the other owners': take it back
-                    self.store.abandon(group.model, group.step)
+                staged = group.session.result() if group.session.done() and not group.session.exception() else None
+                if staged is not None and staged.part_of is not None:  # its part, if waiting, is taken back
+                    staged.part_of.abandoned.set()
             raise
         finally:
             self.metrics.pushes_in_flight.dec()
@@ -791,7 +794,7 @@ class Service:
         except NotFound:
             return None
         try:
-            if not delta_compatible(held.manifest, version.manifest):
+            if held.part is not None or not delta_compatible(held.manifest, version.manifest):
                 return None
             encoded = await asyncio.to_thread(delta_encode, version.manifest, version.data, held.data)
         finally:

@@ -20,9 +20,10 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from weightsvc._faults import crash_point
 from weightsvc._lag import LagTracker, Sample
@@ -50,6 +51,7 @@ from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
 
 log = logging.getLogger("weightsvc.store")
+T = TypeVar("T")
 
 MAX_CLIENTS_PER_MODEL = 10_000
 MAX_HISTORY = 100_000  # committed (version, time) pairs remembered per model, for staleness
@@ -102,6 +104,16 @@ class Version:
 
 
 @dataclass
+class PartOf:
+    """This replica's part of a version of sharded replicas: the owners of all its parts, how long to
+    wait for theirs, and an event the push sets when its learner gives up."""
+
+    owners: tuple[str, ...]
+    timeout: float
+    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
 class ClientAck:
     client_id: str
     version: int
@@ -128,7 +140,7 @@ class VersionStore:
         self._lag: dict[str, LagTracker] = {}
         self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
         self.replica_id = ""  # this server's id in the topology (set when it registers)
-        self._abandoned: dict[tuple[str, int], asyncio.Event] = {}  # parts waiting for the other owners'
+        self._waiting: dict[str, int] = {}  # model -> the version whose part waits for the other owners'
         metrics.watch_clients(self.client_lags)
 
     # ---- reads -------------------------------------------------------------------------------
@@ -173,10 +185,21 @@ class VersionStore:
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
+        self._check_not_waiting(model, step)
         latest = self.latest(model)
         if latest is not None and step < latest and step not in self._versions[model]:
             raise FailedPrecondition(
                 f"model {model!r}: step {step} is not above the latest version {latest}",
+                reason="step_not_above_latest",
+            )
+
+    def _check_not_waiting(self, model: str, step: int) -> None:
+        """One part of a model waits for the other owners at a time: what follows builds on it."""
+        waiting = self._waiting.get(model)
+        if waiting is not None:
+            raise FailedPrecondition(
+                f"model {model!r} step {step}: this replica's part of version {waiting} is waiting for the other "
+                "owners' parts; push again once it commits or is withdrawn",
                 reason="step_not_above_latest",
             )
 
@@ -196,19 +219,21 @@ class VersionStore:
         version: Version,
         residual: tuple[int | None, Residual] | None = None,
         lag_input: tuple[Sample, int, bool] | None = None,
-        part_of: tuple[tuple[str, ...], float] | None = None,
+        part_of: PartOf | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
         residual it started from). Returns (the committed version, created).
 
-        With `part_of` (owners, timeout), `version` is this replica's part of a version of sharded
-        replicas: it becomes visible when every owner's part is in, or is withdrawn after `timeout`
-        seconds or when `abandon` is called, and nothing of it stays.
+        With `part_of`, `version` is this replica's part of a version of sharded replicas: it becomes
+        visible when every owner's part is in, or is withdrawn after `part_of.timeout` seconds or once
+        `part_of.abandoned` is set, and nothing of it stays.
 
         Runs to the end even if the pushing stream is cancelled meanwhile: once the file is in
         place the version must also be in memory, or a restart would resurrect a push that the
         learner saw fail.
         """
+        if part_of is not None:
+            self._check_not_waiting(version.manifest.model, version.manifest.version)
         task = asyncio.ensure_future(self._commit(version, residual, lag_input, part_of))
         self._committing.add(task)
         task.add_done_callback(self._committing.discard)
@@ -219,7 +244,7 @@ class VersionStore:
         version: Version,
         residual: tuple[int | None, Residual] | None,
         lag_input: tuple[Sample, int, bool] | None,
-        part_of: tuple[tuple[str, ...], float] | None = None,
+        part_of: PartOf | None = None,
     ) -> tuple[Version, bool]:
         m = version.manifest
         if part_of is not None:  # the file holds the part alone, marked as this replica's
@@ -257,13 +282,14 @@ class VersionStore:
                 if part_of is None:
                     decided = await self._register(m)
                 else:
-                    decided, version = await self._commit_part(version, *part_of)
+                    decided, version = await self._commit_part(version, part_of)
             except BaseException:
                 self._lag[m.model] = before
                 if self.data_dir is not None:
                     await asyncio.to_thread(self._unlink_files, m.model, m.version, residual is not None)
                 raise
-            if not decided.created:  # committed meanwhile by another replica
+            # Committed meanwhile by another replica; a part already committed is held here from now on.
+            if not decided.created and (part_of is None or m.version in vs):
                 return vs.get(m.version, version), False
             vs[m.version] = version
             self._remember(m.model, m.version, m.committed_unix)
@@ -281,64 +307,94 @@ class VersionStore:
             await asyncio.to_thread(self._unlink, m.model, evicted)
         return version, True
 
-    async def _commit_part(
-        self, part: Version, owners: tuple[str, ...], timeout: float
-    ) -> tuple[CommitResult, Version]:
+    async def _commit_part(self, part: Version, part_of: PartOf) -> tuple[CommitResult, Version]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
-        registry's decision and the version as served (the whole manifest, this part's bytes)."""
+        registry's decision and the version as served (the whole manifest, this part's bytes).
+        Raises only while the version is not committed: once it is, this replica keeps its part."""
         m = part.manifest
         where = f"model {m.model!r} version {m.version}"
-        abandoned = self._abandoned.setdefault((m.model, m.version), asyncio.Event())
+        if part_of.abandoned.is_set():
+            raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
+        self._waiting[m.model] = m.version
         try:
-            decided = await self.registry.commit_part(m.model, m.version, self.replica_id, owners, m.master_digest,
-                                                      json.dumps(m.to_dict()), self.retain)  # fmt: skip
-            # A withdraw that comes too late (the last part came in meanwhile) leaves the version committed.
-            if (
-                decided is None
-                and not await self._other_parts(m.model, m.version, abandoned, timeout)
-                and await self.registry.withdraw_part(m.model, m.version, self.replica_id)
-            ):
-                if abandoned.is_set():
-                    raise Aborted(
-                        f"{where}: the learner abandoned the push (another owner's part failed); this replica's "
-                        "part was withdrawn, nothing was committed",
+            try:
+                decided = await self.registry.commit_part(
+                    m.model,
+                    m.version,
+                    self.replica_id,
+                    part_of.owners,
+                    m.master_digest,
+                    json.dumps(m.to_dict()),
+                    self.retain,
+                )
+            except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it
+                if await self._withdraw(m.model, m.version):
+                    raise e from None
+                decided = CommitResult(created=True)
+            if decided is None:
+                arrived = await self._other_parts(m.model, m.version, part_of)
+                if not arrived and await self._withdraw(m.model, m.version):
+                    if part_of.abandoned.is_set():
+                        raise Aborted(
+                            f"{where}: the learner abandoned the push (another owner's part failed); this "
+                            "replica's part was withdrawn, nothing was committed",
+                            reason="aborted",
+                        )
+                    raise DeadlineExceeded(
+                        f"{where}: not every owner of {sorted(part_of.owners)} committed its part within "
+                        f"{part_of.timeout:g} s (--push-rank-timeout-s); this replica's part was withdrawn, nothing "
+                        "was committed",
                         reason="aborted",
                     )
-                raise DeadlineExceeded(
-                    f"{where}: not every owner of {sorted(owners)} committed its part within {timeout:g} s "
-                    "(--push-rank-timeout-s); this replica's part was withdrawn, nothing was committed",
-                    reason="aborted",
-                )
+                decided = CommitResult(created=True)  # (a withdraw too late: the last part came in meanwhile)
         finally:
-            self._abandoned.pop((m.model, m.version), None)
-        whole = manifest_from_registry(await self.registry.manifest(m.model, m.version) or "", where)
+            self._waiting.pop(m.model, None)
+        raw = await self._settled(lambda: self.registry.manifest(m.model, m.version), f"reading {where}")
+        if raw is None:
+            raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
+        whole = manifest_from_registry(raw, where)
         own = next((p for p in whole.parts if p.owner == self.replica_id), None)
         if own is None or own.nbytes != len(part.data):
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
         served = Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
-        return decided or CommitResult(created=True), served
+        return decided, served
 
-    async def _other_parts(self, model: str, version: int, abandoned: asyncio.Event, timeout: float) -> bool:
-        """Wait until the registry commits `version` (True), or until the timeout or `abandon` (False)."""
+    async def _withdraw(self, model: str, version: int) -> bool:
+        """Take this replica's part back: True, or False if the version committed first."""
+        return await self._settled(lambda: self.registry.withdraw_part(model, version, self.replica_id),
+                                   f"withdrawing its part of model {model!r} version {version}")  # fmt: skip
+
+    @staticmethod
+    async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:
+        """The registry's answer, however long it is away: a part's fate must be known before its
+        bytes are kept or dropped."""
+        while True:
+            try:
+                return await call()
+            except Unavailable as e:
+                log.warning("%s: %s; retrying", what, e)
+                await asyncio.sleep(1.0)
+
+    async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
+        """Wait until the registry commits `version` (True), or until the timeout or the learner
+        abandons the push (False)."""
 
         async def committed() -> bool:
-            async for v in self.registry.events(model, version - 1):
-                return v == version  # a later version first: this one can no longer commit
-            return False
+            while True:
+                try:
+                    async for v in self.registry.events(model, version - 1):
+                        return v == version  # a later version first: this one can no longer commit
+                except Unavailable:
+                    await asyncio.sleep(0.5)  # the deadline still holds
 
-        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(abandoned.wait())]
+        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(part_of.abandoned.wait())]
         try:
-            done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, timeout=part_of.timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiting:
                 w.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-        return waiting[0] in done and not waiting[0].cancelled() and waiting[0].result() is True
-
-    def abandon(self, model: str, version: int) -> None:
-        """The learner gave up on a version of parts: this replica's part, if waiting, is withdrawn."""
-        if (event := self._abandoned.get((model, version))) is not None:
-            event.set()
+        return waiting[0] in done and waiting[0].result() is True
 
     def _evict(self, model: str) -> list[int]:
         vs = self._versions[model]
@@ -493,6 +549,9 @@ class VersionStore:
             for v in sorted(vs):
                 if vs[v].manifest.parts:  # a part: served again only as part of what the registry holds
                     whole = await self._whole_of(vs[v])
+                    # Written before a crash and not committed: taken back, or it could still complete.
+                    if whole is None and not await self.registry.withdraw_part(model, v, vs[v].manifest.parts[0].owner):
+                        whole = await self._whole_of(vs[v])  # the last part came in meanwhile
                     if whole is None:
                         dropped.append(v)
                     else:

@@ -59,6 +59,7 @@ from weightsvc.errors import (
     DataLoss,
     FailedPrecondition,
     InvalidArgument,
+    NotFound,
     Unavailable,
     WeightsvcError,
 )
@@ -346,10 +347,9 @@ class LearnerClient:
         When the deployment has several replicas (sharded, sharing a Redis registry), each tensor goes
         to the replica that owns it by rendezvous hashing of its name, all replicas at once; the
         version commits when every replica has its part, and nothing is visible if one fails."""
-        for name, value in parts.items():
-            t = value.data if isinstance(value, Shard) else value
-            if t.dtype not in _EXACT_TO_F32:
-                _as_master(name, t)  # raises with the tensor's name
+        for name, value in parts.items():  # bad input raises here, with the tensor's name
+            _spec(name, value)
+            _as_master(name, value.data if isinstance(value, Shard) else value)
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
                                world_size=world_size)  # fmt: skip
         replicas = self._replicas.topology()
@@ -378,25 +378,28 @@ class LearnerClient:
         senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
         done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
         calls = []
-        for channel, header, parts in streams:
-            # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
-            push = channel.stream_unary(PUSH_METHOD, request_serializer=encode_message,
-                                        response_deserializer=pb.PushResponse.FromString)  # fmt: skip
-            call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
-            call.add_done_callback(done.put)
-            calls.append(call)
-        for _ in calls:
-            call = done.get()
-            if call.exception() is not None:
-                for other in calls:
-                    other.cancel()
+        try:
+            for channel, header, parts in streams:
+                # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
+                push = channel.stream_unary(PUSH_METHOD, request_serializer=encode_message,
+                                            response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+                call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
+                call.add_done_callback(done.put)
+                calls.append(call)
+            for _ in calls:
+                call = done.get()
+                if call.exception() is not None:
+                    _raise(call.exception())
+            return calls[0].result()
+        finally:
+            if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
+                for c in calls:
+                    c.cancel()
                 # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
                 # or a process that exits right after can abort inside gRPC.
                 for sender in senders:
                     if sender is not threading.current_thread():
                         sender.join(5)
-                _raise(call.exception())
-        return calls[0].result()
 
     def _messages(self, header: pb.PushHeader, parts: dict[str, torch.Tensor | Shard], progress: Progress | None,
                   senders: list[threading.Thread]) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
@@ -638,6 +641,8 @@ class InferenceClient:
         """Pull the bytes of `manifest`'s parts above `received` from their owners, in parallel."""
         where = f"model {manifest.model!r} version {manifest.version}"
         todo = [(p, max(p.offset, received)) for p in manifest.parts if p.nbytes and p.offset + p.nbytes > received]
+        if not todo:
+            return
         with concurrent.futures.ThreadPoolExecutor(len(todo), thread_name_prefix="weightsvc-part") as pool:
             futures = [pool.submit(self._pull_part, manifest, part, start, data, progress, where)
                        for part, start in todo]  # fmt: skip
@@ -669,7 +674,10 @@ class InferenceClient:
                         progress(n)
                 break
             except grpc.RpcError as e:
-                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+                # NOT_FOUND too: an owner learns that the version committed a moment after the replica
+                # that took the last part (it reads the registry's events).
+                retryable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                                         grpc.StatusCode.NOT_FOUND)  # fmt: skip
                 if not retryable or attempt == self.resume_attempts:
                     _raise(e)
                 time.sleep(min(2.0, 0.1 * 2**attempt))
@@ -766,7 +774,8 @@ class InferenceClient:
         """A version of sharded replicas over HTTP: each part by Range from its owner, in parallel."""
         where = f"model {manifest.model!r} version {manifest.version}"
         urls = {r.id: r.http for r in self.topology()}
-        head = len(manifest.safetensors_header())
+        header = manifest.safetensors_header()
+        head, etag = len(header), manifest.etag(header)
         data = _buffer(manifest.data_bytes)
 
         def pull(part: Part) -> None:
@@ -777,7 +786,7 @@ class InferenceClient:
                 try:
                     resp = self._request(
                         f"/v1/models/{urllib.parse.quote(manifest.model)}/versions/{manifest.version}/safetensors",
-                        {"Range": f"bytes={head + pos}-{head + end - 1}", "If-Range": manifest.etag},
+                        {"Range": f"bytes={head + pos}-{head + end - 1}", "If-Range": etag},
                         base=urls[part.owner],
                     )
                     try:
@@ -788,7 +797,7 @@ class InferenceClient:
                     finally:
                         resp.close()
                     return
-                except (OSError, http.client.HTTPException, Unavailable) as e:
+                except (OSError, http.client.HTTPException, Unavailable, NotFound) as e:  # (NOT_FOUND: see _pull_part)
                     if attempt == self.resume_attempts:
                         raise Unavailable(f"UNAVAILABLE: {where}: the part of replica {part.owner!r} broke off: "
                                           f"{e!r}") from None  # fmt: skip

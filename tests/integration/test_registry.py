@@ -15,14 +15,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.conftest import make_masters, serving
+from tests.conftest import REDIS_URL, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
 from weightsvc._server import BackgroundServer
 from weightsvc._topology import Replica
 from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
 def _redis_up() -> bool:
@@ -36,17 +34,13 @@ needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
-async def registry(request: pytest.FixtureRequest) -> AsyncIterator[Registry]:
+async def registry(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[Registry]:
     if request.param == "memory":
         yield MemoryRegistry()
         return
-    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
-    reg = RedisRegistry(REDIS_URL, prefix=prefix)
+    reg = RedisRegistry(REDIS_URL, prefix=redis_prefix)
     yield reg
     await reg.close()
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
 
 
 def manifest(version: int) -> str:
@@ -102,6 +96,20 @@ async def test_events_give_retained_versions_then_each_new_one(registry: Registr
     await asyncio.wait_for(done.wait(), 10)
     await task
     assert seen == [2, 3, 4]
+
+
+@needs_redis
+async def test_an_idle_watch_outlives_the_socket_timeout(redis_prefix: str) -> None:
+    """Nothing commits for three socket timeouts: the events iterator waits on, it does not fail."""
+    registry = RedisRegistry(REDIS_URL, prefix=redis_prefix, socket_timeout=0.5)
+    try:
+        events = registry.events("m", -1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(anext(events), timeout=1.5)
+        await registry.commit("m", 1, "d1", manifest(1), retain=4)
+        assert await anext(registry.events("m", 0)) == 1
+    finally:
+        await registry.close()
 
 
 async def test_acks(registry: Registry) -> None:

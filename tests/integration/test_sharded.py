@@ -10,13 +10,13 @@ import json
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import redis
+import safetensors.torch
 import torch
 
 from tests.conftest import ServeProcess, make_masters, serving
@@ -27,22 +27,13 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc._manifest import Manifest
 from weightsvc._topology import assign
 from weightsvc.client import Shard
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import FailedPrecondition, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 pytestmark = needs_redis
 
 REPLICAS = ("r0", "r1", "r2")
-
-
-@pytest.fixture
-def prefix() -> Iterator[str]:
-    prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
-    yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
-    for key in client.scan_iter(f"{prefix}:*"):
-        client.delete(key)
 
 
 def _pending_parts(prefix: str) -> list[bytes]:
@@ -65,8 +56,8 @@ def _steps(masters: dict[str, torch.Tensor], count: int) -> Iterator[dict[str, t
         yield masters
 
 
-def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: str, tmp_path: Path) -> None:
-    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "rounding": "ef"}
+def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, model: str, tmp_path: Path) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "rounding": "ef"}
     gen = torch.Generator().manual_seed(5)
     masters = make_masters() | {f"layers.{i}.mlp.down.weight": torch.randn(64, 40, generator=gen) for i in range(1, 5)}
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
@@ -113,10 +104,25 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(prefix: str, model: 
                 assert resp.read() == relay_file
             relayed_bits = InferenceClient(relay.http_url).pull(model, 2)
             assert all(torch.equal(relayed_bits[n], expected[n]) for n in expected)
+            # Its file has no parts in its header: another ETag, so a Range resume never splices the two.
+            head = {"Range": "bytes=0-7"}
+            etags = {urllib.request.urlopen(urllib.request.Request(f"{srv.http_url}/v1/models/{model}/versions/2/"
+                                                                   "safetensors", headers=head)).headers["etag"]
+                     for srv in (r0, r1, relay)}  # fmt: skip
+            assert len(etags) == 2
         # Over HTTP too, the client gathers the parts (by Range, from each owner).
         for srv in replicas:
             over_http = InferenceClient(srv.http_url).pull(model, 2)
             assert all(torch.equal(over_http[n], expected[n]) for n in expected)
+        # Parts follow each other without gaps, so the gathered file is valid safetensors, also when a part
+        # ends at an odd byte (fp8) and the next one's tensors start unaligned.
+        with LearnerClient(r2.grpc_target) as learner:
+            learner.push(3, masters, model, format="fp8_e4m3", rounding="sr")
+        fp8 = InferenceClient(r1.grpc_target).pull_file(tmp_path / "v3.safetensors", model, 3)
+        assert any(p.offset % 4 for p in fp8.parts)
+        loaded = safetensors.torch.load_file(tmp_path / "v3.safetensors")
+        for name, t in InferenceClient(r0.http_url).pull(model, 3).items():
+            assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
         # A replica serves the header and its own part; asked for the whole file, it says who holds what.
         url = f"{r2.http_url}/v1/models/{model}/versions/2/safetensors"
         with pytest.raises(urllib.error.HTTPError) as err:
@@ -140,14 +146,14 @@ def _part_push(model: str, owners: list[str]) -> Iterator[pb.PushRequest]:
     yield pb.PushRequest(commit=pb.PushCommit())
 
 
-def test_a_part_whose_owners_never_join_is_withdrawn(prefix: str, model: str) -> None:
-    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix, "push_rank_timeout_s": 0.5}
+def test_a_part_whose_owners_never_join_is_withdrawn(redis_prefix: str, model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "push_rank_timeout_s": 0.5}
     with serving(**shared, replica_id="r0") as r0:
         with grpc.insecure_channel(r0.grpc_target) as ch, pytest.raises(grpc.RpcError) as err:
             pb_grpc.WeightServiceStub(ch).Push(_part_push(model, ["r0", "gone"]), timeout=30)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "not every owner of ['gone', 'r0'] committed its part within 0.5 s" in err.value.details()
-        assert _pending_parts(prefix) == []
+        assert _pending_parts(redis_prefix) == []
         assert r0.service.store.models() == []
         # A replica that is not among the owners refuses the part.
         with grpc.insecure_channel(r0.grpc_target) as ch, pytest.raises(grpc.RpcError) as err:
@@ -156,12 +162,33 @@ def test_a_part_whose_owners_never_join_is_withdrawn(prefix: str, model: str) ->
         assert "this server is replica 'r0', not one of the owners ['r1', 'r2']" in err.value.details()
 
 
+def test_a_waiting_part_holds_back_its_model_until_the_learner_gives_up(redis_prefix: str, model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "push_rank_timeout_s": 60}
+    with serving(**shared, replica_id="r0") as r0, grpc.insecure_channel(r0.grpc_target) as ch:
+        waiting = pb_grpc.WeightServiceStub(ch).Push.future(_part_push(model, ["r0", "r1"]), timeout=60)
+        deadline = time.monotonic() + 20
+        while not _pending_parts(redis_prefix) and time.monotonic() < deadline:  # Redis: nothing to wait on
+            time.sleep(0.02)
+        assert _pending_parts(redis_prefix)
+        # What would build on the waiting version is refused at once, not queued behind it.
+        refused = "is waiting for the other owners' parts"
+        with LearnerClient(r0.grpc_target) as learner, pytest.raises(FailedPrecondition, match=refused):
+            learner.push(5, {"w": torch.ones(2)}, model)
+        # The learner gives up (another owner failed): the part is withdrawn at once, not after 60 s.
+        waiting.cancel()
+        assert _no_parts_left(redis_prefix, timeout=10)
+        assert r0.service.store.models() == []
+
+
 def _replica(prefix: str, replica_id: str, data_dir: Path, env: dict[str, str] | None = None) -> ServeProcess:
     return ServeProcess("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--replica-id", replica_id,
                         "--data-dir", str(data_dir / replica_id), "--push-rank-timeout-s", "30", env=env)  # fmt: skip
 
 
-def test_three_replica_processes_survive_a_replica_killed_mid_push(prefix: str, model: str, tmp_path: Path) -> None:
+def test_three_replica_processes_survive_a_replica_killed_mid_push(
+    redis_prefix: str, model: str, tmp_path: Path
+) -> None:
+    prefix = redis_prefix
     procs = {r: _replica(prefix, r, tmp_path) for r in REPLICAS}
     try:
         masters = make_masters(scale=0.05)
@@ -213,10 +240,10 @@ def test_three_replica_processes_survive_a_replica_killed_mid_push(prefix: str, 
                 proc.kill()
 
 
-def test_learner_ranks_push_to_sharded_replicas(prefix: str, model: str) -> None:
+def test_learner_ranks_push_to_sharded_replicas(redis_prefix: str, model: str) -> None:
     """FSDP-style ranks, each with whole tensors and a shard of one, over three replicas: each rank
     sends every replica its share (possibly nothing); the version equals a one-rank push to one server."""
-    shared = {"redis_url": REDIS_URL, "redis_prefix": prefix}
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix}
     state = make_masters(seed=3)
     split = "layers.0.mlp.up.weight"
     others = [n for n in state if n != split]
