@@ -293,6 +293,48 @@ def kernel_bench(*, size_mib: int = 256, repeat: int = 5) -> dict[str, float]:
     }
 
 
+def cuda_kernel_bench(*, size_mib: int = 1024, repeat: int = 10) -> dict[str, float]:
+    """K1/K2 on a CUDA device: the Triton export kernels vs `x.to(torch.bfloat16)` on the GPU, plus
+    `rounding.export` as the service calls it (for ef that includes the residual's trip to the host)."""
+    from weightsvc import rounding
+    from weightsvc.rounding import _triton
+
+    x = torch.randn((size_mib << 20) // 4, device="cuda") * 0.02
+    out = torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda").view(torch.int16)
+    res_in, res_out = torch.zeros_like(x), torch.empty_like(x)
+    spec_sr, spec_ef = rounding.ExportSpec("bf16", "sr"), rounding.ExportSpec("bf16", "ef")
+    k0, k1 = spec_sr.key(1, "w")
+    residual = rounding.Residual()
+
+    def timed(fn: Callable[[], object]) -> float:
+        fn()
+        torch.cuda.synchronize()
+
+        def once() -> float:
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        return _best(once, repeat)
+
+    cast_s = timed(lambda: x.to(torch.bfloat16))
+    sr_s = timed(lambda: _triton.bf16_export(x, out, k0, k1, 0, True, None, None))
+    ef_s = timed(lambda: _triton.bf16_export(x, out, k0, k1, 0, spec_ef.stochastic, res_in, res_out))
+    api_sr_s = timed(lambda: rounding.export(x, spec_sr, version=1, name="w"))
+    api_ef_s = timed(lambda: rounding.export(x, spec_ef, version=1, name="w", residual=residual))
+    gbps = {k: round(x.numel() * 4 / v / 1e9, 1) for k, v in
+            {"cast": cast_s, "sr": sr_s, "ef": ef_s, "export_sr": api_sr_s, "export_ef": api_ef_s}.items()}  # fmt: skip
+    return {
+        "K1_cuda": round(cast_s / sr_s, 3),
+        "K2_cuda": round(cast_s / ef_s, 3),
+        "K1_cuda_export_api": round(cast_s / api_sr_s, 3),
+        "K2_cuda_export_api": round(cast_s / api_ef_s, 3),
+        **{f"kernel_cuda_{k}_gbps": v for k, v in gbps.items()},
+        "device": torch.cuda.get_device_name(),  # type: ignore[dict-item]
+    }
+
+
 def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
     """delta_ratio_<mode>: delta bytes / dense bytes between two versions one Adam-sized step apart
     (every element moves by lr, as in the demo), in mid-training: masters off the bf16 grid."""
