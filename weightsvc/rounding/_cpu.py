@@ -111,7 +111,8 @@ def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-u
         saturated += sat
         served[i] = np.uint16(out)
         # A saturated element keeps no residual: the error beyond the range would only wind up.
-        new_residual[i] = np.float32(0.0) if sat else u - _f32_from_bits(out << np.uint32(16))
+        res = u - _f32_from_bits(out << np.uint32(16))
+        new_residual[i] = np.float32(0.0) if sat or res == 0 else res  # +0, whatever the sign of a zero
     return nonfinite, saturated
 
 
@@ -259,5 +260,6 @@ def float_export(  # type: ignore[no-untyped-def]
         served[i] = (np.int64(ybits >> np.uint32(31)) << sign_shift) | mag
         if use_residual:
             # A saturated element keeps no residual: the error beyond the range would only wind up.
-            new_residual[i] = np.float32(0.0) if (sat or overflow) else u - np.float32(value) * scale
+            res = u - np.float32(value) * scale
+            new_residual[i] = np.float32(0.0) if (sat or overflow or res == 0) else res  # +0 for any zero
     return nonfinite, saturated

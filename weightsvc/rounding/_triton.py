@@ -2,7 +2,8 @@
 
 Tested on the CPU under `TRITON_INTERPRET=1` against the numba kernels, bit for bit. Launched with
 `enable_fp_fusion=False`: the ef residual `u - value * scale` must not become an FMA on the GPU,
-or its last bit would differ from the CPU's.
+or its last bit would differ from the CPU's. A zero residual is stored as +0 on both sides: the GPU
+does not keep the IEEE sign of `-0 - -0` (seen on an H200).
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ def _random_bits(k0, k1, g):
     k0 = k0.to(tl.uint32)
     k1 = k1.to(tl.uint32)
     return _mix32(_mix32(lo ^ k0) ^ (hi + k1).to(tl.uint32))
+
+
+@triton.jit
+def _count(counts, special, saturated):
+    """Add a block's non-finite and saturated elements to the counters. Most blocks have none and
+    skip the atomics: thousands of blocks adding zeros to one address would serialize on it."""
+    n_special = tl.sum(special.to(tl.int64))
+    n_saturated = tl.sum(saturated.to(tl.int64))
+    if n_special + n_saturated > 0:
+        tl.atomic_add(counts + 0, n_special)
+        tl.atomic_add(counts + 1, n_saturated)
 
 
 @triton.jit
@@ -70,9 +82,9 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
     tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     if EF:
         served = (out << 16).to(tl.float32, bitcast=True)
-        tl.store(new_residual + i, tl.where(special | sat, 0.0, u - served), mask=mask)
-    tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
-    tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
+        r = u - served
+        tl.store(new_residual + i, tl.where(special | sat | (r == 0), 0.0, r), mask=mask)
+    _count(counts, special & mask, sat & ~special & mask)
 
 
 @triton.jit
@@ -146,9 +158,9 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         pow2 = ((exponent + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
         value = significand * pow2
         value = tl.where(sign == 1, -value, value)
-        tl.store(new_residual + i, tl.where(special | sat | overflow, 0.0, u - value * scale), mask=mask)
-    tl.atomic_add(counts + 0, tl.sum((special & mask).to(tl.int64)))
-    tl.atomic_add(counts + 1, tl.sum((sat & ~special & mask).to(tl.int64)))
+        r = u - value * scale
+        tl.store(new_residual + i, tl.where(special | sat | overflow | (r == 0), 0.0, r), mask=mask)
+    _count(counts, special & mask, sat & ~special & mask)
 
 
 def _grid(n: int) -> tuple[int]:
