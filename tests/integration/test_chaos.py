@@ -74,6 +74,12 @@ def test_random_sigkills_lose_nothing_committed_and_show_nothing_partial(tmp_pat
     acknowledged: set[int] = set()  # steps whose push returned success
     step = kills = 0
     restored: list[int] = []
+    # The export kernels are compiled (and cached on disk) by a server that lives: otherwise every
+    # server killed within its first seconds dies compiling, and no iteration commits anything.
+    warm = ServeProcess("--data-dir", str(tmp_path / "warm"), "--rounding", "ef")
+    with LearnerClient(warm.target) as learner:
+        learner.push(1, masters(1), model=MODEL)
+    warm.stop()
     for _ in range(ITERATIONS):
         srv = ServeProcess("--data-dir", str(data), "--rounding", "ef", "--retain", "1000")
         stop = threading.Event()
@@ -105,5 +111,6 @@ def test_random_sigkills_lose_nothing_committed_and_show_nothing_partial(tmp_pat
             kills += 1
         finally:
             srv.stop()
+    assert acknowledged, "the learner never had a push acknowledged: nothing was tested"
     unheard = len(set(restored) - acknowledged)  # committed, but the learner never heard back
     print(f"chaos: {kills} kills, {len(restored)} versions committed and verified, {unheard} of them unacknowledged")
