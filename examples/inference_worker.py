@@ -5,7 +5,8 @@
 The sampler thread runs the policy, step after step, on the active copy of the weights. The loader
 thread watches weightsvc; for each new version it pulls only what changed since the version it
 holds (a delta pull), writes it into the spare copy while the sampler keeps going, swaps the two
-copies between two sampling steps, and acks the version so that the service sees the fleet move.
+copies between two sampling steps, and acks the version once it has sampled with it, so that the
+service sees the fleet move.
 Each swap prints one JSON line on stdout. A real worker would hold a vLLM or SGLang engine instead
 of `Policy` (see `weightsvc.loaders`); the double buffer and the watch loop stay the same.
 """
@@ -93,6 +94,7 @@ class Sampler(threading.Thread):
         self.weights = weights
         self.steps: Counter[int | None] = Counter()  # sampling steps run with each version
         self.stop = threading.Event()
+        self._stepped = threading.Condition()
 
     def run(self) -> None:
         gen = torch.Generator().manual_seed(0)
@@ -103,7 +105,14 @@ class Sampler(threading.Thread):
                     logits = policy(tokens).float()
                 next_token = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
                 tokens = torch.cat([tokens[:, 1:], next_token], dim=1)
-                self.steps[version] += 1
+                with self._stepped:
+                    self.steps[version] += 1
+                    self._stepped.notify_all()
+
+    def wait_sampled(self, version: int, timeout: float = 60.0) -> bool:
+        """Wait until a sampling step has run with `version`: from then on the worker serves it."""
+        with self._stepped:
+            return self._stepped.wait_for(lambda: self.steps[version] > 0, timeout)
 
     @property
     def total(self) -> int:
@@ -128,6 +137,7 @@ def follow(target: str, model: str, until_version: int | None = None, dtype: tor
             weights.load(served, info.version)
             if not sampler.is_alive():
                 sampler.start()
+            sampler.wait_sampled(info.version)  # acked once it is what the worker samples with
             client.ack(model, info.version, client_id)
             emit(event="swap", version=info.version, sampled_during_load=sampler.total - before,
                  pulled_bytes=client.last_pull_bytes)  # fmt: skip
