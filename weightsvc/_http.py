@@ -77,7 +77,7 @@ class VersionFileResponse(Response):
         headers = {
             "content-length": str(end - start),
             "accept-ranges": "bytes",
-            "etag": version.manifest.etag(version.header),
+            "etag": version.etag,
             "x-weightsvc-model": m.model,
             "x-weightsvc-version": str(m.version),
             "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
@@ -163,7 +163,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         held = service.store.get(model, parse_version_ref(version))
         span: tuple[int, int] | None = None
         if_range = request.headers.get("if-range")
-        if if_range is None or if_range == held.manifest.etag(held.header):  # a stale If-Range gets the whole new file
+        if if_range is None or if_range == held.etag:  # a stale If-Range gets the whole new file
             try:
                 span = _parse_range(request.headers.get("range"), held.size)
             except ValueError:

@@ -132,6 +132,11 @@ class RankGroup:
                 raise error from None
         return await asyncio.shield(self.session)
 
+    @property
+    def staged(self) -> PushSession | None:
+        """The group's staging session, once opened (None before, or if opening it failed)."""
+        return self.session.result() if self.session.done() and not self.session.exception() else None
+
     def fail(self, error: WeightsvcError, rank: int | None = None) -> None:
         """Fail every rank: with `error` itself when it concerns the group, else naming the rank.
 

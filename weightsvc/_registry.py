@@ -119,7 +119,7 @@ class MemoryRegistry:
         owners = sorted(owners)
         committed = self._manifests.get(model, {}).get(version)
         if committed is not None:
-            part = json.loads(committed[1]).get(owner) if committed[1].startswith("{") else None
+            part = json.loads(committed[1]).get(owner)  # (a plain version's manifest has no such key)
             if isinstance(part, dict) and part.get("digest") == digest:
                 return CommitResult(created=False)
             raise _conflict(model, version, committed[0], digest)

@@ -638,7 +638,7 @@ class Service:
             self.metrics.pushes_rejected.labels("aborted").inc()
             if group is not None:
                 group.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
-                staged = group.session.result() if group.session.done() and not group.session.exception() else None
+                staged = group.staged
                 if staged is not None and staged.part_of is not None:  # its part, if waiting, is taken back
                     staged.part_of.abandoned.set()
             raise
@@ -647,10 +647,11 @@ class Service:
             self._push_streams -= 1
             if group is not None:
                 group.attached -= 1
-                if group.attached == 0 and group.session.done() and not group.session.exception():
+                staged = group.staged
+                if group.attached == 0 and staged is not None:
                     # A cancelled handler may be cancelled again while it cleans up: release the
                     # staging memory in a task of its own so that it always completes.
-                    release = asyncio.ensure_future(self._release(group.session.result(), group))
+                    release = asyncio.ensure_future(self._release(staged, group))
                     self._releasing.add(release)
                     release.add_done_callback(self._releasing.discard)
                     await asyncio.shield(release)

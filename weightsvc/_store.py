@@ -78,6 +78,11 @@ class Version:
         """The byte range [start, end) of the version's data section that this server holds."""
         return self.offset, self.offset + len(self.data)
 
+    @functools.cached_property
+    def etag(self) -> str:
+        """The HTTP entity tag of this version's file (hashes its header: computed once)."""
+        return self.manifest.etag(self.header)
+
     @property
     def digest(self) -> str:
         """The master digest of what this server committed (its part's, for a part)."""
@@ -352,11 +357,9 @@ class VersionStore:
         raw = await self._settled(lambda: self.registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
             raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
-        whole = manifest_from_registry(raw, where)
-        own = next((p for p in whole.parts if p.owner == self.replica_id), None)
-        if own is None or own.nbytes != len(part.data):
+        served = self._served_part(part, raw)
+        if served is None:
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
-        served = Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
         return decided, served
 
     async def _withdraw(self, model: str, version: int) -> bool:
@@ -576,14 +579,18 @@ class VersionStore:
 
     async def _whole_of(self, part: Version) -> Version | None:
         """A restored part with the manifest of the version it belongs to, if that committed."""
+        raw = await self.registry.manifest(part.manifest.model, part.manifest.version)
+        return None if raw is None else self._served_part(part, raw)
+
+    @staticmethod
+    def _served_part(part: Version, raw: str) -> Version | None:
+        """This replica's part (as in its file) served under the registry's manifest `raw` of the whole
+        version, or None when that version holds no such part (another owner, size or digest)."""
         m = part.manifest
-        raw = await self.registry.manifest(m.model, m.version)
-        if raw is None:
-            return None
+        owner = m.parts[0].owner
         whole = manifest_from_registry(raw, f"model {m.model!r} version {m.version}")
-        own = next((p for p in whole.parts if p.owner == m.parts[0].owner and p.nbytes == m.data_bytes), None)
-        parts = json.loads(raw)
-        if own is None or parts.get(own.owner, {}).get("digest") != m.master_digest:
+        own = next((p for p in whole.parts if p.owner == owner and p.nbytes == m.data_bytes), None)
+        if own is None or json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
             return None
         return Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
 

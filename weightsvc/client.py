@@ -222,6 +222,12 @@ class _Replicas:
             channel.close()
 
 
+def _pull_method(channel: grpc.Channel) -> Any:
+    """Pull on `channel`: pre-encoded chunks come back as views, not copies (`_wire`)."""
+    return channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+                                response_deserializer=decode_pull_response)  # fmt: skip
+
+
 def _read_into(resp: http.client.HTTPResponse, data: memoryview, pos: int, end: int,
                progress: Progress | None) -> Iterator[int]:  # fmt: skip
     """Read a response body into data[pos:end], yielding each count read; a short body raises."""
@@ -349,7 +355,9 @@ class LearnerClient:
         version commits when every replica has its part, and nothing is visible if one fails."""
         for name, value in parts.items():  # bad input raises here, with the tensor's name
             _spec(name, value)
-            _as_master(name, value.data if isinstance(value, Shard) else value)
+            tensor = value.data if isinstance(value, Shard) else value
+            if tensor.dtype not in _EXACT_TO_F32:
+                _as_master(name, tensor)  # raises with the tensor's name
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
                                world_size=world_size)  # fmt: skip
         replicas = self._replicas.topology()
@@ -575,8 +583,7 @@ class InferenceClient:
         received = 0
         delta_bytes: int | None = None
         self.last_pull_bytes = 0
-        pull = self._channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
-                                          response_deserializer=decode_pull_response)  # fmt: skip
+        pull = _pull_method(self._channel)
         for attempt in range(self.resume_attempts + 1):
             # After a break, ask for the same version from the first byte we do not have yet.
             pinned = version if manifest is None else str(manifest.version)
@@ -652,9 +659,7 @@ class InferenceClient:
     def _pull_part(self, manifest: Manifest, part: Part, start: int, data: memoryview, progress: Progress | None,
                    where: str) -> int:  # fmt: skip
         """Bytes [start, end of `part`) from the part's owner, resuming after a break; returns the count."""
-        channel = self._replicas.channel(part.owner, where)
-        pull = channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
-                                    response_deserializer=decode_pull_response)  # fmt: skip
+        pull = _pull_method(self._replicas.channel(part.owner, where))
         end, pos = part.offset + part.nbytes, start
         for attempt in range(self.resume_attempts + 1):
             request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=pos)
