@@ -20,7 +20,7 @@ import torch
 from hypothesis import settings
 
 from weightsvc import InferenceClient, LearnerClient, Settings
-from weightsvc._server import BackgroundServer
+from weightsvc.server.server import BackgroundServer
 
 # The suite draws the same examples every run, so a red CI names a change, not a lucky draw;
 # `HYPOTHESIS_PROFILE=explore` draws new ones each run (fuzzing by hand).

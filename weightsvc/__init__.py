@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsvc._settings import Settings
+from weightsvc.settings import Settings
 
 if TYPE_CHECKING:
     from weightsvc.client import InferenceClient, LearnerClient, VersionInfo

@@ -1,3 +1,3 @@
-from weightsvc._cli import main
+from weightsvc.cli.main import main
 
 main()

@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._http import create_app
-from weightsvc._server import BackgroundServer
 from weightsvc.errors import PermissionDenied, Unauthenticated, Unavailable
+from weightsvc.server.server import BackgroundServer
+from weightsvc.transport.http import create_app
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 

@@ -15,7 +15,6 @@ import torch
 
 from tests.conftest import make_masters, serving, start_server
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -24,6 +23,7 @@ from weightsvc.errors import (
     ResourceExhausted,
     WeightsvcError,
 )
+from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from weightsvc import LearnerClient
-from weightsvc._server import BackgroundServer
+from weightsvc.server.server import BackgroundServer
 
 
 def test_every_route_answers_inputs_from_its_schema_without_5xx(server: BackgroundServer) -> None:

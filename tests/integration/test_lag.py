@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import serving
 from tests.integration.test_push_pull import http_get
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._lag import SAMPLE_TARGET, LagTracker, Sample
+from weightsvc.core.lag import SAMPLE_TARGET, LagTracker, Sample
 from weightsvc.rounding import FORMATS, decode, fair_cast
 
 

@@ -15,8 +15,8 @@ import torch
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.errors import ResourceExhausted
+from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 

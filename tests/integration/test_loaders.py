@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.loaders import VllmWorkerExtension, dequantize, load_into, update_module, update_sglang, update_vllm
+from weightsvc.server.server import BackgroundServer
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
 

@@ -19,8 +19,8 @@ from safetensors.torch import load
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.rounding import fair_cast
+from weightsvc.server.server import BackgroundServer
 
 
 def bits(t: torch.Tensor) -> np.ndarray:

@@ -13,9 +13,9 @@ import torch
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.client import Shard, VersionInfo
 from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, NotFound
+from weightsvc.server.server import BackgroundServer
 
 CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
 

@@ -17,10 +17,10 @@ import redis
 
 from tests.conftest import REDIS_URL, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
-from weightsvc._server import BackgroundServer
-from weightsvc._topology import Replica
+from weightsvc.core.registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
+from weightsvc.core.topology import Replica
 from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from weightsvc.server.server import BackgroundServer
 
 
 def _redis_up() -> bool:

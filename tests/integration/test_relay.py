@@ -11,9 +11,9 @@ import torch
 
 from tests.conftest import make_masters, serving, start_server
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
 from weightsvc.client import read_version_file
 from weightsvc.errors import FailedPrecondition
+from weightsvc.server.server import BackgroundServer
 
 
 def relayed(relay: BackgroundServer, model: str, after: int | None, timeout: float = 60) -> int:

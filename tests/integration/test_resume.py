@@ -14,7 +14,7 @@ import torch
 from tests.conftest import start_server
 from tests.integration.test_push_pull import assert_served
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._server import BackgroundServer
+from weightsvc.server.server import BackgroundServer
 
 CUT_AFTER = 3 << 20
 

@@ -24,9 +24,9 @@ from tests.integration.test_ranks import push_ranks
 from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_relay import relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc._manifest import Manifest
-from weightsvc._topology import assign
 from weightsvc.client import Shard
+from weightsvc.core.manifest import Manifest
+from weightsvc.core.topology import assign
 from weightsvc.errors import FailedPrecondition, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc

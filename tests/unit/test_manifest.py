@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from weightsvc._manifest import (
+from weightsvc.core.manifest import (
     Manifest,
     ServedTensor,
     check_model_name,

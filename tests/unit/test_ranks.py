@@ -7,8 +7,8 @@ import itertools
 import numpy as np
 import pytest
 
-from weightsvc._manifest import DIGEST_BLOCK, MasterDigest, TensorSpec
-from weightsvc._ranks import merge_parts
+from weightsvc.core.manifest import DIGEST_BLOCK, MasterDigest, TensorSpec
+from weightsvc.core.ranks import merge_parts
 from weightsvc.errors import InvalidArgument
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from weightsvc._topology import Replica, assign, owner
+from weightsvc.core.topology import Replica, assign, owner
 
 NAMES = [f"model.layers.{i}.{part}.weight" for i in range(200) for part in ("q", "k", "v", "o", "up", "down")]
 

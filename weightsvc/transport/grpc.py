@@ -14,11 +14,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._auth import Auth, GrpcAuth
-from weightsvc._manifest import TensorSpec, parse_version_ref
-from weightsvc._service import PushChunk, PushCommit, PushHeader, PushMessage, Service
-from weightsvc._topology import HASHING
-from weightsvc._wire import (
+from weightsvc.core.manifest import TensorSpec, parse_version_ref
+from weightsvc.core.service import PushChunk, PushCommit, PushHeader, PushMessage, Service
+from weightsvc.core.topology import HASHING
+from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
+from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.wire import (
     ChunkView,
     Malformed,
     decode_push_request,
@@ -27,7 +28,6 @@ from weightsvc._wire import (
     info_to_proto,
     manifest_to_proto,
 )
-from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 

@@ -33,9 +33,9 @@ from typing import Any, NoReturn
 import grpc
 import torch
 
-from weightsvc._delta import apply as delta_apply
-from weightsvc._lag import LagMetrics
-from weightsvc._manifest import (
+from weightsvc.core.delta import apply as delta_apply
+from weightsvc.core.lag import LagMetrics
+from weightsvc.core.manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
@@ -44,16 +44,8 @@ from weightsvc._manifest import (
     read_safetensors_header,
     verify,
 )
-from weightsvc._memory import alloc
-from weightsvc._topology import Replica, assign
-from weightsvc._wire import (
-    ChunkView,
-    decode_pull_response,
-    encode_chunk,
-    encode_message,
-    lag_from_proto,
-    manifest_from_proto,
-)
+from weightsvc.core.memory import alloc
+from weightsvc.core.topology import Replica, assign
 from weightsvc.errors import (
     BY_GRPC_CODE,
     DataLoss,
@@ -62,6 +54,14 @@ from weightsvc.errors import (
     NotFound,
     Unavailable,
     WeightsvcError,
+)
+from weightsvc.transport.wire import (
+    ChunkView,
+    decode_pull_response,
+    encode_chunk,
+    encode_message,
+    lag_from_proto,
+    manifest_from_proto,
 )
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc

@@ -25,10 +25,10 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
-from weightsvc._delta import compatible as delta_compatible
-from weightsvc._delta import encode as delta_encode
-from weightsvc._lag import Sample, sample_stride, sampled_indices
-from weightsvc._manifest import (
+from weightsvc.core.delta import compatible as delta_compatible
+from weightsvc.core.delta import encode as delta_encode
+from weightsvc.core.lag import Sample, sample_stride, sampled_indices
+from weightsvc.core.manifest import (
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
@@ -39,12 +39,11 @@ from weightsvc._manifest import (
     checksum,
     layout,
 )
-from weightsvc._memory import alloc, resident_bytes
-from weightsvc._ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
-from weightsvc._registry import MemoryRegistry, RedisRegistry
-from weightsvc._settings import Settings
-from weightsvc._store import ClientAck, PartOf, Version, VersionStore
-from weightsvc._topology import Replica
+from weightsvc.core.memory import alloc, resident_bytes
+from weightsvc.core.ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
+from weightsvc.core.registry import MemoryRegistry, RedisRegistry
+from weightsvc.core.store import ClientAck, PartOf, Version, VersionStore
+from weightsvc.core.topology import Replica
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -57,6 +56,7 @@ from weightsvc.errors import (
     WeightsvcError,
 )
 from weightsvc.metrics import Metrics
+from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
 

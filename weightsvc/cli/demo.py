@@ -3,7 +3,7 @@
 For each rounding mode, a small policy is fine-tuned with REINFORCE and Adam from a bf16-exact
 start. Every step the learner pushes its fp32 masters, pulls the served copy back, samples its
 rollouts from the served copy and computes its loss on it (gradients are applied to the masters).
-The service measures the lag of each committed version (weightsvc._lag); round to nearest hides
+The service measures the lag of each committed version (weightsvc.core.lag); round to nearest hides
 small Adam steps and lags by tens of steps, the unbiased modes do not.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from weightsvc._server import BackgroundServer
-from weightsvc._settings import Settings
 from weightsvc.client import InferenceClient, LearnerClient
+from weightsvc.server.server import BackgroundServer
+from weightsvc.settings import Settings
 
 MODES = ("rtn", "sr", "sr-sticky", "ef")
 

@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsvc._manifest import Manifest, combine_parts
-from weightsvc._topology import Replica
+from weightsvc.core.manifest import Manifest, combine_parts
+from weightsvc.core.topology import Replica
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions

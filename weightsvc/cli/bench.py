@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from weightsvc._memory import alloc
 from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
+from weightsvc.core.memory import alloc
 
 TENSOR_MIB = 16  # a typical transformer matrix (2048 x 2048 fp32)
 TARGETS = {"T1": 0.5, "T2": 0.4, "T3": 0.4}
@@ -339,8 +339,8 @@ def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
     """delta_ratio_<mode>: delta bytes / dense bytes between two versions one Adam-sized step apart
     (every element moves by lr, as in the demo), in mid-training: masters off the bf16 grid."""
     from weightsvc import rounding
-    from weightsvc._delta import encode
-    from weightsvc._manifest import Manifest, layout
+    from weightsvc.core.delta import encode
+    from weightsvc.core.manifest import Manifest, layout
 
     gen = torch.Generator().manual_seed(0)
     shape = ((size_mib << 20) // 4 // 2048, 2048)

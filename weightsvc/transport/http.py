@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from weightsvc._manifest import parse_version_ref
-from weightsvc._service import Service
-from weightsvc._store import CLIENT_TIMEOUT_S, Version
-from weightsvc._topology import HASHING
+from weightsvc.core.manifest import parse_version_ref
+from weightsvc.core.service import Service
+from weightsvc.core.store import CLIENT_TIMEOUT_S, Version
+from weightsvc.core.topology import HASHING
 from weightsvc.errors import WeightsvcError
 
 log = logging.getLogger("weightsvc.http")

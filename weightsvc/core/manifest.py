@@ -18,7 +18,7 @@ from typing import Any
 
 import xxhash
 
-from weightsvc._lag import LagMetrics, pool_lag
+from weightsvc.core.lag import LagMetrics, pool_lag
 from weightsvc.errors import DataLoss, InvalidArgument
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.

@@ -129,8 +129,8 @@ def serve(
     log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
-    from weightsvc._server import Server
-    from weightsvc._settings import Settings
+    from weightsvc.server.server import Server
+    from weightsvc.settings import Settings
 
     limits: dict[str, Any] = {
         "redis_prefix": redis_prefix,
@@ -367,7 +367,7 @@ def demo(
     json_out: Annotated[bool, typer.Option("--json", help="Print the table as JSON keyed by mode.")] = False,
 ) -> None:
     """The paper's experiment: RL fine-tuning per rounding mode through the service; lag and reward."""
-    from weightsvc._demo import as_rows, run_demo
+    from weightsvc.cli.demo import as_rows, run_demo
 
     configure_logging("warning")
     results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else err.print)
@@ -392,8 +392,8 @@ def bench(
     ] = None,
 ) -> None:
     """Transfer benchmarks (DESIGN §8): T1 pull and T2 push vs raw TCP loopback, M1 server RSS."""
-    from weightsvc._bench import run_bench
-    from weightsvc._bench import soak as run_soak
+    from weightsvc.cli.bench import run_bench
+    from weightsvc.cli.bench import soak as run_soak
 
     configure_logging("warning")
     if soak is not None:

@@ -26,16 +26,16 @@ from pathlib import Path
 from typing import TypeVar
 
 from weightsvc._faults import crash_point
-from weightsvc._lag import LagTracker, Sample
-from weightsvc._manifest import (
+from weightsvc.core.lag import LagTracker, Sample
+from weightsvc.core.manifest import (
     Manifest,
     Part,
     manifest_from_header,
     read_safetensors_header,
     verify,
 )
-from weightsvc._memory import BufferPool
-from weightsvc._registry import CommitResult, MemoryRegistry, Registry, check_commit, manifest_from_registry
+from weightsvc.core.memory import BufferPool
+from weightsvc.core.registry import CommitResult, MemoryRegistry, Registry, check_commit, manifest_from_registry
 from weightsvc.errors import (
     Aborted,
     AlreadyExists,

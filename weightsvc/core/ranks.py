@@ -15,12 +15,12 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import TYPE_CHECKING, Any
 
-from weightsvc._manifest import TensorSpec
+from weightsvc.core.manifest import TensorSpec
 from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, WeightsvcError
 
 if TYPE_CHECKING:
-    from weightsvc._service import PushSession
-    from weightsvc._store import Version
+    from weightsvc.core.service import PushSession
+    from weightsvc.core.store import Version
 
 MAX_WORLD_SIZE = 1 << 16
 Committed = tuple["Version", bool]  # the committed version, and whether this push created it

@@ -20,15 +20,15 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 
-from weightsvc._auth import HttpAuth
-from weightsvc._grpc import start_grpc, stop_grpc
-from weightsvc._http import create_app
-from weightsvc._registry import REPLICA_TTL_S
-from weightsvc._relay import Relay
-from weightsvc._service import Service
-from weightsvc._settings import Settings
-from weightsvc._topology import Replica
+from weightsvc.core.registry import REPLICA_TTL_S
+from weightsvc.core.service import Service
+from weightsvc.core.topology import Replica
 from weightsvc.errors import WeightsvcError
+from weightsvc.server.relay import Relay
+from weightsvc.settings import Settings
+from weightsvc.transport.auth import HttpAuth
+from weightsvc.transport.grpc import start_grpc, stop_grpc
+from weightsvc.transport.http import create_app
 
 log = logging.getLogger("weightsvc.server")
 T = TypeVar("T")

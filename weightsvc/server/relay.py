@@ -19,7 +19,7 @@ from weightsvc.client import InferenceClient, tensors_from_data
 from weightsvc.errors import NotFound, WeightsvcError
 
 if TYPE_CHECKING:
-    from weightsvc._service import Service
+    from weightsvc.core.service import Service
 
 log = logging.getLogger("weightsvc.relay")
 

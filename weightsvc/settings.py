@@ -8,8 +8,8 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsvc._auth import Auth
 from weightsvc.rounding import DEFAULT_FP8_PATTERN, FORMATS, ROUNDINGS, SCALINGS, ExportSpec, check_choice
+from weightsvc.transport.auth import Auth
 
 # This build exports on the CPU; 'auto' picks it (the GPU kernel comes with the numerics work).
 DEVICES = ("auto", "cpu")

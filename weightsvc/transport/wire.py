@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from weightsvc._lag import LagMetrics
-from weightsvc._manifest import Manifest, Part, ServedTensor
+from weightsvc.core.lag import LagMetrics
+from weightsvc.core.manifest import Manifest, Part, ServedTensor
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2

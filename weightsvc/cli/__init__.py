@@ -1,0 +1,1 @@
+"""The `weightsvc` command: serve, push, pull, export, status, demo, bench."""

@@ -1,0 +1,1 @@
+"""The process: both transports on one event loop, the relay and the loop monitor."""
