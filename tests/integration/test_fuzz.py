@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from tests.conftest import serving
 from weightsvc.server.server import BackgroundServer
+from weightsvc.transport.names import PUSH
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
-PUSH = "/weightsvc.v1.WeightService/Push"
 # What a bad push may be answered with: each a clear refusal, never INTERNAL or UNKNOWN.
 REFUSALS = {
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -55,6 +55,7 @@ from weightsvc.errors import (
     Unavailable,
     WeightsvcError,
 )
+from weightsvc.transport.names import PULL, PUSH
 from weightsvc.transport.wire import (
     ChunkView,
     decode_pull_response,
@@ -65,9 +66,6 @@ from weightsvc.transport.wire import (
 )
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
-
-PUSH_METHOD = "/weightsvc.v1.WeightService/Push"
-PULL_METHOD = "/weightsvc.v1.WeightService/Pull"
 
 __all__ = ["InferenceClient", "LearnerClient", "Shard", "VersionInfo", "served_weights"]
 
@@ -224,7 +222,7 @@ class _Replicas:
 
 def _pull_method(channel: grpc.Channel) -> Any:
     """Pull on `channel`: pre-encoded chunks come back as views, not copies (`_wire`)."""
-    return channel.unary_stream(PULL_METHOD, request_serializer=pb.PullRequest.SerializeToString,
+    return channel.unary_stream(PULL, request_serializer=pb.PullRequest.SerializeToString,
                                 response_deserializer=decode_pull_response)  # fmt: skip
 
 
@@ -389,7 +387,7 @@ class LearnerClient:
         try:
             for channel, header, parts in streams:
                 # Chunks are pre-encoded by `_wire` (one copy); header and commit are plain messages.
-                push = channel.stream_unary(PUSH_METHOD, request_serializer=encode_message,
+                push = channel.stream_unary(PUSH, request_serializer=encode_message,
                                             response_deserializer=pb.PushResponse.FromString)  # fmt: skip
                 call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
                 call.add_done_callback(done.put)

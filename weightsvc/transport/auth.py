@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 
 from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from weightsvc.transport.names import PUSH, SERVICE
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
-SERVICE = "weightsvc.v1.WeightService"
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
-METHOD_ROLES = {f"/{SERVICE}/Push": "push"}
+METHOD_ROLES = {PUSH: "push"}
 
 
 def _digest(token: str) -> bytes:

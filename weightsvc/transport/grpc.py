@@ -19,6 +19,7 @@ from weightsvc.core.service import PushChunk, PushCommit, PushHeader, PushMessag
 from weightsvc.core.topology import HASHING
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.names import SERVICE
 from weightsvc.transport.wire import (
     ChunkView,
     Malformed,
@@ -32,9 +33,6 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 log = logging.getLogger("weightsvc.grpc")
-SERVICE_NAME = "weightsvc.v1.WeightService"
-PUSH_METHOD = f"/{SERVICE_NAME}/Push"
-PULL_METHOD = f"/{SERVICE_NAME}/Pull"
 
 
 def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -236,7 +234,7 @@ async def start_grpc(
             request_deserializer=request.FromString,
             response_serializer=response.SerializeToString,
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     address = f"{host}:{port}"
@@ -247,7 +245,7 @@ async def start_grpc(
     if bound == 0:
         raise OSError(f"cannot bind gRPC to {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
+    for name in ("", SERVICE):
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound
 
