@@ -99,14 +99,16 @@ def test_a_push_cancelled_during_its_commit_is_committed_whole(data_dir: Path) -
     """The learner gives up while the version is being written: memory and disk must agree."""
     srv = start_server(data_dir=data_dir)
     writing, proceed = threading.Event(), threading.Event()
-    write = srv.service.store._write
+    files = srv.service.store.files
+    assert files is not None
+    write = files.write
 
     def slow_write(version: object) -> None:
         writing.set()
         proceed.wait(30)
         write(version)  # type: ignore[arg-type]
 
-    srv.service.store._write = slow_write  # type: ignore[method-assign]
+    files.write = slow_write  # type: ignore[method-assign]
     try:
         learner = LearnerClient(srv.grpc_target)
         errors: list[BaseException] = []

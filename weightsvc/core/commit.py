@@ -1,0 +1,221 @@
+"""Commit: what makes a version committed, on a push and again at a restart.
+
+A push's version is written to the data dir first (durable before visible), then the registry
+decides (with Redis, across replicas) and announces it, then the index shows it. At a restart the
+files are read back and made to agree with the registry. The state one version hands to the next
+(the ef residual and the lag tracker of each model) lives here.
+
+Loop-owned: every method runs on the service's event loop, except `restore`, which runs before
+the service serves anything; file I/O goes to a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+
+from weightsvc._faults import crash_point
+from weightsvc.core.acks import Acks
+from weightsvc.core.lag import LagTracker, Sample
+from weightsvc.core.manifest import Manifest
+from weightsvc.core.parts import PartOf, Parts
+from weightsvc.core.persist import VersionFiles
+from weightsvc.core.registry import CommitResult, Registry, check_commit
+from weightsvc.core.versions import Version, VersionIndex
+from weightsvc.errors import AlreadyExists, FailedPrecondition
+from weightsvc.metrics import Metrics
+from weightsvc.rounding import Residual
+
+log = logging.getLogger("weightsvc.store")
+
+
+class Committer:
+    def __init__(
+        self,
+        *,
+        index: VersionIndex,
+        files: VersionFiles | None,
+        parts: Parts,
+        acks: Acks,
+        registry: Registry,
+        metrics: Metrics,
+    ) -> None:
+        self._index = index
+        self._files = files
+        self._parts = parts
+        self._acks = acks
+        self._registry = registry
+        self._metrics = metrics
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
+        self._residuals: dict[str, Residual] = {}
+        self._lag: dict[str, LagTracker] = {}
+
+    def check_step(self, model: str, step: int) -> None:
+        """A push may target a step above the latest, or an existing one (idempotent re-push)."""
+        self._parts.check_not_waiting(model, step)
+        latest = self._index.latest(model)
+        if latest is not None and step < latest and self._index.find(model, step) is None:
+            raise FailedPrecondition(
+                f"model {model!r}: step {step} is not above the latest version {latest}",
+                reason="step_not_above_latest",
+            )
+
+    def residual(self, model: str, format: str, scaling: str) -> Residual:
+        """The EF residual an `ef` push of `model` continues from: the one of the latest committed
+        version if that version was an `ef` export to the same format, else a fresh (zero) one."""
+        r = self._residuals.get(model)
+        latest = self._index.latest(model)
+        if r is not None and latest is not None and r.version == latest and (r.format, r.scaling) == (format, scaling):
+            return r
+        return Residual(format=format, scaling=scaling)
+
+    async def commit(
+        self,
+        version: Version,
+        residual: tuple[int | None, Residual] | None = None,
+        lag_input: tuple[Sample, int, bool] | None = None,
+        part_of: PartOf | None = None,
+    ) -> tuple[Version, bool]:
+        """Make `version` visible (with an `ef` push, also its residual, given with the version of the
+        residual it started from). Returns (the committed version, created).
+
+        With `part_of`, `version` is this replica's part of a version of sharded replicas: it becomes
+        visible when every owner's part is in, or is withdrawn after `part_of.timeout` seconds or once
+        `part_of.abandoned` is set, and nothing of it stays.
+
+        Runs to the end even if the pushing stream is cancelled meanwhile: once the file is in
+        place the version must also be in memory, or a restart would resurrect a push that the
+        learner saw fail.
+        """
+        if part_of is not None:
+            self._parts.check_not_waiting(version.manifest.model, version.manifest.version)
+        task = asyncio.ensure_future(self._commit(version, residual, lag_input, part_of))
+        self._committing.add(task)
+        task.add_done_callback(self._committing.discard)
+        return await asyncio.shield(task)
+
+    async def _commit(
+        self,
+        version: Version,
+        residual: tuple[int | None, Residual] | None,
+        lag_input: tuple[Sample, int, bool] | None,
+        part_of: PartOf | None,
+    ) -> tuple[Version, bool]:
+        if part_of is not None:  # the file holds the part alone
+            version = self._parts.own(version)
+        m = version.manifest
+        async with self._locks.setdefault(m.model, asyncio.Lock()):
+            existing = self._index.find(m.model, m.version)
+            latest = self._index.latest(m.model)
+            # Checked here first too: a rejected push must not overwrite this server's files.
+            if not check_commit(m.model, m.version, m.master_digest, existing.digest if existing else None, latest):
+                assert existing is not None
+                return existing, False
+            if residual is not None and residual[0] != latest:
+                raise FailedPrecondition(
+                    f"model {m.model!r} step {m.version}: version {latest} committed while this ef push "
+                    f"continued from version {residual[0]}; push again",
+                    reason="step_not_above_latest",
+                )
+            tracker = self._lag.setdefault(m.model, LagTracker())
+            before = tracker.snapshot()
+            if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
+                m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
+                version = Version(m, m.safetensors_header(), version.data)
+            try:
+                if self._files is not None:
+                    # Durable before visible: a version reported committed survives a crash. The
+                    # residual goes first, named by its version, so a restart pairs it correctly.
+                    if residual is not None:
+                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1])
+                        crash_point("commit.residual-written")
+                    await asyncio.to_thread(self._files.write, version)
+                    crash_point("commit.version-renamed")
+                # The registry decides (with Redis, across replicas) and announces the version.
+                if part_of is None:
+                    decided = await self._register(m)
+                else:
+                    decided, version = await self._parts.commit(version, part_of)
+            except BaseException:
+                self._lag[m.model] = before
+                if self._files is not None:
+                    await asyncio.to_thread(self._files.remove, m.model, m.version, residual is not None)
+                raise
+            # Committed meanwhile by another replica; a part already committed is held here from now on.
+            held = self._index.find(m.model, m.version)
+            if not decided.created and (part_of is None or held is not None):
+                return (held if held is not None else version), False
+            evicted = self._index.add(version)
+            self._acks.committed(m.model, m.version, m.committed_unix)
+            if residual is not None:
+                self._residuals[m.model] = residual[1]
+        self._metrics.versions_committed.labels(m.model).inc()
+        if m.lag is not None:
+            self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
+        await self._index.announce()
+        crash_point("commit.visible")
+        if self._files is not None and (evicted or residual is not None):
+            await asyncio.to_thread(self._files.prune, m.model, evicted, self._kept_residual(m.model))
+        return version, True
+
+    async def _register(self, m: Manifest) -> CommitResult:
+        return await self._registry.commit(
+            m.model, m.version, m.master_digest, json.dumps(m.to_dict()), self._index.retain
+        )
+
+    def _kept_residual(self, model: str) -> int | None:
+        """The version whose residual file is the model's current ef state (the others go)."""
+        r = self._residuals.get(model)
+        return None if r is None else r.version
+
+    def restore(self) -> int:
+        """Load committed versions from the data dir; returns how many. Skips damaged files."""
+        if self._files is None:
+            return 0
+        count = 0
+        for model, versions, residual in self._files.restore():
+            if not versions:
+                continue
+            evicted = []
+            for version in versions:
+                evicted += self._index.add(version)
+                self._acks.committed(model, version.manifest.version, version.manifest.committed_unix)
+            if residual is not None:
+                self._residuals[model] = residual
+            self._files.prune(model, evicted, self._kept_residual(model))
+            count += len(versions)
+        return count
+
+    async def sync_registry(self) -> None:
+        """After a restart, make the registry and the restored versions agree. A version the registry
+        never committed (a crash between the file and the registry) above its latest is dropped; a
+        registry that knows nothing of a model (a fresh one, or the embedded one) takes the files."""
+        for model in self._index.models():
+            known = await self._registry.versions(model)
+            dropped = []
+            for version in self._index.versions(model):
+                v = version.manifest.version
+                if version.manifest.parts:  # a part: served again only as part of what the registry holds
+                    whole = await self._parts.restored(version)
+                    if whole is None:
+                        dropped.append(v)
+                    else:
+                        self._index.add(whole)
+                    continue
+                if v in known:
+                    continue
+                if known and v > known[-1]:
+                    dropped.append(v)
+                    continue
+                try:
+                    await self._register(version.manifest)
+                except (AlreadyExists, FailedPrecondition):
+                    dropped.append(v)  # retired meanwhile, or replaced: the registry decides
+            for v in dropped:
+                log.warning("model %s version %d: restored, but not committed in the registry; dropped", model, v)
+            self._index.drop(model, dropped)
+            if dropped and self._files is not None:
+                await asyncio.to_thread(self._files.prune, model, dropped, self._kept_residual(model))

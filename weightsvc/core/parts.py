@@ -1,0 +1,173 @@
+"""Sharded replicas: this replica's part of a version. It is committed to the registry, waits for the
+other owners' parts, and is withdrawn if they do not come; once the version commits, the part is
+served under the manifest of the whole version.
+
+Loop-owned: every method runs on the service's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from weightsvc.core.manifest import Part
+from weightsvc.core.registry import CommitResult, Registry, manifest_from_registry
+from weightsvc.core.versions import Version
+from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
+
+log = logging.getLogger("weightsvc.store")
+T = TypeVar("T")
+
+
+@dataclass
+class PartOf:
+    """This replica's part of a version of sharded replicas: the owners of all its parts, how long to
+    wait for theirs, and an event the push sets when its learner gives up."""
+
+    owners: tuple[str, ...]
+    timeout: float
+    abandoned: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Parts:
+    """This replica's parts, as one of the owners of a model's tensors."""
+
+    def __init__(self, registry: Registry, retain: int) -> None:
+        self.replica_id = ""  # this server's id in the topology (set when it registers)
+        self._registry = registry
+        self._retain = retain
+        self._waiting: dict[str, int] = {}  # model -> the version whose part waits for the other owners'
+
+    def check_not_waiting(self, model: str, step: int) -> None:
+        """One part of a model waits for the other owners at a time: what follows builds on it."""
+        waiting = self._waiting.get(model)
+        if waiting is not None:
+            raise FailedPrecondition(
+                f"model {model!r} step {step}: this replica's part of version {waiting} is waiting for the other "
+                "owners' parts; push again once it commits or is withdrawn",
+                reason="step_not_above_latest",
+            )
+
+    def own(self, version: Version) -> Version:
+        """`version` as this replica's file holds it: the part alone, marked as this replica's."""
+        m = version.manifest
+        m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
+        return Version(m, m.safetensors_header(), version.data)
+
+    async def commit(self, part: Version, part_of: PartOf) -> tuple[CommitResult, Version]:
+        """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
+        registry's decision and the version as served (the whole manifest, this part's bytes).
+        Raises only while the version is not committed: once it is, this replica keeps its part."""
+        m = part.manifest
+        where = f"model {m.model!r} version {m.version}"
+        if part_of.abandoned.is_set():
+            raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
+        self._waiting[m.model] = m.version
+        try:
+            try:
+                decided = await self._registry.commit_part(
+                    m.model,
+                    m.version,
+                    self.replica_id,
+                    part_of.owners,
+                    m.master_digest,
+                    json.dumps(m.to_dict()),
+                    self._retain,
+                )
+            except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it
+                if await self._withdraw(m.model, m.version):
+                    raise e from None
+                decided = CommitResult(created=True)
+            if decided is None:
+                arrived = await self._other_parts(m.model, m.version, part_of)
+                if not arrived and await self._withdraw(m.model, m.version):
+                    if part_of.abandoned.is_set():
+                        raise Aborted(
+                            f"{where}: the learner abandoned the push (another owner's part failed); this "
+                            "replica's part was withdrawn, nothing was committed",
+                            reason="aborted",
+                        )
+                    raise DeadlineExceeded(
+                        f"{where}: not every owner of {sorted(part_of.owners)} committed its part within "
+                        f"{part_of.timeout:g} s (--push-rank-timeout-s); this replica's part was withdrawn, nothing "
+                        "was committed",
+                        reason="aborted",
+                    )
+                decided = CommitResult(created=True)  # (a withdraw too late: the last part came in meanwhile)
+        finally:
+            self._waiting.pop(m.model, None)
+        raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
+        if raw is None:
+            raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
+        served = _served(part, raw)
+        if served is None:
+            raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
+        return decided, served
+
+    async def restored(self, part: Version) -> Version | None:
+        """A part restored from this replica's file after a restart, served under the registry's
+        manifest of the whole version if that committed; else withdrawn (written before a crash and
+        not committed, it could still complete) and None."""
+        m = part.manifest
+        whole = await self._whole_of(part)
+        if whole is None and not await self._registry.withdraw_part(m.model, m.version, m.parts[0].owner):
+            whole = await self._whole_of(part)  # the last part came in meanwhile
+        return whole
+
+    async def _whole_of(self, part: Version) -> Version | None:
+        raw = await self._registry.manifest(part.manifest.model, part.manifest.version)
+        return None if raw is None else _served(part, raw)
+
+    async def _withdraw(self, model: str, version: int) -> bool:
+        """Take this replica's part back: True, or False if the version committed first."""
+        return await _settled(lambda: self._registry.withdraw_part(model, version, self.replica_id),
+                              f"withdrawing its part of model {model!r} version {version}")  # fmt: skip
+
+    async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
+        """Wait until the registry commits `version` (True), or until the timeout or the learner
+        abandons the push (False)."""
+
+        async def committed() -> bool:
+            while True:
+                try:
+                    async for v in self._registry.events(model, version - 1):
+                        return v == version  # a later version first: this one can no longer commit
+                except Unavailable:
+                    await asyncio.sleep(0.5)  # the deadline still holds
+
+        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(part_of.abandoned.wait())]
+        try:
+            done, _ = await asyncio.wait(waiting, timeout=part_of.timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waiting:
+                w.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        return waiting[0] in done and waiting[0].result() is True
+
+
+def _served(part: Version, raw: str) -> Version | None:
+    """This replica's part (as in its file) served under the registry's manifest `raw` of the whole
+    version, or None when that version holds no such part (another owner, size or digest)."""
+    m = part.manifest
+    owner = m.parts[0].owner
+    whole = manifest_from_registry(raw, f"model {m.model!r} version {m.version}")
+    own = next((p for p in whole.parts if p.owner == owner and p.nbytes == m.data_bytes), None)
+    if own is None or json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
+        return None
+    return Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
+
+
+async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:
+    """The registry's answer, however long it is away: a part's fate must be known before its bytes
+    are kept or dropped."""
+    while True:
+        try:
+            return await call()
+        except Unavailable as e:
+            log.warning("%s: %s; retrying", what, e)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,141 @@
+"""The data dir: committed versions and ef residuals as files, written durably and read back at start-up.
+
+Layout: `<data dir>/models/<model>/<version:020d>.safetensors` (the version's safetensors file) and
+`residual-<version:020d>.safetensors` beside it (the ef residual after that version). Every method is
+blocking file I/O, called in a worker thread or at start-up: `VersionFiles` holds no state of the
+event loop's, so what it keeps or removes is passed in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+from weightsvc._faults import crash_point
+from weightsvc.core.manifest import manifest_from_header, read_safetensors_header, verify
+from weightsvc.core.versions import Version
+from weightsvc.errors import ResourceExhausted, Unavailable
+from weightsvc.rounding import Residual
+
+log = logging.getLogger("weightsvc.store")
+
+
+class VersionFiles:
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+
+    def path(self, model: str, version: int) -> Path:
+        return self.data_dir / "models" / model / f"{version:020d}.safetensors"
+
+    def residual_path(self, model: str, version: int) -> Path:
+        return self.path(model, version).with_name(f"residual-{version:020d}.safetensors")
+
+    def write(self, version: Version) -> None:
+        """Write the version's file whole or not at all (a temporary file, synced, then renamed)."""
+        m = version.manifest
+        path = self.path(m.model, m.version)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(version.header)
+                f.write(version.data)
+                f.flush()
+                os.fsync(f.fileno())
+            crash_point("commit.version-written")
+            os.replace(tmp, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            where = f"model {m.model!r} version {m.version}: cannot persist to {path.parent}"
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ResourceExhausted(f"{where}: {e.strerror}", reason="too_large") from None
+            raise Unavailable(f"{where}: {e}", reason="other") from None
+
+    def write_residual(self, model: str, residual: Residual) -> None:
+        """Write the ef residual after `residual.version`, named by that version."""
+        assert residual.version is not None
+        path = self.residual_path(model, residual.version)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            residual.save(path)
+        except OSError as e:
+            raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
+
+    def remove(self, model: str, version: int, residual: bool) -> None:
+        """The files of a version that did not commit (best effort: the failure itself is reported)."""
+        with contextlib.suppress(OSError):
+            self.path(model, version).unlink(missing_ok=True)
+            if residual:
+                self.residual_path(model, version).unlink(missing_ok=True)
+
+    def prune(self, model: str, versions: list[int], residual: int | None) -> None:
+        """Remove the files of `versions` (evicted, or not committed) and every residual file but the
+        one of version `residual`: only the model's current ef state is kept."""
+        for v in versions:
+            self.path(model, v).unlink(missing_ok=True)
+        kept = None if residual is None else self.residual_path(model, residual)
+        for path in self.path(model, 0).parent.glob("residual-*.safetensors"):
+            if path != kept:
+                path.unlink(missing_ok=True)
+
+    def restore(self) -> Iterator[tuple[str, list[Version], Residual | None]]:
+        """Each model's committed versions in the data dir, oldest first, and the ef residual after
+        its latest one. Skips damaged files; removes writes that never reached their rename."""
+        root = self.data_dir / "models"
+        for model_dir in sorted(root.iterdir()) if root.is_dir() else []:
+            for tmp in model_dir.glob(".*.tmp"):
+                tmp.unlink()  # a write that never reached its rename: never committed
+            versions = []
+            for path in sorted(model_dir.glob("[0-9]*.safetensors")):
+                try:
+                    version = self.load(path)
+                    m = version.manifest
+                    if (m.model, f"{m.version:020d}.safetensors") != (model_dir.name, path.name):
+                        raise ValueError(f"its manifest is of model {m.model!r} version {m.version}")
+                except Exception as e:  # one damaged file must not take the others down
+                    log.error("skipping %s: %s", path, e)
+                    continue
+                versions.append(version)
+            latest = versions[-1].manifest.version if versions else None
+            yield model_dir.name, versions, self._residual(model_dir, latest)
+
+    @staticmethod
+    def _residual(model_dir: Path, latest: int | None) -> Residual | None:
+        """The residual after the latest committed version, if its file is sound. Only that one
+        continues (as in a live process); one of a version that never committed (a crash between the
+        two writes) or of an older one is not used."""
+        path = model_dir / f"residual-{latest:020d}.safetensors" if latest is not None else None
+        if path is None or not path.exists():
+            return None
+        try:
+            return Residual.load(path)
+        except Exception as e:
+            log.error("skipping %s: %s", path, e)
+            return None
+
+    @staticmethod
+    def load(path: Path) -> Version:
+        """A version's file, mapped read-only, its tensors' checksums verified."""
+        with open(path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (header_len,) = struct.unpack("<Q", mm[:8])
+        start, header = read_safetensors_header(mm[: 8 + min(header_len, 100 << 20)])
+        manifest = manifest_from_header(header)
+        data = memoryview(mm)[start:]
+        if len(data) != manifest.data_bytes:
+            raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
+        for t in manifest.tensors:
+            verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
+        return Version(manifest, bytes(mm[:start]), data)

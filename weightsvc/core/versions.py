@@ -1,0 +1,171 @@
+"""The committed versions this server retains, per model: lookup, retention, pulls holding a version
+and the recycling of its buffer.
+
+Loop-owned: every method runs on the service's event loop. A `Version` is immutable once committed;
+evicting it only drops the index's reference, so a pull that still holds it finishes from the same
+bytes, and its buffer goes back to the pool when that pull ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from weightsvc.core.manifest import Manifest
+from weightsvc.core.memory import BufferPool
+from weightsvc.errors import NotFound
+from weightsvc.metrics import Metrics
+
+
+@dataclass(eq=False)
+class Version:
+    """A committed version. Its bytes never change; `readers` and `evicted` are the index's."""
+
+    manifest: Manifest
+    header: bytes  # the safetensors prefix
+    data: memoryview  # the data section (uint8)
+    readers: int = 0  # pulls in progress
+    evicted: bool = False
+    lent: bool = False  # views of `data` were handed to code we do not control: never recycle
+    # Sharded replicas: this replica's part of the version (the manifest of its own file; `manifest`
+    # is then the whole version's) and where `data` starts in the version's data section.
+    part: Manifest | None = None
+    offset: int = 0
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """The byte range [start, end) of the version's data section that this server holds."""
+        return self.offset, self.offset + len(self.data)
+
+    @functools.cached_property
+    def etag(self) -> str:
+        """The HTTP entity tag of this version's file (hashes its header: computed once)."""
+        return self.manifest.etag(self.header)
+
+    @property
+    def digest(self) -> str:
+        """The master digest of what this server committed (its part's, for a part)."""
+        return (self.part or self.manifest).master_digest
+
+    @property
+    def size(self) -> int:
+        """Bytes of the version's safetensors file (of which a part's replica holds the header and its part)."""
+        return len(self.header) + self.manifest.data_bytes
+
+    def file_range(self, start: int, end: int, piece: int) -> Iterator[memoryview]:
+        """Pieces of at most `piece` bytes covering [start, end) of the safetensors file (for a part:
+        a range of the header and the bytes this replica holds)."""
+        head = memoryview(self.header)
+        skip = len(head) + self.offset  # file offset of data[0]
+        while start < end:
+            if start < len(head):
+                stop = min(end, len(head), start + piece)
+                yield head[start:stop]
+            else:
+                stop = min(end, start + piece)
+                yield self.data[start - skip : stop - skip]
+            start = stop
+
+
+class VersionIndex:
+    """The newest `retain` committed versions of each model, and the buffers of evicted ones."""
+
+    def __init__(self, retain: int, metrics: Metrics) -> None:
+        self.retain = retain
+        self.metrics = metrics
+        self.pool = BufferPool()
+        self._versions: dict[str, dict[int, Version]] = {}
+        self._changed = asyncio.Condition()
+
+    def models(self) -> list[str]:
+        return sorted(m for m, vs in self._versions.items() if vs)
+
+    def latest(self, model: str) -> int | None:
+        vs = self._versions.get(model)
+        return max(vs) if vs else None
+
+    def find(self, model: str, version: int) -> Version | None:
+        """A retained version, or None."""
+        return self._versions.get(model, {}).get(version)
+
+    def versions(self, model: str) -> list[Version]:
+        vs = self._versions.get(model)
+        if not vs:
+            raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
+        return [vs[k] for k in sorted(vs)]
+
+    def get(self, model: str, version: int | None) -> Version:
+        """A committed version; `None` means the latest."""
+        vs = self._versions.get(model)
+        if not vs:
+            raise NotFound(f"unknown model {model!r}: nothing has been committed for it")
+        if version is None:
+            return vs[max(vs)]
+        if version not in vs:
+            kept = ", ".join(map(str, sorted(vs)))
+            raise NotFound(f"model {model!r} has no version {version} (retained: {kept})")
+        return vs[version]
+
+    def hold(self, version: Version) -> None:
+        """A pull starts reading `version`: its buffer stays untouched until `release`."""
+        version.readers += 1
+
+    def release(self, version: Version) -> None:
+        version.readers -= 1
+        if version.evicted and version.readers == 0:
+            self._recycle(version)
+
+    def add(self, version: Version) -> list[int]:
+        """Make `version` visible (in place of a retained one of the same number, as a restored part
+        under its whole manifest); returns the versions retention evicted for it."""
+        m = version.manifest
+        self._versions.setdefault(m.model, {})[m.version] = version
+        evicted = self._evict(m.model)
+        self._update_gauges(m.model)
+        return evicted
+
+    def drop(self, model: str, versions: list[int]) -> None:
+        """Forget versions that turned out not to be committed (restored, and unknown to the registry)."""
+        vs = self._versions.get(model, {})
+        for v in versions:
+            vs.pop(v).evicted = True
+        self._update_gauges(model)
+
+    async def announce(self) -> None:
+        """Wake the watchers waiting for versions to show."""
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def shown(self, model: str, version: int) -> Version | None:
+        """`version` once this index shows it or a newer one: the registry may announce a version a
+        moment before the commit that made it adds it here. None if already evicted."""
+        async with self._changed:
+            await self._changed.wait_for(functools.partial(self._has_at_least, model, version))
+        return self.find(model, version)
+
+    def _has_at_least(self, model: str, version: int) -> bool:
+        latest = self.latest(model)
+        return latest is not None and latest >= version
+
+    def _evict(self, model: str) -> list[int]:
+        vs = self._versions[model]
+        evicted = sorted(vs)[: max(0, len(vs) - self.retain)]
+        for v in evicted:
+            version = vs.pop(v)
+            version.evicted = True
+            if version.readers == 0:  # else the last pull to end gives it back
+                self._recycle(version)
+        return evicted
+
+    def _recycle(self, version: Version) -> None:
+        if not version.lent:
+            self.pool.give(version.data)
+
+    def _update_gauges(self, model: str) -> None:
+        vs = self._versions.get(model, {})
+        self.metrics.retained_versions.labels(model).set(len(vs))
+        self.metrics.retained_bytes.labels(model).set(sum(len(v.data) for v in vs.values()))
+        if vs:
+            self.metrics.latest_version.labels(model).set(max(vs))
