@@ -18,15 +18,12 @@ from pathlib import Path
 
 from weightsvc.core.acks import CLIENT_TIMEOUT_S, Acks, ClientAck
 from weightsvc.core.commit import Committer
-from weightsvc.core.lag import Sample
 from weightsvc.core.manifest import Manifest
-from weightsvc.core.memory import BufferPool
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import MemoryRegistry, Registry
 from weightsvc.core.versions import Version, VersionIndex
 from weightsvc.metrics import Metrics
-from weightsvc.rounding import Residual
 
 __all__ = ["CLIENT_TIMEOUT_S", "ClientAck", "PartOf", "Version", "VersionStore"]
 
@@ -49,10 +46,25 @@ class VersionStore:
             registry=self.registry,
             metrics=metrics,
         )
-
-    @property
-    def pool(self) -> BufferPool:
-        return self.index.pool
+        # The calls the service and the transports make, each answered by the part that owns it
+        # (bound here rather than forwarded, so that each signature is written once).
+        self.pool = self.index.pool
+        self.models = self.index.models
+        self.latest = self.index.latest
+        self.versions = self.index.versions
+        self.get = self.index.get
+        self.hold = self.index.hold
+        self.release = self.index.release
+        self.check_step = self.committer.check_step
+        self.residual = self.committer.residual
+        self.commit = self.committer.commit
+        self.restore = self.committer.restore
+        self.sync_registry = self.committer.sync_registry
+        self.ack = self.acks.ack
+        self.flush_acks = self.acks.flush
+        self.clients = self.acks.clients
+        self.client_lags = self.acks.client_lags
+        self.versions_behind = self.acks.versions_behind
 
     @property
     def replica_id(self) -> str:
@@ -63,69 +75,9 @@ class VersionStore:
     def replica_id(self, replica_id: str) -> None:
         self.parts.replica_id = replica_id
 
-    # ---- reads: the index ----------------------------------------------------------------------
-
-    def models(self) -> list[str]:
-        return self.index.models()
-
-    def latest(self, model: str) -> int | None:
-        return self.index.latest(model)
-
-    def versions(self, model: str) -> list[Version]:
-        return self.index.versions(model)
-
-    def get(self, model: str, version: int | None) -> Version:
-        return self.index.get(model, version)
-
-    def hold(self, version: Version) -> None:
-        self.index.hold(version)
-
-    def release(self, version: Version) -> None:
-        self.index.release(version)
-
     async def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]:
         """Every retained version above `after` (all when None), then each new one as it commits."""
         async for v in self.registry.events(model, -1 if after is None else after):
             version = await self.index.shown(model, v)
             if version is not None:  # else already evicted: a newer one follows
                 yield version.manifest
-
-    # ---- commit and restart: the committer -------------------------------------------------------
-
-    def check_step(self, model: str, step: int) -> None:
-        self.committer.check_step(model, step)
-
-    def residual(self, model: str, format: str, scaling: str) -> Residual:
-        return self.committer.residual(model, format, scaling)
-
-    async def commit(
-        self,
-        version: Version,
-        residual: tuple[int | None, Residual] | None = None,
-        lag_input: tuple[Sample, int, bool] | None = None,
-        part_of: PartOf | None = None,
-    ) -> tuple[Version, bool]:
-        return await self.committer.commit(version, residual, lag_input, part_of)
-
-    def restore(self) -> int:
-        return self.committer.restore()
-
-    async def sync_registry(self) -> None:
-        await self.committer.sync_registry()
-
-    # ---- staleness: the acks ---------------------------------------------------------------------
-
-    def ack(self, model: str, version: int, client_id: str) -> int:
-        return self.acks.ack(model, version, client_id)
-
-    async def flush_acks(self) -> None:
-        await self.acks.flush()
-
-    def clients(self, model: str) -> list[ClientAck]:
-        return self.acks.clients(model)
-
-    def client_lags(self) -> dict[str, list[int]]:
-        return self.acks.client_lags()
-
-    def versions_behind(self, model: str, version: int) -> int:
-        return self.acks.versions_behind(model, version)
