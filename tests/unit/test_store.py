@@ -1,0 +1,243 @@
+"""The version store's parts through their own interfaces: the index (retention, pulls, recycling),
+the data dir's files, the acks, a sharded replica's parts, and the committer's restart. Real
+registries, real files; the service around them is tested in tests/integration."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from weightsvc.core.acks import Acks
+from weightsvc.core.manifest import Manifest, checksum, layout
+from weightsvc.core.memory import alloc
+from weightsvc.core.parts import PartOf, Parts
+from weightsvc.core.persist import VersionFiles
+from weightsvc.core.registry import MemoryRegistry
+from weightsvc.core.store import VersionStore
+from weightsvc.core.versions import Version, VersionIndex
+from weightsvc.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.metrics import Metrics
+from weightsvc.rounding import Residual
+
+SIZE = 1 << 20  # the pool recycles anonymous mappings; alloc maps one from 1 MiB
+
+
+def make_version(model: str, v: int, *, fill: int | None = None, tensor: str = "w", size: int = SIZE) -> Version:
+    """A committed-looking version of one fp32 tensor whose bytes are all `fill` (default: `v`)."""
+    tensors, data_bytes = layout([(tensor, (size // 4,), "F32")])
+    data = alloc(data_bytes)
+    data[:] = bytes([v if fill is None else fill]) * data_bytes
+    tensors = [dataclasses.replace(t, checksum=checksum(data[t.offset : t.offset + t.nbytes])) for t in tensors]
+    m = Manifest(
+        model=model,
+        version=v,
+        format="bf16",
+        rounding="sr",
+        seed=0,
+        committed_unix=time.time(),
+        data_bytes=data_bytes,
+        master_digest=f"digest-{tensor}-{v}-{fill}",
+        tensors=tuple(tensors),
+    )
+    return Version(m, m.safetensors_header(), data)
+
+
+# ---- the index ---------------------------------------------------------------------------------
+
+
+def test_retention_evicts_the_oldest_and_recycles_its_buffer_only_once_its_last_pull_ends() -> None:
+    index = VersionIndex(retain=2, metrics=Metrics())
+    first = make_version("m", 1)
+    assert index.add(first) == []
+    assert index.add(make_version("m", 2)) == []
+    index.hold(first)
+    assert index.add(make_version("m", 3)) == [1]
+    assert first.evicted and [v.manifest.version for v in index.versions("m")] == [2, 3]
+    retained = index.get("m", 2)
+    index.hold(retained)
+    index.release(retained)
+    assert index.pool.free_bytes == 0  # a pull still reads the evicted one; the retained one stays
+    assert bytes(first.data[:4]) == b"\x01" * 4
+    index.release(first)
+    assert index.pool.take(SIZE) is first.data  # the next push of that size writes into it
+    with pytest.raises(NotFound, match=r"model 'm' has no version 1 \(retained: 2, 3\)"):
+        index.get("m", 1)
+    assert index.get("m", None).manifest.version == 3
+
+
+def test_a_lent_version_is_never_recycled() -> None:
+    index = VersionIndex(retain=1, metrics=Metrics())
+    lent = make_version("m", 1)
+    lent.lent = True  # views of its bytes went to code that may still hold them
+    index.add(lent)
+    assert index.add(make_version("m", 2)) == [1]
+    assert index.pool.free_bytes == 0
+
+
+async def test_a_watcher_waiting_for_a_version_gets_it_once_the_index_shows_it() -> None:
+    index = VersionIndex(retain=2, metrics=Metrics())
+    shown = asyncio.ensure_future(index.shown("m", 1))
+    await asyncio.sleep(0)
+    assert not shown.done()
+    index.add(make_version("m", 1))
+    await index.announce()
+    got = await asyncio.wait_for(shown, 10)
+    assert got is not None and got.manifest.version == 1
+
+
+# ---- the data dir ------------------------------------------------------------------------------
+
+
+def test_restore_skips_a_damaged_file_and_continues_the_residual_of_the_latest_version(tmp_path: Path) -> None:
+    files = VersionFiles(tmp_path)
+    for v in (1, 2, 3):
+        files.write(make_version("m", v))
+    for v in (2, 3):
+        files.write_residual("m", Residual(v, {"w": np.full(4, v, np.float32)}, "bf16", ""))
+    damaged = files.path("m", 2)
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF
+    damaged.write_bytes(raw)
+    (files.path("m", 4).parent / ".00000000000000000004.safetensors.1.tmp").write_bytes(b"half")
+
+    [(model, versions, residual)] = list(files.restore())
+
+    assert model == "m" and [v.manifest.version for v in versions] == [1, 3]
+    assert bytes(versions[1].data[:4]) == b"\x03" * 4
+    assert residual is not None and residual.version == 3 and residual.tensors["w"].tolist() == [3.0] * 4
+    assert not list(files.path("m", 0).parent.glob(".*.tmp"))
+
+
+def test_the_residual_of_a_version_that_never_committed_is_not_continued(tmp_path: Path) -> None:
+    files = VersionFiles(tmp_path)
+    files.write(make_version("m", 1))
+    files.write_residual("m", Residual(2, {"w": np.ones(4, np.float32)}, "bf16", ""))  # its version file never came
+    [(_, versions, residual)] = list(files.restore())
+    assert [v.manifest.version for v in versions] == [1] and residual is None
+
+
+def test_prune_removes_the_versions_given_and_every_residual_but_the_current(tmp_path: Path) -> None:
+    files = VersionFiles(tmp_path)
+    for v in (1, 2):
+        files.write(make_version("m", v))
+        files.write_residual("m", Residual(v, {"w": np.zeros(4, np.float32)}, "bf16", ""))
+    files.prune("m", [1], residual=2)
+    assert sorted(p.name for p in files.path("m", 0).parent.iterdir()) == [
+        f"{2:020d}.safetensors",
+        f"residual-{2:020d}.safetensors",
+    ]
+    files.prune("m", [], residual=None)  # the model is no longer pushed with ef
+    assert [p.name for p in files.path("m", 0).parent.iterdir()] == [f"{2:020d}.safetensors"]
+
+
+# ---- acks --------------------------------------------------------------------------------------
+
+
+async def test_an_ack_counts_the_versions_behind_even_past_retention_and_reaches_the_registry() -> None:
+    index, registry = VersionIndex(retain=1, metrics=Metrics()), MemoryRegistry()
+    acks = Acks(index, registry, Metrics())
+    for v in range(1, 6):
+        index.add(make_version("m", v, size=8))
+        acks.committed("m", v, time.time())
+
+    assert acks.ack("m", 2, "sampler-0") == 5
+    await acks.flush()
+
+    assert acks.versions_behind("m", 2) == 3  # versions 3, 4 and 5, though only 5 is retained
+    assert acks.client_lags() == {"m": [3]}
+    assert [(c.client_id, c.version) for c in acks.clients("m")] == [("sampler-0", 2)]
+    assert (await registry.acks("m"))["sampler-0"][0] == 2
+    with pytest.raises(InvalidArgument, match=r"model 'm': cannot ack version 6, the latest committed is 5"):
+        acks.ack("m", 6, "sampler-0")
+    with pytest.raises(NotFound, match=r"unknown model 'other'"):
+        acks.ack("other", 1, "sampler-0")
+    with pytest.raises(InvalidArgument, match="client_id of 1-256 characters"):
+        acks.ack("m", 5, "")
+
+
+# ---- a sharded replica's parts -----------------------------------------------------------------
+
+
+async def test_the_owners_parts_commit_as_one_version_each_served_under_the_whole_manifest() -> None:
+    registry = MemoryRegistry()
+    owners = ("r0", "r1")
+    parts = {o: Parts(registry, retain=2) for o in owners}
+    for o in owners:
+        parts[o].replica_id = o
+    mine = {o: parts[o].own(make_version("m", 1, fill=i + 1, tensor=f"w{i}", size=64)) for i, o in enumerate(owners)}
+
+    decided = await asyncio.gather(*(parts[o].commit(mine[o], PartOf(owners, timeout=30)) for o in owners))
+
+    assert all(d.created for d, _ in decided)
+    served = {o: v for o, (_, v) in zip(owners, decided, strict=True)}
+    assert served["r0"].manifest == served["r1"].manifest
+    assert [t.name for t in served["r0"].manifest.tensors] == ["w0", "w1"]
+    assert (served["r0"].held, served["r1"].held) == ((0, 64), (64, 128))
+    assert served["r1"].part == mine["r1"].manifest and bytes(served["r1"].data[:1]) == b"\x02"
+    assert await registry.versions("m") == [1]
+
+
+async def test_a_part_whose_other_owner_never_comes_is_withdrawn_after_the_timeout() -> None:
+    registry = MemoryRegistry()
+    parts = Parts(registry, retain=2)
+    parts.replica_id = "r0"
+    part = parts.own(make_version("m", 1, size=64))
+    with pytest.raises(DeadlineExceeded, match=r"model 'm' version 1: not every owner of \['r0', 'r1'\] committed"):
+        await parts.commit(part, PartOf(("r0", "r1"), timeout=0.01))
+    parts.check_not_waiting("m", 2)  # no longer waits: the next step may come
+    # The withdrawn part is gone: the other owner's part alone does not complete the version.
+    assert await registry.commit_part("m", 1, "r1", ("r0", "r1"), "d", "{}", 2) is None
+    assert await registry.versions("m") == []
+
+
+async def test_a_waiting_part_holds_back_the_next_step_until_its_learner_abandons_it() -> None:
+    parts = Parts(MemoryRegistry(), retain=2)
+    parts.replica_id = "r0"
+    part_of = PartOf(("r0", "r1"), timeout=30)
+    committing = asyncio.ensure_future(parts.commit(parts.own(make_version("m", 1, size=64)), part_of))
+    for _ in range(100):  # yields to the loop until the part waits for the other owner's
+        await asyncio.sleep(0)
+        try:
+            parts.check_not_waiting("m", 2)
+        except FailedPrecondition as e:
+            assert "part of version 1 is waiting for the other owners' parts" in str(e)
+            break
+    else:
+        pytest.fail("the part never waited for the other owner's")
+    part_of.abandoned.set()
+    with pytest.raises(Aborted, match=r"model 'm' version 1: the learner abandoned the push"):
+        await committing
+    parts.check_not_waiting("m", 2)
+
+
+# ---- the committer, across a restart -----------------------------------------------------------
+
+
+async def test_a_restart_restores_what_committed_and_drops_a_file_the_registry_never_committed(tmp_path: Path) -> None:
+    registry = MemoryRegistry()
+    before = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
+    for v in (1, 2):
+        committed, created = await before.commit(make_version("m", v))
+        assert created and committed.manifest.version == v
+    _, created = await before.commit(make_version("m", 2))
+    assert not created  # the same content again: an idempotent re-push
+    assert before.files is not None
+    before.files.write(make_version("m", 3))  # written, then the process died before the registry
+
+    after = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
+    assert after.restore() == 3
+    await after.sync_registry()
+
+    assert [v.manifest.version for v in after.versions("m")] == [1, 2]
+    assert after.files is not None and not after.files.path("m", 3).exists()
+    assert bytes(after.get("m", 2).data[:4]) == b"\x02" * 4
+
+    fresh = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics())  # an embedded registry starts empty
+    assert fresh.restore() == 2
+    await fresh.sync_registry()
+    assert await fresh.registry.versions("m") == [1, 2]
