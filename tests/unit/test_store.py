@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 from pathlib import Path
 
@@ -121,7 +122,7 @@ def test_the_residual_of_a_version_that_never_committed_is_not_continued(tmp_pat
     assert [v.manifest.version for v in versions] == [1] and residual is None
 
 
-def test_prune_removes_the_versions_given_and_every_residual_but_the_current(tmp_path: Path) -> None:
+def test_prune_removes_the_versions_given_and_the_residuals_but_the_current_and_those_in_flight(tmp_path: Path) -> None:
     files = VersionFiles(tmp_path)
     for v in (1, 2):
         files.write(make_version("m", v))
@@ -131,7 +132,13 @@ def test_prune_removes_the_versions_given_and_every_residual_but_the_current(tmp
         f"{2:020d}.safetensors",
         f"residual-{2:020d}.safetensors",
     ]
-    files.prune("m", [], residual=None)  # the model is no longer pushed with ef
+    files.write_residual("m", Residual(3, {"w": np.zeros(4, np.float32)}, "bf16", ""))  # a commit in flight
+    files.prune("m", [], residual=None, upto=2)
+    assert sorted(p.name for p in files.path("m", 0).parent.iterdir()) == [
+        f"{2:020d}.safetensors",
+        f"residual-{3:020d}.safetensors",
+    ]
+    files.prune("m", [], residual=None)  # at start-up nothing is in flight
     assert [p.name for p in files.path("m", 0).parent.iterdir()] == [f"{2:020d}.safetensors"]
 
 
@@ -241,3 +248,35 @@ async def test_a_restart_restores_what_committed_and_drops_a_file_the_registry_n
     assert fresh.restore() == 2
     await fresh.sync_registry()
     assert await fresh.registry.versions("m") == [1, 2]
+
+
+async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit_in_flight(tmp_path: Path) -> None:
+    """The files of version 1's commit are pruned in a worker thread while the next ef commit writes
+    its residual: that residual (of a version not yet committed when the prune began) must stay."""
+    store = VersionStore(retain=1, data_dir=tmp_path, metrics=Metrics())
+    files = store.files
+    assert files is not None
+    prune, write_residual = files.prune, files.write_residual
+    next_written = threading.Event()
+
+    def late_prune(*args: object, **kwargs: object) -> None:
+        next_written.wait(30)  # the first commit's prune runs once the next residual is on disk
+        prune(*args, **kwargs)  # type: ignore[arg-type]
+
+    def write_residual_and_tell(model: str, residual: Residual) -> None:
+        write_residual(model, residual)
+        if residual.version == 2:
+            next_written.set()
+
+    files.prune = late_prune  # type: ignore[method-assign]
+    files.write_residual = write_residual_and_tell  # type: ignore[method-assign]
+    residual = {"w": np.zeros(4, np.float32)}
+    first = asyncio.ensure_future(store.commit(make_version("m", 1), (None, Residual(1, residual, "bf16", ""))))
+    await store.index.shown("m", 1)
+    await store.commit(make_version("m", 2), (1, Residual(2, residual, "bf16", "")))
+    await first
+
+    assert sorted(p.name for p in files.path("m", 0).parent.iterdir()) == [
+        f"{2:020d}.safetensors",
+        f"residual-{2:020d}.safetensors",
+    ]

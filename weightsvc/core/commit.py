@@ -158,7 +158,10 @@ class Committer:
         await self._index.announce()
         crash_point("commit.visible")
         if self._files is not None and (evicted or residual is not None):
-            await asyncio.to_thread(self._files.prune, m.model, evicted, self._kept_residual(m.model))
+            # Outside the lock, so the next commit may be writing its residual meanwhile: bounded by
+            # the latest version, the prune leaves that file alone.
+            kept, latest = self._kept_residual(m.model), self._index.latest(m.model)
+            await asyncio.to_thread(self._files.prune, m.model, evicted, kept, latest)
         return version, True
 
     async def _register(self, m: Manifest) -> CommitResult:

@@ -80,14 +80,17 @@ class VersionFiles:
             if residual:
                 self.residual_path(model, version).unlink(missing_ok=True)
 
-    def prune(self, model: str, versions: list[int], residual: int | None) -> None:
+    def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
         """Remove the files of `versions` (evicted, or not committed) and every residual file but the
-        one of version `residual`: only the model's current ef state is kept."""
+        one of version `residual`: only the model's current ef state is kept. With `upto` (the latest
+        committed version), a residual file above it stays: the next commit has just written it."""
         for v in versions:
             self.path(model, v).unlink(missing_ok=True)
         kept = None if residual is None else self.residual_path(model, residual)
         for path in self.path(model, 0).parent.glob("residual-*.safetensors"):
-            if path != kept:
+            number = path.stem.removeprefix("residual-")
+            in_flight = upto is not None and number.isdigit() and int(number) > upto
+            if path != kept and not in_flight:
                 path.unlink(missing_ok=True)
 
     def restore(self) -> Iterator[tuple[str, list[Version], Residual | None]]:
