@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import overload
 
 import numpy as np
 import xxhash
@@ -40,9 +42,10 @@ from weightsvc.core.manifest import (
     layout,
 )
 from weightsvc.core.memory import alloc, resident_bytes
+from weightsvc.core.pull import ClientStatus, Pull, watching
 from weightsvc.core.ranks import MAX_WORLD_SIZE, RankGroup, merge_parts
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
-from weightsvc.core.store import ClientAck, PartOf, Version, VersionStore
+from weightsvc.core.store import CLIENT_TIMEOUT_S, PartOf, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
     Aborted,
@@ -559,6 +562,7 @@ class Service:
         self._staging_reserved = 0
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # recent delta encodings, oldest first
         self._topology: list[Replica] | None = None  # the last the registry gave
+        self._stopping = asyncio.Event()  # set when the server stops: watches end
 
     def restore(self) -> int:
         return self.store.restore()
@@ -762,6 +766,34 @@ class Service:
     def manifest(self, model: str, version: int | None) -> Manifest:
         return self.store.get(model, version).manifest
 
+    def latest(self, model: str) -> int:
+        """The model's latest committed version (NOT_FOUND for a model without any)."""
+        return self.store.get(model, None).manifest.version
+
+    async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None) -> Pull:
+        """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
+        body is the delta encoding against it when there is one, else the data section as always."""
+        pull = Pull(self, self.open_pull(model, version, transport), transport)
+        try:
+            if base is not None and pull.version.part is None:
+                with contextlib.suppress(FailedPrecondition):
+                    pull.use_delta(base, await self.delta(pull.version, base))
+        except BaseException:
+            pull.close()
+            raise
+        return pull
+
+    async def pull_delta(self, model: str, version: int | None, base: int, transport: str) -> Pull:
+        """Start a pull whose body is the delta encoding of `version` against `base`; FAILED_PRECONDITION
+        saying why when there is none (the client then pulls the whole version)."""
+        pull = Pull(self, self.open_pull(model, version, transport), transport)
+        try:
+            pull.use_delta(base, await self.delta(pull.version, base))
+        except BaseException:
+            pull.close()
+            raise
+        return pull
+
     def open_pull(self, model: str, version: int | None, transport: str) -> Version:
         """Hold a version for a pull; eviction cannot recycle its buffer until `close_pull`."""
         if transport != "delta" and self._pulls >= self.settings.max_pulls:
@@ -782,28 +814,45 @@ class Service:
         self.store.release(version)
         self._changes.notify()
 
-    async def delta(self, version: Version, base: int | None) -> bytes | None:
-        """The delta encoding of `version` against `base` of the same model, or None when the base is
-        not retained, has another layout, or the delta would not be smaller than the dense bytes."""
-        if base is None or base == version.manifest.version:
-            return None
-        key = (version.manifest.model, version.manifest.version, base)
+    async def delta(self, version: Version, base: int) -> bytes:
+        """The delta encoding of `version` against `base` of the same model. FAILED_PRECONDITION, saying
+        why, when there is none: the base is the version itself or not retained, either is sharded over
+        replicas, their layouts differ, or the delta would not be smaller than the dense bytes."""
+        m = version.manifest
+
+        def none(why: str) -> FailedPrecondition:
+            return FailedPrecondition(f"model {m.model!r} version {m.version}: no delta against base {base}: {why}; "
+                                      "pull the whole version")  # fmt: skip
+
+        not_smaller = f"it would not be smaller than the {m.data_bytes} dense bytes"
+        key = (m.model, m.version, base)
         if key in self._deltas:  # a fleet pulls the same delta many times: encode it once
-            return self._deltas[key]
+            cached = self._deltas[key]
+            if cached is None:
+                raise none(not_smaller)
+            return cached
+        if base == m.version:
+            raise none("that is the version itself")
+        if version.part is not None:
+            raise none("the version is sharded over replicas")
         try:
-            held = self.open_pull(version.manifest.model, base, "delta")
-        except NotFound:
-            return None
+            held = self.open_pull(m.model, base, "delta")
+        except NotFound as e:
+            raise none(e.message) from None
         try:
-            if held.part is not None or not delta_compatible(held.manifest, version.manifest):
-                return None
-            encoded = await asyncio.to_thread(delta_encode, version.manifest, version.data, held.data)
+            if held.part is not None:
+                raise none("the base is sharded over replicas")
+            if not delta_compatible(held.manifest, m):
+                raise none("the base has other tensors, shapes or dtypes")
+            encoded = await asyncio.to_thread(delta_encode, m, version.data, held.data)
         finally:
             self.close_pull(held, "delta")
-        delta = encoded if len(encoded) < version.manifest.data_bytes else None
+        delta = encoded if len(encoded) < m.data_bytes else None
         self._deltas[key] = delta
         while len(self._deltas) > MAX_CACHED_DELTAS:
             self._deltas.pop(next(iter(self._deltas)))
+        if delta is None:
+            raise none(not_smaller)
         return delta
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
@@ -815,9 +864,22 @@ class Service:
     def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
         self.metrics.pull_bytes.labels(model, transport).inc(nbytes)
 
-    def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]:
-        check_model_name(model)
-        return self.store.watch(model, after)
+    @overload
+    def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]: ...
+
+    @overload
+    def watch(self, model: str, after: int | None, *, idle: float) -> AsyncIterator[Manifest | None]: ...
+
+    def watch(self, model: str, after: int | None, *, idle: float | None = None) -> AsyncIterator[Manifest | None]:
+        """Every retained version above `after` (all when None), then each new one as it commits. With
+        `idle`, None after each `idle` seconds without one (for a transport's keepalive). Ends with
+        UNAVAILABLE when the server stops (`end_watches`)."""
+        check_model_name(model)  # here, not at the first event: a transport answers the error itself
+        return watching(self.store.watch(model, after), self._stopping, idle)
+
+    def end_watches(self) -> None:
+        """The server is stopping: every watch stream ends now rather than hold up the shutdown."""
+        self._stopping.set()
 
     def ack(self, model: str, version: int, client_id: str) -> int:
         return self.store.ack(model, version, client_id)
@@ -832,5 +894,13 @@ class Service:
                 raise
         return self._topology
 
-    def clients(self, model: str) -> list[ClientAck]:
-        return self.store.clients(model)
+    def clients(self, model: str) -> list[ClientStatus]:
+        """The clients that acked a version of `model`: what each holds, how far behind, whether it is
+        still around (NOT_FOUND for an unknown model, as every model read)."""
+        self.latest(model)
+        horizon = time.time() - CLIENT_TIMEOUT_S
+        return [
+            ClientStatus(a.client_id, a.version, self.store.versions_behind(model, a.version), a.acked_unix,
+                         a.acked_unix >= horizon)
+            for a in self.store.clients(model)
+        ]  # fmt: skip

@@ -17,7 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from weightsvc.core.manifest import TensorSpec, parse_version_ref
 from weightsvc.core.service import PushChunk, PushCommit, PushHeader, PushMessage, Service
 from weightsvc.core.topology import HASHING
-from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
+from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth
 from weightsvc.transport.names import SERVICE
 from weightsvc.transport.wire import (
@@ -82,49 +82,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Pull(self, request: pb.PullRequest, context: Any) -> None:
-        chunk = self.service.settings.chunk_bytes
-        stall = self.service.settings.pull_stall_timeout_s
-
-        async def write(message: pb.PullResponse | bytes) -> None:
-            # Written here rather than yielded: a client that stops reading holds the version, and
-            # only a timeout around the write (which waits on flow control) can take it back.
-            try:
-                async with asyncio.timeout(stall):
-                    await context.write(message)
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"model {request.model!r} version {version.manifest.version}: the client read nothing for "
-                    f"{stall:g} s (--pull-stall-timeout-s); pull dropped",
-                    reason="stalled",
-                ) from None
-
-        version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
+        base = parse_version_ref(request.base) if request.base else None
+        pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base)
         try:
-            data, delta_header = version.data, None
-            if request.base and version.part is None:  # a delta against a version the client holds, if smaller
-                delta = await self.service.delta(version, parse_version_ref(request.base))
-                if delta is not None:
-                    data = memoryview(delta)
-                    delta_header = pb.Delta(base_version=int(request.base), delta_bytes=len(delta))
-            total = len(data) if delta_header else version.manifest.data_bytes
-            if not 0 <= request.offset <= total:
-                raise InvalidArgument(
-                    f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
-                    f"is outside its {total}-byte data section"
-                )
-            # A replica holding one part sends the bytes of its part from the offset on; asked for an
-            # offset outside its part, the manifest alone (it tells the client who holds the rest).
-            start, end = version.held if delta_header is None else (0, len(data))
-            first = request.offset if start <= request.offset <= end else end
-            await write(pb.PullResponse(manifest=manifest_to_proto(version.manifest)))
-            if delta_header is not None:
-                await write(pb.PullResponse(delta=delta_header))
-            for offset in range(first, end, chunk):
-                piece = data[offset - start : offset - start + chunk]
-                await write(encode_chunk("", offset, piece))  # pre-encoded: one copy, not three
-                self.service.count_pulled(version.manifest.model, "grpc", len(piece))
+            chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
+            # Written rather than yielded: only the stall timeout around a write (which waits on flow
+            # control) takes the version back from a client that stops reading.
+            await pull.send(context.write(pb.PullResponse(manifest=manifest_to_proto(pull.manifest))))
+            if pull.base is not None:
+                delta = pb.Delta(base_version=pull.base, delta_bytes=len(pull.body))
+                await pull.send(context.write(pb.PullResponse(delta=delta)))
+            for offset, piece in chunks:
+                await pull.send(context.write(encode_chunk("", offset, piece)), len(piece))  # pre-encoded: one copy
         finally:
-            self.service.close_pull(version, "grpc")
+            pull.close()
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -153,6 +124,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         latest = self.service.ack(request.model, request.version, request.client_id or context.peer())
         return pb.AckResponse(latest_version=latest)
+
+    @_abort_on_domain_error
+    async def ListClients(self, request: pb.ListClientsRequest, context: Any) -> pb.ListClientsResponse:
+        statuses = self.service.clients(request.model)
+        return pb.ListClientsResponse(model=request.model, latest_version=self.service.latest(request.model),
+                                      clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])  # fmt: skip
 
 
 async def _push_messages(
@@ -228,6 +205,7 @@ async def start_grpc(
         ("Watch", pb.WatchRequest, pb.VersionEvent, grpc.unary_stream_rpc_method_handler),
         ("Ack", pb.AckRequest, pb.AckResponse, grpc.unary_unary_rpc_method_handler),
         ("GetTopology", pb.GetTopologyRequest, pb.Topology, grpc.unary_unary_rpc_method_handler),
+        ("ListClients", pb.ListClientsRequest, pb.ListClientsResponse, grpc.unary_unary_rpc_method_handler),
     ):
         handlers[name] = kind(
             getattr(servicer, name),
