@@ -133,8 +133,8 @@ def test_a_delta_pull_that_stops_reading_is_dropped_and_lets_go_of_its_version(m
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.sendall(f"GET /v1/models/{model}/versions/2/delta?base=1 HTTP/1.1\r\nHost: x\r\n\r\n".encode())
             assert sock.recv(12) == b"HTTP/1.1 200"  # then read nothing more
-            srv.call(srv.service.wait_for(lambda: srv.service._pulls == 1))
-            srv.call(srv.service.wait_for(lambda: srv.service._pulls == 0), timeout=30)  # dropped after 0.5 s
+            srv.call(srv.service.wait_for(lambda: srv.service.pulls.in_flight == 1))
+            srv.call(srv.service.wait_for(lambda: srv.service.pulls.in_flight == 0), timeout=30)  # dropped after 0.5 s
         status, _, body = http_get(srv.http_url, f"/v1/models/{model}/versions/2/delta?base=1")
         assert status == 200 and body == grpc_delta(srv.grpc_target, model, 2, 1)[1]
 

@@ -8,7 +8,6 @@ errors back; nothing about versions, export or metrics lives in them. A push's l
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -18,29 +17,22 @@ from dataclasses import dataclass
 from typing import overload
 
 from weightsvc import rounding
-from weightsvc.core.delta import compatible as delta_compatible
-from weightsvc.core.delta import encode as delta_encode
 from weightsvc.core.manifest import (
     Manifest,
     check_model_name,
 )
-from weightsvc.core.pull import ClientStatus, Pull, watching
+from weightsvc.core.pull import ClientStatus, Pull, Pulls, watching
 from weightsvc.core.push import Pushes, PushMessage
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
 from weightsvc.core.store import CLIENT_TIMEOUT_S, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
-    FailedPrecondition,
-    NotFound,
-    TooManyRequests,
     Unavailable,
 )
 from weightsvc.metrics import Metrics
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
-
-MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
 
 
 @dataclass(frozen=True)
@@ -86,10 +78,9 @@ class Service:
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
-        self._pulls = 0  # pulls holding a version, against --max-pulls
         self._changes = _Changes()
         self.pushes = Pushes(self)
-        self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # recent delta encodings, oldest first
+        self.pulls = Pulls(self)
         self._topology: list[Replica] | None = None  # the last the registry gave
         self._stopping = asyncio.Event()  # set when the server stops: watches end
 
@@ -139,96 +130,18 @@ class Service:
     async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None) -> Pull:
         """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
         body is the delta encoding against it when there is one, else the data section as always."""
-        pull = Pull(self, self.open_pull(model, version, transport), transport)
-        try:
-            if base is not None and pull.version.part is None:
-                with contextlib.suppress(FailedPrecondition):
-                    pull.use_delta(base, await self.delta(pull.version, base))
-        except BaseException:
-            pull.close()
-            raise
-        return pull
+        return await self.pulls.open(model, version, transport, base, dense_fallback=True)
 
     async def pull_delta(self, model: str, version: int | None, base: int, transport: str) -> Pull:
         """Start a pull whose body is the delta encoding of `version` against `base`; FAILED_PRECONDITION
         saying why when there is none (the client then pulls the whole version)."""
-        pull = Pull(self, self.open_pull(model, version, transport), transport)
-        try:
-            pull.use_delta(base, await self.delta(pull.version, base))
-        except BaseException:
-            pull.close()
-            raise
-        return pull
-
-    def open_pull(self, model: str, version: int | None, transport: str) -> Version:
-        """Hold a version for a pull; eviction cannot recycle its buffer until `close_pull`."""
-        if transport != "delta" and self._pulls >= self.settings.max_pulls:
-            raise TooManyRequests(
-                f"{self._pulls} pulls in progress, the most this server takes (--max-pulls "
-                f"{self.settings.max_pulls}); retry later",
-                reason="too_many",
-            )
-        held = self.store.get(model, version)
-        self.store.hold(held)
-        self._pulls += transport != "delta"
-        self.metrics.pulls_in_flight.labels(transport).inc()
-        return held
-
-    def close_pull(self, version: Version, transport: str) -> None:
-        self.metrics.pulls_in_flight.labels(transport).dec()
-        self._pulls -= transport != "delta"
-        self.store.release(version)
-        self._changes.notify()
-
-    async def delta(self, version: Version, base: int) -> bytes:
-        """The delta encoding of `version` against `base` of the same model. FAILED_PRECONDITION, saying
-        why, when there is none: the base is the version itself or not retained, either is sharded over
-        replicas, their layouts differ, or the delta would not be smaller than the dense bytes."""
-        m = version.manifest
-
-        def none(why: str) -> FailedPrecondition:
-            return FailedPrecondition(f"model {m.model!r} version {m.version}: no delta against base {base}: {why}; "
-                                      "pull the whole version")  # fmt: skip
-
-        not_smaller = f"it would not be smaller than the {m.data_bytes} dense bytes"
-        key = (m.model, m.version, base)
-        if key in self._deltas:  # a fleet pulls the same delta many times: encode it once
-            cached = self._deltas[key]
-            if cached is None:
-                raise none(not_smaller)
-            return cached
-        if base == m.version:
-            raise none("that is the version itself")
-        if version.part is not None:
-            raise none("the version is sharded over replicas")
-        try:
-            held = self.open_pull(m.model, base, "delta")
-        except NotFound as e:
-            raise none(e.message) from None
-        try:
-            if held.part is not None:
-                raise none("the base is sharded over replicas")
-            if not delta_compatible(held.manifest, m):
-                raise none("the base has other tensors, shapes or dtypes")
-            encoded = await asyncio.to_thread(delta_encode, m, version.data, held.data)
-        finally:
-            self.close_pull(held, "delta")
-        delta = encoded if len(encoded) < m.data_bytes else None
-        self._deltas[key] = delta
-        while len(self._deltas) > MAX_CACHED_DELTAS:
-            self._deltas.pop(next(iter(self._deltas)))
-        if delta is None:
-            raise none(not_smaller)
-        return delta
+        return await self.pulls.open(model, version, transport, base, dense_fallback=False)
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
         version of sharded replicas is whole here: the relay serves all of it."""
         manifest = dataclasses.replace(manifest, parts=())
         await self.store.commit(Version(manifest, manifest.safetensors_header(), data))
-
-    def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
-        self.metrics.pull_bytes.labels(model, transport).inc(nbytes)
 
     @overload
     def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]: ...

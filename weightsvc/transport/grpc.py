@@ -20,7 +20,8 @@ from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
 from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth
-from weightsvc.transport.names import SERVICE
+from weightsvc.transport.names import METHODS, SERVICE
+from weightsvc.transport.status import grpc_status
 from weightsvc.transport.wire import (
     ChunkView,
     Malformed,
@@ -42,7 +43,7 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
         if isinstance(e, WeightsvcError):
-            await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+            await context.abort(grpc_status(e), e.message)
         log.exception("internal error in %s", fn.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
@@ -186,33 +187,13 @@ async def start_grpc(
         options=grpc_options(service.settings.max_message_bytes), interceptors=[GrpcAuth(auth)] if auth else None
     )
     servicer = WeightServicer(service)
-    handlers = {
-        # The bulk methods use the zero-copy chunk framing of `_wire`.
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push,
-            request_deserializer=decode_push_request,
-            response_serializer=pb.PushResponse.SerializeToString,
-        ),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull,
-            request_deserializer=pb.PullRequest.FromString,
-            response_serializer=encode_message,
-        ),
-    }
-    for name, request, response, kind in (
-        ("ListModels", pb.ListModelsRequest, pb.ListModelsResponse, grpc.unary_unary_rpc_method_handler),
-        ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsResponse, grpc.unary_unary_rpc_method_handler),
-        ("GetManifest", pb.GetManifestRequest, pb.Manifest, grpc.unary_unary_rpc_method_handler),
-        ("Watch", pb.WatchRequest, pb.VersionEvent, grpc.unary_stream_rpc_method_handler),
-        ("Ack", pb.AckRequest, pb.AckResponse, grpc.unary_unary_rpc_method_handler),
-        ("GetTopology", pb.GetTopologyRequest, pb.Topology, grpc.unary_unary_rpc_method_handler),
-        ("ListClients", pb.ListClientsRequest, pb.ListClientsResponse, grpc.unary_unary_rpc_method_handler),
-    ):
-        handlers[name] = kind(
-            getattr(servicer, name),
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
+    # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
+    framing: dict[str, tuple[Any, Any]] = {"Push": (decode_push_request, None), "Pull": (None, encode_message)}
+    handlers = {}
+    for name, m in METHODS.items():
+        decode, encode = framing.get(name, (None, None))
+        handlers[name] = m.handler(getattr(servicer, name), request_deserializer=decode or m.request.FromString,
+                                   response_serializer=encode or m.response.SerializeToString)  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -23,6 +23,7 @@ from weightsvc.core.pull import Pull
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.transport.status import http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
 # Pieces handed to the server per send: large enough to keep per-call overhead low, small enough
@@ -38,10 +39,6 @@ _EVENTS: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "One event per version: id, event, data"}
 }
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -98,7 +95,7 @@ class PullResponse(Response):
             self.pull.close()
 
 
-class AckRequest(BaseModel):
+class AckBody(BaseModel):
     version: int
     client_id: str | None = None  # default: the peer's address, as gRPC's Ack
 
@@ -122,21 +119,21 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.exception_handler(WeightsvcError)
     async def _domain(_: Request, e: WeightsvcError) -> JSONResponse:
-        return _error(e.http_status, e.grpc_code, e.message)
+        return http_domain_error(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
-        return _error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
+        return http_error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(500, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
+        return http_error(500, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
+        return http_error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -146,7 +143,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def readyz() -> JSONResponse:
         if is_ready():
             return JSONResponse({"status": "ready"})
-        return _error(503, "UNAVAILABLE", "weightsvc is starting")
+        return http_error(503, "UNAVAILABLE", "weightsvc is starting")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -178,14 +175,13 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             pieces = pull.file_pieces(start, end, PIECE_BYTES)
         except ValueError:
             pull.close()
-            resp = _error(
+            return http_error(
                 416,
                 "OUT_OF_RANGE",
                 f"range {request.headers.get('range')!r} is outside the {size} bytes of "
                 f"model {model!r} version {pull.manifest.version}",
+                {"content-range": f"bytes */{size}"},
             )
-            resp.headers["content-range"] = f"bytes */{size}"
-            return resp
         except BaseException:
             pull.close()
             raise
@@ -220,7 +216,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
 
     @app.post("/v1/models/{model}/acks")
-    async def ack(model: str, body: AckRequest, request: Request) -> dict[str, int]:
+    async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
         return {"latest_version": service.ack(model, body.version, client_id)}
