@@ -17,7 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import serving
+from tests.conftest import serving, start_server
 from tests.integration.test_delta import small_step
 from tests.integration.test_push_pull import http_get
 from weightsvc import LearnerClient
@@ -81,8 +81,8 @@ def test_delta_route_sends_the_grpc_delta_bytes_and_they_apply_to_the_base(
     assert grpc_header is not None and (grpc_header.base_version, grpc_header.delta_bytes) == (1, len(body))
     assert body == grpc_body
     base = bytearray(data_section(http_get(server.http_url, f"/v1/models/{model}/versions/1/safetensors")[2]))
-    delta_codec.apply(Manifest.from_dict(json.loads(http_get(server.http_url,
-                      f"/v1/models/{model}/versions/2/manifest")[2])), memoryview(body), memoryview(base))  # fmt: skip
+    manifest = Manifest.from_dict(json.loads(http_get(server.http_url, f"/v1/models/{model}/versions/2/manifest")[2]))
+    delta_codec.apply(manifest, memoryview(body), memoryview(base))
     assert bytes(base) == data_section(v2_file)
 
 
@@ -238,7 +238,8 @@ def test_an_idle_watch_sends_keepalives_and_ends_when_the_server_stops(
     monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
     monkeypatch.setattr(http_transport, "KEEPALIVE_S", 0.2)
-    srv = serving().__enter__()
+    srv = start_server()
+    channel = grpc.insecure_channel(srv.grpc_target)
     try:
         reader = EventReader(srv.http_url, f"/v1/models/{model}/watch")  # before the model has a version
         assert reader.next() == {"comment": "keepalive"}
@@ -247,6 +248,8 @@ def test_an_idle_watch_sends_keepalives_and_ends_when_the_server_stops(
         while event == {"comment": "keepalive"}:
             event = reader.next()
         assert event is not None and event["id"] == "1"
+        over_grpc = pb_grpc.WeightServiceStub(channel).Watch(pb.WatchRequest(model=model))
+        assert next(over_grpc).version.version == 1
     finally:
         stopping = threading.Thread(target=srv.__exit__, args=(None, None, None))
         started = time.monotonic()
@@ -257,6 +260,12 @@ def test_an_idle_watch_sends_keepalives_and_ends_when_the_server_stops(
     while (event := reader.next()) is not None:  # the stream ended: the client reconnects elsewhere
         assert event == {"comment": "keepalive"}
     reader.close()
+    with pytest.raises(grpc.RpcError) as ended:  # gRPC watchers are told to come back
+        next(over_grpc)
+    assert (ended.value.code(), ended.value.details()) == (
+        grpc.StatusCode.UNAVAILABLE, "the server is stopping: watch again, after the last version received"
+    )  # fmt: skip
+    channel.close()
 
 
 # ---- ack and clients ----------------------------------------------------------------------------
