@@ -1,6 +1,6 @@
 """Who may do what: bearer tokens with roles, on gRPC metadata and the HTTP Authorization header.
 
-Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP read route), `push` also pushes (a
+Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP route, the ack too), `push` also pushes (a
 learner pulls its served copy back), `admin` may do everything. Tokens come from
 `WEIGHTSVC_{PULL,PUSH,ADMIN}_TOKENS` (comma-separated) and/or `--auth-file` (JSON:
 {"pull": [...], "push": [...], "admin": [...]}). Auth is on as soon as one token is configured.
