@@ -126,7 +126,6 @@ class Push:
     async def run(self, rank: int, messages: AsyncIterator[PushMessage]) -> Committed:
         """Feed one rank's stream into the push and answer with the push's outcome. Any exception
         fails every rank; the last rank to leave releases the staging memory."""
-        session: PushSession | None = None
         try:
             session = await self._wait_session()
             while True:
@@ -147,8 +146,9 @@ class Push:
             raise
         except asyncio.CancelledError:
             self.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
-            if session is not None and session.part_of is not None:  # its part, if waiting, is taken back
-                session.part_of.abandoned.set()
+            staged = self.staged
+            if staged is not None and staged.part_of is not None:  # its part, if waiting, is taken back
+                staged.part_of.abandoned.set()
             raise
         except Exception as e:
             error = self._unexpected(e, f"rank {rank}'s stream" if self.world_size > 1 else "the push")
