@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import grpc
 
 from weightsvc.client._common import (
+    ClientInfo,
     Credentials,
     InferenceClient,
     Progress,
@@ -265,6 +266,10 @@ class GrpcInferenceClient(InferenceClient):
 
     def topology(self) -> list[Replica]:
         return self._replicas.topology()
+
+    def clients(self, model: str = "default") -> list[ClientInfo]:
+        resp = self._call(self._stub.ListClients, pb.ListClientsRequest(model=model))
+        return [ClientInfo(c.client_id, c.version, c.lag_versions, c.last_seen_unix, c.connected) for c in resp.clients]
 
     # ---- watch and ack -------------------------------------------------------------------------
 
