@@ -6,7 +6,6 @@ Nothing here imports torch: the CLI's `status`, `pull` to a file and `push` star
 
 from __future__ import annotations
 
-import abc
 import concurrent.futures
 import dataclasses
 import itertools
@@ -231,7 +230,7 @@ def gather(jobs: list[Callable[[], None]], name: str) -> None:
             f.result()
 
 
-class InferenceClient(abc.ABC):
+class InferenceClient:
     """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC,
     "http://host:port" (or "https://...") for HTTP.
 
@@ -273,47 +272,38 @@ class InferenceClient(abc.ABC):
         It must not refer to the client itself, or the client would never be garbage."""
         self._finalizer = weakref.finalize(self, release)
 
-    # ---- the transport's part ------------------------------------------------------------------
+    # ---- the transport's part (each transport's class defines all of these) ---------------------
 
-    @abc.abstractmethod
     def _pull(
         self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
     ) -> tuple[Manifest, memoryview]:
         """A version's manifest and data section; with `held`, as a delta on it when the server sends one."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
         """One try at the bytes `rx` still wants of `part`, from the part's owner."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
         """One watch stream: the versions above `after` (all when None), then each new one."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         raise NotImplementedError
 
-    @abc.abstractmethod
     def versions(self, model: str = "default") -> list[VersionInfo]:
         raise NotImplementedError
 
-    @abc.abstractmethod
     def models(self) -> list[dict[str, Any]]:
         raise NotImplementedError
 
-    @abc.abstractmethod
     def topology(self) -> list[Replica]:
         """The replicas of the deployment, as its registry knows them (sorted by id)."""
         raise NotImplementedError
 
-    @abc.abstractmethod
     def _ack(self, model: str, version: int, client_id: str) -> int:
         raise NotImplementedError
 
-    @abc.abstractmethod
     def clients(self, model: str = "default") -> list[ClientInfo]:
         """The inference clients that acked versions of `model`."""
         raise NotImplementedError
