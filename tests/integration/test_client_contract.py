@@ -205,7 +205,7 @@ def test_watch_reconnects_across_a_server_restart(data_dir: Path, transport: str
 def test_an_unclosed_http_client_closes_its_sockets_when_garbage(server: BackgroundServer) -> None:
     client = InferenceClient(server.http_url)
     client.models()
-    opened = list(client._connections._open)  # type: ignore[attr-defined]
+    opened = client._connections.opened  # type: ignore[attr-defined]
     assert opened and all(c.sock is not None for c in opened)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -31,7 +31,7 @@ class _Connections:
     def __init__(self, ca: bytes | None, timeout: float | None) -> None:
         self._ca, self._timeout = ca, timeout
         self._idle: dict[Origin, list[http.client.HTTPConnection]] = {}
-        self._open: set[http.client.HTTPConnection] = set()
+        self._busy: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
 
     def take(self, origin: Origin) -> tuple[http.client.HTTPConnection, bool]:
@@ -39,8 +39,9 @@ class _Connections:
         with self._lock:
             idle = self._idle.get(origin)
             if idle:
-                return idle.pop(), True
-        conn: http.client.HTTPConnection
+                conn = idle.pop()
+                self._busy.add(conn)
+                return conn, True
         host = origin.hostname or "127.0.0.1"
         if origin.scheme == "https":
             context = ssl.create_default_context(cadata=self._ca.decode() if self._ca else None)
@@ -48,26 +49,37 @@ class _Connections:
         else:
             conn = http.client.HTTPConnection(host, origin.port, timeout=self._timeout)
         with self._lock:
-            self._open.add(conn)
+            self._busy.add(conn)
         return conn, False
 
     def give(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
         with self._lock:
+            self._busy.discard(conn)
             self._idle.setdefault(origin, []).append(conn)
 
     def drop(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            self._open.discard(conn)
+            self._busy.discard(conn)
         conn.close()
 
-    def close(self) -> None:
+    @property
+    def opened(self) -> list[http.client.HTTPConnection]:
         with self._lock:
-            conns, self._open, self._idle = list(self._open), set(), {}
-        for conn in conns:
-            if conn.sock is not None:  # wakes a thread blocked reading it (a watch)
+            return [*self._busy, *(c for idle in self._idle.values() for c in idle)]
+
+    def close(self) -> None:
+        """Close the idle connections; a busy one is shut down, which ends the read of the thread
+        using it (a watch), and that thread closes it (closing it here would pull the response's
+        file from under that read)."""
+        with self._lock:
+            idle, self._idle = [c for conns in self._idle.values() for c in conns], {}
+            busy = list(self._busy)
+        for conn in idle:
+            conn.close()
+        for conn in busy:
+            if conn.sock is not None:
                 with contextlib.suppress(OSError):
                     conn.sock.shutdown(socket.SHUT_RDWR)
-            conn.close()
 
 
 def _error(resp: http.client.HTTPResponse) -> WeightsvcError:
