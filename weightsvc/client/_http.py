@@ -33,6 +33,7 @@ class _Connections:
         self._idle: dict[Origin, list[http.client.HTTPConnection]] = {}
         self._busy: set[http.client.HTTPConnection] = set()
         self._lock = threading.Lock()
+        self._closed = False
 
     def take(self, origin: Origin) -> tuple[http.client.HTTPConnection, bool]:
         """A connection to `origin`, and whether it served a request before (it may have gone stale)."""
@@ -55,7 +56,10 @@ class _Connections:
     def give(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
         with self._lock:
             self._busy.discard(conn)
-            self._idle.setdefault(origin, []).append(conn)
+            if not self._closed:
+                self._idle.setdefault(origin, []).append(conn)
+                return
+        conn.close()  # a request that ended after the client was closed
 
     def drop(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -72,6 +76,7 @@ class _Connections:
         using it (a watch), and that thread closes it (closing it here would pull the response's
         file from under that read)."""
         with self._lock:
+            self._closed = True
             idle, self._idle = [c for conns in self._idle.values() for c in conns], {}
             busy = list(self._busy)
         for conn in idle:
