@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from weightsvc.settings import Settings
-
 if TYPE_CHECKING:
     from weightsvc.client import InferenceClient, LearnerClient, VersionInfo
+    from weightsvc.settings import Settings
 
 __version__ = "0.1.0"
 __all__ = ["InferenceClient", "LearnerClient", "Settings", "VersionInfo", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
-    # The clients import torch; the server does not need it, so load them on first use.
+    # Loaded on first use: the settings import the export kernels (numba), which a client does not
+    # need; the clients import grpc, which `weightsvc export` does not.
+    if name == "Settings":
+        from weightsvc.settings import Settings
+
+        return Settings
     if name in ("InferenceClient", "LearnerClient", "VersionInfo"):
         from weightsvc import client
 
