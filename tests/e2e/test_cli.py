@@ -20,9 +20,10 @@ CMD = WEIGHTSVC_CMD
 Serve = ServeProcess
 
 
-def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+                          env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_errors_are_one_line_and_nonzero(
         cli("pull", "--model", "errs", "--version", "9", "-o", str(tmp_path / "x"), "--url", served.url)
     )
     assert "has no version 9" in line and "HTTP 404" in line
-    line = one_error_line(cli("pull", "-o", str(tmp_path / "x")))
+    line = one_error_line(cli("pull", "-o", str(tmp_path / "x"), "--target", served.target, "--url", served.url))
     assert "exactly one of --target" in line
     line = one_error_line(cli("push", str(tmp_path / "missing.safetensors"), "--step", "1", "--target", served.target))
     assert "cannot read" in line
@@ -98,7 +99,13 @@ def test_errors_are_one_line_and_nonzero(
 
 def test_serve_rejects_bad_settings() -> None:
     line = one_error_line(cli("serve", "--rounding", "nearest", "--grpc-port", "0", "--http-port", "0"))
-    assert "unknown rounding 'nearest'" in line
+    assert "unknown rounding 'nearest'" in line and "'--rounding'" in line
+    line = one_error_line(cli("serve", "--grpc-port", "0", "--http-port", "0", env={"WEIGHTSVC_RETAIN": "0"}))
+    assert "'--retain' (env var: 'WEIGHTSVC_RETAIN'): Input should be greater than or equal to 1 (got 0)" in line
+    line = one_error_line(cli("serve", "--grpc-port", "0", "--http-port", "0", "--tls-key", "key.pem"))
+    assert "--tls-cert and --tls-key go together" in line
+    line = one_error_line(cli("serve", "--retian", "3"))
+    assert "No such option: --retian" in line and "weightsvc serve --help" in line
 
 
 def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -182,6 +189,13 @@ def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_demo_writes_a_png_only_when_asked(tmp_path: Path) -> None:
+    result = cli("demo", "--steps", "2", "--json", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"rtn", "sr", "sr-sticky", "ef"}
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) -> None:
     base, t = make_masters(seed=21), served.target
     for step, masters in ((1, base), (2, {k: v + 3e-6 for k, v in base.items()})):
@@ -227,3 +241,33 @@ def test_bench_soak_holds_memory_flat_and_leaks_nothing() -> None:
     assert soak["ok"] and soak["rss_growth"] <= 0.10 and not soak["failures"]
     assert soak["versions_pushed"] > 4 and soak["pulls"] > soak["pullers"]
     assert (soak["retained_versions"], soak["staged_bytes"], soak["pulls_in_flight"]) == (4, 0, 0)
+
+
+def test_a_file_that_is_not_what_the_command_needs_is_named(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    path, masters = checkpoint
+    t = served.target
+    torch.save(masters, tmp_path / "masters.bin")
+    line = one_error_line(cli("push", str(tmp_path / "masters.bin"), "--step", "1", "--target", t))
+    assert f"{tmp_path / 'masters.bin'} is not a safetensors file: it is a torch.save checkpoint" in line
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes((12).to_bytes(8, "little") + b"not json, no")
+    line = one_error_line(cli("push", str(junk), "--step", "1", "--target", t))
+    assert f"{junk} is not a safetensors file: its header is not a JSON object" in line
+
+    for step in (1, 2):
+        assert cli("push", str(path), "--model", "bases", "--step", str(step), "--target", t).returncode == 0
+    pulled = tmp_path / "pulled.safetensors"
+
+    def delta(base_file: Path) -> str:
+        return one_error_line(cli("pull", "--model", "bases", "--version", "2", "--base", "1", "-o", str(base_file),
+                                  "--target", t))  # fmt: skip
+
+    assert f"--base 1: {pulled} does not exist; pull model 'bases' version 1 into it first" in delta(pulled)
+    plain = path.read_bytes()
+    assert f"--base 1: {path} was not written by `weightsvc pull`" in delta(path)
+    assert f"{tmp_path / 'masters.bin'} is not a safetensors file" in delta(tmp_path / "masters.bin")
+    assert cli("pull", "--model", "bases", "--version", "2", "-o", str(pulled), "--target", t).returncode == 0
+    assert f"--base 1: {pulled} holds model 'bases' version 2, not model 'bases' version 1" in delta(pulled)
+    assert path.read_bytes() == plain  # a refused base is left as it was
