@@ -1,4 +1,4 @@
-"""Domain errors. Each transport maps them once: gRPC status codes in `_grpc`, HTTP in `_http`.
+"""Domain errors. Each transport maps them once: gRPC status codes in `transport.grpc`, HTTP in `transport.http`.
 
 Messages name the model, version, tensor and the rule that was broken; `reason` is a short,
 bounded token used as the label of the rejected-push metric.
@@ -56,11 +56,6 @@ class Unavailable(WeightsvcError):
     http_status = 503
 
 
-class Cancelled(WeightsvcError):
-    grpc_code = "CANCELLED"
-    http_status = 499
-
-
 class Aborted(WeightsvcError):
     """The server gave up on a stream (it ended early, or stopped sending)."""
 
@@ -83,6 +78,13 @@ class PermissionDenied(WeightsvcError):
     http_status = 403
 
 
+class Internal(WeightsvcError):
+    """Something failed that is not the caller's doing: the message says what, and nothing was committed."""
+
+    grpc_code = "INTERNAL"
+    http_status = 500
+
+
 class DataLoss(WeightsvcError):
     """A checksum did not match: the bytes received are not the bytes committed."""
 
@@ -99,7 +101,7 @@ BY_GRPC_CODE: dict[str, type[WeightsvcError]] = {
         AlreadyExists,
         ResourceExhausted,
         Unavailable,
-        Cancelled,
+        Internal,
         Aborted,
         DeadlineExceeded,
         Unauthenticated,

@@ -30,6 +30,9 @@ REJECT_REASONS = (
 _SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LAG_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 _EXPORT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# What a relay was doing when something failed (it logs the failure and retries).
+RELAY_STAGES = ("discover", "follow", "mirror")
 
 
 class Metrics:
@@ -61,7 +64,7 @@ class Metrics:
         self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
         self.export_seconds = Histogram(
             "weightsvc_export_seconds",
-            "Time to export one tensor (Fair Cast + checksums)",
+            "Time the export worker spent on one version (Fair Cast + checksums)",
             ["format", "rounding"],
             buckets=_EXPORT_BUCKETS,
             registry=r,
@@ -69,7 +72,7 @@ class Metrics:
         lag_labels = ["model", "format", "rounding"]
         self.served_lag_steps = Gauge(
             "weightsvc_served_lag_steps",
-            "Steps the served copy lags the learner's masters, at the latest version (DESIGN §6)",
+            "Steps the served copy lags the learner's masters, at the latest version",
             lag_labels, registry=r,
         )  # fmt: skip
         self.update_visibility = Gauge(
@@ -93,6 +96,17 @@ class Metrics:
             "weightsvc_version_sync_seconds", "Seconds from a version's commit to a client's first ack of it",
             ["model"], buckets=_SYNC_BUCKETS, registry=r,
         )  # fmt: skip
+        self.event_loop_lag = Histogram(
+            "weightsvc_event_loop_lag_seconds",
+            "How late the event loop woke a timer: time it was blocked and could serve nobody",
+            buckets=_LOOP_LAG_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.relay_failures = Counter(
+            "weightsvc_relay_failures", "Failures of a relay following its upstream (each retried), by stage",
+            ["stage"], registry=r,
+        )  # fmt: skip
+        for stage in RELAY_STAGES:
+            self.relay_failures.labels(stage)
         r.register(_ClientCollector(self))
         self._client_lags: Callable[[], dict[str, list[int]]] = dict
         for reason in REJECT_REASONS:

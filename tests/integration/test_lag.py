@@ -1,4 +1,4 @@
-"""Lag metrics (DESIGN §6) through a real server, on constructed cases with known answers."""
+"""Lag metrics through a real server, on constructed cases with known answers."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import re
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import pytest
@@ -14,7 +15,10 @@ import torch
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard, VersionInfo
-from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, NotFound
+from weightsvc.core import staging
+from weightsvc.core.push import PushChunk
+from weightsvc.core.staging import PushSession
+from weightsvc.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted
 from weightsvc.server.server import BackgroundServer
 
 CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
@@ -53,7 +57,7 @@ def push_ranks(
             return client.push(step, parts[r], model=model, rank=r, world_size=len(parts), **kwargs)  # type: ignore[arg-type]
 
     futures = [pool.submit(rank, r) for r in range(len(parts))]
-    pool.shutdown(wait=True)
+    pool.shutdown(wait=False)  # the callers wait on the futures (with a limit where a rank could hang)
     return futures
 
 
@@ -210,7 +214,8 @@ def test_a_rank_that_breaks_off_mid_stream_aborts_every_rank(server: BackgroundS
         sent[0] += n
         if sent[0] > 4 * CHUNK:
             # Mid-stream: once both ranks have joined and the version is being staged.
-            server.call(server.service.wait_for(lambda: any(p.header.model == model for p in server.service._pushes)))
+            sessions = server.service.pushes.sessions
+            server.call(server.service.wait_for(lambda: any(p.header.model == model for p in sessions)))
             raise ConnectionAbortedError("learner rank 1 died")
 
     pool = ThreadPoolExecutor(2)
@@ -234,7 +239,7 @@ def test_ranks_that_disagree_on_world_size_or_rounding_are_refused(server: Backg
     with LearnerClient(server.grpc_target) as a, LearnerClient(server.grpc_target) as b:
         pool = ThreadPoolExecutor(1)
         rank0 = pool.submit(a.push, 1, parts[0], model, rank=0, world_size=2)
-        server.call(server.service.wait_for(lambda: bool(server.service._groups)))
+        server.call(server.service.wait_for(lambda: bool(server.service.pushes.meeting)))
         with pytest.raises(InvalidArgument, match=r"rank 1: world_size 3, but the push in progress has world_size 2"):
             b.push(1, parts[1], model, rank=1, world_size=3)
         with pytest.raises(InvalidArgument, match=r"rank 0: this rank is already pushing"):
@@ -245,3 +250,47 @@ def test_ranks_that_disagree_on_world_size_or_rounding_are_refused(server: Backg
         pool.shutdown(wait=True)
         assert rank0.result() == info
     assert math.prod(InferenceClient(server.grpc_target).pull(model)["embed.weight"].shape) == 97 * 64
+
+
+def answered(futures: list[Future[VersionInfo]]) -> list[BaseException | None]:
+    """Every rank's outcome; fails (instead of hanging) if a rank is left without an answer."""
+    _, waiting = wait(futures, timeout=60)
+    assert not waiting, f"{len(waiting)} rank(s) got no answer"
+    return [f.exception() for f in futures]
+
+
+def test_an_error_while_staging_is_opened_answers_every_rank(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    def no_memory(nbytes: int) -> memoryview:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    state = make_masters()
+    with serving() as srv:
+        monkeypatch.setattr(staging, "alloc", no_memory)  # mapping the staging buffer fails
+        errors = answered(push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model))
+        for error in errors:
+            assert isinstance(error, ResourceExhausted), error
+            assert f"model {model!r} step 1: opening its staging session failed: OSError" in str(error)
+        assert_nothing_visible(srv, model)
+        monkeypatch.undo()  # and the next push of the step commits
+        assert [f.result().version for f in push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model)] == [1, 1]
+
+
+def test_an_unexpected_exception_on_one_rank_fails_every_rank(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
+    add_chunk = PushSession.add_chunk
+
+    async def fault_on_rank_1(self: PushSession, rank: int, chunk: PushChunk) -> None:
+        if rank == 1:
+            raise RuntimeError("injected fault")
+        await add_chunk(self, rank, chunk)
+
+    state = make_masters()
+    with serving() as srv:
+        monkeypatch.setattr(PushSession, "add_chunk", fault_on_rank_1)
+        rank0, rank1 = answered(push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model))
+        assert isinstance(rank1, Internal), rank1
+        assert f"model {model!r} step 1: rank 1's stream failed: RuntimeError: injected fault" in str(rank1)
+        assert isinstance(rank0, Aborted), rank0
+        assert "rank 1 of 2 failed, so the push is aborted" in str(rank0) and "injected fault" in str(rank0)
+        assert_nothing_visible(srv, model)
+        monkeypatch.undo()
+        assert [f.result().version for f in push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model)] == [1, 1]

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import make_masters, serving, start_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import read_version_file
+from weightsvc.core.manifest import Manifest
 from weightsvc.errors import FailedPrecondition
 from weightsvc.server.server import BackgroundServer
 
@@ -75,3 +76,29 @@ def test_relay_keeps_serving_while_the_upstream_is_down_and_catches_up(tmp_path:
             assert relayed(relay, model, after=1) == 2
     finally:
         upstream.__exit__(None, None, None)
+
+
+def test_relay_survives_an_unexpected_exception_counts_it_and_retries(
+    monkeypatch: pytest.MonkeyPatch, model: str
+) -> None:
+    masters = make_masters()
+    with serving() as upstream, LearnerClient(upstream.grpc_target) as learner:
+        learner.push(1, masters, model=model)
+        with serving(relay_from=upstream.grpc_target) as relay:
+            assert relayed(relay, model, after=None) == 1
+            service = relay.service
+            mirror, tried = service.mirror, []
+
+            async def fail_once(manifest: Manifest, data: memoryview) -> None:
+                tried.append(manifest.version)
+                if len(tried) == 1:
+                    raise RuntimeError("injected fault")
+                await mirror(manifest, data)
+
+            monkeypatch.setattr(service, "mirror", fail_once)
+            learner.push(2, masters, model=model)
+            assert relayed(relay, model, after=1) == 2
+            assert tried == [2, 2]
+            assert service.metrics.relay_failures.labels("mirror")._value.get() == 1  # type: ignore[attr-defined]
+            learner.push(3, masters, model=model)  # and it goes on following
+            assert relayed(relay, model, after=2) == 3

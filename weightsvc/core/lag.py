@@ -1,4 +1,4 @@
-"""Lag metrics of the served copy against the learner's masters (DESIGN §6).
+"""Lag metrics of the served copy against the learner's masters.
 
 Computed per committed version on a fixed, deterministic sample of elements: every `stride`-th
 flat element of every tensor, with `stride` chosen so that a model contributes about

@@ -6,7 +6,7 @@ same state between replicas: a commit is one Lua script (check the step, add the
 manifest, append the event, apply retention), events are a Redis Stream per model, acks a hash.
 Both follow one contract (tests/integration/test_registry.py runs the same tests on each).
 
-Commit rules (DESIGN §4): a step above the model's latest commits; the same step with the same
+Commit rules: a step above the model's latest commits; the same step with the same
 master digest is an idempotent success; the same step with another digest is ALREADY_EXISTS; a step
 below the latest is FAILED_PRECONDITION. Retention keeps the newest `retain` versions.
 """

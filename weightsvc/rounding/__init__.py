@@ -1,4 +1,4 @@
-"""Fair Cast: the one entry point that turns fp32 masters into their served copy (DESIGN §3).
+"""Fair Cast: the one entry point that turns fp32 masters into their served copy.
 
 The service, the `weightsvc export` command and learners all call these functions, so the served
 bits are the same wherever they are computed. Functions are pure: arrays in, arrays out, every key
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
-# fp8 goes to 2-D weights; embeddings and norms stay in bf16 (DESIGN §3.1).
+# fp8 goes to 2-D weights; embeddings and norms stay in bf16 (their rows are looked up, not multiplied).
 DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
 SCALE_SUFFIX = "_scale_inv"
 DEVICES = ("auto", "cpu", "cuda")

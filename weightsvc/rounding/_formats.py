@@ -1,4 +1,4 @@
-"""The served formats, described by the few numbers the kernels need (DESIGN §3.1)."""
+"""The served formats, described by the few numbers the kernels need."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Keys of the counter-based RNG (DESIGN §3.3).
+"""Keys of the counter-based RNG: the served bits are a pure function of the master and these keys.
 
 The random bits of element i of a tensor are a pure function of (seed, version, tensor name, i):
 the 64-bit key below is derived once per tensor on the host, and the per-element hash in the

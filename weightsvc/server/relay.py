@@ -1,21 +1,26 @@
 """Relays: a server that mirrors every committed version of an upstream weightsvc and serves it.
 
 `weightsvc serve --relay-from HOST:PORT` builds a fan-out tree: learners push to the upstream; each
-relay follows it (gRPC Watch per model, models discovered with ListModels), pulls each new version
-as a delta against the one it holds, verifies every checksum, and commits the same bytes and
-manifest locally (same version number, commit time and lag metrics). Inference servers pull, watch
-and ack at the relay. A relay refuses pushes. If the upstream goes away, the relay keeps serving
-what it has and catches up when it comes back.
+relay follows it (a Watch per model, models discovered with ListModels), pulls each new version as a
+delta against the one it holds, verifies every checksum, and commits the same bytes and manifest
+locally (same version number, commit time and lag metrics). Inference servers pull, watch and ack at
+the relay. A relay refuses pushes. If the upstream goes away, the relay keeps serving what it has and
+catches up when it comes back.
+
+The relay is a set of asyncio tasks on the server's loop (one discovers models, one follows each
+model), so everything it reads of the store or commits happens on the loop; the sync client's
+blocking calls run in threads. Whatever fails is logged, counted in `weightsvc_relay_failures_total`
+by stage, and retried: nothing stops a relay but `stop`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from weightsvc.client import InferenceClient, tensors_from_data
+from weightsvc.client import InferenceClient, VersionInfo, tensors_from_data
 from weightsvc.errors import NotFound, WeightsvcError
 
 if TYPE_CHECKING:
@@ -28,77 +33,78 @@ RETRY_AFTER_S = 1.0
 
 
 class Relay:
-    """Follows an upstream from threads (the sync clients); commits on the server's loop."""
-
-    def __init__(self, upstream: str, service: Service, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, upstream: str, service: Service) -> None:
         self.upstream = upstream
         self.service = service
-        self.loop = loop
-        self._stop = threading.Event()
-        self._followers: dict[str, threading.Thread] = {}
         self._clients: list[InferenceClient] = []
-        self._lock = threading.Lock()
-        self._discover = threading.Thread(target=self._discover_models, name="relay-discover", daemon=True)
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._discover: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._discover.start()
+        self._discover = asyncio.create_task(self._discover_models(), name="relay-discover")
 
-    def stop(self) -> None:
-        self._stop.set()
-        with self._lock:
-            for client in self._clients:
-                client.close()  # breaks the followers' watch streams
-        for thread in [self._discover, *self._followers.values()]:
-            if thread.is_alive():
-                thread.join(timeout=10)
+    async def stop(self) -> None:
+        for client in self._clients:
+            client.close()  # breaks the watch streams that threads are blocked in
+        tasks = [t for t in (self._discover, *self._followers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _client(self) -> InferenceClient:
         client = InferenceClient(self.upstream)
-        with self._lock:
-            self._clients.append(client)
+        self._clients.append(client)
         return client
 
-    def _discover_models(self) -> None:
+    def _failed(self, stage: str, what: str, e: BaseException) -> None:
+        self.service.metrics.relay_failures.labels(stage).inc()
+        expected = isinstance(e, WeightsvcError | ValueError | OSError)  # the upstream's answers, the network
+        log.warning("relay: %s %s of %s failed (retrying): %s: %s", stage, what, self.upstream,
+                    type(e).__name__, e, exc_info=None if expected else e)  # fmt: skip
+
+    async def _discover_models(self) -> None:
         client = self._client()
-        while not self._stop.is_set():
+        while True:
             try:
-                for summary in client.models():
+                for summary in await asyncio.to_thread(client.models):
                     model = summary["model"]
                     if model not in self._followers:
-                        thread = threading.Thread(
-                            target=self._follow, args=(model,), name=f"relay-{model}", daemon=True
-                        )
-                        self._followers[model] = thread
-                        thread.start()
-            except (WeightsvcError, ValueError) as e:
-                if not self._stop.is_set():
-                    log.warning("relay: cannot list the models of %s: %s", self.upstream, e)
-            self._stop.wait(DISCOVER_EVERY_S)
+                        self._followers[model] = asyncio.create_task(self._follow(model), name=f"relay-{model}")
+            except Exception as e:
+                self._failed("discover", "the models", e)
+            await asyncio.sleep(DISCOVER_EVERY_S)
 
-    def _follow(self, model: str) -> None:
+    async def _follow(self, model: str) -> None:
         client = self._client()
-        while not self._stop.is_set():
+        while True:
+            stage = "follow"
             try:
                 # Start from the newest upstream version: older ones are not worth the bytes.
-                upstream_latest = client.manifest(model).version
+                upstream_latest = (await asyncio.to_thread(client.manifest, model)).version
                 local = self.service.store.latest(model)
                 after = max(local if local is not None else -1, upstream_latest - 1)
-                for info in client.watch(model, after=after):
-                    self._mirror(client, model, info.version)
+                events = client.watch(model, after=after)
+                while (info := await asyncio.to_thread(_next, events)) is not None:
+                    stage = "mirror"
+                    await self._mirror(client, model, info.version)
+                    stage = "follow"
             except NotFound:
                 pass  # the model's versions expired upstream; it may come back
-            except (WeightsvcError, ValueError) as e:
-                if self._stop.is_set():
-                    return
-                log.warning("relay: following model %r of %s: %s", model, self.upstream, e)
-            self._stop.wait(RETRY_AFTER_S)
+            except Exception as e:
+                self._failed(stage, f"model {model!r}", e)
+            await asyncio.sleep(RETRY_AFTER_S)
 
-    def _mirror(self, client: InferenceClient, model: str, version: int) -> None:
+    async def _mirror(self, client: InferenceClient, model: str, version: int) -> None:
         local = self.service.store.latest(model)
         if local is not None and version <= local:
             return
         held = client.held(model)
-        manifest, data = client.pull_data(model, version, base=held.version if held is not None else None)
-        tensors_from_data(manifest, data)  # every checksum, before anything is served
-        asyncio.run_coroutine_threadsafe(self.service.mirror(manifest, data), self.loop).result()
+        base = held.version if held is not None else None
+        manifest, data = await asyncio.to_thread(client.pull_data, model, version, base=base)
+        await asyncio.to_thread(tensors_from_data, manifest, data)  # every checksum, before anything is served
+        await self.service.mirror(manifest, data)
         log.info("relayed model=%s version=%d bytes=%d pulled=%d", model, version, len(data), client.last_pull_bytes)
+
+
+def _next(events: Iterator[VersionInfo]) -> VersionInfo | None:
+    return next(events, None)

@@ -24,6 +24,7 @@ from weightsvc.core.registry import REPLICA_TTL_S
 from weightsvc.core.service import Service
 from weightsvc.core.topology import Replica
 from weightsvc.errors import WeightsvcError
+from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import HttpAuth
@@ -59,6 +60,7 @@ class Server:
         self._relay: Relay | None = None
         self.replica: Replica | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._loop_monitor: asyncio.Task[None] | None = None
 
     @property
     def grpc_target(self) -> str:
@@ -74,6 +76,7 @@ class Server:
         s = self.settings
         _tune_process()
         self.service = Service(s)
+        self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics), name="loop-monitor")
         restored = await asyncio.to_thread(self.service.restore)
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
@@ -105,7 +108,7 @@ class Server:
         # uvicorn's tick loop (Date header, shutdown flag); we stop it through should_exit.
         self._http_task = asyncio.create_task(self._http.main_loop())
         if s.relay_from:
-            self._relay = Relay(s.relay_from, self.service, asyncio.get_running_loop())
+            self._relay = Relay(s.relay_from, self.service)
             self._relay.start()
         self.replica = self._describe()
         self.service.store.replica_id = self.replica.id
@@ -145,15 +148,16 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._heartbeat
+        for task in (self._heartbeat, self._loop_monitor):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.service is not None and self.replica is not None:
             with contextlib.suppress(WeightsvcError):
                 await self.service.store.registry.deregister(self.replica.id)
         if self._relay is not None:
-            await asyncio.to_thread(self._relay.stop)
+            await self._relay.stop()
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task

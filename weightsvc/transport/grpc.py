@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from weightsvc.core.manifest import TensorSpec, parse_version_ref
-from weightsvc.core.service import PushChunk, PushCommit, PushHeader, PushMessage, Service
+from weightsvc.core.push import PushChunk, PushCommit, PushHeader, PushMessage
+from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth

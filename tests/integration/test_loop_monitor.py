@@ -1,0 +1,41 @@
+"""The event loop is watched: a call that blocks it shows in `weightsvc_event_loop_lag_seconds`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from tests.conftest import serving
+from tests.integration.test_push_pull import http_get
+
+
+def loop_lag(metrics_text: str) -> tuple[float, float, dict[str, float]]:
+    """(count, sum, cumulative count per bucket bound) of the loop-lag histogram."""
+    count = total = 0.0
+    buckets: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("weightsvc_event_loop_lag_seconds_count"):
+            count = float(line.split()[-1])
+        elif line.startswith("weightsvc_event_loop_lag_seconds_sum"):
+            total = float(line.split()[-1])
+        elif line.startswith("weightsvc_event_loop_lag_seconds_bucket"):
+            buckets[line.split('le="')[1].split('"')[0]] = float(line.split()[-1])
+    return count, total, buckets
+
+
+def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram() -> None:
+    with serving() as srv:
+        srv.call(asyncio.sleep(0.2))  # the monitor's timer has fired a few times
+        count_before, _, before = loop_lag(http_get(srv.http_url, "/metrics")[2].decode())
+        assert count_before > 0
+
+        async def block() -> None:
+            time.sleep(0.5)  # what a blocking call on the loop does to everyone
+
+        srv.call(block())
+        srv.call(asyncio.sleep(0.2))  # the monitor's timer fires after the block
+        count, total, after = loop_lag(http_get(srv.http_url, "/metrics")[2].decode())
+        assert count > count_before
+        assert total >= 0.4
+        # One observation of at least 0.25 s: the block, not a spread of small ones.
+        assert after["0.25"] - before["0.25"] < count - count_before

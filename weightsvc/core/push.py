@@ -1,0 +1,482 @@
+"""A push, from its first header to its answer: one owner decides its fate.
+
+Each learner rank opens its own Push stream and declares, in its header, the tensors it holds (whole,
+or a flat element range). The ranks of one (model, step) meet in a `Push`: once every header is in,
+their parts are merged and checked, one staging session (`core.staging`) receives all of their
+chunks, and the version commits when the last rank commits. Whatever goes wrong with any rank — a
+refused chunk, a stream that breaks, a timeout, an exception nobody expected — fails the push for
+every rank at once with an error naming it, and the last rank to leave releases the staging memory.
+Nothing is visible unless the commit completes. A push with world_size 1 is a push of one rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weightsvc.core.manifest import DTYPE_SIZES, MASTER_DTYPE, TensorSpec, check_model_name
+from weightsvc.core.memory import resident_bytes
+from weightsvc.core.ranks import MAX_WORLD_SIZE, merge_parts
+from weightsvc.core.staging import PushSession
+from weightsvc.core.store import Version
+from weightsvc.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    TooManyRequests,
+    WeightsvcError,
+)
+from weightsvc.settings import Settings
+
+if TYPE_CHECKING:
+    from weightsvc.core.service import Service
+
+log = logging.getLogger("weightsvc.push")
+
+MAX_NAME_CHARS = 1024
+RESERVED_NAME = "__metadata__"
+Committed = tuple[Version, bool]  # the committed version, and whether this push created it
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    model: str
+    step: int
+    tensors: tuple[TensorSpec, ...]
+    format: str = ""  # per-push override of the server's export; empty: the server's
+    rounding: str = ""
+    rank: int = 0  # this learner rank, of world_size ranks that push the version together
+    world_size: int = 1
+    owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
+
+
+@dataclass(frozen=True)
+class PushChunk:
+    tensor: str
+    offset: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class PushCommit:
+    pass
+
+
+PushMessage = PushHeader | PushChunk | PushCommit
+
+
+class Push:
+    """The ranks pushing one (model, step), and the one owner of that push's fate.
+
+    Ranks join with their headers; the last to join opens the staging session; each rank's stream
+    feeds its own chunks; the last rank to commit starts the commit for all, and every rank answers
+    with its outcome. `fail` is the only way a push fails, and it fails every rank."""
+
+    def __init__(self, pushes: Pushes, header: PushHeader) -> None:
+        self.pushes = pushes
+        self.model, self.step, self.world_size = header.model, header.step, header.world_size
+        self.where = f"model {header.model!r} step {header.step}"
+        self.join_timeout = pushes.settings.push_rank_timeout_s
+        self.deadline = time.monotonic() + self.join_timeout
+        self.headers: dict[int, tuple[TensorSpec, ...]] = {}
+        self.format = self.rounding = ""
+        loop = asyncio.get_running_loop()
+        self.joined: asyncio.Future[None] = loop.create_future()
+        self.session: asyncio.Future[PushSession] = loop.create_future()
+        self.result: asyncio.Future[Committed] = loop.create_future()  # what every rank answers
+        self.committed: set[int] = set()
+        self.commit_task: asyncio.Future[Committed] | None = None  # started by the last rank
+        self.failure: WeightsvcError | None = None
+        self.attached = 0  # rank streams not yet ended; the last one releases the session
+        self._opening: asyncio.Future[None] | None = None
+
+    def join(self, header: PushHeader) -> None:
+        """Add a rank's header; the last one missing opens the staging session."""
+        rank = header.rank
+        where = f"{self.where} rank {rank}"
+        if header.world_size != self.world_size:
+            raise InvalidArgument(
+                f"{where}: world_size {header.world_size}, but the push in progress has world_size "
+                f"{self.world_size}",
+                reason="invalid_header",
+            )
+        if rank in self.headers:
+            raise InvalidArgument(f"{where}: this rank is already pushing", reason="invalid_header")
+        if self.headers and (header.format, header.rounding) != (self.format, self.rounding):
+            raise InvalidArgument(
+                f"{where}: format {header.format!r} rounding {header.rounding!r}, but the other ranks asked for "
+                f"format {self.format!r} rounding {self.rounding!r}",
+                reason="invalid_header",
+            )
+        self.format, self.rounding = header.format, header.rounding
+        self.headers[rank] = header.tensors
+        self.attached += 1
+        if len(self.headers) == self.world_size:
+            self.joined.set_result(None)
+            self._opening = asyncio.ensure_future(self._open(header))
+
+    async def run(self, rank: int, messages: AsyncIterator[PushMessage]) -> Committed:
+        """Feed one rank's stream into the push and answer with the push's outcome. Any exception
+        fails every rank; the last rank to leave releases the staging memory."""
+        try:
+            session = await self._wait_session()
+            while True:
+                msg = await next_message(messages, self.pushes.settings.push_idle_timeout_s)
+                if self.failure is not None:  # another rank failed: this one stops at its next message
+                    raise self.failure
+                if isinstance(msg, PushChunk):
+                    await session.add_chunk(rank, msg)
+                elif isinstance(msg, PushCommit):
+                    session.check_rank_complete(rank)
+                    return await self._commit(rank, session)
+                elif msg is None:
+                    raise Aborted(f"{session.where(rank)}: the stream ended without a commit", reason="aborted")
+                else:
+                    raise InvalidArgument(f"{session.where(rank)}: a second header", reason="invalid_header")
+        except WeightsvcError as e:
+            self.fail(e, rank)
+            raise
+        except asyncio.CancelledError:
+            self.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
+            staged = self.staged
+            if staged is not None and staged.part_of is not None:  # its part, if waiting, is taken back
+                staged.part_of.abandoned.set()
+            raise
+        except Exception as e:
+            error = self._unexpected(e, f"rank {rank}'s stream" if self.world_size > 1 else "the push")
+            self.fail(error, rank)
+            raise error from e
+        finally:
+            self.attached -= 1
+            if self.attached == 0:
+                await self.pushes.retire(self)
+
+    def fail(self, error: WeightsvcError, rank: int | None = None) -> None:
+        """Fail every rank: with `error` itself when it concerns the push, else naming the rank.
+
+        Ranks waiting on the push get the error at once; ranks still streaming get it at their next
+        message (their handlers are not cancelled: a gRPC handler cancelled mid-read may never answer)."""
+        if self.failure is not None or self.commit_task is not None:
+            return  # the first failure is the one reported; a commit in progress decides for itself
+        if rank is not None and self.world_size > 1:
+            error = Aborted(f"{self.where}: rank {rank} of {self.world_size} failed, so the push is aborted: {error}",
+                            reason="aborted")  # fmt: skip
+        self.failure = error
+        for future in (self.joined, self.session, self.result):
+            if not future.done():
+                future.set_exception(error)
+                future.exception()  # retrieved: a push that fails before anyone waits is not an error
+        self.pushes.forget(self)
+
+    @property
+    def staged(self) -> PushSession | None:
+        """The staging session, once opened (None before, or if opening it failed)."""
+        return self.session.result() if self.session.done() and not self.session.exception() else None
+
+    def _unexpected(self, e: BaseException, during: str) -> WeightsvcError:
+        """A clear error for an exception that is not a refusal: logged with its traceback, reported
+        to every rank by name instead of leaving them waiting."""
+        log.error("%s: %s failed unexpectedly", self.where, during, exc_info=e)
+        if isinstance(e, MemoryError | OSError):
+            return ResourceExhausted(f"{self.where}: {during} failed: {type(e).__name__}: {e}; nothing was "
+                                     "committed, retry later", reason="internal")  # fmt: skip
+        return Internal(f"{self.where}: {during} failed: {type(e).__name__}: {e}; nothing was committed",
+                        reason="internal")  # fmt: skip
+
+    async def _open(self, header: PushHeader) -> None:
+        """Merge the ranks' headers and open the shared staging session; fails the push on any error."""
+        pushes = self.pushes
+        try:
+            whole = dataclasses.replace(header, tensors=merge_parts(self.where, self.headers), rank=0)
+            validate_header(whole, pushes.settings)
+            reserved = pushes.reserve_staging(whole)
+            try:
+                session = await PushSession.open(pushes.service, whole, self.headers)
+            except BaseException:
+                pushes.unreserve(reserved)
+                raise
+            session.reserved = reserved
+        except WeightsvcError as e:
+            self.fail(e)
+            return
+        except asyncio.CancelledError:
+            self.fail(Aborted(f"{self.where}: the server stopped while staging the push", reason="aborted"))
+            raise
+        except Exception as e:
+            self.fail(self._unexpected(e, "opening its staging session"))
+            return
+        if self.failure is not None:  # a rank failed while the buffers were being mapped
+            await pushes.release(session, self)
+            return
+        pushes.staged(session)
+        self.session.set_result(session)
+
+    async def _wait_session(self) -> PushSession:
+        """The shared session, once every rank has joined; fails the push at the join deadline."""
+        if not self.joined.done():
+            try:
+                async with asyncio.timeout(self.deadline - time.monotonic()):
+                    await asyncio.shield(self.joined)
+            except TimeoutError:
+                missing = sorted(set(range(self.world_size)) - set(self.headers))
+                shown = ", ".join(map(str, missing[:10]))
+                shown += f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                self.fail(DeadlineExceeded(
+                    f"{self.where}: rank(s) {shown} of world_size {self.world_size} did not join within "
+                    f"{self.join_timeout:g} s (--push-rank-timeout-s); nothing was committed",
+                    reason="aborted",
+                ))  # fmt: skip
+                assert self.failure is not None
+                raise self.failure from None
+        return await asyncio.shield(self.session)
+
+    async def _commit(self, rank: int, session: PushSession) -> Committed:
+        """This rank has pushed all its parts; the last rank to get here commits for all."""
+        if self.failure is not None:
+            raise self.failure
+        self.committed.add(rank)
+        if len(self.committed) == self.world_size:
+            # A task of its own: it runs to the end even if the stream that started it is cancelled.
+            self.commit_task = asyncio.ensure_future(session.commit())
+            self.commit_task.add_done_callback(self._settle)
+        return await asyncio.shield(self.result)
+
+    def _settle(self, task: asyncio.Future[Committed]) -> None:
+        if self.result.done():
+            return
+        if task.cancelled():
+            self.result.cancel()
+        elif (error := task.exception()) is not None:
+            if not isinstance(error, WeightsvcError):
+                error = self._unexpected(error, "the commit")
+            self.result.set_exception(error)
+            self.result.exception()  # retrieved: the ranks may all be gone
+        else:
+            self.result.set_result(task.result())
+
+
+class Pushes:
+    """The server's pushes in progress: the limits on streams and staging memory, the pushes whose
+    ranks are still meeting, and the staging sessions open."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.settings = service.settings
+        self.metrics = service.metrics
+        self.streams = 0  # push streams open (each rank's counts), against --max-pushes
+        self.sessions: set[PushSession] = set()
+        self.meeting: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
+        self._releasing: set[asyncio.Future[None]] = set()
+        self._staging_reserved = 0
+
+    async def run(self, messages: AsyncIterator[PushMessage]) -> Committed:
+        """Run one push stream: header, chunks, commit. Nothing is visible unless it commits.
+
+        The stream of one rank of a multi-rank push returns when the whole version commits."""
+        settings = self.settings
+        self.metrics.pushes_in_flight.inc()
+        self.streams += 1
+        try:
+            if self.streams > settings.max_pushes:
+                raise TooManyRequests(
+                    f"{self.streams - 1} push streams in progress, the most this server takes "
+                    f"(--max-pushes {settings.max_pushes}); retry later",
+                    reason="too_many",
+                )
+            header = await next_message(messages, settings.push_idle_timeout_s)
+            if not isinstance(header, PushHeader):
+                raise InvalidArgument("a push must start with its header", reason="invalid_header")
+            self._check(header)
+            push = self._join(header)
+            version, created = await push.run(header.rank, messages)
+            if header.rank == 0:
+                log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
+                         "committed" if created else "idempotent push of", header.model, header.step,
+                         len(version.manifest.tensors), version.manifest.data_bytes, header.world_size)  # fmt: skip
+            return version, created
+        except WeightsvcError as e:
+            self.metrics.pushes_rejected.labels(e.reason).inc()
+            raise
+        except asyncio.CancelledError:
+            self.metrics.pushes_rejected.labels("aborted").inc()
+            raise
+        finally:
+            self.metrics.pushes_in_flight.dec()
+            self.streams -= 1
+
+    def _check(self, header: PushHeader) -> None:
+        """Refuse a header before it joins anything."""
+        store = self.service.store
+        if self.settings.relay_from:
+            raise FailedPrecondition(
+                f"model {header.model!r} step {header.step}: this server relays {self.settings.relay_from}; "
+                "push there",
+                reason="relay",
+            )
+        validate_header(header, self.settings)
+        if header.owners and store.replica_id not in header.owners:
+            raise FailedPrecondition(
+                f"model {header.model!r} step {header.step}: this server is replica {store.replica_id!r}, "
+                f"not one of the owners {list(header.owners)}; push each part to its owner (GetTopology)",
+                reason="invalid_header",
+            )
+        store.check_step(header.model, header.step)
+
+    def _join(self, header: PushHeader) -> Push:
+        """The push this rank's stream belongs to (a new one for world_size 1)."""
+        key = (header.model, header.step)
+        push = self.meeting.get(key) if header.world_size > 1 else None
+        if push is None:
+            push = Push(self, header)
+            if header.world_size > 1:
+                self.meeting[key] = push
+        push.join(header)
+        self.service.changed()
+        return push
+
+    def forget(self, push: Push) -> None:
+        """A failed or committing push: a retry of its step forms a new one."""
+        if self.meeting.get((push.model, push.step)) is push:
+            del self.meeting[(push.model, push.step)]
+
+    def staged(self, session: PushSession) -> None:
+        self.sessions.add(session)
+        self.service.changed()
+
+    async def retire(self, push: Push) -> None:
+        """The last rank of `push` has left: release its staging memory, whatever happened."""
+        self.forget(push)
+        session = push.staged
+        if session is None:
+            return  # never opened, or `_open` releases it itself
+        # A cancelled handler may be cancelled again while it cleans up: release in a task of its own.
+        release = asyncio.ensure_future(self.release(session, push))
+        self._releasing.add(release)
+        release.add_done_callback(self._releasing.discard)
+        await asyncio.shield(release)
+
+    async def release(self, session: PushSession, push: Push) -> None:
+        if push.commit_task is not None:  # the version may be committing from this very buffer
+            await asyncio.wait([push.commit_task])
+        await session.close()
+        self.unreserve(session.reserved)
+        session.reserved = 0
+        self.sessions.discard(session)
+        self.service.changed()
+
+    def reserve_staging(self, header: PushHeader) -> int:
+        """Reserve the served bytes a push will stage, or refuse it if over the memory budget."""
+        served = sum(t.numel for t in header.tensors) * 2  # every served format is at most 2 bytes
+        rss, mark = resident_bytes(), self.settings.rss_high_water
+        if rss + served > mark:
+            raise ResourceExhausted(
+                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {served} more "
+                f"would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
+                reason="too_large",
+            )
+        if self._staging_reserved + served > self.settings.max_staged_bytes:
+            raise ResourceExhausted(
+                f"model {header.model!r} step {header.step}: pushes in progress hold "
+                f"{self._staging_reserved} bytes; {served} more would exceed the staging budget of "
+                f"{self.settings.max_staged_bytes} bytes (--max-staged-bytes); retry later",
+                reason="too_large",
+            )
+        self._staging_reserved += served
+        return served
+
+    def unreserve(self, nbytes: int) -> None:
+        self._staging_reserved -= nbytes
+
+
+async def next_message(messages: AsyncIterator[PushMessage], idle: float) -> PushMessage | None:
+    """The stream's next message; None at its end; DeadlineExceeded after `idle` seconds of nothing."""
+    try:
+        async with asyncio.timeout(idle):
+            return await anext(messages)
+    except StopAsyncIteration:
+        return None
+    except TimeoutError:
+        raise DeadlineExceeded(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
+
+
+def validate_header(header: PushHeader, settings: Settings) -> None:
+    check_model_name(header.model)
+    where = f"model {header.model!r} step {header.step}"
+    if header.step < 0:
+        raise InvalidArgument(f"{where}: step must be >= 0", reason="invalid_header")
+    if not 1 <= header.world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
+                              reason="invalid_header")  # fmt: skip
+    if not 0 <= header.rank < header.world_size:
+        raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
+                              reason="invalid_header")  # fmt: skip
+    if header.owners:
+        if len(set(header.owners)) != len(header.owners) or not all(header.owners):
+            raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
+                                  reason="invalid_header")  # fmt: skip
+    elif not header.tensors:  # (a sharded replica may own none of a version's tensors)
+        raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
+    if len(header.tensors) > settings.max_tensors:
+        raise ResourceExhausted(
+            f"{where}: {len(header.tensors)} tensors, more than the {settings.max_tensors} a version may have "
+            "(--max-tensors)",
+            reason="too_large",
+        )
+    seen: set[str] = set()
+    total = 0
+    for t in header.tensors:
+        if not t.name or len(t.name) > MAX_NAME_CHARS:
+            raise InvalidArgument(
+                f"{where}: tensor names must have 1-{MAX_NAME_CHARS} characters", reason="invalid_header"
+            )
+        if t.name in seen:
+            raise InvalidArgument(f"{where}: tensor {t.name!r} is declared twice", reason="invalid_header")
+        if t.name == RESERVED_NAME:
+            raise InvalidArgument(
+                f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format", reason="invalid_header"
+            )
+        seen.add(t.name)
+        if t.dtype not in DTYPE_SIZES:
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} (known: {', '.join(DTYPE_SIZES)})",
+                reason="invalid_header",
+            )
+        if t.dtype != MASTER_DTYPE:
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r} is {t.dtype}; masters are pushed as {MASTER_DTYPE}",
+                reason="invalid_header",
+            )
+        if any(d < 0 for d in t.shape):
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r} has a negative dimension in shape {list(t.shape)}",
+                reason="invalid_header",
+            )
+        if t.part is not None and (min(t.part) < 0 or sum(t.part) > t.numel):
+            raise InvalidArgument(
+                f"{where}: tensor {t.name!r}: part [{t.part[0]}, {sum(t.part)}) is not within its {t.numel} elements "
+                f"(shape {list(t.shape)})",
+                reason="invalid_header",
+            )
+        nbytes = t.numel * DTYPE_SIZES[t.dtype]
+        if nbytes > settings.max_tensor_bytes:
+            raise ResourceExhausted(
+                f"{where}: tensor {t.name!r} of shape {list(t.shape)} holds {nbytes} bytes, more than the "
+                f"{settings.max_tensor_bytes} bytes a tensor may have (--max-tensor-bytes)",
+                reason="too_large",
+            )
+        total += nbytes
+        if total > settings.max_version_bytes:
+            raise ResourceExhausted(
+                f"{where}: the masters declared up to tensor {t.name!r} already hold {total} bytes, more "
+                f"than the {settings.max_version_bytes} bytes a version may have (--max-version-bytes)",
+                reason="too_large",
+            )
+

@@ -1,0 +1,386 @@
+"""One version's staging: the served copy laid out as one data section, masters exported into it.
+
+A push is staged privately: the served copy is laid out from the header(s), master bytes are exported
+into their slots as they arrive (in a worker thread, overlapping the receipt of the next chunks), and
+only `commit` makes the version visible. The session computes; the push that owns it (`core.push`)
+decides when it commits and when it is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from weightsvc import rounding
+from weightsvc.core.lag import Sample, sample_stride, sampled_indices
+from weightsvc.core.manifest import (
+    DTYPE_SIZES,
+    MASTER_DTYPE,
+    Manifest,
+    MasterDigest,
+    ServedTensor,
+    TensorSpec,
+    checksum,
+    layout,
+)
+from weightsvc.core.memory import alloc
+from weightsvc.core.store import PartOf, Version
+from weightsvc.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from weightsvc.core.push import PushChunk, PushHeader
+    from weightsvc.core.service import Service
+
+# Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
+# learner (gRPC flow control) when export is slower than the network.
+MAX_PENDING_CHUNKS = 8
+MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
+
+
+
+class _StagedTensor:
+    def __init__(self, spec: TensorSpec, fmt: rounding.Format, slot: ServedTensor, scale: ServedTensor | None):
+        self.spec = spec
+        self.fmt = fmt
+        self.slot = slot
+        self.scale = scale  # the `<name>_scale_inv` slot of an fp8 tensor
+        self.nbytes = spec.numel * DTYPE_SIZES[spec.dtype]
+        self.received = 0  # bytes accepted on the loop, from all ranks
+        # Filled by the export worker, chunk by chunk, in arrival order:
+        self.exported = 0  # bytes exported (bf16/fp16) or gathered (fp8)
+        self.master: np.ndarray | None = None  # fp8 only: scales need the whole tensor first
+        self.new_residual: np.ndarray | None = None  # ef: this version's residual
+        self.master_digest = MasterDigest(self.nbytes)
+        self.nonfinite = 0
+        self.saturated = 0
+        self.checksums: dict[str, str] = {}
+        # first element of a chunk -> its sampled (master, served, bits)
+        self.samples: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+class _Part:
+    """The bytes [start, end) of a tensor that one rank pushes, in order."""
+
+    def __init__(self, tensor: _StagedTensor, start: int, end: int) -> None:
+        self.tensor = tensor
+        self.start = start
+        self.end = end
+        self.received = start
+
+
+
+class PushSession:
+    """The staging of one version, shared by the ranks that push it. Owns its staging memory until
+    `close`; it computes, and the `Push` that opened it decides its fate.
+
+    bf16/fp16 export is elementwise with the flat element index as a key, so each chunk is
+    exported into its slot of the data section as it arrives and the master is never assembled.
+    fp8 tensors need their scales first: their chunks are gathered and exported once complete.
+    With `ef`, the residual of the latest committed version is read and a new one written; it
+    replaces the model's residual only if this version commits.
+    """
+
+    def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
+                 data_bytes: int, tensors: dict[str, _StagedTensor],
+                 ranks: dict[int, tuple[TensorSpec, ...]]) -> None:  # fmt: skip
+        self.service = service
+        self.header = header
+        self.spec = spec
+        self.data = data
+        self.data_bytes = data_bytes
+        self.tensors = tensors
+        self.parts = {
+            rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
+                   for p in specs}
+            for rank, specs in ranks.items()
+        }  # fmt: skip
+        self.residual = (
+            service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
+        )
+        self.base_version = service.store.latest(header.model)  # an ef push continues from this one
+        # Sharded replicas: this push is this replica's part of the version.
+        timeout = service.settings.push_rank_timeout_s
+        self.part_of = PartOf(header.owners, timeout) if header.owners else None
+        self.stride = sample_stride(sum(t.spec.numel for t in tensors.values()))
+        self.staged_bytes = 0
+        self._stage(data_bytes)
+        self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.committed = False
+        self.reserved = 0  # of the service's staging budget, returned when the session closes
+        self.export_seconds = 0.0
+        for t in self.tensors.values():
+            if t.nbytes == 0:
+                self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
+
+    @classmethod
+    async def open(cls, service: Service, header: PushHeader, ranks: dict[int, tuple[TensorSpec, ...]]) -> PushSession:
+        """Stage the version that `header` declares (whole tensors); `ranks` holds each rank's parts."""
+        s = service.settings
+        where = f"model {header.model!r} step {header.step}"
+        try:
+            spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
+                                       s.fp8_pattern)  # fmt: skip
+        except ValueError as e:
+            raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
+        entries, fmts = [], {}
+        for t in header.tensors:
+            fmt = fmts[t.name] = spec.format_for(t.name, t.shape)
+            entries.append((t.name, t.shape, fmt.safetensors_dtype))
+            if fmt.scaled:
+                entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
+        names = [e[0] for e in entries]
+        if len(set(names)) != len(names):
+            clash = next(n for n in names if names.count(n) > 1)
+            raise InvalidArgument(f"{where}: tensor {clash!r} clashes with the scales of an fp8 tensor",
+                                  reason="invalid_header")  # fmt: skip
+        slots_list, data_bytes = layout(entries)
+        slots = {slot.name: slot for slot in slots_list}
+        tensors = {
+            t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
+            for t in header.tensors
+        }
+        data = service.store.pool.take(data_bytes)
+        if data is None:
+            data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
+        return cls(service, header, spec, data, data_bytes, tensors, ranks)
+
+    def where(self, rank: int | None = None) -> str:
+        where = f"model {self.header.model!r} step {self.header.step}"
+        return where if rank is None or len(self.parts) == 1 else f"{where} rank {rank}"
+
+    def check_rank_complete(self, rank: int) -> None:
+        missing = [p for p in self.parts[rank].values() if p.received < p.end]
+        if missing:
+            shown = [f"{p.tensor.spec.name!r} has {p.received - p.start} of {p.end - p.start} bytes"
+                     for p in missing[:5]]  # fmt: skip
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise InvalidArgument(
+                f"{self.where(rank)}: commit of an incomplete push: {'; '.join(shown)}{more}", reason="incomplete"
+            )
+
+    async def add_chunk(self, rank: int, chunk: PushChunk) -> None:
+        where = self.where(rank)
+        part = self.parts[rank].get(chunk.tensor)
+        if part is None:
+            raise InvalidArgument(f"{where}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
+        t = part.tensor
+        if chunk.offset != part.received:
+            raise InvalidArgument(
+                f"{where}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
+                f"{part.received} (the chunks of a tensor or part arrive in order, without gaps or overlaps)",
+                reason="bad_chunk",
+            )
+        n = len(chunk.data)
+        if part.received + n > part.end:
+            whole = part.end - part.start == t.nbytes
+            raise InvalidArgument(
+                f"{where}: tensor {t.spec.name!r}: "
+                + (f"{part.received + n} bytes received, more than its declared shape {list(t.spec.shape)} of "
+                   f"{t.spec.dtype} holds ({t.nbytes} bytes)" if whole else
+                   f"a chunk ends at byte {part.received + n}, beyond the part this rank declared "
+                   f"(bytes [{part.start}, {part.end}))"),
+                reason="bad_chunk",
+            )  # fmt: skip
+        if n % MASTER_ITEMSIZE:
+            raise InvalidArgument(
+                f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
+                f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
+                reason="bad_chunk",
+            )
+        first = t.received == 0
+        part.received += n
+        t.received += n
+        self.service.metrics.push_bytes.labels(self.header.model).inc(n)
+        if first and self.residual is not None:
+            self._stage(t.nbytes)  # the new residual of this tensor
+        if t.fmt.scaled:
+            if first:
+                self._stage(t.nbytes)  # the gathered master
+            self._start(self._gather_chunk, t, chunk.offset, chunk.data)
+            if t.received == t.nbytes:
+                self._start(self._export_whole, t, 0, b"")
+        else:
+            self._start(self._export_chunk, t, chunk.offset, chunk.data)
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        if len(self.pending) > MAX_PENDING_CHUNKS:
+            # Shielded: the ranks of a push share these futures, and a rank whose stream is cancelled
+            # must not cancel the export another rank waits on.
+            await asyncio.shield(self.pending[0])
+
+    def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
+               byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
+        """Queue work for the export thread: one thread, so a tensor's chunks are handled in order."""
+        n = len(data)
+        self._stage(n)
+        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, job, t, byte_offset, data)
+        fut.add_done_callback(lambda _f: self._stage(-n))
+        self.pending.append(fut)
+
+    def _stage(self, nbytes: int) -> None:
+        self.staged_bytes += nbytes
+        self.service.metrics.staged_bytes.inc(nbytes)
+
+    def _residuals(self, t: _StagedTensor) -> tuple[np.ndarray | None, np.ndarray | None]:
+        if self.residual is None:
+            return None, None
+        if t.new_residual is None:
+            t.new_residual = np.empty(t.spec.numel, np.float32)
+        return self.residual.tensor(t.spec.name, t.spec.numel), t.new_residual
+
+    def _slot_bytes(self, slot: ServedTensor) -> np.ndarray:
+        return np.frombuffer(self.data, dtype=np.uint8, count=slot.nbytes, offset=slot.offset)
+
+    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
+        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16)."""
+        start = time.perf_counter()
+        master = np.frombuffer(data, dtype=np.float32)
+        served = self._slot_bytes(t.slot)
+        first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
+        res_in, res_out = self._residuals(t)
+        stats = rounding.export_array(
+            master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
+            name=t.spec.name, fmt=t.fmt, offset=first,
+            residual=None if res_in is None else res_in[first : first + count],
+            new_residual=None if res_out is None else res_out[first : first + count],
+        )  # fmt: skip
+        t.master_digest.update(byte_offset, data)
+        t.nonfinite += stats.nonfinite
+        t.saturated += stats.saturated
+        start = -first % self.stride  # the sampled elements of this chunk, as strided views
+        if start < count:
+            codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)
+            codes = codes[start :: self.stride]
+            t.samples[first] = (master[start :: self.stride].copy(), rounding.decode(codes, t.fmt),
+                                codes.astype(np.uint32))  # fmt: skip
+        t.exported += len(data)
+        if t.exported == t.nbytes:  # the last chunk of the tensor, from whichever rank
+            t.checksums[t.slot.name] = checksum(served)
+        self.export_seconds += time.perf_counter() - start
+
+    def _gather_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
+        """Worker thread: copy a chunk of an fp8 tensor into its gathered master."""
+        if t.master is None:
+            t.master = np.empty(t.spec.numel, np.float32)
+        t.master.view(np.uint8)[byte_offset : byte_offset + len(data)] = np.frombuffer(data, np.uint8)
+        t.master_digest.update(byte_offset, data)
+
+    def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview) -> None:
+        """Worker thread: scales from the whole tensor, then Fair Cast it and serve the scales."""
+        start = time.perf_counter()
+        master = t.master if t.master is not None else np.empty(0, np.float32)
+        res_in, res_out = self._residuals(t)
+        values = master if res_in is None else master + res_in  # EF quantizes m + e
+        scales = rounding.fp8_scales(values.reshape(t.spec.shape), t.fmt, self.spec.scaling)
+        served = self._slot_bytes(t.slot)
+        stats = rounding.export_array(
+            master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, scales=scales,
+            residual=res_in, new_residual=res_out,
+        )  # fmt: skip
+        assert t.scale is not None
+        scale_bytes = self._slot_bytes(t.scale)
+        scale_bytes[:] = scales.scale_inv.reshape(-1).view(np.uint8)
+        t.checksums[t.slot.name] = checksum(served)
+        t.checksums[t.scale.name] = checksum(scale_bytes)
+        t.nonfinite += stats.nonfinite
+        t.saturated += stats.saturated
+        idx = sampled_indices(0, master.size, self.stride)
+        codes = served[idx]
+        served_values = rounding.decode(codes, t.fmt) * rounding.element_scales(scales, idx)
+        t.samples[0] = (master[idx], served_values.astype(np.float32), codes.astype(np.uint32))
+        t.master = None
+        self._stage_from_worker(-t.nbytes)
+        self.export_seconds += time.perf_counter() - start
+
+    def _stage_from_worker(self, nbytes: int) -> None:
+        self.service.loop.call_soon_threadsafe(self._stage, nbytes)
+
+    async def commit(self) -> tuple[Version, bool]:
+        missing = [t for t in self.tensors.values() if t.received < t.nbytes]
+        if missing:
+            parts = [f"{t.spec.name!r} has {t.received} of {t.nbytes} bytes" for t in missing[:5]]
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise InvalidArgument(
+                f"{self.where()}: commit of an incomplete push: {'; '.join(parts)}{more}",
+                reason="incomplete",
+            )
+        await asyncio.gather(*self.pending)
+        self.pending.clear()
+        self.service.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.export_seconds)
+        bad = [(t.spec.name, t.nonfinite) for t in self.tensors.values() if t.nonfinite]
+        if bad and not self.service.settings.allow_nonfinite:
+            listed = ", ".join(f"{n!r} ({c} NaN/Inf)" for n, c in bad[:10])
+            more = f" and {len(bad) - 10} more tensors" if len(bad) > 10 else ""
+            raise InvalidArgument(
+                f"{self.where()}: master has non-finite values in {listed}{more}; "
+                "rejected (serve with --allow-nonfinite to accept)",
+                reason="nonfinite",
+            )
+        # Order-independent digest of the master: names, shapes and fp32 bytes.
+        h = xxhash.xxh3_128()
+        for name in sorted(self.tensors):
+            t = self.tensors[name]
+            h.update(f"{name}\x00{list(t.spec.shape)}\x00{t.master_digest.hexdigest()}\n".encode())
+        checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
+        slots = sorted([s for t in self.tensors.values() for s in (t.slot, t.scale) if s], key=lambda s: s.offset)
+        manifest = Manifest(
+            model=self.header.model,
+            version=self.header.step,
+            format=self.spec.format,
+            rounding=self.spec.rounding,
+            seed=self.spec.seed,
+            committed_unix=time.time(),
+            data_bytes=self.data_bytes,
+            master_digest="xxh3_128:" + h.hexdigest(),
+            tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in slots),
+            scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
+        )
+        version = Version(manifest, manifest.safetensors_header(), self.data)
+        residual = None
+        if self.residual is not None:
+            new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}
+            residual = (
+                self.base_version,
+                rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
+            )
+        # By name, then element: the lag metrics depend neither on the order chunks arrived in nor
+        # on the order the ranks declared the tensors in.
+        sampled = [self.tensors[n].samples[first] for n in sorted(self.tensors)
+                   for first in sorted(self.tensors[n].samples)]  # fmt: skip
+        sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
+                          for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
+        saturated = sum(t.saturated for t in self.tensors.values())
+        lag_input = (sample, saturated, self.stride == 1) if self.tensors else None  # (an empty part)
+        committed, created = await self.service.store.commit(version, residual, lag_input, self.part_of)
+        self.committed = created
+        return committed, created
+
+    async def close(self) -> None:
+        """Release the staging memory; waits for exports already running so none writes after."""
+        await asyncio.gather(*self.pending, return_exceptions=True)
+        self.pending.clear()
+        for t in self.tensors.values():
+            t.master = t.new_residual = None
+        self.service.metrics.staged_bytes.dec(self.staged_bytes)
+        self.staged_bytes = 0
+        if not self.committed:  # nobody else ever saw this buffer
+            self.service.store.pool.give(self.data)
+        self.data = memoryview(b"")
+
+
+def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
+    n, k = shape
+    if scaling == "tensor":
+        return ()
+    if scaling == "channel":
+        return (n, 1)
+    return (-(-n // rounding.BLOCK), -(-k // rounding.BLOCK))
+
+

@@ -1,0 +1,27 @@
+"""Watches the event loop: every transport, watch stream and commit shares it, so any call that
+blocks it stalls them all. A timer asks to be woken every `CHECK_EVERY_S`; how late it wakes is how
+long the loop was blocked (`weightsvc_event_loop_lag_seconds`). A block of d seconds shows as at
+least d - CHECK_EVERY_S."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from weightsvc.metrics import Metrics
+
+log = logging.getLogger("weightsvc.loop")
+
+CHECK_EVERY_S = 0.05
+WARN_AFTER_S = 1.0  # a block this long is logged (with the metric, it names the moment)
+
+
+async def monitor(metrics: Metrics, every: float = CHECK_EVERY_S) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        start = loop.time()
+        await asyncio.sleep(every)
+        lag = max(0.0, loop.time() - start - every)
+        metrics.event_loop_lag.observe(lag)
+        if lag >= WARN_AFTER_S:
+            log.warning("the event loop was blocked for %.2f s", lag)
