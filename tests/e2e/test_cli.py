@@ -271,3 +271,32 @@ def test_a_file_that_is_not_what_the_command_needs_is_named(
     assert cli("pull", "--model", "bases", "--version", "2", "-o", str(pulled), "--target", t).returncode == 0
     assert f"--base 1: {pulled} holds model 'bases' version 2, not model 'bases' version 1" in delta(pulled)
     assert path.read_bytes() == plain  # a refused base is left as it was
+
+
+def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
+    """The top-level packages a command run with PYTHONPROFILEIMPORTTIME imported (from stderr)."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}  # fmt: skip
+
+
+HEAVY = {"torch", "numba"}
+
+
+def test_commands_that_build_no_tensors_start_without_torch_or_numba(tmp_path: Path) -> None:
+    profile = {"PYTHONPROFILEIMPORTTIME": "1"}
+    runs = {
+        "serve --help": cli("serve", "--help", env=profile),
+        "a bad flag value": cli("serve", "--rounding", "nearest", env=profile),
+        "an unknown option": cli("push", str(tmp_path / "m.safetensors"), "--stepp", "1", env=profile),
+        "a missing option": cli("pull", env=profile),
+        "an unknown command": cli("pusj", env=profile),
+    }
+    for what, result in runs.items():
+        modules = imported(result)
+        assert "typer" in modules, (what, result.stderr[-2000:])  # the profile was read
+        assert not modules & HEAVY, f"{what} imported {sorted(modules & HEAVY)}"
+    assert runs["serve --help"].returncode == 0 and "--max-rss-bytes" in runs["serve --help"].stdout
+    for what in ("a bad flag value", "an unknown option", "a missing option", "an unknown command"):
+        assert runs[what].returncode == 2, what
+        errors = [line for line in runs[what].stderr.splitlines() if not line.startswith("import time:")]
+        assert len(errors) == 1 and errors[0].startswith("error: "), (what, errors)

@@ -149,8 +149,9 @@ _SERVE_EPILOG = (
 _TORCH_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, or an error naming the file and what it holds instead."""
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data of a safetensors file starts, and its JSON header; or an error naming the file
+    and what it holds instead."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -171,7 +172,7 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         header = None
     if not isinstance(header, dict):
         fail(f"{path} is not a safetensors file: its header is not a JSON object")
-    return header
+    return 8 + length, header
 
 
 def check_base_file(path: Path, model: str, base: int) -> None:
@@ -181,7 +182,7 @@ def check_base_file(path: Path, model: str, base: int) -> None:
     if not path.exists():
         fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
              f"(without --base)")  # fmt: skip
-    header = read_safetensors_header(path)
+    _, header = read_safetensors_header(path)
     try:
         held = manifest_from_header(header)
     except WeightsvcError as e:
@@ -464,7 +465,7 @@ def main(args: list[str] | None = None) -> None:
     except ClickException as e:
         ctx = getattr(e, "ctx", None)
         message = e.format_message().rstrip(".")
-        hint = f"; see '{ctx.command_path} --help'" if ctx is not None else ""
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         err.print(f"error: {message}{hint}", markup=False, highlight=False, soft_wrap=True)
         code = e.exit_code
     except (typer.Abort, KeyboardInterrupt):
