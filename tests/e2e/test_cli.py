@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,6 +96,15 @@ def test_errors_are_one_line_and_nonzero(
     line = one_error_line(cli("status", "--target", "127.0.0.1:1"))
     assert "UNAVAILABLE" in line
     assert not (tmp_path / "x").exists()
+
+
+def test_status_gives_up_on_a_server_that_does_not_answer() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never answers
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        line = one_error_line(cli("status", "--target", target, "--timeout", "0.5"))
+        assert line == f"error: DEADLINE_EXCEEDED: {target} did not answer within 0.5 s"
+        line = one_error_line(cli("status", "--target", f"http://{target}", "--timeout", "0.5"))
+        assert line == f"error: UNAVAILABLE: http://{target}: timed out"
 
 
 def test_serve_rejects_bad_settings() -> None:

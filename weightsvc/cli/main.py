@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import DeadlineExceeded, WeightsvcError
 
 if TYPE_CHECKING:
     from weightsvc.settings import Settings
@@ -31,8 +31,6 @@ except ImportError:
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]
 
 DEFAULT_TARGET = "127.0.0.1:50051"
-# status reads a few small listings: a server that does not answer within this is reported, not waited for.
-STATUS_DEADLINE_S = 5.0
 
 
 class _Commands(TyperGroup):
@@ -324,12 +322,14 @@ def export(
 # ---- status ----------------------------------------------------------------------------------
 
 
-def status_report(target: str, model: str | None, token: str | None, ca_cert: Path | None) -> list[dict[str, Any]]:
+def status_report(
+    target: str, model: str | None, token: str | None, ca_cert: Path | None, timeout: float
+) -> list[dict[str, Any]]:
     """Each model with its retained versions, as `status --json` prints them. Fields that are the
     same on every version of a listing (its model, `created`, `served`) are left out."""
     from weightsvc.client import InferenceClient
 
-    with InferenceClient(target, token=token, ca_cert=ca_cert, timeout=STATUS_DEADLINE_S) as client:
+    with InferenceClient(target, token=token, ca_cert=ca_cert, timeout=timeout) as client:
         models = [m for m in client.models() if model is None or m["model"] == model]
         if model is not None and not models:
             fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
@@ -354,12 +354,15 @@ def status(
     ] = DEFAULT_TARGET,
     model: Annotated[str | None, typer.Option(help="Only this model.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the server's answer.")] = 5.0,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
     """Models, their retained versions with lag metrics, and the inference clients with their lag."""
     try:
-        report = status_report(target, model, token, ca_cert)
+        report = status_report(target, model, token, ca_cert, timeout)
+    except DeadlineExceeded:  # a server that is up but stuck, or an address that drops packets
+        fail(f"DEADLINE_EXCEEDED: {target} did not answer within {timeout:g} s")
     except WeightsvcError as e:
         fail(str(e))
     if json_out:
