@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from weightsvc.client import InferenceClient, _dequantized
+from weightsvc.client import InferenceClient, dequantized
 
 __all__ = ["VllmWorkerExtension", "dequantize", "load_into", "update_module", "update_sglang", "update_vllm"]
 
@@ -37,7 +37,7 @@ def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The served tensors as values a module can load: fp8 tensors times their scales (fp32), the
     `<name>_scale_inv` tensors dropped, everything else as served."""
     return {
-        name: _dequantized(served, name) if name + SCALE_SUFFIX in served else t
+        name: dequantized(served, name) if name + SCALE_SUFFIX in served else t
         for name, t in served.items()
         if not (name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in served)
     }
@@ -58,8 +58,7 @@ def _update(
     with InferenceClient(target) as client:
         number = client.manifest(model, version).version
         load(client, number)
-        if client.transport == "grpc":  # acks travel over gRPC only; an HTTP puller stays unseen
-            client.ack(model, number, client_id)
+        client.ack(model, number, client_id)
     return number
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import re
 import shutil
@@ -32,7 +33,9 @@ MODEL = "authed"
 @pytest.fixture(scope="module")
 def authed() -> Iterator[BackgroundServer]:
     with serving(**{f"{role}_tokens": token for role, token in TOKENS.items()}) as srv:
-        LearnerClient(srv.grpc_target, token=TOKENS["push"]).push(1, make_masters(), model=MODEL)
+        learner = LearnerClient(srv.grpc_target, token=TOKENS["push"])
+        for step in (1, 2):  # the same masters, rounded to nearest: a delta from 1 to 2 changes nothing
+            learner.push(step, make_masters(), model=MODEL, rounding="rtn")
         yield srv
 
 
@@ -57,6 +60,7 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     "Ack": lambda s, md: s.Ack(pb.AckRequest(model=MODEL, version=1, client_id="c"), metadata=md),
     "Push": lambda s, md: s.Push(_push_requests(next(_steps)), metadata=md),
     "GetTopology": lambda s, md: s.GetTopology(pb.GetTopologyRequest(), metadata=md),
+    "ListClients": lambda s, md: s.ListClients(pb.ListClientsRequest(model=MODEL), metadata=md),
 }
 # What each credential may do: None = nothing; the roles nest (pull < push < admin).
 ALLOWED = {
@@ -102,22 +106,34 @@ def test_grpc_health_stays_open(authed: BackgroundServer) -> None:
 def _routes(srv: BackgroundServer) -> list[str]:
     app = create_app(srv.service)
     paths = sorted({r.path for r in app.routes if "GET" in getattr(r, "methods", set())})  # type: ignore[attr-defined]
-    return [p.replace("{model}", MODEL).replace("{version}", "1") for p in paths]
+    routes = [p.replace("{model}", MODEL).replace("{version}", "1") for p in paths]
+    return [p.replace("/1/delta", "/2/delta?base=1") for p in routes]
 
 
-def _get(url: str, path: str, token: str | None) -> tuple[int, dict[str, str], bytes]:
+def _get(
+    url: str, path: str, token: str | None, method: str = "GET", body: bytes | None = None
+) -> tuple[int, dict[str, str], bytes]:
     u = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    conn.request(method, path, body=body, headers={"Content-Type": "application/json", **headers} if body else headers)
     resp = conn.getresponse()
-    body = resp.read()
+    streamed = (resp.getheader("content-type") or "").startswith("text/event-stream")
+    body = b"" if streamed else resp.read()  # an event stream goes on: its answer is enough
     conn.close()
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
 
 
 def test_every_http_route_checks_the_token_and_probes_stay_open(authed: BackgroundServer) -> None:
     routes = _routes(authed)
-    assert {"/healthz", "/readyz", "/metrics", f"/v1/models/{MODEL}/versions/1/safetensors"} <= set(routes)
+    assert {
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        f"/v1/models/{MODEL}/versions/1/safetensors",
+        f"/v1/models/{MODEL}/versions/2/delta?base=1",
+        f"/v1/models/{MODEL}/watch",
+    } <= set(routes)
     for path in routes:
         if path in ("/healthz", "/readyz", "/metrics"):
             assert _get(authed.http_url, path, None)[0] == 200, path
@@ -128,6 +144,14 @@ def test_every_http_route_checks_the_token_and_probes_stay_open(authed: Backgrou
         assert _get(authed.http_url, path, "not-a-token")[0] == 401, path
         for role in ("pull", "push", "admin"):
             assert _get(authed.http_url, path, TOKENS[role])[0] == 200, (path, role)
+
+
+def test_http_ack_needs_role_pull(authed: BackgroundServer) -> None:
+    path, ack = f"/v1/models/{MODEL}/acks", json.dumps({"version": 1, "client_id": "pod-a"}).encode()
+    for token, status in [(None, 401), ("not-a-token", 401), *((TOKENS[role], 200) for role in TOKENS)]:
+        got, _, body = _get(authed.http_url, path, token, "POST", ack)
+        assert got == status, (token, body)
+    assert json.loads(body) == {"latest_version": authed.service.latest(MODEL)}
 
 
 def test_clients_carry_tokens_and_get_clear_errors(

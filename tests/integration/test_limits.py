@@ -77,7 +77,7 @@ def stalling() -> Iterator[BackgroundServer]:
 
 
 def _pulls_done(srv: BackgroundServer) -> None:
-    srv.call(srv.service.wait_for(lambda: srv.service._pulls == 0), timeout=30)
+    srv.call(srv.service.wait_for(lambda: srv.service.pulls.in_flight == 0), timeout=30)
 
 
 def test_a_grpc_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling: BackgroundServer) -> None:
@@ -102,7 +102,7 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.sendall(b"GET /v1/models/big/versions/1/safetensors HTTP/1.1\r\nHost: x\r\n\r\n")
         assert sock.recv(12) == b"HTTP/1.1 200"  # then read nothing more
-        stalling.call(stalling.service.wait_for(lambda: stalling.service._pulls == 1))
+        stalling.call(stalling.service.wait_for(lambda: stalling.service.pulls.in_flight == 1))
         with pytest.raises(ResourceExhausted, match=r"\(HTTP 429\)"):
             InferenceClient(stalling.http_url).pull("big")
         _pulls_done(stalling)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -142,29 +141,3 @@ def test_a_failed_write_is_a_clear_error_and_leaves_nothing(tmp_path: Path) -> N
             LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
         with pytest.raises(NotFound):
             InferenceClient(srv.grpc_target).versions("m")
-
-
-def test_watch_reconnects_across_a_server_restart(data_dir: Path) -> None:
-    import queue
-
-    with socket.socket() as probe:  # a port the restarted server can bind again
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    srv = start_server(data_dir=data_dir, grpc_port=port)
-    events: queue.Queue[int] = queue.Queue()
-    watcher = InferenceClient(f"127.0.0.1:{port}")
-
-    def watch() -> None:
-        for info in watcher.watch("m"):
-            events.put(info.version)
-            if info.version == 2:
-                return
-
-    threading.Thread(target=watch, daemon=True).start()
-    LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
-    assert events.get(timeout=30) == 1
-    srv.__exit__(None, None, None)
-    with serving(data_dir=data_dir, grpc_port=port) as srv:
-        LearnerClient(srv.grpc_target).push(2, make_masters(), model="m")
-        assert events.get(timeout=30) == 2  # nothing missed, nothing repeated
-        assert events.empty()

@@ -6,7 +6,6 @@ import http.client
 import json
 import threading
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -47,19 +46,6 @@ def http_get(url: str, path: str, headers: dict[str, str] | None = None) -> tupl
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
 
 
-def test_push_then_pull_over_grpc_and_http_gives_the_fair_cast_bits(
-    server: BackgroundServer, learner: LearnerClient, model: str
-) -> None:
-    masters = make_masters()
-    info = learner.push(5, masters, model=model)
-    assert (info.model, info.version, info.created) == (model, 5, True)
-    assert (info.format, info.rounding, info.tensor_count) == ("bf16", "sr", len(masters))
-    over_grpc = InferenceClient(server.grpc_target).pull(model)
-    over_http = InferenceClient(server.http_url).pull(model, 5)
-    assert_served(over_grpc, masters, 5)
-    assert_served(over_http, masters, 5)
-
-
 def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str) -> None:
     masters = make_masters(seed=3)
     with LearnerClient(server.grpc_target, chunk_bytes=4096) as small, LearnerClient(server.grpc_target) as big:
@@ -80,20 +66,6 @@ def test_idempotent_push_returns_the_committed_version(
     assert first.created and not again.created
     assert again.committed_unix == first.committed_unix
     assert [v.version for v in puller.versions(model)] == [3]
-
-
-def test_versions_manifest_and_models(learner: LearnerClient, puller: InferenceClient, model: str) -> None:
-    masters = make_masters()
-    for step in (1, 2, 10):
-        learner.push(step, masters, model=model)
-    assert [v.version for v in puller.versions(model)] == [1, 2, 10]
-    manifest = puller.manifest(model, "latest")
-    assert manifest.version == 10 and manifest.rounding == "sr" and manifest.format == "bf16"
-    assert [t.name for t in manifest.tensors] == list(masters)
-    assert all(t.checksum.startswith("xxh3_64:") for t in manifest.tensors)
-    assert sum(t.nbytes for t in manifest.tensors) == manifest.data_bytes
-    summary = next(m for m in puller.models() if m["model"] == model)
-    assert summary == {"model": model, "latest_version": 10, "versions": [1, 2, 10]}
 
 
 def test_http_json_routes(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
@@ -201,31 +173,6 @@ def test_evicted_buffers_are_reused_by_the_next_push() -> None:
         assert_served(InferenceClient(srv.http_url).pull(), make_masters(seed=3), 3)
         learner.push(4, make_masters(seed=4))  # takes version 2's buffer, evicts version 3
         assert srv.service.store.pool.free_bytes == 0
-
-
-def test_watch_sends_retained_then_new_versions(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
-    masters = make_masters()
-    learner.push(1, masters, model=model)
-    with ThreadPoolExecutor(1) as pool:
-        events = InferenceClient(server.grpc_target).watch(model)
-        assert pool.submit(next, events).result(30).version == 1
-        waiting = pool.submit(next, events)  # blocks until the next commit
-        learner.push(2, masters, model=model)
-        assert waiting.result(30).version == 2
-        after = InferenceClient(server.grpc_target).watch(model, after=2)
-        waiting = pool.submit(next, after)
-        learner.push(7, masters, model=model)
-        assert waiting.result(30).version == 7
-
-
-def test_ack_returns_latest_and_lists_the_client(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
-    masters = make_masters()
-    learner.push(1, masters, model=model)
-    learner.push(2, masters, model=model)
-    assert InferenceClient(server.grpc_target).ack(model, 1, "pod-7") == 2
-    _, _, body = http_get(server.http_url, f"/v1/models/{model}/clients")
-    clients = json.loads(body)["clients"]
-    assert [(c["client_id"], c["version"], c["lag_versions"]) for c in clients] == [("pod-7", 1, 1)]
 
 
 def test_grpc_health_service(server: BackgroundServer) -> None:

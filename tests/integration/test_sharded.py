@@ -131,6 +131,13 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, m
         assert f"sharded over replicas that each hold a part of its data section (r0 [0, {whole.parts[0].nbytes})" in (
             err.value.read().decode()
         )
+        # No delta of a version of parts: the client pulls the parts from their owners.
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(f"{r2.http_url}/v1/models/{model}/versions/2/delta?base=1")
+        assert err.value.code == 409
+        error = json.loads(err.value.read())["error"]
+        assert error == {"code": "FAILED_PRECONDITION", "message": f"model {model!r} version 2: no delta against "
+                         "base 1: the version is sharded over replicas; pull the whole version"}  # fmt: skip
 
 
 def _padding(manifest: Manifest) -> int:

@@ -10,32 +10,29 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import overload
 
 from weightsvc import rounding
-from weightsvc.core.delta import compatible as delta_compatible
-from weightsvc.core.delta import encode as delta_encode
 from weightsvc.core.manifest import (
     Manifest,
     check_model_name,
 )
+from weightsvc.core.pull import ClientStatus, Pull, Pulls, watching
 from weightsvc.core.push import Pushes, PushMessage
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
-from weightsvc.core.store import ClientAck, Version, VersionStore
+from weightsvc.core.store import CLIENT_TIMEOUT_S, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
-    NotFound,
-    TooManyRequests,
     Unavailable,
 )
 from weightsvc.metrics import Metrics
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
-
-MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
 
 
 @dataclass(frozen=True)
@@ -81,11 +78,11 @@ class Service:
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
-        self._pulls = 0  # pulls holding a version, against --max-pulls
         self._changes = _Changes()
         self.pushes = Pushes(self)
-        self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # recent delta encodings, oldest first
+        self.pulls = Pulls(self)
         self._topology: list[Replica] | None = None  # the last the registry gave
+        self._stopping = asyncio.Event()  # set when the server stops: watches end
 
     def restore(self) -> int:
         return self.store.restore()
@@ -126,49 +123,19 @@ class Service:
     def manifest(self, model: str, version: int | None) -> Manifest:
         return self.store.get(model, version).manifest
 
-    def open_pull(self, model: str, version: int | None, transport: str) -> Version:
-        """Hold a version for a pull; eviction cannot recycle its buffer until `close_pull`."""
-        if transport != "delta" and self._pulls >= self.settings.max_pulls:
-            raise TooManyRequests(
-                f"{self._pulls} pulls in progress, the most this server takes (--max-pulls "
-                f"{self.settings.max_pulls}); retry later",
-                reason="too_many",
-            )
-        held = self.store.get(model, version)
-        self.store.hold(held)
-        self._pulls += transport != "delta"
-        self.metrics.pulls_in_flight.labels(transport).inc()
-        return held
+    def latest(self, model: str) -> int:
+        """The model's latest committed version (NOT_FOUND for a model without any)."""
+        return self.store.get(model, None).manifest.version
 
-    def close_pull(self, version: Version, transport: str) -> None:
-        self.metrics.pulls_in_flight.labels(transport).dec()
-        self._pulls -= transport != "delta"
-        self.store.release(version)
-        self._changes.notify()
+    async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None) -> Pull:
+        """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
+        body is the delta encoding against it when there is one, else the data section as always."""
+        return await self.pulls.open(model, version, transport, base, dense_fallback=True)
 
-    async def delta(self, version: Version, base: int | None) -> bytes | None:
-        """The delta encoding of `version` against `base` of the same model, or None when the base is
-        not retained, has another layout, or the delta would not be smaller than the dense bytes."""
-        if base is None or base == version.manifest.version:
-            return None
-        key = (version.manifest.model, version.manifest.version, base)
-        if key in self._deltas:  # a fleet pulls the same delta many times: encode it once
-            return self._deltas[key]
-        try:
-            held = self.open_pull(version.manifest.model, base, "delta")
-        except NotFound:
-            return None
-        try:
-            if held.part is not None or not delta_compatible(held.manifest, version.manifest):
-                return None
-            encoded = await asyncio.to_thread(delta_encode, version.manifest, version.data, held.data)
-        finally:
-            self.close_pull(held, "delta")
-        delta = encoded if len(encoded) < version.manifest.data_bytes else None
-        self._deltas[key] = delta
-        while len(self._deltas) > MAX_CACHED_DELTAS:
-            self._deltas.pop(next(iter(self._deltas)))
-        return delta
+    async def pull_delta(self, model: str, version: int | None, base: int, transport: str) -> Pull:
+        """Start a pull whose body is the delta encoding of `version` against `base`; FAILED_PRECONDITION
+        saying why when there is none (the client then pulls the whole version)."""
+        return await self.pulls.open(model, version, transport, base, dense_fallback=False)
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
@@ -176,12 +143,22 @@ class Service:
         manifest = dataclasses.replace(manifest, parts=())
         await self.store.commit(Version(manifest, manifest.safetensors_header(), data))
 
-    def count_pulled(self, model: str, transport: str, nbytes: int) -> None:
-        self.metrics.pull_bytes.labels(model, transport).inc(nbytes)
+    @overload
+    def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]: ...
 
-    def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]:
-        check_model_name(model)
-        return self.store.watch(model, after)
+    @overload
+    def watch(self, model: str, after: int | None, *, idle: float) -> AsyncIterator[Manifest | None]: ...
+
+    def watch(self, model: str, after: int | None, *, idle: float | None = None) -> AsyncIterator[Manifest | None]:
+        """Every retained version above `after` (all when None), then each new one as it commits. With
+        `idle`, None after each `idle` seconds without one (for a transport's keepalive). Ends with
+        UNAVAILABLE when the server stops (`end_watches`)."""
+        check_model_name(model)  # here, not at the first event: a transport answers the error itself
+        return watching(self.store.watch(model, after), self._stopping, idle)
+
+    def end_watches(self) -> None:
+        """The server is stopping: every watch stream ends now rather than hold up the shutdown."""
+        self._stopping.set()
 
     def ack(self, model: str, version: int, client_id: str) -> int:
         return self.store.ack(model, version, client_id)
@@ -196,5 +173,13 @@ class Service:
                 raise
         return self._topology
 
-    def clients(self, model: str) -> list[ClientAck]:
-        return self.store.clients(model)
+    def clients(self, model: str) -> list[ClientStatus]:
+        """The clients that acked a version of `model`: what each holds, how far behind, whether it is
+        still around (NOT_FOUND for an unknown model, as every model read)."""
+        self.latest(model)
+        horizon = time.time() - CLIENT_TIMEOUT_S
+        return [
+            ClientStatus(a.client_id, a.version, self.store.versions_behind(model, a.version), a.acked_unix,
+                         a.acked_unix >= horizon)
+            for a in self.store.clients(model)
+        ]  # fmt: skip

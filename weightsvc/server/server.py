@@ -158,6 +158,8 @@ class Server:
                 await self.service.store.registry.deregister(self.replica.id)
         if self._relay is not None:
             await self._relay.stop()
+        if self.service is not None:
+            self.service.end_watches()  # open watch streams would hold up the HTTP server's shutdown
         if self._http is not None and self._http_task is not None:
             self._http.should_exit = True
             await self._http_task

@@ -19,7 +19,8 @@ from typing import Any
 import grpc
 
 from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from weightsvc.transport.names import PUSH, SERVICE
+from weightsvc.transport.names import PUSH, SERVICE, handler_factory
+from weightsvc.transport.status import grpc_status, http_domain_error
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
@@ -76,7 +77,7 @@ class Auth:
 
 def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionDenied) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that only answers with `error`."""
-    code = getattr(grpc.StatusCode, error.grpc_code)
+    code = grpc_status(error)
 
     async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(code, error.message)
@@ -85,14 +86,7 @@ def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionD
         await context.abort(code, error.message)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    kind = (handler.request_streaming, handler.response_streaming)
-    return kinds[kind](
+    return handler_factory(handler.request_streaming, handler.response_streaming)(
         streaming if handler.response_streaming else unary,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
@@ -138,11 +132,7 @@ class HttpAuth:
         try:
             self.auth.check(value.decode("latin-1") if value else None, "pull", f"{scope['method']} {scope['path']}")
         except (Unauthenticated, PermissionDenied) as e:
-            body = json.dumps({"error": {"code": e.grpc_code, "message": e.message}}).encode()
-            response_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            if isinstance(e, Unauthenticated):
-                response_headers.append((b"www-authenticate", b'Bearer realm="weightsvc"'))
-            await send({"type": "http.response.start", "status": e.http_status, "headers": response_headers})
-            await send({"type": "http.response.body", "body": body})
+            challenge = {"www-authenticate": 'Bearer realm="weightsvc"'} if isinstance(e, Unauthenticated) else None
+            await http_domain_error(e, challenge)(scope, receive, send)
             return
         await self.app(scope, receive, send)

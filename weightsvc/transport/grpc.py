@@ -18,9 +18,10 @@ from weightsvc.core.manifest import TensorSpec, parse_version_ref
 from weightsvc.core.push import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
-from weightsvc.errors import DeadlineExceeded, InvalidArgument, WeightsvcError
+from weightsvc.errors import InvalidArgument, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth
-from weightsvc.transport.names import SERVICE
+from weightsvc.transport.names import METHODS, SERVICE
+from weightsvc.transport.status import grpc_status
 from weightsvc.transport.wire import (
     ChunkView,
     Malformed,
@@ -42,7 +43,7 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
         if isinstance(e, WeightsvcError):
-            await context.abort(getattr(grpc.StatusCode, e.grpc_code), e.message)
+            await context.abort(grpc_status(e), e.message)
         log.exception("internal error in %s", fn.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
@@ -83,49 +84,20 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Pull(self, request: pb.PullRequest, context: Any) -> None:
-        chunk = self.service.settings.chunk_bytes
-        stall = self.service.settings.pull_stall_timeout_s
-
-        async def write(message: pb.PullResponse | bytes) -> None:
-            # Written here rather than yielded: a client that stops reading holds the version, and
-            # only a timeout around the write (which waits on flow control) can take it back.
-            try:
-                async with asyncio.timeout(stall):
-                    await context.write(message)
-            except TimeoutError:
-                raise DeadlineExceeded(
-                    f"model {request.model!r} version {version.manifest.version}: the client read nothing for "
-                    f"{stall:g} s (--pull-stall-timeout-s); pull dropped",
-                    reason="stalled",
-                ) from None
-
-        version = self.service.open_pull(request.model, parse_version_ref(request.version), "grpc")
+        base = parse_version_ref(request.base) if request.base else None
+        pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base)
         try:
-            data, delta_header = version.data, None
-            if request.base and version.part is None:  # a delta against a version the client holds, if smaller
-                delta = await self.service.delta(version, parse_version_ref(request.base))
-                if delta is not None:
-                    data = memoryview(delta)
-                    delta_header = pb.Delta(base_version=int(request.base), delta_bytes=len(delta))
-            total = len(data) if delta_header else version.manifest.data_bytes
-            if not 0 <= request.offset <= total:
-                raise InvalidArgument(
-                    f"model {request.model!r} version {version.manifest.version}: resume offset {request.offset} "
-                    f"is outside its {total}-byte data section"
-                )
-            # A replica holding one part sends the bytes of its part from the offset on; asked for an
-            # offset outside its part, the manifest alone (it tells the client who holds the rest).
-            start, end = version.held if delta_header is None else (0, len(data))
-            first = request.offset if start <= request.offset <= end else end
-            await write(pb.PullResponse(manifest=manifest_to_proto(version.manifest)))
-            if delta_header is not None:
-                await write(pb.PullResponse(delta=delta_header))
-            for offset in range(first, end, chunk):
-                piece = data[offset - start : offset - start + chunk]
-                await write(encode_chunk("", offset, piece))  # pre-encoded: one copy, not three
-                self.service.count_pulled(version.manifest.model, "grpc", len(piece))
+            chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
+            # Written rather than yielded: only the stall timeout around a write (which waits on flow
+            # control) takes the version back from a client that stops reading.
+            await pull.send(context.write(pb.PullResponse(manifest=manifest_to_proto(pull.manifest))))
+            if pull.base is not None:
+                delta = pb.Delta(base_version=pull.base, delta_bytes=len(pull.body))
+                await pull.send(context.write(pb.PullResponse(delta=delta)))
+            for offset, piece in chunks:
+                await pull.send(context.write(encode_chunk("", offset, piece)), len(piece))  # pre-encoded: one copy
         finally:
-            self.service.close_pull(version, "grpc")
+            pull.close()
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
@@ -154,6 +126,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
         latest = self.service.ack(request.model, request.version, request.client_id or context.peer())
         return pb.AckResponse(latest_version=latest)
+
+    @_abort_on_domain_error
+    async def ListClients(self, request: pb.ListClientsRequest, context: Any) -> pb.ListClientsResponse:
+        statuses = self.service.clients(request.model)
+        return pb.ListClientsResponse(model=request.model, latest_version=self.service.latest(request.model),
+                                      clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])  # fmt: skip
 
 
 async def _push_messages(
@@ -209,32 +187,13 @@ async def start_grpc(
         options=grpc_options(service.settings.max_message_bytes), interceptors=[GrpcAuth(auth)] if auth else None
     )
     servicer = WeightServicer(service)
-    handlers = {
-        # The bulk methods use the zero-copy chunk framing of `_wire`.
-        "Push": grpc.stream_unary_rpc_method_handler(
-            servicer.Push,
-            request_deserializer=decode_push_request,
-            response_serializer=pb.PushResponse.SerializeToString,
-        ),
-        "Pull": grpc.unary_stream_rpc_method_handler(
-            servicer.Pull,
-            request_deserializer=pb.PullRequest.FromString,
-            response_serializer=encode_message,
-        ),
-    }
-    for name, request, response, kind in (
-        ("ListModels", pb.ListModelsRequest, pb.ListModelsResponse, grpc.unary_unary_rpc_method_handler),
-        ("ListVersions", pb.ListVersionsRequest, pb.ListVersionsResponse, grpc.unary_unary_rpc_method_handler),
-        ("GetManifest", pb.GetManifestRequest, pb.Manifest, grpc.unary_unary_rpc_method_handler),
-        ("Watch", pb.WatchRequest, pb.VersionEvent, grpc.unary_stream_rpc_method_handler),
-        ("Ack", pb.AckRequest, pb.AckResponse, grpc.unary_unary_rpc_method_handler),
-        ("GetTopology", pb.GetTopologyRequest, pb.Topology, grpc.unary_unary_rpc_method_handler),
-    ):
-        handlers[name] = kind(
-            getattr(servicer, name),
-            request_deserializer=request.FromString,
-            response_serializer=response.SerializeToString,
-        )
+    # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
+    framing: dict[str, tuple[Any, Any]] = {"Push": (decode_push_request, None), "Pull": (None, encode_message)}
+    handlers = {}
+    for name, m in METHODS.items():
+        decode, encode = framing.get(name, (None, None))
+        handlers[name] = m.handler(getattr(servicer, name), request_deserializer=decode or m.request.FromString,
+                                   response_serializer=encode or m.response.SerializeToString)  # fmt: skip
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -1,36 +1,44 @@
-"""HTTP adapter (FastAPI): health, metrics, version lists, manifests and safetensors downloads."""
+"""HTTP adapter (FastAPI): health, metrics, version lists, manifests, safetensors and delta downloads,
+watch (server-sent events), acks and clients."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
+import json
 import logging
 import re
-import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from weightsvc.core.manifest import parse_version_ref
+from weightsvc.core.manifest import Manifest, parse_version_ref
+from weightsvc.core.pull import Pull
 from weightsvc.core.service import Service
-from weightsvc.core.store import CLIENT_TIMEOUT_S, Version
 from weightsvc.core.topology import HASHING
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.transport.status import http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
 # Pieces handed to the server per send: large enough to keep per-call overhead low, small enough
 # to keep the event loop responsive.
 PIECE_BYTES = 4 << 20
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
-
-
-def _error(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status)
+_INT = re.compile(r"-?\d{1,19}")
+# The OpenAPI description of the streamed answers (what the fuzz tests and client generators read).
+_DELTA: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}, "description": "The delta encoding (proto: Delta)"}
+}
+_EVENTS: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "One event per version: id, event, data"}
+}
+KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
 
 def _parse_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -61,53 +69,49 @@ def _unsatisfiable(header: str) -> tuple[int, int]:
     raise ValueError(header)
 
 
-def _holds(version: Version, start: int, end: int) -> bool:
-    """Whether this server holds the bytes [start, end) of the version's file (a replica holding a
-    part has the header and its part; they are contiguous only for the first part)."""
-    head = len(version.header)
-    lo, hi = (head + b for b in version.held)
-    return end <= head or (lo <= start and end <= hi) or (lo == head and end <= hi)
+class PullResponse(Response):
+    """Streams the pieces of a pull; releases the pull when done (also when the client goes away)."""
 
-
-class VersionFileResponse(Response):
-    """Streams [start, end) of a version's safetensors file; releases the pull when done."""
-
-    def __init__(self, service: Service, version: Version, start: int, end: int, status: int) -> None:
-        m = version.manifest
-        headers = {
-            "content-length": str(end - start),
-            "accept-ranges": "bytes",
-            "etag": version.etag,
-            "x-weightsvc-model": m.model,
-            "x-weightsvc-version": str(m.version),
-            "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
-        }
-        if status == 206:
-            headers["content-range"] = f"bytes {start}-{end - 1}/{version.size}"
+    def __init__(self, pull: Pull, pieces: Iterator[memoryview], status: int, headers: dict[str, str]) -> None:
+        m = pull.manifest
+        headers = {"etag": pull.version.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
+                   **headers}  # fmt: skip
         super().__init__(status_code=status, headers=headers, media_type="application/octet-stream")
-        self.service, self.version, self.start, self.end = service, version, start, end
+        self.pull, self.pieces = pull, pieces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        m = self.version.manifest
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if scope.get("method") != "HEAD":
-                # Zero-copy: the server's transport may keep views of what it could not send yet
-                # beyond this response, so the store never recycles this version's buffer.
-                self.version.lent = True
-                stall = self.service.settings.pull_stall_timeout_s
-                for piece in self.version.file_range(self.start, self.end, PIECE_BYTES):
-                    try:  # send waits on the transport's flow control: a client that reads nothing stalls it
-                        async with asyncio.timeout(stall):
-                            await send({"type": "http.response.body", "body": piece, "more_body": True})
-                    except TimeoutError:
-                        log.warning("model %s version %d: an HTTP client read nothing for %g s; pull dropped",
-                                    m.model, m.version, stall)  # fmt: skip
-                        return  # an incomplete response: the server closes the connection
-                    self.service.count_pulled(m.model, "http", len(piece))
+                # Zero-copy: the server's transport may keep views of what it could not send yet.
+                self.pull.lend()
+                for piece in self.pieces:
+                    await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
+                                         len(piece))  # fmt: skip
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except DeadlineExceeded as e:
+            log.warning("HTTP %s", e.message)  # an incomplete response: the server closes the connection
         finally:
-            self.service.close_pull(self.version, "http")
+            self.pull.close()
+
+
+class AckBody(BaseModel):
+    version: int
+    client_id: str | None = None  # default: the peer's address, as gRPC's Ack
+
+
+async def _events(watch: AsyncIterator[Manifest | None]) -> AsyncIterator[bytes]:
+    """Server-sent events: one per version (id = the version, so a reconnect resumes after it), a
+    comment when the watch has been idle."""
+    try:
+        async for manifest in watch:
+            if manifest is None:
+                yield b": keepalive\n\n"
+            else:
+                data = json.dumps(manifest.info(), separators=(",", ":"))
+                yield f"id: {manifest.version}\nevent: version\ndata: {data}\n\n".encode()
+    except Unavailable:
+        return  # the server stops: the client reconnects (to another replica) with Last-Event-ID
 
 
 def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
@@ -115,21 +119,21 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.exception_handler(WeightsvcError)
     async def _domain(_: Request, e: WeightsvcError) -> JSONResponse:
-        return _error(e.http_status, e.grpc_code, e.message)
+        return http_domain_error(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if e.status_code == 404 else str(e.detail)
-        return _error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
+        return http_error(e.status_code, "NOT_FOUND" if e.status_code == 404 else "HTTP_ERROR", message)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, e: Exception) -> JSONResponse:
         log.exception("internal error on %s %s", request.method, request.url.path)
-        return _error(500, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
+        return http_error(500, "INTERNAL", f"internal error: {type(e).__name__}: {e}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
-        return _error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
+        return http_error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -139,7 +143,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def readyz() -> JSONResponse:
         if is_ready():
             return JSONResponse({"status": "ready"})
-        return _error(503, "UNAVAILABLE", "weightsvc is starting")
+        return http_error(503, "UNAVAILABLE", "weightsvc is starting")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -160,34 +164,62 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
     async def safetensors(model: str, version: str, request: Request) -> Response:
-        held = service.store.get(model, parse_version_ref(version))
-        span: tuple[int, int] | None = None
-        if_range = request.headers.get("if-range")
-        if if_range is None or if_range == held.etag:  # a stale If-Range gets the whole new file
-            try:
-                span = _parse_range(request.headers.get("range"), held.size)
-            except ValueError:
-                resp = _error(
-                    416,
-                    "OUT_OF_RANGE",
-                    f"range {request.headers.get('range')!r} is outside the {held.size} bytes of "
-                    f"model {model!r} version {held.manifest.version}",
-                )
-                resp.headers["content-range"] = f"bytes */{held.size}"
-                return resp
-        start, end = span or (0, held.size)
-        if held.part is not None and not _holds(held, start, end):
-            owners = ", ".join(f"{p.owner} [{p.offset}, {p.offset + p.nbytes})" for p in held.manifest.parts)
-            return _error(
-                409,
-                "FAILED_PRECONDITION",
-                f"model {model!r} version {held.manifest.version} is sharded over replicas that each hold a part of "
-                f"its data section ({owners}); this one serves its header ({len(held.header)} bytes) and its own "
-                "part by Range. The InferenceClient gathers the parts from their owners",
+        pull = await service.pull(model, parse_version_ref(version), "http")
+        try:
+            span: tuple[int, int] | None = None
+            size = pull.version.size
+            if_range = request.headers.get("if-range")
+            if if_range is None or if_range == pull.version.etag:  # a stale If-Range gets the whole new file
+                span = _parse_range(request.headers.get("range"), size)
+            start, end = span or (0, size)
+            pieces = pull.file_pieces(start, end, PIECE_BYTES)
+        except ValueError:
+            pull.close()
+            return http_error(
+                416,
+                "OUT_OF_RANGE",
+                f"range {request.headers.get('range')!r} is outside the {size} bytes of "
+                f"model {model!r} version {pull.manifest.version}",
+                {"content-range": f"bytes */{size}"},
             )
-        # Held from here: the response releases it when it has sent its last byte.
-        held = service.open_pull(model, held.manifest.version, "http")
-        return VersionFileResponse(service, held, start, end, 206 if span else 200)
+        except BaseException:
+            pull.close()
+            raise
+        m = pull.manifest
+        headers = {
+            "content-length": str(end - start),
+            "accept-ranges": "bytes",
+            "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
+        }
+        if span:
+            headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
+        return PullResponse(pull, pieces, 206 if span else 200, headers)
+
+    @app.get("/v1/models/{model}/versions/{version}/delta", response_model=None, responses=_DELTA)
+    async def delta(model: str, version: str, base: int = Query(ge=0)) -> Response:
+        pull = await service.pull_delta(model, parse_version_ref(version), base, "http")
+        headers = {"content-length": str(len(pull.body)), "x-weightsvc-base-version": str(base)}
+        return PullResponse(pull, (piece for _, piece in pull.chunks(0, PIECE_BYTES)), 200, headers)
+
+    @app.get("/v1/models/{model}/watch", response_class=StreamingResponse, responses=_EVENTS)
+    async def watch(
+        model: str,
+        after: int | None = None,
+        last_event_id: str | None = Header(None, alias="last-event-id", description="counts as `after`"),
+    ) -> StreamingResponse:
+        if last_event_id:  # a reconnecting EventSource: it holds every version up to this one
+            if not _INT.fullmatch(last_event_id.strip()):
+                raise InvalidArgument(f"Last-Event-ID {last_event_id!r} is not a version number")
+            after = int(last_event_id)
+        events = _events(service.watch(model, after, idle=KEEPALIVE_S))
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
+
+    @app.post("/v1/models/{model}/acks")
+    async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
+        peer = request.client
+        client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
+        return {"latest_version": service.ack(model, body.version, client_id)}
 
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:
@@ -196,21 +228,11 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:
-        service.versions(model)  # 404 for an unknown model, as on every other model route
-        horizon = time.time() - CLIENT_TIMEOUT_S
+        statuses = service.clients(model)
         return {
             "model": model,
-            "latest_version": service.store.latest(model),
-            "clients": [
-                {
-                    "client_id": c.client_id,
-                    "version": c.version,
-                    "lag_versions": service.store.versions_behind(model, c.version),
-                    "last_seen_unix": c.acked_unix,
-                    "connected": c.acked_unix >= horizon,
-                }
-                for c in service.clients(model)
-            ],
+            "latest_version": service.latest(model),
+            "clients": [dataclasses.asdict(c) for c in statuses],
         }
 
     return app

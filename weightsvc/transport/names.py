@@ -1,10 +1,16 @@
-"""The gRPC service and method names, in one place, read from the generated descriptor."""
+"""The gRPC service, its methods and their shapes, in one place, read from the generated descriptor."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import grpc
+
 from weightsvc.v1 import weightsvc_pb2 as pb
 
-SERVICE = pb.DESCRIPTOR.services_by_name["WeightService"].full_name
+_DESCRIPTOR = pb.DESCRIPTOR.services_by_name["WeightService"]
+SERVICE = _DESCRIPTOR.full_name
 
 
 def method(name: str) -> str:
@@ -12,5 +18,26 @@ def method(name: str) -> str:
     return f"/{SERVICE}/{name}"
 
 
+def handler_factory(request_streaming: bool, response_streaming: bool) -> Callable[..., grpc.RpcMethodHandler]:
+    """grpc's constructor of method handlers of this streaming shape."""
+    return {  # type: ignore[no-any-return]
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(request_streaming, response_streaming)]
+
+
+class Method(NamedTuple):
+    request: Any  # the generated message classes
+    response: Any
+    handler: Callable[..., grpc.RpcMethodHandler]
+
+
+METHODS = {
+    m.name: Method(getattr(pb, m.input_type.name), getattr(pb, m.output_type.name),
+                   handler_factory(m.client_streaming, m.server_streaming))
+    for m in _DESCRIPTOR.methods
+}  # fmt: skip
 PUSH = method("Push")
 PULL = method("Pull")

@@ -270,6 +270,36 @@ class AckResponse(_message.Message):
     latest_version: int
     def __init__(self, latest_version: _Optional[int] = ...) -> None: ...
 
+class ListClientsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ClientStatus(_message.Message):
+    __slots__ = ("client_id", "version", "lag_versions", "last_seen_unix", "connected")
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAG_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    client_id: str
+    version: int
+    lag_versions: int
+    last_seen_unix: float
+    connected: bool
+    def __init__(self, client_id: _Optional[str] = ..., version: _Optional[int] = ..., lag_versions: _Optional[int] = ..., last_seen_unix: _Optional[float] = ..., connected: _Optional[bool] = ...) -> None: ...
+
+class ListClientsResponse(_message.Message):
+    __slots__ = ("model", "latest_version", "clients")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    latest_version: int
+    clients: _containers.RepeatedCompositeFieldContainer[ClientStatus]
+    def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., clients: _Optional[_Iterable[_Union[ClientStatus, _Mapping]]] = ...) -> None: ...
+
 class GetTopologyRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -74,6 +74,11 @@ class WeightServiceStub:
                 request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.SerializeToString,
                 response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.Topology.FromString,
                 _registered_method=True)
+        self.ListClients = channel.unary_unary(
+                '/weightsvc.v1.WeightService/ListClients',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -134,6 +139,13 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListClients(self, request, context):
+        """The inference clients that acked a version of the model: what each holds and how far behind it is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +188,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.GetTopology,
                     request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.FromString,
                     response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.Topology.SerializeToString,
+            ),
+            'ListClients': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListClients,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +411,33 @@ class WeightService:
             '/weightsvc.v1.WeightService/GetTopology',
             weightsvc_dot_v1_dot_weightsvc__pb2.GetTopologyRequest.SerializeToString,
             weightsvc_dot_v1_dot_weightsvc__pb2.Topology.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListClients(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/ListClients',
+            weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,288 @@
+"""The gRPC inference client, and the channels, errors and replicas the learner shares with it."""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from weightsvc.client._common import (
+    ClientInfo,
+    Credentials,
+    InferenceClient,
+    Progress,
+    Receiver,
+    VersionInfo,
+    _is_http,
+)
+from weightsvc.core.manifest import Manifest, Part
+from weightsvc.core.memory import alloc
+from weightsvc.core.topology import Replica
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.transport.names import PULL
+from weightsvc.transport.wire import ChunkView, decode_pull_response, manifest_from_proto
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+# What gRPC reports when the port speaks HTTP/1.1 (the service's HTTP port, a web proxy).
+_HTTP_PEER = ("Expected SETTINGS frame", "Trying to connect an http1.x server")
+
+
+def error(e: grpc.RpcError, target: str) -> WeightsvcError:
+    """The domain error of a failed call, carrying the server's message and status code name."""
+    code = e.code().name if e.code() else "UNKNOWN"
+    details = e.details() or ""
+    err: WeightsvcError
+    if any(s in details for s in _HTTP_PEER):
+        err = Unavailable(
+            f"UNAVAILABLE: {target} answers HTTP, not gRPC: give an HTTP client http://{target.split('://')[-1]}, "
+            f"or give this one the service's gRPC port ({details})"
+        )
+    else:
+        err = BY_GRPC_CODE.get(code, WeightsvcError)(f"{code}: {details}")
+    err.grpc_code = code
+    return err
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _Bearer(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call of a channel."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = (("authorization", f"Bearer {token}"),)
+
+    def _with_token(self, d: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = tuple(d.metadata or ()) + self._metadata
+        return _CallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)  # type: ignore[attr-defined]
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._with_token(details), request)
+
+    def intercept_stream_unary(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._with_token(details), requests)
+
+
+def channel(target: str, credentials: Credentials, who: str = "this client speaks gRPC") -> grpc.Channel:
+    """`host:port` in clear, `grpcs://host:port` over TLS (system roots, or the CA bundle given)."""
+    if _is_http(target):
+        raise InvalidArgument(
+            f"{target} is an HTTP URL, and {who}: give host:port (or grpcs://host:port for TLS), "
+            f"the service's gRPC port"
+        )
+    options = [
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        # A client of its own: a new client connects at once, even while another one in this
+        # process waits out its reconnect backoff to the same address (a restarted server).
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+    if target.startswith("grpcs://"):
+        tls = grpc.ssl_channel_credentials(credentials.ca)
+        ch = grpc.secure_channel(target.removeprefix("grpcs://"), tls, options)
+    else:
+        ch = grpc.insecure_channel(target.removeprefix("grpc://"), options)
+    return grpc.intercept_channel(ch, _Bearer(credentials.token)) if credentials.token else ch
+
+
+class Replicas:
+    """The replicas of a deployment (GetTopology) and a channel to each, for sharded pushes and pulls."""
+
+    def __init__(self, first: grpc.Channel, target: str, credentials: Credentials, timeout: float | None) -> None:
+        self._stub = pb_grpc.WeightServiceStub(first)
+        self._channels: dict[str, grpc.Channel] = {target: first}  # by address; the first one is the caller's
+        self._target, self._credentials, self._timeout = target, credentials, timeout
+        self._known: dict[str, Replica] = {}
+        self._lock = threading.Lock()
+
+    def topology(self) -> list[Replica]:
+        try:
+            reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise error(e, self._target) from None
+        replicas = [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
+        with self._lock:
+            self._known = {r.id: r for r in replicas}
+        return replicas
+
+    def channel(self, replica_id: str, what: str) -> grpc.Channel:
+        """A channel to the replica `replica_id` (asked for again once, if it is not known yet)."""
+        if replica_id not in self._known:
+            self.topology()
+        replica = self._known.get(replica_id)
+        if replica is None:
+            raise Unavailable(f"{what}: replica {replica_id!r} is not in the topology (it is down or has left)")
+        with self._lock:
+            if replica.grpc not in self._channels:
+                self._channels[replica.grpc] = channel(replica.grpc, self._credentials)
+            return self._channels[replica.grpc]
+
+    def close(self) -> None:
+        """Close every channel, the caller's first one included."""
+        for ch in list(self._channels.values()):
+            ch.close()
+
+
+def _pull_method(ch: grpc.Channel) -> Any:
+    """Pull on `ch`: pre-encoded chunks come back as views, not copies (`transport.wire`)."""
+    return ch.unary_stream(PULL, request_serializer=pb.PullRequest.SerializeToString,
+                           response_deserializer=decode_pull_response)  # fmt: skip
+
+
+def _starts_with_manifest(first: object) -> pb.Manifest | None:
+    if isinstance(first, pb.PullResponse) and first.HasField("manifest"):
+        return first.manifest
+    return None
+
+
+class GrpcInferenceClient(InferenceClient):
+    """Pulls served copies over gRPC: `host:port`, or `grpcs://host:port` for TLS."""
+
+    transport = "grpc"
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._channel = channel(target, self.credentials)
+        self._stub = pb_grpc.WeightServiceStub(self._channel)
+        self._replicas = Replicas(self._channel, target, self.credentials, self.timeout)
+        self._own(self._replicas.close)
+
+    def _call(self, rpc: Callable[..., T], request: object) -> T:
+        try:
+            return rpc(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise error(e, self.target) from None
+
+    # ---- pulls ---------------------------------------------------------------------------------
+
+    def _pull(
+        self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
+    ) -> tuple[Manifest, memoryview]:
+        manifest: Manifest | None = None
+        rx: Receiver | None = None  # made at the first chunk: its size depends on whether a delta comes
+        delta = False
+        pull = _pull_method(self._channel)
+
+        def attempt() -> None:
+            nonlocal manifest, rx, delta
+            # After a break, ask for the same version from the first byte we do not have yet.
+            pinned = version if manifest is None else str(manifest.version)
+            request = pb.PullRequest(model=model, version=pinned, offset=rx.pos if rx else 0,
+                                     base="" if held is None else str(held[0].version))  # fmt: skip
+            try:
+                stream = pull(request, timeout=self.timeout)
+                first = _starts_with_manifest(next(stream, None))
+                if first is None:
+                    raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
+                got = manifest_from_proto(first)
+                if manifest is not None and got.master_digest != manifest.master_digest:
+                    raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
+                manifest = got
+                where = f"model {model!r} version {manifest.version}"
+                for chunk in stream:
+                    if isinstance(chunk, pb.PullResponse) and chunk.HasField("delta"):
+                        if rx is None:  # the bytes that follow encode changes from the held version
+                            delta = True
+                            rx = Receiver(alloc(chunk.delta.delta_bytes), 0, chunk.delta.delta_bytes, moved,
+                                          f"{where} (delta on version {request.base})")  # fmt: skip
+                        continue
+                    if not isinstance(chunk, ChunkView):
+                        raise DataLoss(f"{where}: unexpected message in the pull stream")
+                    if rx is None:
+                        rx = Receiver(alloc(manifest.data_bytes), 0, manifest.data_bytes, moved, where)
+                    rx.put(chunk.offset, chunk.data)
+            except grpc.RpcError as e:
+                raise error(e, self.target) from None
+
+        self.retry.run(attempt, resumable=lambda: manifest is not None)
+        assert manifest is not None
+        received = rx.pos if rx else 0
+        if manifest.parts and not delta and received < manifest.data_bytes:
+            # Sharded replicas: the replica asked sent its own part (if it came first); the others'
+            # parts come from their owners, all at once.
+            data = rx.data if rx else alloc(manifest.data_bytes)
+            self._pull_parts(manifest, data, received, moved)
+            return manifest, data
+        expected = rx.end if rx else manifest.data_bytes
+        if received != expected:
+            raise DataLoss(
+                f"model {model!r} version {manifest.version}: stream ended after {received} of {expected} bytes"
+            )
+        data = rx.data if rx else alloc(0)
+        return (manifest, self._patched(manifest, held, data)) if delta and held else (manifest, data)
+
+    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
+        pull = _pull_method(self._replicas.channel(part.owner, rx.where))
+        request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
+        try:
+            stream = pull(request, timeout=self.timeout)
+            first = _starts_with_manifest(next(stream, None))
+            if first is None or first.master_digest != manifest.master_digest:
+                raise DataLoss(f"{rx.where}: the replica answered with another version")
+            for chunk in stream:
+                if not isinstance(chunk, ChunkView):
+                    raise DataLoss(f"{rx.where}: unexpected message in the pull stream")
+                rx.put(chunk.offset, chunk.data)
+        except grpc.RpcError as e:
+            raise error(e, self.target) from None
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
+        return manifest_from_proto(self._call(self._stub.GetManifest,
+                                              pb.GetManifestRequest(model=model, version=str(version))))  # fmt: skip
+
+    def versions(self, model: str = "default") -> list[VersionInfo]:
+        resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))
+        return [VersionInfo.from_proto(v) for v in resp.versions]
+
+    def models(self) -> list[dict[str, Any]]:
+        resp = self._call(self._stub.ListModels, pb.ListModelsRequest())
+        return [
+            {"model": m.model, "latest_version": m.latest_version, "versions": list(m.versions)} for m in resp.models
+        ]
+
+    def topology(self) -> list[Replica]:
+        return self._replicas.topology()
+
+    def clients(self, model: str = "default") -> list[ClientInfo]:
+        resp = self._call(self._stub.ListClients, pb.ListClientsRequest(model=model))
+        return [ClientInfo(c.client_id, c.version, c.lag_versions, c.last_seen_unix, c.connected) for c in resp.clients]
+
+    # ---- watch and ack -------------------------------------------------------------------------
+
+    def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
+        request = pb.WatchRequest(model=model)
+        if after is not None:
+            request.after_version = after
+        try:
+            for event in self._stub.Watch(request):
+                yield VersionInfo.from_proto(event.version)
+        except grpc.RpcError as e:
+            raise error(e, self.target) from None
+
+    def _ack(self, model: str, version: int, client_id: str) -> int:
+        resp = self._call(self._stub.Ack, pb.AckRequest(model=model, version=version, client_id=client_id))
+        return int(resp.latest_version)

@@ -1,0 +1,285 @@
+"""The HTTP inference client: `http://host:port` or `https://host:port`, the same operations as gRPC."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import socket
+import ssl
+import threading
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
+from weightsvc.core.manifest import Manifest, Part, manifest_from_header, read_safetensors_header
+from weightsvc.core.memory import alloc
+from weightsvc.core.topology import Replica
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
+
+MAX_HEADER_BYTES = 100 << 20
+_quote = urllib.parse.quote
+Origin = urllib.parse.SplitResult
+
+
+class _Connections:
+    """The keep-alive connections of one client, by origin; each serves one request at a time.
+
+    Holds no reference to the client, so that the client's finalizer can close them."""
+
+    def __init__(self, ca: bytes | None, timeout: float | None) -> None:
+        self._ca, self._timeout = ca, timeout
+        self._idle: dict[Origin, list[http.client.HTTPConnection]] = {}
+        self._busy: set[http.client.HTTPConnection] = set()
+        self._lock = threading.Lock()
+
+    def take(self, origin: Origin) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection to `origin`, and whether it served a request before (it may have gone stale)."""
+        with self._lock:
+            idle = self._idle.get(origin)
+            if idle:
+                conn = idle.pop()
+                self._busy.add(conn)
+                return conn, True
+        host = origin.hostname or "127.0.0.1"
+        if origin.scheme == "https":
+            context = ssl.create_default_context(cadata=self._ca.decode() if self._ca else None)
+            conn = http.client.HTTPSConnection(host, origin.port, timeout=self._timeout, context=context)
+        else:
+            conn = http.client.HTTPConnection(host, origin.port, timeout=self._timeout)
+        with self._lock:
+            self._busy.add(conn)
+        return conn, False
+
+    def give(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+            self._idle.setdefault(origin, []).append(conn)
+
+    def drop(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+        conn.close()
+
+    @property
+    def opened(self) -> list[http.client.HTTPConnection]:
+        with self._lock:
+            return [*self._busy, *(c for idle in self._idle.values() for c in idle)]
+
+    def close(self) -> None:
+        """Close the idle connections; a busy one is shut down, which ends the read of the thread
+        using it (a watch), and that thread closes it (closing it here would pull the response's
+        file from under that read)."""
+        with self._lock:
+            idle, self._idle = [c for conns in self._idle.values() for c in conns], {}
+            busy = list(self._busy)
+        for conn in idle:
+            conn.close()
+        for conn in busy:
+            if conn.sock is not None:
+                with contextlib.suppress(OSError):
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+
+
+def _error(resp: http.client.HTTPResponse) -> WeightsvcError:
+    """The domain error of an error response (`{"error": {"code", "message"}}`)."""
+    body = resp.read()
+    try:
+        err = json.loads(body)["error"]
+        code, message = err["code"], err["message"]
+    except (ValueError, KeyError, TypeError):
+        code, message = "UNKNOWN", body[:200].decode(errors="replace")
+    e = BY_GRPC_CODE.get(code, WeightsvcError)(f"{code}: {message} (HTTP {resp.status})")
+    e.grpc_code = code
+    return e
+
+
+class HttpInferenceClient(InferenceClient):
+    """Pulls served copies over HTTP: `http://host:port`, or `https://host:port`."""
+
+    transport = "http"
+
+    def __init__(self, target: str, **kwargs: Any) -> None:
+        super().__init__(target, **kwargs)
+        self._origin = urllib.parse.urlsplit(target)
+        self._connections = _Connections(self.credentials.ca, self.timeout)
+        self._owners: dict[str, str] = {}  # replica id -> HTTP URL, for the parts of sharded versions
+        self._own(self._connections.close)
+
+    @contextlib.contextmanager
+    def _open(self, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None,
+              base: str | None = None) -> Iterator[http.client.HTTPResponse]:  # fmt: skip
+        """The response to a request to `path` of the target (or of `base`, another replica's URL).
+
+        Error statuses and lost connections are raised as domain errors; the connection is kept for
+        the next request once the body has been read to its end."""
+        origin = self._origin if base is None else urllib.parse.urlsplit(base)
+        headers = dict(headers or {})
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        if self.credentials.token:
+            headers["Authorization"] = f"Bearer {self.credentials.token}"
+        while True:
+            conn, reused = self._connections.take(origin)
+            try:
+                conn.request(method, origin.path.rstrip("/") + path, body=body, headers=headers)
+                resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self._connections.drop(conn)
+                if not reused:  # a kept connection the server has closed meanwhile: try a new one
+                    raise Unavailable(f"UNAVAILABLE: {base or self.target}: {e}") from None
+        done = False
+        try:
+            if resp.status >= 400:
+                raise _error(resp)
+            yield resp
+            done = resp.isclosed() and not resp.will_close
+        except (OSError, http.client.HTTPException) as e:
+            raise Unavailable(f"UNAVAILABLE: {base or self.target}: {method} {path} broke off: {e!r}") from None
+        finally:
+            if done:
+                self._connections.give(origin, conn)
+            else:
+                self._connections.drop(conn)
+
+    def _json(self, path: str, payload: dict[str, Any] | None = None) -> Any:
+        """GET `path` (POST `payload`) and the JSON it answers."""
+        body = None if payload is None else json.dumps(payload).encode()
+        with self._open("GET" if body is None else "POST", path, body=body) as resp:
+            return json.loads(resp.read())
+
+    # ---- pulls ---------------------------------------------------------------------------------
+
+    def _pull(
+        self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
+    ) -> tuple[Manifest, memoryview]:
+        if held is not None:
+            manifest = self.manifest(model, version)  # the number: the delta route takes no "latest"
+            try:
+                return manifest, self._pull_delta(manifest, held, moved)
+            except FailedPrecondition:  # no delta (the base is gone, or it would not be smaller)
+                version = str(manifest.version)
+        manifest_of: list[Manifest] = []  # set by the first try; later ones resume the same version
+        etag, start = "", 0
+        rx: Receiver | None = None
+
+        def attempt() -> None:
+            nonlocal etag, start, rx
+            path = f"/v1/models/{_quote(model)}/versions/{_quote(version)}/safetensors"
+            if rx is None:
+                # One request: the file's own header carries the manifest, so "latest" cannot
+                # change under us.
+                with self._open("GET", path) as resp:
+                    etag = resp.getheader("etag") or ""
+                    head = resp.read(8)
+                    header_len = int.from_bytes(head, "little")
+                    if len(head) < 8 or header_len > MAX_HEADER_BYTES:
+                        raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
+                    start, header = read_safetensors_header(head + resp.read(header_len))
+                    manifest_of.append(manifest_from_header(header))
+                    m = manifest_of[0]
+                    rx = Receiver(alloc(m.data_bytes), 0, m.data_bytes, moved, f"model {model!r} version {m.version}")
+                    rx.read(resp)
+                return
+            # Resume the same version (If-Range: never splice two versions).
+            path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors"
+            with self._open("GET", path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag}) as resp:
+                if resp.status != 206:
+                    raise DataLoss(f"{rx.where} changed while resuming its pull")
+                rx.read(resp)
+
+        try:
+            self.retry.run(attempt, resumable=lambda: rx is not None)
+        except FailedPrecondition:  # a version of parts: no replica holds the whole file
+            sharded = self.manifest(model, version)
+            if not sharded.parts:
+                raise
+            data = alloc(sharded.data_bytes)
+            self._pull_parts(sharded, data, 0, moved)
+            return sharded, data
+        assert rx is not None
+        return manifest_of[0], rx.data
+
+    def _pull_delta(self, manifest: Manifest, held: tuple[Manifest, memoryview], moved: Progress) -> memoryview:
+        """The data section of `manifest` from its delta on the held version; a break asks again."""
+        path = f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/delta?base={held[0].version}"
+        where = f"model {manifest.model!r} version {manifest.version} (delta on version {held[0].version})"
+
+        def attempt() -> memoryview:
+            with self._open("GET", path) as resp:
+                got = (resp.getheader("x-weightsvc-version"), resp.getheader("x-weightsvc-base-version"))
+                if got != (str(manifest.version), str(held[0].version)):
+                    raise DataLoss(f"{where}: the server sent the delta of version {got[0]} on {got[1]}")
+                size = resp.length
+                if size is None:
+                    raise DataLoss(f"{where}: the delta came without a length")
+                rx = Receiver(alloc(size), 0, size, moved, where)
+                rx.read(resp)
+                return rx.data
+
+        return self._patched(manifest, held, self.retry.run(attempt))
+
+    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
+        if part.owner not in self._owners:
+            self._owners = {r.id: r.http for r in self.topology()}
+        if part.owner not in self._owners:
+            raise Unavailable(f"{rx.where}: the replica is not in the topology (it is down or has left)")
+        header = manifest.safetensors_header()
+        head = len(header)
+        with self._open(
+            "GET",
+            f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/safetensors",
+            headers={"Range": f"bytes={head + rx.pos}-{head + rx.end - 1}", "If-Range": manifest.etag(header)},
+            base=self._owners[part.owner],
+        ) as resp:
+            if resp.status != 206:
+                raise DataLoss(f"{rx.where}: the replica did not answer with its part")
+            rx.read(resp)
+
+    # ---- metadata ------------------------------------------------------------------------------
+
+    def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
+        return Manifest.from_dict(self._json(f"/v1/models/{_quote(model)}/versions/{_quote(str(version))}/manifest"))
+
+    def versions(self, model: str = "default") -> list[VersionInfo]:
+        return [VersionInfo.from_dict(v) for v in self._json(f"/v1/models/{_quote(model)}/versions")["versions"]]
+
+    def models(self) -> list[dict[str, Any]]:
+        return list(self._json("/v1/models")["models"])
+
+    def topology(self) -> list[Replica]:
+        return [Replica(**r) for r in self._json("/v1/topology")["replicas"]]
+
+    def clients(self, model: str = "default") -> list[ClientInfo]:
+        return [ClientInfo(**c) for c in self._json(f"/v1/models/{_quote(model)}/clients")["clients"]]
+
+    # ---- watch and ack -------------------------------------------------------------------------
+
+    def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
+        """Server-Sent Events: `id: <version>`, `event: version`, `data: <the version's JSON>`."""
+        path = f"/v1/models/{_quote(model)}/watch"
+        headers = {"Accept": "text/event-stream"}
+        if after is not None:
+            path += f"?after={after}"
+            headers["Last-Event-ID"] = str(after)
+        with self._open("GET", path, headers=headers) as resp:
+            event, data = "message", list[bytes]()
+            while line := resp.readline():
+                line = line.rstrip(b"\r\n")
+                if not line:  # a blank line ends an event
+                    if event == "version" and data:
+                        yield VersionInfo.from_dict(json.loads(b"\n".join(data)))
+                    event, data = "message", list[bytes]()
+                elif not line.startswith(b":"):  # ": keepalive" and other comments carry nothing
+                    name, _, value = line.partition(b":")
+                    value = value.removeprefix(b" ")
+                    if name == b"event":
+                        event = value.decode()
+                    elif name == b"data":
+                        data.append(value)
+
+    def _ack(self, model: str, version: int, client_id: str) -> int:
+        reply = self._json(f"/v1/models/{_quote(model)}/acks", {"version": version, "client_id": client_id})
+        return int(reply["latest_version"])

@@ -1,0 +1,226 @@
+"""The learner's client: pushes fp32 masters (torch tensors or numpy arrays) over gRPC."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import queue
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import grpc
+import numpy as np
+
+from weightsvc.client._common import Credentials, InferenceClient, Progress, VersionInfo
+from weightsvc.client._grpc import Replicas, channel, error
+from weightsvc.core.manifest import MASTER_DTYPE
+from weightsvc.core.topology import assign
+from weightsvc.transport.names import PUSH
+from weightsvc.transport.wire import encode_chunk, encode_message
+from weightsvc.v1 import weightsvc_pb2 as pb
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
+_EXACT_TO_F32 = ("float32", "bfloat16", "float16")
+Array = Union["torch.Tensor", np.ndarray]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The flat elements `[offset, offset + data.numel())` of a tensor of full `shape`, in row-major
+    order: the part one learner rank holds (an FSDP flat-parameter slice, a dim-0 block of a
+    tensor-parallel weight). The ranks' shards of a tensor must cover it exactly once. `data` is a
+    torch tensor or a numpy array."""
+
+    data: Array
+    offset: int
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+def _is_torch(value: object) -> bool:
+    torch = sys.modules.get("torch")  # not imported: then `value` cannot be a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _check_master(name: str, array: object) -> None:
+    """Raise, naming the tensor, unless `array` is a torch tensor or numpy array that widens to fp32 exactly."""
+    if not (_is_torch(array) or isinstance(array, np.ndarray)):
+        raise TypeError(f"tensor {name!r} is a {type(array).__name__}; push torch tensors or numpy arrays")
+    dtype = array.dtype  # type: ignore[attr-defined]
+    if str(dtype).removeprefix("torch.") not in _EXACT_TO_F32:
+        raise TypeError(f"tensor {name!r} is {dtype}; push float32 masters (bf16/fp16 widen exactly)")
+
+
+def _master_bytes(name: str, array: Array) -> memoryview:
+    """The little-endian fp32 bytes of a master, flat, on the CPU."""
+    _check_master(name, array)
+    if isinstance(array, np.ndarray):
+        return np.ascontiguousarray(array, dtype="<f4").reshape(-1).view(np.uint8).data
+    import torch
+
+    return array.detach().to("cpu", torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _numel(array: Array) -> int:
+    return int(array.size) if isinstance(array, np.ndarray) else array.numel()
+
+
+def _spec(name: str, value: Array | Shard) -> pb.TensorSpec:
+    if not isinstance(value, Shard):
+        _check_master(name, value)
+        return pb.TensorSpec(name=name, shape=list(value.shape), dtype=MASTER_DTYPE)
+    _check_master(name, value.data)
+    numel, count = math.prod(value.shape), _numel(value.data)
+    if value.offset < 0 or value.offset + count > numel:
+        raise ValueError(
+            f"shard of tensor {name!r}: elements [{value.offset}, {value.offset + count}) are not within "
+            f"its shape {list(value.shape)} ({numel} elements)"
+        )
+    part = pb.TensorPart(offset=value.offset, count=count)
+    return pb.TensorSpec(name=name, shape=list(value.shape), dtype=MASTER_DTYPE, part=part)
+
+
+class LearnerClient:
+    """Pushes fp32 masters to weightsvc over gRPC."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        timeout: float | None = None,
+        token: str | None = None,
+        ca_cert: str | Path | bytes | None = None,
+    ) -> None:
+        """`target`: `host:port`, or `grpcs://host:port` for TLS (`ca_cert`: a PEM bundle to trust).
+        `token`: a bearer token with role push (default: $WEIGHTSVC_TOKEN)."""
+        self.target = target
+        self.chunk_bytes = chunk_bytes
+        self.timeout = timeout
+        self.credentials = Credentials.resolve(token, ca_cert)
+        self._channel = channel(target, self.credentials, "the learner pushes over gRPC")
+        self._replicas = Replicas(self._channel, target, self.credentials, timeout)
+
+    def push(
+        self,
+        step: int,
+        parts: Mapping[str, Array | Shard],
+        model: str = "default",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        format: str = "",
+        rounding: str = "",
+        return_served: bool = False,
+        progress: Progress | None = None,
+    ) -> VersionInfo:
+        """Stream the masters of `step`; returns once the version is committed (or raises).
+
+        `parts` maps tensor names to whole tensors or `Shard`s: torch tensors or numpy arrays
+        (float32; bf16 and fp16 widen exactly), bit for bit the same push either way.
+        With `world_size` > 1 each learner rank calls this with its own `rank` and parts,
+        concurrently; every call returns once the whole version commits, or raises if any rank
+        fails (nothing is then visible).
+        `format` / `rounding` override the server's export for this push (empty: the server's).
+        `return_served` pulls the committed version back into `.served`: the exact bits the fleet
+        runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual).
+
+        When the deployment has several replicas (sharded, sharing a Redis registry), each tensor goes
+        to the replica that owns it by rendezvous hashing of its name, all replicas at once; the
+        version commits when every replica has its part, and nothing is visible if one fails."""
+        for name, value in parts.items():  # bad input raises here, with the tensor's name
+            _spec(name, value)
+        header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
+                               world_size=world_size)  # fmt: skip
+        replicas = self._replicas.topology()
+        if len(replicas) <= 1:
+            streams = [(self._channel, header, dict(parts))]
+        else:
+            owned = assign(parts, replicas)
+            header.owners.extend(r.id for r in replicas)
+            where = f"model {model!r} step {step}"
+            streams = [
+                (self._replicas.channel(r.id, where), header, {n: parts[n] for n in owned.get(r.id, [])})
+                for r in replicas
+            ]
+        resp = self._push_streams(streams, progress)
+        info = VersionInfo.from_proto(resp.version, resp.created)
+        if return_served:
+            credentials = self.credentials
+            with InferenceClient(self.target, timeout=self.timeout, token=credentials.token or "",
+                                 ca_cert=credentials.ca) as puller:  # fmt: skip
+                info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
+        return info
+
+    def _push_streams(
+        self, streams: list[tuple[grpc.Channel, pb.PushHeader, dict[str, Array | Shard]]],
+        progress: Progress | None,
+    ) -> pb.PushResponse:  # fmt: skip
+        """Run push streams at once (one per replica); the first to fail cancels the others."""
+        senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
+        done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+        calls = []
+        try:
+            for ch, header, parts in streams:
+                # Chunks are pre-encoded by `transport.wire` (one copy); header and commit are plain messages.
+                push = ch.stream_unary(PUSH, request_serializer=encode_message,
+                                       response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+                call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
+                call.add_done_callback(done.put)
+                calls.append(call)
+            for _ in calls:
+                call = done.get()
+                if call.exception() is not None:
+                    raise error(call.exception(), self.target) from None
+            return calls[0].result()
+        finally:
+            if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
+                for c in calls:
+                    c.cancel()
+                # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
+                # or a process that exits right after can abort inside gRPC.
+                for sender in senders:
+                    if sender is not threading.current_thread():
+                        sender.join(5)
+
+    def _messages(self, header: pb.PushHeader, parts: dict[str, Array | Shard], progress: Progress | None,
+                  senders: list[threading.Thread]) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
+        senders.append(threading.current_thread())
+        specs = [_spec(name, value) for name, value in parts.items()]
+        full = pb.PushHeader()
+        full.CopyFrom(header)
+        full.tensors.extend(specs)
+        yield pb.PushRequest(header=full)
+        for spec, (name, value) in zip(specs, parts.items(), strict=True):
+            raw = _master_bytes(name, value.data if isinstance(value, Shard) else value)
+            start = spec.part.offset * 4  # bytes into the whole tensor
+            # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
+            cut = -start % self.chunk_bytes or self.chunk_bytes
+            pos = 0
+            while pos < len(raw):
+                piece = raw[pos : pos + cut]
+                yield encode_chunk(name, start + pos, piece)
+                if progress:
+                    progress(len(piece))
+                pos += cut
+                cut = self.chunk_bytes
+        yield pb.PushRequest(commit=pb.PushCommit())
+
+    def close(self) -> None:
+        self._replicas.close()
+
+    def __enter__(self) -> LearnerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

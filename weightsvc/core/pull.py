@@ -1,0 +1,244 @@
+"""What happens on pull, for every transport: which bytes this replica sends, under which limits.
+
+`Pulls` admits a pull (--max-pulls), holds its version (eviction cannot recycle the buffer until the
+pull ends) and decides what follows the manifest: the data section, or the delta encoding against a
+version the client holds (encoded once for a fleet). A `Pull` sends each piece through the
+transport's own write under the stall timeout, counted in the metrics. The transports only frame
+the pieces: gRPC as chunks of the data section (or of the delta), HTTP as a range of the
+safetensors file (or the delta's bytes). Watch streams end when the server stops (`watching`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weightsvc.core.delta import compatible as delta_compatible
+from weightsvc.core.delta import encode as delta_encode
+from weightsvc.core.manifest import Manifest
+from weightsvc.core.store import Version
+from weightsvc.errors import (
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    TooManyRequests,
+    Unavailable,
+)
+
+if TYPE_CHECKING:
+    from weightsvc.core.service import Service
+
+
+MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
+DELTA_BASE = "delta"  # the "transport" of a base held while a delta is encoded: not a pull of its own
+
+
+class Pulls:
+    """The pulls of this server: how many are in progress, and the recent delta encodings."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.in_flight = 0  # pulls holding a version, against --max-pulls
+        self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # oldest first; None: not smaller
+
+    async def open(self, model: str, version: int | None, transport: str, base: int | None,
+                   dense_fallback: bool) -> Pull:  # fmt: skip
+        """A pull of `version` (None: the latest); with `base`, its body is the delta against it. When
+        there is none, FAILED_PRECONDITION saying why, or with `dense_fallback` the data section."""
+        pull = Pull(self.service, self.hold(model, version, transport), transport)
+        try:
+            if base is not None:
+                try:
+                    pull.use_delta(base, await self.delta(pull.version, base))
+                except FailedPrecondition:
+                    if not dense_fallback:
+                        raise
+        except BaseException:
+            pull.close()
+            raise
+        return pull
+
+    def hold(self, model: str, version: int | None, transport: str) -> Version:
+        """Hold a version for a pull; eviction cannot recycle its buffer until `release`."""
+        s = self.service
+        pull = transport != DELTA_BASE
+        if pull and self.in_flight >= s.settings.max_pulls:
+            raise TooManyRequests(
+                f"{self.in_flight} pulls in progress, the most this server takes (--max-pulls "
+                f"{s.settings.max_pulls}); retry later",
+                reason="too_many",
+            )
+        held = s.store.get(model, version)
+        s.store.hold(held)
+        self.in_flight += pull
+        s.metrics.pulls_in_flight.labels(transport).inc()
+        return held
+
+    def release(self, version: Version, transport: str) -> None:
+        s = self.service
+        s.metrics.pulls_in_flight.labels(transport).dec()
+        self.in_flight -= transport != DELTA_BASE
+        s.store.release(version)
+        s.changed()
+
+    async def delta(self, version: Version, base: int) -> bytes:
+        """The delta encoding of `version` against `base` of the same model. FAILED_PRECONDITION, saying
+        why, when there is none: the base is the version itself or not retained, either is sharded over
+        replicas, their layouts differ, or the delta would not be smaller than the dense bytes."""
+        m = version.manifest
+
+        def none(why: str) -> FailedPrecondition:
+            return FailedPrecondition(f"model {m.model!r} version {m.version}: no delta against base {base}: {why}; "
+                                      "pull the whole version")  # fmt: skip
+
+        not_smaller = f"it would not be smaller than the {m.data_bytes} dense bytes"
+        key = (m.model, m.version, base)
+        if key in self._deltas:  # a fleet pulls the same delta many times: encode it once
+            cached = self._deltas[key]
+            if cached is None:
+                raise none(not_smaller)
+            return cached
+        if base == m.version:
+            raise none("that is the version itself")
+        if version.part is not None:
+            raise none("the version is sharded over replicas")
+        try:
+            held = self.hold(m.model, base, DELTA_BASE)
+        except NotFound as e:
+            raise none(e.message) from None
+        try:
+            if held.part is not None:
+                raise none("the base is sharded over replicas")
+            if not delta_compatible(held.manifest, m):
+                raise none("the base has other tensors, shapes or dtypes")
+            encoded = await asyncio.to_thread(delta_encode, m, version.data, held.data)
+        finally:
+            self.release(held, DELTA_BASE)
+        delta = encoded if len(encoded) < m.data_bytes else None
+        self._deltas[key] = delta
+        while len(self._deltas) > MAX_CACHED_DELTAS:
+            self._deltas.pop(next(iter(self._deltas)))
+        if delta is None:
+            raise none(not_smaller)
+        return delta
+
+
+class Pull:
+    """One pull in progress. `body` is what follows the manifest: the bytes of the data section this
+    replica holds (from `start`), or, when `base` is set, the delta encoding against that version."""
+
+    def __init__(self, service: Service, version: Version, transport: str) -> None:
+        self.service = service
+        self.version = version
+        self.transport = transport
+        self.base: int | None = None
+        self.body = version.data
+        self.start = version.offset  # offset of body[0] in the data section
+        self.closed = False
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.version.manifest
+
+    def _where(self) -> str:
+        return f"model {self.manifest.model!r} version {self.manifest.version}"
+
+    def use_delta(self, base: int, delta: bytes) -> None:
+        self.base, self.body, self.start = base, memoryview(delta), 0
+
+    def chunks(self, offset: int, size: int) -> Iterator[tuple[int, memoryview]]:
+        """(offset, bytes) pieces of at most `size` bytes of the body from `offset` on (a resumed
+        pull). A replica holding one part sends its part's bytes at or above `offset`, and nothing
+        when asked for an offset outside its part: the manifest tells the client who holds the rest."""
+        total = len(self.body) if self.base is not None else self.manifest.data_bytes
+        if not 0 <= offset <= total:
+            raise InvalidArgument(f"{self._where()}: resume offset {offset} is outside its {total}-byte "
+                                  f"{'delta' if self.base is not None else 'data section'}")  # fmt: skip
+        start, end = self.start, self.start + len(self.body)
+        first = offset if start <= offset <= end else end
+        return ((at, self.body[at - start : at - start + size]) for at in range(first, end, size))
+
+    def file_pieces(self, start: int, end: int, size: int) -> Iterator[memoryview]:
+        """Pieces of at most `size` bytes covering [start, end) of the version's safetensors file.
+
+        A replica holding one part serves the header and its own part (contiguous with the header only
+        for the first part); any other range is FAILED_PRECONDITION, naming the owners."""
+        v = self.version
+        head = len(v.header)
+        lo, hi = (head + b for b in v.held)
+        if v.part is not None and not (end <= head or (lo <= start and end <= hi) or (lo == head and end <= hi)):
+            owners = ", ".join(f"{p.owner} [{p.offset}, {p.offset + p.nbytes})" for p in self.manifest.parts)
+            raise FailedPrecondition(
+                f"{self._where()} is sharded over replicas that each hold a part of its data section ({owners}); "
+                f"this one serves its header ({head} bytes) and its own part by Range. The InferenceClient "
+                "gathers the parts from their owners"
+            )
+        return v.file_range(start, end, size)
+
+    def lend(self) -> None:
+        """The transport may keep views of the body beyond this pull: never recycle the version's buffer
+        (a delta's bytes are its own)."""
+        if self.base is None:
+            self.version.lent = True
+
+    async def send(self, sending: Awaitable[None], nbytes: int = 0) -> None:
+        """Await one write of the transport, `nbytes` of them version bytes. A write waits on flow
+        control, so a client that stops reading would hold the version forever: the stall timeout
+        takes it back (DEADLINE_EXCEEDED)."""
+        stall = self.service.settings.pull_stall_timeout_s
+        try:
+            async with asyncio.timeout(stall):
+                await sending
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"{self._where()}: the client read nothing for {stall:g} s (--pull-stall-timeout-s); pull dropped",
+                reason="stalled",
+            ) from None
+        if nbytes:
+            self.service.metrics.pull_bytes.labels(self.manifest.model, self.transport).inc(nbytes)
+
+    def close(self) -> None:
+        """Let go of the version (once: the transports close on every way out)."""
+        if not self.closed:
+            self.closed = True
+            self.service.pulls.release(self.version, self.transport)
+
+
+@dataclass(frozen=True)
+class ClientStatus:
+    """An inference client as its acks describe it."""
+
+    client_id: str
+    version: int  # the version it acked last
+    lag_versions: int  # committed versions newer than that one
+    last_seen_unix: float
+    connected: bool  # acked within the store's CLIENT_TIMEOUT_S; older clients count as gone
+
+
+async def watching(
+    events: AsyncIterator[Manifest], stopping: asyncio.Event, idle: float | None
+) -> AsyncIterator[Manifest | None]:
+    """`events`, with None after each `idle` seconds without one; ends with UNAVAILABLE once `stopping`
+    is set, so that no watch holds up the server's shutdown."""
+    stop = asyncio.ensure_future(stopping.wait())
+    upcoming = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait((upcoming, stop), timeout=idle, return_when=asyncio.FIRST_COMPLETED)
+            if upcoming in done:
+                try:
+                    manifest = upcoming.result()
+                except StopAsyncIteration:
+                    return
+                yield manifest
+                upcoming = asyncio.ensure_future(anext(events))
+            elif stop in done:
+                raise Unavailable("the server is stopping: watch again, after the last version received")
+            else:
+                yield None
+    finally:
+        stop.cancel()
+        upcoming.cancel()  # a pending read ends the events with it
