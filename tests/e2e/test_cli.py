@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters
+from weightsvc.client import InferenceClient
 from weightsvc.rounding import fair_cast
 
 CMD = WEIGHTSVC_CMD
@@ -74,6 +75,45 @@ def test_push_pull_status(served: Serve, checkpoint: tuple[Path, dict[str, torch
     assert [v["version"] for v in report["cli"]["versions"]] == [3]
     table = cli("status", "--target", served.url, "--model", "cli")
     assert table.returncode == 0 and "cli" in table.stdout and "3 (latest)" in table.stdout
+    assert "no inference client has acked a version yet" in table.stdout
+    # the same for every version of a listing: left out
+    assert not {"model", "created", "served"} & set(report["cli"]["versions"][0])
+
+
+def test_status_shows_the_clients_and_their_lag(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    path, _ = checkpoint
+    for step in ("1", "2"):
+        assert cli("push", str(path), "--model", "fleet", "--step", step, "--target", served.target).returncode == 0
+    with InferenceClient(served.target) as worker:
+        worker.ack("fleet", 1, client_id="sampler-behind")
+        worker.ack("fleet", 2, client_id="sampler-current")
+    status = cli("status", "--target", served.target, "--model", "fleet", "--json")
+    assert status.returncode == 0, status.stderr
+    (fleet,) = json.loads(status.stdout)["models"]
+    clients = {c["client_id"]: c for c in fleet["clients"]}
+    assert set(clients) == {"sampler-behind", "sampler-current"}
+    assert (clients["sampler-behind"]["version"], clients["sampler-behind"]["lag_versions"]) == (1, 1)
+    assert (clients["sampler-current"]["version"], clients["sampler-current"]["lag_versions"]) == (2, 0)
+    assert all(c["connected"] for c in clients.values())
+    for target in (served.target, served.url):
+        table = cli("status", "--target", target, "--model", "fleet")
+        assert table.returncode == 0, table.stderr
+        rows = {line.split("│")[2].strip(): line for line in table.stdout.splitlines() if "sampler-" in line}
+        assert set(rows) == {"sampler-behind", "sampler-current"}, table.stdout
+        assert [cell.strip() for cell in rows["sampler-behind"].split("│")[3:5]] == ["1", "1"]
+
+
+def test_push_widens_bf16_masters_exactly(served: Serve, tmp_path: Path) -> None:
+    masters = {k: v.to(torch.bfloat16) for k, v in make_masters(seed=31).items()}
+    ckpt = tmp_path / "bf16.safetensors"
+    save_file(masters, str(ckpt))
+    assert cli("push", str(ckpt), "--model", "bf16", "--step", "1", "--target", served.target).returncode == 0
+    assert cli("pull", "--model", "bf16", "-o", str(tmp_path / "out.safetensors"), "--url", served.url).returncode == 0
+    served_copy = load_file(str(tmp_path / "out.safetensors"))
+    for name, m in masters.items():
+        assert torch.equal(served_copy[name], m), name  # bf16 masters are already on the served grid
 
 
 def test_errors_are_one_line_and_nonzero(
@@ -292,9 +332,23 @@ def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
 HEAVY = {"torch", "numba"}
 
 
-def test_commands_that_build_no_tensors_start_without_torch_or_numba(tmp_path: Path) -> None:
+def test_commands_that_build_no_tensors_start_without_torch_or_numba(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    path, _ = checkpoint
+    bf16 = str(tmp_path / "bf16.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in checkpoint[1].items()}, bf16)
     profile = {"PYTHONPROFILEIMPORTTIME": "1"}
+    out, t = str(tmp_path / "pulled.safetensors"), served.target
     runs = {
+        "push": cli("push", str(path), "--model", "light", "--step", "1", "--target", t, env=profile),
+        "push of bf16": cli("push", bf16, "--model", "light", "--step", "2", "--target", t, env=profile),
+        "pull": cli("pull", "--model", "light", "--version", "1", "-o", out, "--target", t, env=profile),
+        "pull --base": cli("pull", "--model", "light", "--base", "1", "-o", out, "--target", t, env=profile),
+        "pull over HTTP": cli("pull", "--model", "light", "-o", out, "--url", served.url, env=profile),
+        "status": cli("status", "--target", t, env=profile),
+        "status --json": cli("status", "--target", served.url, "--json", env=profile),
+        "status of nothing": cli("status", "--target", "127.0.0.1:1", env=profile),
         "serve --help": cli("serve", "--help", env=profile),
         "a bad flag value": cli("serve", "--rounding", "nearest", env=profile),
         "an unknown option": cli("push", str(tmp_path / "m.safetensors"), "--stepp", "1", env=profile),
@@ -305,8 +359,12 @@ def test_commands_that_build_no_tensors_start_without_torch_or_numba(tmp_path: P
         modules = imported(result)
         assert "typer" in modules, (what, result.stderr[-2000:])  # the profile was read
         assert not modules & HEAVY, f"{what} imported {sorted(modules & HEAVY)}"
+    for what in ("push", "push of bf16", "pull", "pull --base", "pull over HTTP", "status", "status --json"):
+        assert runs[what].returncode == 0, (what, runs[what].stderr[-2000:])
+    assert "version 2" in runs["pull over HTTP"].stdout
     assert runs["serve --help"].returncode == 0 and "--max-rss-bytes" in runs["serve --help"].stdout
-    for what in ("a bad flag value", "an unknown option", "a missing option", "an unknown command"):
-        assert runs[what].returncode == 2, what
+    usage_errors = ("a bad flag value", "an unknown option", "a missing option", "an unknown command")
+    for what in (*usage_errors, "status of nothing"):
+        assert runs[what].returncode == (2 if what in usage_errors else 1), what
         errors = [line for line in runs[what].stderr.splitlines() if not line.startswith("import time:")]
         assert len(errors) == 1 and errors[0].startswith("error: "), (what, errors)

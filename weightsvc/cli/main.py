@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from rich.console import Console
 from typer.core import TyperGroup
 
 from weightsvc.errors import DeadlineExceeded, WeightsvcError
@@ -55,21 +54,36 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole table cells
-err = Console(stderr=True)
+
+
+def say(message: str) -> None:
+    """A line on stdout (plain text: rich is loaded only by the commands that draw tables or bars)."""
+    print(message, flush=True)
+
+
+def note(message: str) -> None:
+    """A line on stderr: progress of long commands."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def fail(message: str) -> NoReturn:
-    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+    note(f"error: {message}")
     raise typer.Exit(1)
+
+
+def print_table(table: Any) -> None:
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 200).print(table)  # pipes and files get whole cells
 
 
 @contextmanager
 def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
     """A rich transfer bar on stderr; yields the callback that advances it by a byte count."""
-    if not enabled or not err.is_terminal:
+    if not enabled or not sys.stderr.isatty():
         yield lambda _n: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     with Progress(
@@ -77,7 +91,7 @@ def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        console=err,
+        console=Console(stderr=True),
         transient=True,
     ) as bar:
         task = bar.add_task(description, total=total)
@@ -194,6 +208,28 @@ def check_base_file(path: Path, model: str, base: int) -> None:
 # ---- push, pull, export ----------------------------------------------------------------------
 
 
+def load_masters(path: Path, data_start: int, header: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a safetensors file as numpy arrays (no torch). numpy has no bfloat16: a bf16
+    tensor is widened to fp32 from its bits, which is exact."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    entries = {name: e for name, e in header.items() if name != "__metadata__"}
+    if all(e.get("dtype") != "BF16" for e in entries.values()):
+        return load_file(path)
+    masters: dict[str, Any] = {}
+    with safe_open(path, framework="numpy") as f:
+        for name, e in entries.items():
+            if e["dtype"] != "BF16":
+                masters[name] = f.get_tensor(name)
+                continue
+            start, end = e["data_offsets"]
+            bits = np.fromfile(path, dtype="<u2", count=(end - start) // 2, offset=data_start + start)
+            masters[name] = (bits.astype("<u4") << 16).view("<f4").reshape(e["shape"])
+    return masters
+
+
 @app.command()
 def push(
     file: Annotated[Path, typer.Argument(help="fp32 (or exactly widenable bf16/fp16) safetensors file.")],
@@ -205,17 +241,16 @@ def push(
     ca_cert: CaCert = None,
 ) -> None:
     """Push fp32 master weights; prints the committed version."""
-    read_safetensors_header(file)  # a clear error before anything heavy loads
+    data_start, header = read_safetensors_header(file)  # a clear error before anything heavy loads
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     from weightsvc.client import LearnerClient
 
     try:
-        state = load_file(str(file))
-    except (OSError, SafetensorError) as e:
+        state = load_masters(file, data_start, header)
+    except (OSError, SafetensorError, ValueError, KeyError) as e:
         fail(f"cannot read {file}: {e}")
-    total = sum(t.numel() * 4 for t in state.values())
+    total = sum(a.size * 4 for a in state.values())
     try:
         with (
             LearnerClient(target, token=token, ca_cert=ca_cert) as client,
@@ -225,10 +260,9 @@ def push(
     except (WeightsvcError, TypeError) as e:
         fail(str(e))
     verb = "committed" if info.created else "already committed (identical content)"
-    out.print(
+    say(
         f"{verb}: model {info.model} version {info.version} ({info.tensor_count} tensors, "
-        f"{info.data_bytes} served bytes, {info.format}/{info.rounding})",
-        highlight=False,
+        f"{info.data_bytes} served bytes, {info.format}/{info.rounding})"
     )
 
 
@@ -264,10 +298,9 @@ def pull(
         fail(str(e))
     except OSError as e:
         fail(f"cannot read or write {output}: {e}")
-    out.print(
+    say(
         f"pulled model {manifest.model} version {manifest.version} -> {output} "
-        f"({len(manifest.tensors)} tensors, checksums verified)",
-        highlight=False,
+        f"({len(manifest.tensors)} tensors, checksums verified)"
     )
 
 
@@ -314,9 +347,7 @@ def export(
     save_file(served, str(output), metadata=meta)
     if state is not None and residual is not None:
         state.save(residual)
-    out.print(
-        f"exported {len(masters)} tensors at step {step} ({spec.format}/{spec.rounding}) -> {output}", highlight=False
-    )
+    say(f"exported {len(masters)} tensors at step {step} ({spec.format}/{spec.rounding}) -> {output}")
 
 
 # ---- status ----------------------------------------------------------------------------------
@@ -325,8 +356,9 @@ def export(
 def status_report(
     target: str, model: str | None, token: str | None, ca_cert: Path | None, timeout: float
 ) -> list[dict[str, Any]]:
-    """Each model with its retained versions, as `status --json` prints them. Fields that are the
-    same on every version of a listing (its model, `created`, `served`) are left out."""
+    """Each model with its retained versions and its inference clients, as `status --json` prints
+    them. Fields that are the same on every version of a listing (its model, `created`, `served`)
+    are left out."""
     from weightsvc.client import InferenceClient
 
     with InferenceClient(target, token=token, ca_cert=ca_cert, timeout=timeout) as client:
@@ -339,7 +371,10 @@ def status_report(
                 {k: v for k, v in dataclasses.asdict(info).items() if k not in ("model", "created", "served")}
                 for info in client.versions(m["model"])
             ]
-            report.append({"model": m["model"], "latest_version": m["latest_version"], "versions": versions})
+            clients = [dataclasses.asdict(c) for c in client.clients(m["model"])]
+            report.append(
+                {"model": m["model"], "latest_version": m["latest_version"], "versions": versions, "clients": clients}
+            )
     return report
 
 
@@ -369,12 +404,12 @@ def status(
         print(json.dumps({"models": report}, indent=2))
         return
     if not report:
-        out.print("no models committed yet")
+        say("no models committed yet")
         return
     from rich.table import Table
 
     versions = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed (UTC)",
-                     "lag (steps)", "visibility", "churn", "rel. error")  # fmt: skip
+                     "lag (steps)", "visibility", "churn", "rel. error", title="versions")  # fmt: skip
     for m in report:
         for i, v in enumerate(m["versions"]):
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
@@ -387,7 +422,19 @@ def status(
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
                 end_section=i == len(m["versions"]) - 1,
             )  # fmt: skip
-    out.print(versions)
+    print_table(versions)
+    if not any(m["clients"] for m in report):
+        say("no inference client has acked a version yet")
+        return
+    clients = Table("model", "client", "version", "behind (versions)", "last ack (UTC)", "connected", title="clients")
+    for m in report:
+        for i, c in enumerate(m["clients"]):
+            clients.add_row(
+                m["model"] if i == 0 else "", c["client_id"], str(c["version"]), str(c["lag_versions"]),
+                _when(c["last_seen_unix"]), "yes" if c["connected"] else "no",
+                end_section=i == len(m["clients"]) - 1,
+            )  # fmt: skip
+    print_table(clients)
 
 
 # ---- demo, bench -----------------------------------------------------------------------------
@@ -405,7 +452,7 @@ def demo(
     from weightsvc.cli.demo import as_rows, run_demo
 
     configure_logging("warning")
-    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else err.print)
+    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else note)
     if json_out:
         print(json.dumps(results, indent=2))
         return
@@ -415,7 +462,7 @@ def demo(
                   "final reward")  # fmt: skip
     for row in as_rows(results):
         table.add_row(*row)
-    out.print(table)
+    print_table(table)
 
 
 @app.command()
@@ -435,12 +482,12 @@ def bench(
 
     configure_logging("warning")
     if soak is not None:
-        result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else err.print)
+        result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else note)
         print(json.dumps(result, indent=2))
         if not result["ok"]:
             raise typer.Exit(1)
         return
-    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else err.print)
+    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else note)
     report = result.pop("report")
     if json_out:
         print(json.dumps(result, indent=2))
@@ -450,7 +497,7 @@ def bench(
     table = Table("id", "figure", "value", "target")
     for key, row in report.items():
         table.add_row(key, row["what"], row["value"], row["target"])
-    out.print(table)
+    print_table(table)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -463,13 +510,13 @@ def main(args: list[str] | None = None) -> None:
     try:
         code = command.main(argv, prog_name="weightsvc", standalone_mode=False)
     except NoArgsIsHelpError as e:
-        err.print(e.format_message(), markup=False, highlight=False)
+        note(e.format_message())
         code = 2
     except ClickException as e:
         ctx = getattr(e, "ctx", None)
         message = e.format_message().rstrip(".")
         hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        err.print(f"error: {message}{hint}", markup=False, highlight=False, soft_wrap=True)
+        note(f"error: {message}{hint}")
         code = e.exit_code
     except (typer.Abort, KeyboardInterrupt):
         code = 130
