@@ -66,7 +66,7 @@ def test_flag_names_users_know_stay() -> None:
 def a_different_value(name: str, field: Any, tmp_path: Path) -> tuple[list[str], Any]:
     """Flags that set the field to a valid value other than its default, and that value."""
     flag = f"--{name.replace('_', '-')}"
-    kind = flags._value_type(field.annotation)
+    kind = flags.value_type(field.annotation)
     extra = field.json_schema_extra or {}
     if "choices" in extra:
         value = next(c for c in extra["choices"] if c != field.default)

@@ -39,7 +39,7 @@ def env_var(field: str) -> str:
     return (Settings.model_config.get("env_prefix", "") + field).upper()
 
 
-def _value_type(annotation: Any) -> Any:
+def value_type(annotation: Any) -> Any:
     """`int` of `int | None`: the type a flag parses."""
     if get_origin(annotation) in (Union, types.UnionType):
         (inner,) = [a for a in get_args(annotation) if a is not type(None)]
@@ -49,7 +49,7 @@ def _value_type(annotation: Any) -> Any:
 
 def env_only(info: FieldInfo) -> bool:
     """Secrets: a command line is visible to every user of the machine (ps, /proc)."""
-    return _value_type(info.annotation) is SecretStr
+    return value_type(info.annotation) is SecretStr
 
 
 def flag_fields() -> dict[str, FieldInfo]:
@@ -63,12 +63,12 @@ def flag_default(info: FieldInfo) -> Any:
 
 
 def _parameter(name: str, info: FieldInfo) -> inspect.Parameter:
-    value_type = _value_type(info.annotation)
+    parsed = value_type(info.annotation)
     extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
     choices = extra.get("choices")
     factory = info.default_factory
     option = typer.Option(
-        f"{flag(name)}/--no-{flag(name)[2:]}" if value_type is bool else flag(name),
+        f"{flag(name)}/--no-{flag(name)[2:]}" if parsed is bool else flag(name),
         envvar=env_var(name),  # shown in --help and type-checked here; Settings reads it
         help=info.description,
         # a computed default is described by its function's docstring
@@ -79,7 +79,7 @@ def _parameter(name: str, info: FieldInfo) -> inspect.Parameter:
     # Only values given on the command line reach Settings (see settings_command): this default
     # is the one shown, never one applied.
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=flag_default(info),
-                             annotation=Annotated[value_type | None, option])  # fmt: skip
+                             annotation=Annotated[parsed | None, option])  # fmt: skip
 
 
 def settings_command(run: Callable[[Settings], None]) -> Callable[..., None]:
