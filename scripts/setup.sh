@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# Create .venv and install weightsvc with its dev extra. Idempotent; safe to re-run.
+# Create .venv and install weightsvc with its dev extra. Installs once, then again only when
+# pyproject.toml changes: the install is editable, so changes to the code need none.
+# A stamp in .venv holds the hash of what was installed; WEIGHTSVC_REINSTALL=1 installs regardless.
 # torch is installed first and pinned, so pip never swaps in a multi-GB build by itself;
 # set WEIGHTSVC_TORCH to another version (or install your CUDA build into .venv first) to change it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+STAMP=.venv/.weightsvc-install
+want=$("$PYTHON" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')
+if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "${WEIGHTSVC_REINSTALL:-0}" != 1 ]; then
+  exit 0
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
 .venv/bin/python -m pip install -q -e '.[dev]'
+echo "$want" >"$STAMP"

@@ -9,4 +9,4 @@ if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && r
 fi
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q -rs "$@"  # -rs: why each skipped test was skipped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -11,16 +12,17 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["InferenceClient", "LearnerClient", "Settings", "VersionInfo", "__version__"]
 
+# Loaded on first use: `import weightsvc` (every command does) stays cheap, and a command that
+# needs neither the clients nor the settings does not pay for grpc or pydantic-settings.
+_LAZY = {
+    "InferenceClient": "weightsvc.client",
+    "LearnerClient": "weightsvc.client",
+    "VersionInfo": "weightsvc.client",
+    "Settings": "weightsvc.settings",
+}
+
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: the settings import the export kernels (numba), which a client does not
-    # need; the clients import grpc, which `weightsvc export` does not.
-    if name == "Settings":
-        from weightsvc.settings import Settings
-
-        return Settings
-    if name in ("InferenceClient", "LearnerClient", "VersionInfo"):
-        from weightsvc import client
-
-        return getattr(client, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'weightsvc' has no attribute {name!r}")

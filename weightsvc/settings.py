@@ -1,16 +1,30 @@
-"""The one settings object. Every field can come from a CLI flag or a `WEIGHTSVC_*` variable."""
+"""The one settings object. Every field can come from a `weightsvc serve` flag or a `WEIGHTSVC_*` variable.
+
+`weightsvc serve` builds its flags from these fields (name, type, default, description), so a field
+added here is a flag there. This module imports neither torch nor numba: the command line reads it
+to print `serve --help` and to reject a bad value before anything heavy loads.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsvc.rounding import DEFAULT_FP8_PATTERN, FORMATS, ROUNDINGS, SCALINGS, ExportSpec, check_choice
-from weightsvc.transport.auth import Auth
+if TYPE_CHECKING:
+    from weightsvc.rounding import ExportSpec
+    from weightsvc.transport.auth import Auth
 
+# The choices a deployment may set. They name what weightsvc.rounding implements (FORMATS,
+# ROUNDINGS, SCALINGS, DEFAULT_FP8_PATTERN; tests/unit/test_settings.py holds them equal); they are
+# spelled out here so that checking a flag does not load the numba kernels.
+FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
+SCALINGS = ("tensor", "channel", "block")
+DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
 # This build exports on the CPU; 'auto' picks it (the GPU kernel comes with the numerics work).
 DEVICES = ("auto", "cpu")
 
@@ -28,62 +42,83 @@ def _physical_memory() -> int:
     return total
 
 
+def _half_memory() -> int:
+    """half the memory this process may use"""  # shown as the default in `serve --help`
+    return _physical_memory() // 2
+
+
+def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
+    return value
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WEIGHTSVC_", extra="ignore")
 
-    host: str = "127.0.0.1"
-    grpc_port: int = Field(50051, ge=0, le=65535)
-    http_port: int = Field(8080, ge=0, le=65535)
-    data_dir: Path | None = None
-    format: str = "bf16"
-    rounding: str = "sr"
-    seed: int = Field(0, ge=0, lt=1 << 64)
-    scaling: str = "block"  # fp8 scales: tensor, channel or block (128x128)
-    fp8_pattern: str = DEFAULT_FP8_PATTERN  # regex of the 2-D tensor names served in fp8
-    device: str = "auto"
-    retain: int = Field(4, ge=1)
-    # gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB accepted,
-    # plus room for the header of a model with tens of thousands of tensors.
-    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20)
-    max_message_bytes: int = Field(8 << 20, ge=64 << 10)
-    allow_nonfinite: bool = False
-    # Size limits: master bytes of one version, and served bytes staged by all pushes in progress.
-    max_version_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
-    max_staged_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)
-    max_tensors: int = Field(1_000_000, ge=1)  # per version
-    max_tensor_bytes: int = Field(default_factory=lambda: _physical_memory() // 2, ge=1)  # master bytes of one
-    # Streams served at once; beyond them a new one gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
-    max_pushes: int = Field(64, ge=1)  # push streams (each rank of a multi-rank push is one)
-    max_pulls: int = Field(1024, ge=1)  # gRPC and HTTP pulls
-    # High-water mark of this process's resident memory: no new push is staged above it (0: 90% of
-    # the memory this process may use).
-    max_rss_bytes: int = Field(0, ge=0)
-    # A push that sends nothing for this long is abandoned and freed.
-    push_idle_timeout_s: float = Field(120.0, gt=0)
-    # A pull whose client reads nothing for this long is dropped, and its version released.
-    pull_stall_timeout_s: float = Field(120.0, gt=0)
-    # A multi-rank push whose ranks have not all sent their headers this long after the first is
-    # abandoned (a rank that crashed or was never started) and nothing of it is visible.
-    push_rank_timeout_s: float = Field(60.0, gt=0)
-    # Bearer tokens per role, comma-separated (see weightsvc/_auth.py); none at all: auth is off.
-    pull_tokens: SecretStr | None = None
-    push_tokens: SecretStr | None = None
-    admin_tokens: SecretStr | None = None
-    auth_file: Path | None = None
-    auth_open_paths: str = "/healthz,/readyz,/metrics"  # HTTP paths that need no token
-    # TLS for gRPC and HTTP (PEM files); both or neither.
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    # Redis URL of the shared registry (redis://host:6379/0); unset: the embedded, in-process one.
-    redis_url: str | None = None
-    redis_prefix: str = "weightsvc"  # key prefix: deployments sharing one Redis keep apart
-    # This replica's stable name (a pod name; default <hostname>-<grpc port>) and the host clients
-    # reach it by (default: --host, or the hostname when bound to all interfaces).
-    replica_id: str = ""
-    advertise_host: str = ""
-    # gRPC HOST:PORT of an upstream weightsvc to mirror (a relay); pushes are then refused here.
-    relay_from: str | None = None
-    log_level: str = "info"
+    # ---- where it listens and keeps its data
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks one).")
+    http_port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 picks one).")
+    data_dir: Path | None = Field(None, description="Persist committed versions and ef residuals here.")
+    # ---- the export
+    format: str = Field("bf16", description="Served format.", json_schema_extra={"choices": list(FORMATS)})
+    rounding: str = Field("sr", description="Rounding of the export.", json_schema_extra={"choices": list(ROUNDINGS)})
+    seed: int = Field(0, ge=0, lt=1 << 64, description="Seed of the rounding RNG.")
+    scaling: str = Field(
+        "block",
+        description="fp8 scales: per tensor, channel (row) or 128x128 block.",
+        json_schema_extra={"choices": list(SCALINGS)},
+    )
+    fp8_pattern: str = Field(DEFAULT_FP8_PATTERN, description="Regex of the 2-D tensor names served in fp8.")
+    device: str = Field("auto", description="Export device.", json_schema_extra={"choices": list(DEVICES)})
+    retain: int = Field(4, ge=1, description="Versions kept per model (besides pinned ones).")
+    allow_nonfinite: bool = Field(False, description="Accept masters with NaN/Inf (rejected by default).")
+    # ---- limits. gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB
+    # accepted, plus room for the header of a model with tens of thousands of tensors.
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Bytes per gRPC chunk the service sends.")
+    max_message_bytes: int = Field(8 << 20, ge=64 << 10, description="Largest gRPC message accepted.")
+    max_version_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one version.")
+    max_staged_bytes: int = Field(
+        default_factory=_half_memory, ge=1, description="Served bytes staged by all pushes in progress."
+    )
+    max_tensors: int = Field(1_000_000, ge=1, description="Tensors of one version.")
+    max_tensor_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one tensor.")
+    # Beyond these a new stream gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
+    max_pushes: int = Field(64, ge=1, description="Push streams at once (each rank of a multi-rank push is one).")
+    max_pulls: int = Field(1024, ge=1, description="Pulls at once, gRPC and HTTP.")
+    max_rss_bytes: int = Field(
+        0, ge=0, description="Resident memory above which no new push is staged (0: 90% of the memory it may use)."
+    )
+    push_idle_timeout_s: float = Field(120.0, gt=0, description="Abandon a push that sends nothing this long.")
+    pull_stall_timeout_s: float = Field(
+        120.0, gt=0, description="Drop a pull whose client reads nothing this long, and release its version."
+    )
+    push_rank_timeout_s: float = Field(
+        60.0, gt=0, description="Abandon a multi-rank push whose ranks have not all joined this long after the first."
+    )
+    # ---- auth and TLS. Tokens per role, comma-separated; none at all: auth is off. They are read
+    # from the environment only, never from flags, which any user of the machine can list.
+    pull_tokens: SecretStr | None = Field(None, description="Bearer tokens of role pull, comma-separated.")
+    push_tokens: SecretStr | None = Field(None, description="Bearer tokens of role push, comma-separated.")
+    admin_tokens: SecretStr | None = Field(None, description="Bearer tokens of role admin, comma-separated.")
+    auth_file: Path | None = Field(None, description='Tokens per role, JSON {"pull": [...], "push": [...]}.')
+    auth_open_paths: str = Field("/healthz,/readyz,/metrics", description="HTTP paths that need no token.")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain (with --tls-key: TLS on both ports).")
+    tls_key: Path | None = Field(None, description="PEM private key.")
+    # ---- scale-out
+    redis_url: str | None = Field(
+        None, description="Redis of the registry shared by replicas (redis://host:6379/0); unset: in-process."
+    )
+    redis_prefix: str = Field("weightsvc", description="Key prefix in Redis (deployments sharing it keep apart).")
+    replica_id: str = Field("", description="This replica's stable name, e.g. a pod name (default HOST-GRPCPORT).")
+    advertise_host: str = Field(
+        "", description="The host clients reach this replica by (default: --host, or the hostname on 0.0.0.0)."
+    )
+    relay_from: str | None = Field(
+        None, description="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay, which refuses pushes."
+    )
+    log_level: str = Field("info", description="debug, info, warning or error.")
 
     @model_validator(mode="after")
     def _tls_pair(self) -> Settings:
@@ -116,9 +151,13 @@ class Settings(BaseSettings):
         return self.max_rss_bytes or int(_physical_memory() * 0.9)
 
     def auth(self) -> Auth | None:
+        from weightsvc.transport.auth import Auth
+
         secrets = {"pull": self.pull_tokens, "push": self.push_tokens, "admin": self.admin_tokens}
         return Auth.load({r: s.get_secret_value() if s else None for r, s in secrets.items()}, self.auth_file)
 
     @property
     def export_spec(self) -> ExportSpec:
+        from weightsvc.rounding import ExportSpec
+
         return ExportSpec(self.format, self.rounding, self.seed, self.scaling, self.fp8_pattern)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +15,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters
+from weightsvc.client import InferenceClient
 from weightsvc.rounding import fair_cast
 
 CMD = WEIGHTSVC_CMD
 Serve = ServeProcess
 
 
-def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
     return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})  # fmt: skip
+                          env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +75,45 @@ def test_push_pull_status(served: Serve, checkpoint: tuple[Path, dict[str, torch
     assert [v["version"] for v in report["cli"]["versions"]] == [3]
     table = cli("status", "--target", served.url, "--model", "cli")
     assert table.returncode == 0 and "cli" in table.stdout and "3 (latest)" in table.stdout
+    assert "no inference client has acked a version yet" in table.stdout
+    # the same for every version of a listing: left out
+    assert not {"model", "created", "served"} & set(report["cli"]["versions"][0])
+
+
+def test_status_shows_the_clients_and_their_lag(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]]
+) -> None:
+    path, _ = checkpoint
+    for step in ("1", "2"):
+        assert cli("push", str(path), "--model", "fleet", "--step", step, "--target", served.target).returncode == 0
+    with InferenceClient(served.target) as worker:
+        worker.ack("fleet", 1, client_id="sampler-behind")
+        worker.ack("fleet", 2, client_id="sampler-current")
+    status = cli("status", "--target", served.target, "--model", "fleet", "--json")
+    assert status.returncode == 0, status.stderr
+    (fleet,) = json.loads(status.stdout)["models"]
+    clients = {c["client_id"]: c for c in fleet["clients"]}
+    assert set(clients) == {"sampler-behind", "sampler-current"}
+    assert (clients["sampler-behind"]["version"], clients["sampler-behind"]["lag_versions"]) == (1, 1)
+    assert (clients["sampler-current"]["version"], clients["sampler-current"]["lag_versions"]) == (2, 0)
+    assert all(c["connected"] for c in clients.values())
+    for target in (served.target, served.url):
+        table = cli("status", "--target", target, "--model", "fleet")
+        assert table.returncode == 0, table.stderr
+        rows = {line.split("│")[2].strip(): line for line in table.stdout.splitlines() if "sampler-" in line}
+        assert set(rows) == {"sampler-behind", "sampler-current"}, table.stdout
+        assert [cell.strip() for cell in rows["sampler-behind"].split("│")[3:5]] == ["1", "1"]
+
+
+def test_push_widens_bf16_masters_exactly(served: Serve, tmp_path: Path) -> None:
+    masters = {k: v.to(torch.bfloat16) for k, v in make_masters(seed=31).items()}
+    ckpt = tmp_path / "bf16.safetensors"
+    save_file(masters, str(ckpt))
+    assert cli("push", str(ckpt), "--model", "bf16", "--step", "1", "--target", served.target).returncode == 0
+    assert cli("pull", "--model", "bf16", "-o", str(tmp_path / "out.safetensors"), "--url", served.url).returncode == 0
+    served_copy = load_file(str(tmp_path / "out.safetensors"))
+    for name, m in masters.items():
+        assert torch.equal(served_copy[name], m), name  # bf16 masters are already on the served grid
 
 
 def test_errors_are_one_line_and_nonzero(
@@ -87,7 +129,7 @@ def test_errors_are_one_line_and_nonzero(
         cli("pull", "--model", "errs", "--version", "9", "-o", str(tmp_path / "x"), "--url", served.url)
     )
     assert "has no version 9" in line and "HTTP 404" in line
-    line = one_error_line(cli("pull", "-o", str(tmp_path / "x")))
+    line = one_error_line(cli("pull", "-o", str(tmp_path / "x"), "--target", served.target, "--url", served.url))
     assert "exactly one of --target" in line
     line = one_error_line(cli("push", str(tmp_path / "missing.safetensors"), "--step", "1", "--target", served.target))
     assert "cannot read" in line
@@ -96,9 +138,24 @@ def test_errors_are_one_line_and_nonzero(
     assert not (tmp_path / "x").exists()
 
 
+def test_status_gives_up_on_a_server_that_does_not_answer() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections, never answers
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        line = one_error_line(cli("status", "--target", target, "--timeout", "0.5"))
+        assert line == f"error: DEADLINE_EXCEEDED: {target} did not answer within 0.5 s"
+        line = one_error_line(cli("status", "--target", f"http://{target}", "--timeout", "0.5"))
+        assert line == f"error: UNAVAILABLE: http://{target}: timed out"
+
+
 def test_serve_rejects_bad_settings() -> None:
     line = one_error_line(cli("serve", "--rounding", "nearest", "--grpc-port", "0", "--http-port", "0"))
-    assert "unknown rounding 'nearest'" in line
+    assert "unknown rounding 'nearest'" in line and "'--rounding'" in line
+    line = one_error_line(cli("serve", "--grpc-port", "0", "--http-port", "0", env={"WEIGHTSVC_RETAIN": "0"}))
+    assert "'--retain' (env var: 'WEIGHTSVC_RETAIN'): Input should be greater than or equal to 1 (got 0)" in line
+    line = one_error_line(cli("serve", "--grpc-port", "0", "--http-port", "0", "--tls-key", "key.pem"))
+    assert "--tls-cert and --tls-key go together" in line
+    line = one_error_line(cli("serve", "--retian", "3"))
+    assert "No such option: --retian" in line and "weightsvc serve --help" in line
 
 
 def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
@@ -182,6 +239,13 @@ def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_demo_writes_a_png_only_when_asked(tmp_path: Path) -> None:
+    result = cli("demo", "--steps", "2", "--json", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(result.stdout)) == {"rtn", "sr", "sr-sticky", "ef"}
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) -> None:
     base, t = make_masters(seed=21), served.target
     for step, masters in ((1, base), (2, {k: v + 3e-6 for k, v in base.items()})):
@@ -227,3 +291,80 @@ def test_bench_soak_holds_memory_flat_and_leaks_nothing() -> None:
     assert soak["ok"] and soak["rss_growth"] <= 0.10 and not soak["failures"]
     assert soak["versions_pushed"] > 4 and soak["pulls"] > soak["pullers"]
     assert (soak["retained_versions"], soak["staged_bytes"], soak["pulls_in_flight"]) == (4, 0, 0)
+
+
+def test_a_file_that_is_not_what_the_command_needs_is_named(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    path, masters = checkpoint
+    t = served.target
+    torch.save(masters, tmp_path / "masters.bin")
+    line = one_error_line(cli("push", str(tmp_path / "masters.bin"), "--step", "1", "--target", t))
+    assert f"{tmp_path / 'masters.bin'} is not a safetensors file: it is a torch.save checkpoint" in line
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes((12).to_bytes(8, "little") + b"not json, no")
+    line = one_error_line(cli("push", str(junk), "--step", "1", "--target", t))
+    assert f"{junk} is not a safetensors file: its header is not a JSON object" in line
+
+    for step in (1, 2):
+        assert cli("push", str(path), "--model", "bases", "--step", str(step), "--target", t).returncode == 0
+    pulled = tmp_path / "pulled.safetensors"
+
+    def delta(base_file: Path) -> str:
+        return one_error_line(cli("pull", "--model", "bases", "--version", "2", "--base", "1", "-o", str(base_file),
+                                  "--target", t))  # fmt: skip
+
+    assert f"--base 1: {pulled} does not exist; pull model 'bases' version 1 into it first" in delta(pulled)
+    plain = path.read_bytes()
+    assert f"--base 1: {path} was not written by `weightsvc pull`" in delta(path)
+    assert f"{tmp_path / 'masters.bin'} is not a safetensors file" in delta(tmp_path / "masters.bin")
+    assert cli("pull", "--model", "bases", "--version", "2", "-o", str(pulled), "--target", t).returncode == 0
+    assert f"--base 1: {pulled} holds model 'bases' version 2, not model 'bases' version 1" in delta(pulled)
+    assert path.read_bytes() == plain  # a refused base is left as it was
+
+
+def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
+    """The top-level packages a command run with PYTHONPROFILEIMPORTTIME imported (from stderr)."""
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}  # fmt: skip
+
+
+HEAVY = {"torch", "numba"}
+
+
+def test_commands_that_build_no_tensors_start_without_torch_or_numba(
+    served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    path, _ = checkpoint
+    bf16 = str(tmp_path / "bf16.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in checkpoint[1].items()}, bf16)
+    profile = {"PYTHONPROFILEIMPORTTIME": "1"}
+    out, t = str(tmp_path / "pulled.safetensors"), served.target
+    runs = {
+        "push": cli("push", str(path), "--model", "light", "--step", "1", "--target", t, env=profile),
+        "push of bf16": cli("push", bf16, "--model", "light", "--step", "2", "--target", t, env=profile),
+        "pull": cli("pull", "--model", "light", "--version", "1", "-o", out, "--target", t, env=profile),
+        "pull --base": cli("pull", "--model", "light", "--base", "1", "-o", out, "--target", t, env=profile),
+        "pull over HTTP": cli("pull", "--model", "light", "-o", out, "--url", served.url, env=profile),
+        "status": cli("status", "--target", t, env=profile),
+        "status --json": cli("status", "--target", served.url, "--json", env=profile),
+        "status of nothing": cli("status", "--target", "127.0.0.1:1", env=profile),
+        "serve --help": cli("serve", "--help", env=profile),
+        "a bad flag value": cli("serve", "--rounding", "nearest", env=profile),
+        "an unknown option": cli("push", str(tmp_path / "m.safetensors"), "--stepp", "1", env=profile),
+        "a missing option": cli("pull", env=profile),
+        "an unknown command": cli("pusj", env=profile),
+    }
+    for what, result in runs.items():
+        modules = imported(result)
+        assert "typer" in modules, (what, result.stderr[-2000:])  # the profile was read
+        assert not modules & HEAVY, f"{what} imported {sorted(modules & HEAVY)}"
+    for what in ("push", "push of bf16", "pull", "pull --base", "pull over HTTP", "status", "status --json"):
+        assert runs[what].returncode == 0, (what, runs[what].stderr[-2000:])
+    assert "version 2" in runs["pull over HTTP"].stdout
+    assert runs["serve --help"].returncode == 0 and "--max-rss-bytes" in runs["serve --help"].stdout
+    usage_errors = ("a bad flag value", "an unknown option", "a missing option", "an unknown command")
+    for what in (*usage_errors, "status of nothing"):
+        assert runs[what].returncode == (2 if what in usage_errors else 1), what
+        errors = [line for line in runs[what].stderr.splitlines() if not line.startswith("import time:")]
+        assert len(errors) == 1 and errors[0].startswith("error: "), (what, errors)

@@ -9,7 +9,7 @@ import torch
 
 from weightsvc import rounding
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torch sees no CUDA device")
 
 CASES = [(fmt, rnd, scaling) for fmt in ("bf16", "fp16") for rnd in rounding.ROUNDINGS for scaling in ("tensor",)] + [
     (fmt, rnd, scaling)

@@ -180,7 +180,7 @@ def test_clients_carry_tokens_and_get_clear_errors(
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+        pytest.skip("needs openssl on PATH: it makes the TLS certificates of these tests")
     d = tmp_path_factory.mktemp("tls")
     cert, key = d / "cert.pem", d / "key.pem"
     subprocess.run(

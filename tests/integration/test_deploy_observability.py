@@ -43,7 +43,7 @@ def test_rules_and_dashboard_use_exported_metrics() -> None:
     assert len(dashboard["panels"]) >= 10
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool on PATH (Debian package prometheus)")
 def test_promtool_accepts_rules_and_metrics(tmp_path: Path) -> None:
     rules = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert rules.returncode == 0, rules.stdout + rules.stderr

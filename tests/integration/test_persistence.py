@@ -62,7 +62,7 @@ def test_damaged_and_partial_files_are_not_restored(data_dir: Path) -> None:
         assert not list(model_dir.glob(".*.tmp"))
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="uses SIGKILL and /proc")
+@pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: kills servers with SIGKILL and reads /proc")
 def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) -> None:
     """A learner process dies (SIGKILL) in the middle of its stream: nothing visible, memory freed."""
     with serving(data_dir=data_dir) as srv:

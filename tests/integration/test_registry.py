@@ -30,7 +30,9 @@ def _redis_up() -> bool:
         return False
 
 
-needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/test.sh starts one)")
+needs_redis = pytest.mark.skipif(
+    not _redis_up(), reason=f"needs Redis: none reachable at {REDIS_URL} (scripts/test.sh starts one)"
+)
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
@@ -174,7 +176,7 @@ class PrivateRedis:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+        pytest.skip("needs redis-server on PATH: the test starts and kills a Redis of its own")
     r = PrivateRedis(tmp_path)
     r.start()
     yield r

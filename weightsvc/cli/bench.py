@@ -1,4 +1,4 @@
-"""`weightsvc bench`: the figures of DESIGN §8 as ratios against a baseline measured in the same run.
+"""`weightsvc bench`: the performance figures as ratios against a baseline measured in the same run.
 
 Transfer part (this module): the service runs as a separate process, as it does in production.
 - T2: push an fp32 model until committed (export included) vs raw TCP loopback on the same bytes.

@@ -1,4 +1,4 @@
-"""`weightsvc demo`: the paper's experiment (DESIGN §7), end to end through a real service.
+"""`weightsvc demo`: the paper's experiment, end to end through a real service.
 
 For each rounding mode, a small policy is fine-tuned with REINFORCE and Adam from a bf16-exact
 start. Every step the learner pushes its fp32 masters, pulls the served copy back, samples its

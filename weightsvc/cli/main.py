@@ -1,57 +1,97 @@
-"""The `weightsvc` command line. Exit code 0 on success; otherwise one line on stderr and 1."""
+"""The `weightsvc` command line. Exit code 0 on success; otherwise one line on stderr and 1 (2: a usage error).
+
+Start-up stays light: torch, numba and the server are imported inside the commands that use them,
+so `status`, `pull`, `push` and every usage error answer at once.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime as dt
 import json
-import logging
 import os
-import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-from rich.table import Table
+from typer.core import TyperGroup
 
-from weightsvc._log import configure_logging
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import DeadlineExceeded, WeightsvcError
+
+if TYPE_CHECKING:
+    from weightsvc.settings import Settings
+
+try:  # typer 0.29 carries its own copy of click; earlier releases use click itself
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError
+except ImportError:
+    from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+class _Commands(TyperGroup):
+    """`serve` takes its flags from `Settings` (pydantic-settings): the command is built only when it
+    is asked for, so the other commands do not import the settings."""
+
+    # The context and command types are click's, of the copy this typer carries (typer.core's).
+    def list_commands(self, ctx: Any) -> list[str]:
+        return ["serve", *(name for name in super().list_commands(ctx) if name != "serve")]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name == "serve" and "serve" not in self.commands:
+            self.add_command(_serve_command(), "serve")
+        return super().get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
     name="weightsvc",
+    cls=_Commands,
     help="Weight broadcast for RL fine-tuning: fp32 masters in, Fair Cast served copies out.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-out = Console(width=None if sys.stdout.isatty() else 200)  # pipes and files get whole table cells
-err = Console(stderr=True)
 
 
-def fail(message: str) -> None:
-    err.print(f"error: {message}", markup=False, highlight=False, soft_wrap=True)
+def say(message: str) -> None:
+    """A line on stdout (plain text: rich is loaded only by the commands that draw tables or bars)."""
+    print(message, flush=True)
+
+
+def note(message: str) -> None:
+    """A line on stderr: progress of long commands."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def fail(message: str) -> NoReturn:
+    note(f"error: {message}")
     raise typer.Exit(1)
+
+
+def print_table(table: Any) -> None:
+    from rich.console import Console
+
+    Console(width=None if sys.stdout.isatty() else 200).print(table)  # pipes and files get whole cells
 
 
 @contextmanager
 def progress_bar(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
     """A rich transfer bar on stderr; yields the callback that advances it by a byte count."""
-    if not enabled or not err.is_terminal:
+    if not enabled or not sys.stderr.isatty():
         yield lambda _n: None
         return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
-        console=err,
+        console=Console(stderr=True),
         transient=True,
     ) as bar:
         task = bar.add_task(description, total=total)
@@ -67,112 +107,18 @@ CaCert = Annotated[
 ]
 
 
-@app.command()
-def serve(
-    host: Annotated[str, typer.Option(envvar="WEIGHTSVC_HOST", help="Address to bind.")] = "127.0.0.1",
-    grpc_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_GRPC_PORT", help="gRPC port (0 picks one).")] = 50051,
-    http_port: Annotated[int, typer.Option(envvar="WEIGHTSVC_HTTP_PORT", help="HTTP port (0 picks one).")] = 8080,
-    data_dir: Annotated[
-        Path | None, typer.Option(envvar="WEIGHTSVC_DATA_DIR", help="Persist committed versions here.")
-    ] = None,
-    format: Annotated[str, typer.Option(envvar="WEIGHTSVC_FORMAT", help="bf16, fp16, fp8_e4m3 or fp8_e5m2.")] = "bf16",
-    rounding: Annotated[str, typer.Option(envvar="WEIGHTSVC_ROUNDING", help="rtn, sr, sr-sticky or ef.")] = "sr",
-    scaling: Annotated[
-        str, typer.Option(envvar="WEIGHTSVC_SCALING", help="fp8 scales: tensor, channel or block.")
-    ] = "block",
-    seed: Annotated[int, typer.Option(envvar="WEIGHTSVC_SEED", help="Seed of the rounding RNG.")] = 0,
-    device: Annotated[str, typer.Option(envvar="WEIGHTSVC_DEVICE", help="Export device.")] = "auto",
-    retain: Annotated[int, typer.Option(envvar="WEIGHTSVC_RETAIN", help="Versions kept per model.")] = 4,
-    allow_nonfinite: Annotated[
-        bool, typer.Option(envvar="WEIGHTSVC_ALLOW_NONFINITE", help="Accept masters with NaN/Inf.")
-    ] = False,
-    push_idle_timeout_s: Annotated[
-        float, typer.Option(envvar="WEIGHTSVC_PUSH_IDLE_TIMEOUT_S", help="Abandon a push silent this long.")
-    ] = 120.0,
-    push_rank_timeout_s: Annotated[
-        float,
-        typer.Option(
-            envvar="WEIGHTSVC_PUSH_RANK_TIMEOUT_S",
-            help="Abandon a multi-rank push whose ranks have not all joined this long after the first.",
-        ),
-    ] = 60.0,
-    auth_file: Annotated[
-        Path | None,
-        typer.Option(envvar="WEIGHTSVC_AUTH_FILE", help='Tokens per role, JSON {"pull": [...], "push": [...]}.'),
-    ] = None,
-    auth_open_paths: Annotated[
-        str, typer.Option(envvar="WEIGHTSVC_AUTH_OPEN_PATHS", help="HTTP paths that need no token.")
-    ] = "/healthz,/readyz,/metrics",
-    tls_cert: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_TLS_CERT", help="PEM certificate chain.")] = None,
-    tls_key: Annotated[Path | None, typer.Option(envvar="WEIGHTSVC_TLS_KEY", help="PEM private key.")] = None,
-    redis_url: Annotated[
-        str | None,
-        typer.Option(envvar="WEIGHTSVC_REDIS_URL", help="Shared registry for replicas (redis://host:6379/0)."),
-    ] = None,
-    relay_from: Annotated[
-        str | None,
-        typer.Option(envvar="WEIGHTSVC_RELAY_FROM", help="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay."),
-    ] = None,
-    redis_prefix: Annotated[str | None, typer.Option(help="Key prefix in Redis (deployments sharing it).")] = None,
-    replica_id: Annotated[str | None, typer.Option(help="This replica's stable name (default HOST-GRPCPORT).")] = None,
-    advertise_host: Annotated[str | None, typer.Option(help="The host clients reach this replica by.")] = None,
-    max_version_bytes: Annotated[int | None, typer.Option(help="Master bytes of one version.")] = None,
-    max_tensor_bytes: Annotated[int | None, typer.Option(help="Master bytes of one tensor.")] = None,
-    max_tensors: Annotated[int | None, typer.Option(help="Tensors of one version.")] = None,
-    max_staged_bytes: Annotated[int | None, typer.Option(help="Served bytes staged by pushes in progress.")] = None,
-    max_pushes: Annotated[int | None, typer.Option(help="Push streams at once.")] = None,
-    max_pulls: Annotated[int | None, typer.Option(help="Pulls at once.")] = None,
-    max_rss_bytes: Annotated[int | None, typer.Option(help="Memory high-water mark for new pushes.")] = None,
-    pull_stall_timeout_s: Annotated[
-        float | None, typer.Option(help="Drop a pull that reads nothing this long.")
-    ] = None,
-    log_level: Annotated[str, typer.Option(envvar="WEIGHTSVC_LOG_LEVEL")] = "info",
-) -> None:
-    """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
-    from weightsvc.server.server import Server
-    from weightsvc.settings import Settings
+# ---- serve -----------------------------------------------------------------------------------
 
-    limits: dict[str, Any] = {
-        "redis_prefix": redis_prefix,
-        "replica_id": replica_id,
-        "advertise_host": advertise_host,
-        "max_version_bytes": max_version_bytes,
-        "max_tensor_bytes": max_tensor_bytes,
-        "max_tensors": max_tensors,
-        "max_staged_bytes": max_staged_bytes,
-        "max_pushes": max_pushes,
-        "max_pulls": max_pulls,
-        "max_rss_bytes": max_rss_bytes,
-        "pull_stall_timeout_s": pull_stall_timeout_s,
-    }
-    try:
-        settings = Settings(
-            host=host,
-            grpc_port=grpc_port,
-            http_port=http_port,
-            data_dir=data_dir,
-            format=format,
-            rounding=rounding,
-            scaling=scaling,
-            seed=seed,
-            device=device,
-            retain=retain,
-            allow_nonfinite=allow_nonfinite,
-            push_idle_timeout_s=push_idle_timeout_s,
-            push_rank_timeout_s=push_rank_timeout_s,
-            auth_file=auth_file,
-            auth_open_paths=auth_open_paths,
-            tls_cert=tls_cert,
-            tls_key=tls_key,
-            redis_url=redis_url,
-            relay_from=relay_from,
-            log_level=log_level,
-            # Limits: given on the command line, else WEIGHTSVC_* or the defaults of Settings.
-            **{k: v for k, v in limits.items() if v is not None},
-        )
-    except ValidationError as e:
-        first = e.errors()[0]
-        fail(f"--{'-'.join(str(p) for p in first['loc']).replace('_', '-')}: {first['msg']}")
+
+def serve(settings: Settings) -> None:
+    """Run the service (gRPC + HTTP) on the embedded default: in-memory registry, CPU export."""
+    import asyncio
+    import logging
+    import signal
+
+    from weightsvc._log import configure_logging
+    from weightsvc.server.server import Server
+
     configure_logging(settings.log_level)
 
     async def run() -> None:
@@ -194,27 +140,117 @@ def serve(
         fail(str(e))
 
 
+def _serve_command() -> Any:
+    from weightsvc.cli.flags import settings_command
+
+    one = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    one.command("serve", epilog=_SERVE_EPILOG)(settings_command(serve))
+    return typer.main.get_command(one)
+
+
+_SERVE_EPILOG = (
+    "Every flag can also be set by its WEIGHTSVC_* variable; a flag wins over its variable. Bearer tokens "
+    "come from WEIGHTSVC_PULL_TOKENS, WEIGHTSVC_PUSH_TOKENS and WEIGHTSVC_ADMIN_TOKENS (comma-separated) "
+    "or --auth-file, never from flags."
+)
+
+
+# ---- files -----------------------------------------------------------------------------------
+
+# The first bytes of the files torch.save writes: a zip archive, or a pickle (protocol 2 to 5).
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+    """Where the data of a safetensors file starts, and its JSON header; or an error naming the file
+    and what it holds instead."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            raw = f.read(length) if 0 < length <= size - 8 else b""
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}")
+    if prefix.startswith(_TORCH_MAGIC):
+        fail(f"{path} is not a safetensors file: it is a torch.save checkpoint; convert it with "
+             f"safetensors.torch.save_file(torch.load(...), 'masters.safetensors')")  # fmt: skip
+    if not raw:
+        fail(f"{path} is not a safetensors file: its first 8 bytes give a header of {length} bytes "
+             f"in a file of {size} bytes")  # fmt: skip
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        header = None
+    if not isinstance(header, dict):
+        fail(f"{path} is not a safetensors file: its header is not a JSON object")
+    return 8 + length, header
+
+
+def check_base_file(path: Path, model: str, base: int) -> None:
+    """`pull --base`: the output file must hold that version of the model, as a previous pull wrote it."""
+    from weightsvc.core.manifest import manifest_from_header
+
+    if not path.exists():
+        fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
+             f"(without --base)")  # fmt: skip
+    _, header = read_safetensors_header(path)
+    try:
+        held = manifest_from_header(header)
+    except WeightsvcError as e:
+        fail(f"--base {base}: {path} was not written by `weightsvc pull` ({e}); pull model {model!r} "
+             f"version {base} into it first (without --base)")  # fmt: skip
+    if (held.model, held.version) != (model, base):
+        fail(f"--base {base}: {path} holds model {held.model!r} version {held.version}, "
+             f"not model {model!r} version {base}")  # fmt: skip
+
+
+# ---- push, pull, export ----------------------------------------------------------------------
+
+
+def load_masters(path: Path, data_start: int, header: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a safetensors file as numpy arrays (no torch). numpy has no bfloat16: a bf16
+    tensor is widened to fp32 from its bits, which is exact."""
+    import numpy as np
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    entries = {name: e for name, e in header.items() if name != "__metadata__"}
+    if all(e.get("dtype") != "BF16" for e in entries.values()):
+        return load_file(path)
+    masters: dict[str, Any] = {}
+    with safe_open(path, framework="numpy") as f:
+        for name, e in entries.items():
+            if e["dtype"] != "BF16":
+                masters[name] = f.get_tensor(name)
+                continue
+            start, end = e["data_offsets"]
+            bits = np.fromfile(path, dtype="<u2", count=(end - start) // 2, offset=data_start + start)
+            masters[name] = (bits.astype("<u4") << 16).view("<f4").reshape(e["shape"])
+    return masters
+
+
 @app.command()
 def push(
     file: Annotated[Path, typer.Argument(help="fp32 (or exactly widenable bf16/fp16) safetensors file.")],
     step: Annotated[int, typer.Option(help="The learner's step: the version number.")],
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
-    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = "127.0.0.1:50051",
+    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
     """Push fp32 master weights; prints the committed version."""
+    data_start, header = read_safetensors_header(file)  # a clear error before anything heavy loads
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     from weightsvc.client import LearnerClient
 
     try:
-        state = load_file(str(file))
-    except (OSError, SafetensorError) as e:
+        state = load_masters(file, data_start, header)
+    except (OSError, SafetensorError, ValueError, KeyError) as e:
         fail(f"cannot read {file}: {e}")
-    total = sum(t.numel() * 4 for t in state.values())
+    total = sum(a.size * 4 for a in state.values())
     try:
         with (
             LearnerClient(target, token=token, ca_cert=ca_cert) as client,
@@ -224,34 +260,37 @@ def push(
     except (WeightsvcError, TypeError) as e:
         fail(str(e))
     verb = "committed" if info.created else "already committed (identical content)"
-    out.print(
+    say(
         f"{verb}: model {info.model} version {info.version} ({info.tensor_count} tensors, "
-        f"{info.data_bytes} served bytes, {info.format}/{info.rounding})",
-        highlight=False,
+        f"{info.data_bytes} served bytes, {info.format}/{info.rounding})"
     )
 
 
 @app.command()
 def pull(
+    ctx: typer.Context,
     output: Annotated[Path, typer.Option("-o", "--output", help="Output safetensors file.")],
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
     version: Annotated[str, typer.Option(help="Version number or 'latest'.")] = "latest",
     base: Annotated[
         int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed (gRPC).")
     ] = None,
-    target: Annotated[str | None, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = None,
-    url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080.")] = None,
+    target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
+    url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080 (instead of --target).")] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
     """Pull a served version into a safetensors file (checksums verified)."""
+    source = ctx.get_parameter_source("target")
+    if url is not None and source is not None and source.name == "COMMANDLINE":
+        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
+    if base is not None:
+        check_base_file(output, model, base)
     from weightsvc.client import InferenceClient
 
-    if (target is None) == (url is None):
-        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
     try:
-        with InferenceClient(url or target or "", token=token, ca_cert=ca_cert) as client:
+        with InferenceClient(url or target, token=token, ca_cert=ca_cert) as client:
             size = client.manifest(model, version).data_bytes
             with progress_bar(f"pull {model}@{version}", size, progress) as bar:
                 manifest = client.pull_file(output, model, version, base=base, progress=bar)
@@ -259,10 +298,9 @@ def pull(
         fail(str(e))
     except OSError as e:
         fail(f"cannot read or write {output}: {e}")
-    out.print(
+    say(
         f"pulled model {manifest.model} version {manifest.version} -> {output} "
-        f"({len(manifest.tensors)} tensors, checksums verified)",
-        highlight=False,
+        f"({len(manifest.tensors)} tensors, checksums verified)"
     )
 
 
@@ -280,6 +318,7 @@ def export(
     ] = None,
 ) -> None:
     """Fair Cast a checkpoint offline: the same bits the service serves for the same keys."""
+    read_safetensors_header(input)
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
@@ -308,77 +347,122 @@ def export(
     save_file(served, str(output), metadata=meta)
     if state is not None and residual is not None:
         state.save(residual)
-    out.print(
-        f"exported {len(masters)} tensors at step {step} ({spec.format}/{spec.rounding}) -> {output}", highlight=False
-    )
+    say(f"exported {len(masters)} tensors at step {step} ({spec.format}/{spec.rounding}) -> {output}")
+
+
+# ---- status ----------------------------------------------------------------------------------
+
+
+def status_report(
+    target: str, model: str | None, token: str | None, ca_cert: Path | None, timeout: float
+) -> list[dict[str, Any]]:
+    """Each model with its retained versions and its inference clients, as `status --json` prints
+    them. Fields that are the same on every version of a listing (its model, `created`, `served`)
+    are left out."""
+    from weightsvc.client import InferenceClient
+
+    with InferenceClient(target, token=token, ca_cert=ca_cert, timeout=timeout) as client:
+        models = [m for m in client.models() if model is None or m["model"] == model]
+        if model is not None and not models:
+            fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
+        report = []
+        for m in models:
+            versions = [
+                {k: v for k, v in dataclasses.asdict(info).items() if k not in ("model", "created", "served")}
+                for info in client.versions(m["model"])
+            ]
+            clients = [dataclasses.asdict(c) for c in client.clients(m["model"])]
+            report.append(
+                {"model": m["model"], "latest_version": m["latest_version"], "versions": versions, "clients": clients}
+            )
+    return report
+
+
+def _when(unix: float) -> str:
+    return dt.datetime.fromtimestamp(unix, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
 @app.command()
 def status(
     target: Annotated[
         str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT or http://HOST:PORT.")
-    ] = "127.0.0.1:50051",
+    ] = DEFAULT_TARGET,
     model: Annotated[str | None, typer.Option(help="Only this model.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the server's answer.")] = 5.0,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
-    """Models and their retained versions."""
-    from weightsvc.client import InferenceClient
-
+    """Models, their retained versions with lag metrics, and the inference clients with their lag."""
     try:
-        with InferenceClient(target, token=token, ca_cert=ca_cert) as client:
-            models = [m for m in client.models() if model is None or m["model"] == model]
-            if model is not None and not models:
-                fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
-            report: list[dict[str, Any]] = [
-                {**m, "versions": [dataclasses.asdict(v) for v in client.versions(m["model"])]} for m in models
-            ]
+        report = status_report(target, model, token, ca_cert, timeout)
+    except DeadlineExceeded:  # a server that is up but stuck, or an address that drops packets
+        fail(f"DEADLINE_EXCEEDED: {target} did not answer within {timeout:g} s")
     except WeightsvcError as e:
         fail(str(e))
     if json_out:
         print(json.dumps({"models": report}, indent=2))
         return
     if not report:
-        out.print("no models committed yet")
+        say("no models committed yet")
         return
-    table = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed",
-                  "lag (steps)", "visibility", "churn", "rel. error")  # fmt: skip
+    from rich.table import Table
+
+    versions = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed (UTC)",
+                     "lag (steps)", "visibility", "churn", "rel. error", title="versions")  # fmt: skip
     for m in report:
-        for v in m["versions"]:
-            when = dt.datetime.fromtimestamp(v["committed_unix"], dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        for i, v in enumerate(m["versions"]):
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
             lag = v["lag"] or {}
             visibility = lag.get("update_visibility")
-            table.add_row(
-                m["model"], f"{v['version']}{latest}", v["format"], v["rounding"], str(v["tensor_count"]),
-                f"{v['data_bytes']:,}", when, str(lag.get("lag_steps", "-")),
-                "-" if visibility is None else f"{visibility:.2f}",
+            versions.add_row(
+                m["model"] if i == 0 else "", f"{v['version']}{latest}", v["format"], v["rounding"],
+                str(v["tensor_count"]), f"{v['data_bytes']:,}", _when(v["committed_unix"]),
+                str(lag.get("lag_steps", "-")), "-" if visibility is None else f"{visibility:.2f}",
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
+                end_section=i == len(m["versions"]) - 1,
             )  # fmt: skip
-    out.print(table)
+    print_table(versions)
+    if not any(m["clients"] for m in report):
+        say("no inference client has acked a version yet")
+        return
+    clients = Table("model", "client", "version", "behind (versions)", "last ack (UTC)", "connected", title="clients")
+    for m in report:
+        for i, c in enumerate(m["clients"]):
+            clients.add_row(
+                m["model"] if i == 0 else "", c["client_id"], str(c["version"]), str(c["lag_versions"]),
+                _when(c["last_seen_unix"]), "yes" if c["connected"] else "no",
+                end_section=i == len(m["clients"]) - 1,
+            )  # fmt: skip
+    print_table(clients)
+
+
+# ---- demo, bench -----------------------------------------------------------------------------
 
 
 @app.command()
 def demo(
     steps: Annotated[int, typer.Option(help="RL steps per rounding mode.")] = 300,
     lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 3e-6,
-    png: Annotated[Path, typer.Option(help="Where to write the plot of lag and reward.")] = Path("demo.png"),
+    png: Annotated[Path | None, typer.Option(help="Also plot lag and reward per step into this PNG.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the table as JSON keyed by mode.")] = False,
 ) -> None:
     """The paper's experiment: RL fine-tuning per rounding mode through the service; lag and reward."""
+    from weightsvc._log import configure_logging
     from weightsvc.cli.demo import as_rows, run_demo
 
     configure_logging("warning")
-    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else err.print)
+    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else note)
     if json_out:
         print(json.dumps(results, indent=2))
         return
+    from rich.table import Table
+
     table = Table("mode", "first change (step)", "lag max", "lag mean", "visibility mean", "churn mean",
                   "final reward")  # fmt: skip
     for row in as_rows(results):
         table.add_row(*row)
-    out.print(table)
+    print_table(table)
 
 
 @app.command()
@@ -391,33 +475,49 @@ def bench(
         typer.Option(help="Instead: SECONDS of one learner pushing and 8 pullers; RSS must stay within 10%."),
     ] = None,
 ) -> None:
-    """Transfer benchmarks (DESIGN §8): T1 pull and T2 push vs raw TCP loopback, M1 server RSS."""
+    """Transfer and export benchmarks: pull, push and fan-out vs raw TCP loopback, server RSS, kernels."""
+    from weightsvc._log import configure_logging
     from weightsvc.cli.bench import run_bench
     from weightsvc.cli.bench import soak as run_soak
 
     configure_logging("warning")
     if soak is not None:
-        result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else err.print)
+        result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else note)
         print(json.dumps(result, indent=2))
         if not result["ok"]:
             raise typer.Exit(1)
         return
-    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else err.print)
+    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else note)
     report = result.pop("report")
     if json_out:
         print(json.dumps(result, indent=2))
         return
+    from rich.table import Table
+
     table = Table("id", "figure", "value", "target")
     for key, row in report.items():
         table.add_row(key, row["what"], row["value"], row["target"])
-    out.print(table)
+    print_table(table)
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
+    """The `weightsvc` entry point: usage errors, like every other error, are one line on stderr."""
+    argv = sys.argv[1:] if args is None else args
     # gRPC's C core may print its own log lines (a refused connection, say) on stderr; a client
     # command reports errors itself, in one line. The server keeps gRPC's errors.
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if sys.argv[1:2] == ["serve"] else "NONE")
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR" if argv[:1] == ["serve"] else "NONE")
+    command = typer.main.get_command(app)
     try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
+        code = command.main(argv, prog_name="weightsvc", standalone_mode=False)
+    except NoArgsIsHelpError as e:
+        note(e.format_message())
+        code = 2
+    except ClickException as e:
+        ctx = getattr(e, "ctx", None)
+        message = e.format_message().rstrip(".")
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        note(f"error: {message}{hint}")
+        code = e.exit_code
+    except (typer.Abort, KeyboardInterrupt):
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
