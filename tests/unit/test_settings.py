@@ -110,6 +110,8 @@ def test_flags_win_over_variables_and_variables_over_defaults(monkeypatch: pytes
         (["--retain", "0"], {}, "Invalid value for '--retain': Input should be greater than or equal to 1 (got 0)"),
         ([], {"WEIGHTSVC_HTTP_PORT": "70000"}, "Invalid value for '--http-port' (env var: 'WEIGHTSVC_HTTP_PORT')"),
         (["--tls-cert", "cert.pem"], {}, "--tls-cert and --tls-key go together"),
+        (["--device", "cuda"], {}, "Invalid value for '--device': cuda: this server exports on the CPU only"),
+        ([], {"WEIGHTSVC_DEVICE": "cuda"}, "cuda: this server exports on the CPU only"),
     ],
 )
 def test_a_bad_value_names_its_flag(args: list[str], env: dict[str, str], expected: str) -> None:
