@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from weightsvc.core.lag import LagMetrics
+from weightsvc.core.manifest import LagMetrics
 
 # Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
 REJECT_REASONS = (

@@ -15,6 +15,7 @@ that builds torch tensors, and `LearnerClient.push` takes numpy arrays as well.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from weightsvc.client._common import (
@@ -26,11 +27,11 @@ from weightsvc.client._common import (
     read_version_file,
     verify_data,
 )
-from weightsvc.client._grpc import GrpcInferenceClient
-from weightsvc.client._http import HttpInferenceClient
-from weightsvc.client._learner import LearnerClient, Shard
 
 if TYPE_CHECKING:
+    from weightsvc.client._grpc import GrpcInferenceClient
+    from weightsvc.client._http import HttpInferenceClient
+    from weightsvc.client._learner import LearnerClient, Shard
     from weightsvc.client._tensors import dequantized, served_weights, tensors_from_data
 
 __all__ = [
@@ -50,13 +51,20 @@ __all__ = [
     "verify_data",
 ]
 
-_TORCH = ("dequantized", "served_weights", "tensors_from_data")
+# Loaded on first use: the tensor functions import torch, the learner numpy, and a command that only
+# asks a server for its status (`weightsvc status`) needs none of them.
+_LAZY = {
+    "GrpcInferenceClient": "_grpc",
+    "HttpInferenceClient": "_http",
+    "LearnerClient": "_learner",
+    "Shard": "_learner",
+    "dequantized": "_tensors",
+    "served_weights": "_tensors",
+    "tensors_from_data": "_tensors",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The functions that build torch tensors import torch: load them on first use.
-    if name in _TORCH:
-        from weightsvc.client import _tensors
-
-        return getattr(_tensors, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"weightsvc.client.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'weightsvc.client' has no attribute {name!r}")

@@ -21,9 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.core.delta import apply as delta_apply
-from weightsvc.core.lag import LagMetrics
-from weightsvc.core.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header, read_safetensors_header, verify
+from weightsvc.core.manifest import (
+    DTYPE_SIZES,
+    LagMetrics,
+    Manifest,
+    Part,
+    manifest_from_header,
+    read_safetensors_header,
+    verify,
+)
 from weightsvc.core.memory import alloc
 from weightsvc.core.topology import Replica
 from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
@@ -409,6 +415,8 @@ class InferenceClient:
         full = alloc(manifest.data_bytes)
         full[:] = held[1]
         try:
+            from weightsvc.core.delta import apply as delta_apply  # numpy: loaded by delta pulls only
+
             delta_apply(manifest, delta, full)
         except (ValueError, struct.error) as e:
             raise DataLoss(

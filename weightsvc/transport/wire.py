@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from weightsvc.core.lag import LagMetrics
-from weightsvc.core.manifest import Manifest, Part, ServedTensor
+from weightsvc.core.manifest import LagMetrics, Manifest, Part, ServedTensor
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2
