@@ -273,7 +273,7 @@ def pull(
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
     version: Annotated[str, typer.Option(help="Version number or 'latest'.")] = "latest",
     base: Annotated[
-        int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed (gRPC).")
+        int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed.")
     ] = None,
     target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
     url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080 (instead of --target).")] = None,
