@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
@@ -126,28 +126,17 @@ class Settings(BaseSettings):
             raise ValueError("--tls-cert and --tls-key go together")
         return self
 
-    @field_validator("format")
+    @field_validator("format", "rounding", "scaling", "device")
     @classmethod
-    def _format(cls, v: str) -> str:
-        return check_choice("format", v, FORMATS)
-
-    @field_validator("rounding")
-    @classmethod
-    def _rounding(cls, v: str) -> str:
-        return check_choice("rounding", v, ROUNDINGS)
-
-    @field_validator("scaling")
-    @classmethod
-    def _scaling(cls, v: str) -> str:
-        return check_choice("scaling", v, SCALINGS)
-
-    @field_validator("device")
-    @classmethod
-    def _device(cls, v: str) -> str:
-        if v == "cuda":
+    def _choice(cls, v: str, info: ValidationInfo) -> str:
+        """One of the field's `choices`."""
+        if info.field_name == "device" and v == "cuda":
             raise ValueError("cuda: this server exports on the CPU only (GPU export in the service is not built "
                              "yet); use --device cpu or auto")  # fmt: skip
-        return check_choice("device", v, DEVICES)
+        assert info.field_name is not None
+        extra = cls.model_fields[info.field_name].json_schema_extra
+        assert isinstance(extra, dict) and isinstance(extra["choices"], list)
+        return check_choice(info.field_name, v, tuple(map(str, extra["choices"])))
 
     @property
     def rss_high_water(self) -> int:

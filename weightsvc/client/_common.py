@@ -266,7 +266,6 @@ class InferenceClient:
         self.timeout = timeout
         self.credentials = Credentials.resolve(token, ca_cert)
         self.retry = retry or RetryPolicy(attempts=resume_attempts)
-        self.resume_attempts = self.retry.attempts
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
         self.last_pull_bytes = 0  # payload bytes the last pull received (a delta is smaller)
         self._count_lock = threading.Lock()

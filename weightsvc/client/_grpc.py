@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -46,6 +47,15 @@ def error(e: grpc.RpcError, target: str) -> WeightsvcError:
         err = BY_GRPC_CODE.get(code, WeightsvcError)(f"{code}: {details}")
     err.grpc_code = code
     return err
+
+
+@contextlib.contextmanager
+def errors_of(target: str) -> Iterator[None]:
+    """Calls made inside raise domain errors, not `grpc.RpcError`."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        raise error(e, target) from None
 
 
 class _CallDetails(
@@ -118,10 +128,8 @@ class Replicas:
         self._lock = threading.Lock()
 
     def topology(self) -> list[Replica]:
-        try:
+        with errors_of(self._target):
             reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise error(e, self._target) from None
         replicas = [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
         with self._lock:
             self._known = {r.id: r for r in replicas}
@@ -170,10 +178,8 @@ class GrpcInferenceClient(InferenceClient):
         self._own(self._replicas.close)
 
     def _call(self, rpc: Callable[..., T], request: object) -> T:
-        try:
+        with errors_of(self.target):
             return rpc(request, timeout=self.timeout)
-        except grpc.RpcError as e:
-            raise error(e, self.target) from None
 
     # ---- pulls ---------------------------------------------------------------------------------
 
@@ -191,7 +197,7 @@ class GrpcInferenceClient(InferenceClient):
             pinned = version if manifest is None else str(manifest.version)
             request = pb.PullRequest(model=model, version=pinned, offset=rx.pos if rx else 0,
                                      base="" if held is None else str(held[0].version))  # fmt: skip
-            try:
+            with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
                 first = _starts_with_manifest(next(stream, None))
                 if first is None:
@@ -213,8 +219,6 @@ class GrpcInferenceClient(InferenceClient):
                     if rx is None:
                         rx = Receiver(alloc(manifest.data_bytes), 0, manifest.data_bytes, moved, where)
                     rx.put(chunk.offset, chunk.data)
-            except grpc.RpcError as e:
-                raise error(e, self.target) from None
 
         self.retry.run(attempt, resumable=lambda: manifest is not None)
         assert manifest is not None
@@ -236,7 +240,7 @@ class GrpcInferenceClient(InferenceClient):
     def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
         pull = _pull_method(self._replicas.channel(part.owner, rx.where))
         request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
-        try:
+        with errors_of(self.target):
             stream = pull(request, timeout=self.timeout)
             first = _starts_with_manifest(next(stream, None))
             if first is None or first.master_digest != manifest.master_digest:
@@ -245,8 +249,6 @@ class GrpcInferenceClient(InferenceClient):
                 if not isinstance(chunk, ChunkView):
                     raise DataLoss(f"{rx.where}: unexpected message in the pull stream")
                 rx.put(chunk.offset, chunk.data)
-        except grpc.RpcError as e:
-            raise error(e, self.target) from None
 
     # ---- metadata ------------------------------------------------------------------------------
 
@@ -277,11 +279,9 @@ class GrpcInferenceClient(InferenceClient):
         request = pb.WatchRequest(model=model)
         if after is not None:
             request.after_version = after
-        try:
+        with errors_of(self.target):
             for event in self._stub.Watch(request):
                 yield VersionInfo.from_proto(event.version)
-        except grpc.RpcError as e:
-            raise error(e, self.target) from None
 
     def _ack(self, model: str, version: int, client_id: str) -> int:
         resp = self._call(self._stub.Ack, pb.AckRequest(model=model, version=version, client_id=client_id))

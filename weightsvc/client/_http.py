@@ -110,6 +110,7 @@ class HttpInferenceClient(InferenceClient):
         self._origin = urllib.parse.urlsplit(target)
         self._connections = _Connections(self.credentials.ca, self.timeout)
         self._owners: dict[str, str] = {}  # replica id -> HTTP URL, for the parts of sharded versions
+        self._file_head: tuple[Manifest, int, str] | None = None  # of the sharded version being gathered
         self._own(self._connections.close)
 
     @contextlib.contextmanager
@@ -231,17 +232,25 @@ class HttpInferenceClient(InferenceClient):
             self._owners = {r.id: r.http for r in self.topology()}
         if part.owner not in self._owners:
             raise Unavailable(f"{rx.where}: the replica is not in the topology (it is down or has left)")
-        header = manifest.safetensors_header()
-        head = len(header)
+        head, etag = self._head_of(manifest)
         with self._open(
             "GET",
             f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/safetensors",
-            headers={"Range": f"bytes={head + rx.pos}-{head + rx.end - 1}", "If-Range": manifest.etag(header)},
+            headers={"Range": f"bytes={head + rx.pos}-{head + rx.end - 1}", "If-Range": etag},
             base=self._owners[part.owner],
         ) as resp:
             if resp.status != 206:
                 raise DataLoss(f"{rx.where}: the replica did not answer with its part")
             rx.read(resp)
+
+    def _head_of(self, manifest: Manifest) -> tuple[int, str]:
+        """The length and ETag of `manifest`'s file header: built once per version (a large model's
+        header runs to megabytes), not once per part and retry."""
+        cached = self._file_head
+        if cached is None or cached[0] is not manifest:
+            header = manifest.safetensors_header()
+            cached = self._file_head = (manifest, len(header), manifest.etag(header))
+        return cached[1], cached[2]
 
     # ---- metadata ------------------------------------------------------------------------------
 

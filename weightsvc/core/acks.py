@@ -32,6 +32,17 @@ class ClientAck:
     acked_unix: float
 
 
+@dataclass(frozen=True)
+class ClientStatus:
+    """An inference client as its acks describe it."""
+
+    client_id: str
+    version: int  # the version it acked last
+    lag_versions: int  # committed versions newer than that one
+    last_seen_unix: float
+    connected: bool  # acked within CLIENT_TIMEOUT_S; older clients count as gone
+
+
 class Acks:
     """The clients' acks per model, against the history of committed versions (which outlives retention)."""
 
@@ -91,13 +102,16 @@ class Acks:
         if not task.cancelled() and task.exception() is not None:
             log.warning("ack not recorded in the registry: %s", task.exception())
 
-    def clients(self, model: str) -> list[ClientAck]:
-        return list(self._clients.get(model, {}).values())
+    def clients(self, model: str) -> list[ClientStatus]:
+        """The clients that acked a version of `model`: what each holds, how far behind, whether it is
+        still around."""
+        horizon = time.time() - CLIENT_TIMEOUT_S
+        return [
+            ClientStatus(a.client_id, a.version, self.versions_behind(model, a.version), a.acked_unix,
+                         a.acked_unix >= horizon)
+            for a in self._clients.get(model, {}).values()
+        ]  # fmt: skip
 
     def client_lags(self) -> dict[str, list[int]]:
         """Versions behind latest of each connected client, per model (read at every scrape)."""
-        horizon = time.time() - CLIENT_TIMEOUT_S
-        return {
-            model: [self.versions_behind(model, c.version) for c in clients.values() if c.acked_unix >= horizon]
-            for model, clients in self._clients.items()
-        }
+        return {model: [c.lag_versions for c in self.clients(model) if c.connected] for model in self._clients}

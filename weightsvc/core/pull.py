@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsvc.core.delta import compatible as delta_compatible
@@ -205,17 +204,6 @@ class Pull:
         if not self.closed:
             self.closed = True
             self.service.pulls.release(self.version, self.transport)
-
-
-@dataclass(frozen=True)
-class ClientStatus:
-    """An inference client as its acks describe it."""
-
-    client_id: str
-    version: int  # the version it acked last
-    lag_versions: int  # committed versions newer than that one
-    last_seen_unix: float
-    connected: bool  # acked within the store's CLIENT_TIMEOUT_S; older clients count as gone
 
 
 async def watching(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,10 +20,10 @@ from weightsvc.core.manifest import (
     Manifest,
     check_model_name,
 )
-from weightsvc.core.pull import ClientStatus, Pull, Pulls, watching
+from weightsvc.core.pull import Pull, Pulls, watching
 from weightsvc.core.push import Pushes, PushMessage
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
-from weightsvc.core.store import CLIENT_TIMEOUT_S, Version, VersionStore
+from weightsvc.core.store import ClientStatus, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
     Unavailable,
@@ -177,9 +176,4 @@ class Service:
         """The clients that acked a version of `model`: what each holds, how far behind, whether it is
         still around (NOT_FOUND for an unknown model, as every model read)."""
         self.latest(model)
-        horizon = time.time() - CLIENT_TIMEOUT_S
-        return [
-            ClientStatus(a.client_id, a.version, self.store.versions_behind(model, a.version), a.acked_unix,
-                         a.acked_unix >= horizon)
-            for a in self.store.clients(model)
-        ]  # fmt: skip
+        return self.store.clients(model)

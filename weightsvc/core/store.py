@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from weightsvc.core.acks import CLIENT_TIMEOUT_S, Acks, ClientAck
+from weightsvc.core.acks import CLIENT_TIMEOUT_S, Acks, ClientAck, ClientStatus
 from weightsvc.core.commit import Committer
 from weightsvc.core.manifest import Manifest
 from weightsvc.core.parts import PartOf, Parts
@@ -25,7 +25,7 @@ from weightsvc.core.registry import MemoryRegistry, Registry
 from weightsvc.core.versions import Version, VersionIndex
 from weightsvc.metrics import Metrics
 
-__all__ = ["CLIENT_TIMEOUT_S", "ClientAck", "PartOf", "Version", "VersionStore"]
+__all__ = ["CLIENT_TIMEOUT_S", "ClientAck", "ClientStatus", "PartOf", "Version", "VersionStore"]
 
 
 class VersionStore:

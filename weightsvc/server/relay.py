@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from weightsvc.client import InferenceClient, VersionInfo, tensors_from_data
+from weightsvc.client import InferenceClient, VersionInfo, verify_data
 from weightsvc.errors import NotFound, WeightsvcError
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class Relay:
         held = client.held(model)
         base = held.version if held is not None else None
         manifest, data = await asyncio.to_thread(client.pull_data, model, version, base=base)
-        await asyncio.to_thread(tensors_from_data, manifest, data)  # every checksum, before anything is served
+        await asyncio.to_thread(verify_data, manifest, data)  # every checksum, before anything is served
         await self.service.mirror(manifest, data)
         log.info("relayed model=%s version=%d bytes=%d pulled=%d", model, version, len(data), client.last_pull_bytes)
 
