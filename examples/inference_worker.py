@@ -7,8 +7,14 @@ thread watches weightsvc; for each new version it pulls only what changed since 
 holds (a delta pull), writes it into the spare copy while the sampler keeps going, swaps the two
 copies between two sampling steps, and acks the version once it has sampled with it, so that the
 service sees the fleet move.
-Each swap prints one JSON line on stdout. A real worker would hold a vLLM or SGLang engine instead
-of `Policy` (see `weightsvc.loaders`); the double buffer and the watch loop stay the same.
+Each swap prints one JSON line on stdout.
+
+With `--vllm CHECKPOINT_DIR` the worker runs a real vLLM engine started from that checkpoint
+instead of the toy policy: sampling and updates take turns (vLLM reloads its weights in place,
+between two generations), and `weightsvc.loaders.update_vllm` pulls, checks, loads and acks each
+version (each tensor-parallel worker pulls only its slice).
+
+    python examples/inference_worker.py --target 127.0.0.1:50051 --model policy --vllm ./my-model
 """
 
 from __future__ import annotations
@@ -151,13 +157,64 @@ def follow(target: str, model: str, until_version: int | None = None, dtype: tor
     emit(event="done", version=version, steps={str(v): n for v, n in sampler.steps.items()}, digest=digest)
 
 
+PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 7], [1, 300, 301, 302, 450, 12, 77]]  # token ids
+
+
+def follow_vllm(target: str, model: str, checkpoint: str, until_version: int | None = None) -> None:
+    from vllm import LLM, SamplingParams
+
+    from weightsvc.loaders import update_vllm
+
+    # Eager mode: no graph capture at start-up (a quicker start for a demo; drop it in production).
+    llm = LLM(model=checkpoint, worker_extension_cls="weightsvc.loaders.VllmWorkerExtension", enforce_eager=True)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    turn = threading.Lock()  # one of sampling or loading at a time
+    state: dict[str, int | None] = {"version": None}
+    steps: Counter[int | None] = Counter()
+    stop = threading.Event()
+
+    def sample() -> None:
+        sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
+        while not stop.is_set():
+            with turn:
+                llm.generate(prompts, sampling, use_tqdm=False)
+                steps[state["version"]] += 1
+
+    sampler = threading.Thread(target=sample, name="sampler", daemon=True)
+    client_id = f"{socket.gethostname()}-vllm"
+    with InferenceClient(target) as client:
+        for info in client.watch(model):
+            if state["version"] is not None and info.version <= state["version"]:
+                continue
+            with turn:
+                update_vllm(llm, target, model, info.version, client_id=client_id)  # acked once loaded
+                state["version"] = info.version
+            if not sampler.is_alive():
+                sampler.start()
+            emit(event="swap", version=info.version)
+            if until_version is not None and info.version >= until_version:
+                break
+    stop.set()
+    if sampler.is_alive():
+        sampler.join()
+    with turn:
+        out = llm.generate(prompts, greedy, use_tqdm=False)
+    emit(event="done", version=state["version"], tokens=sum(steps.values()),
+         generations=[list(o.outputs[0].token_ids) for o in out])  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="127.0.0.1:50051", help="weightsvc gRPC HOST:PORT")
     parser.add_argument("--model", default="default")
     parser.add_argument("--until-version", type=int, help="exit once this version is loaded")
+    parser.add_argument("--vllm", metavar="CHECKPOINT_DIR", help="run a vLLM engine started from this checkpoint")
     args = parser.parse_args()
-    follow(args.target, args.model, args.until_version)
+    if args.vllm:
+        follow_vllm(args.target, args.model, args.vllm, args.until_version)
+    else:
+        follow(args.target, args.model, args.until_version)
 
 
 if __name__ == "__main__":

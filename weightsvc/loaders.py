@@ -1,36 +1,64 @@
 """Load served copies into running inference engines: vLLM, SGLang, and any torch module.
 
 Each `update_*` helper resolves the version once (so that every worker of a tensor-parallel engine
-loads the same one), loads it without restarting the engine, and acks it, so that the service's
-staleness metrics see the fleet move. They take the engine object; weightsvc imports neither vLLM
-nor SGLang.
+loads the same one), checks that it fits the engine before anything is written into it, loads it
+without restarting the engine, and acks it only once the engine runs it, so that the service's
+staleness metrics see the fleet move. A version that does not fit is refused, naming the first
+tensor that does not, and the engine keeps the version it had. weightsvc imports neither vLLM nor
+SGLang.
 
-vLLM (`LLM` or `AsyncLLMEngine`-backed `LLM` with any tensor-parallel size):
+vLLM (`LLM` with any tensor-parallel size; each worker pulls its own slice):
 
     llm = LLM(model=..., worker_extension_cls="weightsvc.loaders.VllmWorkerExtension")
-    update_vllm(llm, "weightsvc:50051", "policy")          # each worker pulls and load_weights()
+    update_vllm(llm, "weightsvc:50051", "policy")
 
 SGLang (`sglang.Engine`):
 
     update_sglang(engine, "weightsvc:50051", "policy")
 
-HF transformers or plain torch (`load_state_dict` semantics, in place, dtype cast per parameter):
+HF transformers or plain torch (in place, each value cast to its parameter's dtype):
 
     update_module(model, "weightsvc:50051", "policy")
+
+Tied weights (an output head tied to the embeddings) are served once under both names; every
+loader fills the names the engine keeps and accepts a version that omits the tied name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+import json
+import struct
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 
-from weightsvc.client import InferenceClient, dequantized
+from weightsvc.client import InferenceClient, Slice, dequantized
+from weightsvc.core.manifest import Manifest
 
-__all__ = ["VllmWorkerExtension", "dequantize", "load_into", "update_module", "update_sglang", "update_vllm"]
+__all__ = [
+    "Mismatch",
+    "VllmWorkerExtension",
+    "dequantize",
+    "load_into",
+    "tp_select",
+    "update_module",
+    "update_sglang",
+    "update_vllm",
+]
 
 SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+
+
+class Mismatch(ValueError):
+    """A version that does not fit the engine it was to be loaded into; nothing was written."""
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -43,23 +71,61 @@ def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
-def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, strict: bool = True) -> Any:
-    """Copy a served copy into `module` in place with `load_state_dict`: each value is cast to its
-    parameter's dtype and device. With `strict`, the names must match the module's state dict
-    exactly; without, the result lists the missing and unexpected keys."""
+def _memory(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+
+
+def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
+    """Copy a served copy into `module` in place; each value is cast to its entry's dtype and device.
+
+    Everything is checked before anything is copied: a shape that differs raises `Mismatch` naming
+    the tensor, and so does, with `strict`, a name the module lacks or a module entry the served
+    copy lacks. Entries the module ties (they share memory, as a head tied to the embeddings does)
+    need only one of their names. Without `strict`, the result lists missing and unexpected names."""
+    values = dequantize(served)
+    state = module.state_dict()  # detached views of the parameters and buffers
+    by_memory: dict[tuple[Any, ...], list[str]] = {}
+    for key, t in state.items():
+        by_memory.setdefault(_memory(t), []).append(key)
+    source: dict[str, str] = {}  # module entry -> served name
+    missing: list[str] = []
+    for key, t in state.items():
+        name = key if key in values else next((k for k in by_memory[_memory(t)] if k in values), None)
+        if name is None:
+            missing.append(key)
+            continue
+        if tuple(values[name].shape) != tuple(t.shape):
+            raise Mismatch(f"tensor {name!r} has shape {list(values[name].shape)}; the module expects "
+                           f"{list(t.shape)} for {key!r}")  # fmt: skip
+        source[key] = name
+    objects = {id(v) for k, v in values.items() if k in state}
+    unexpected = [k for k, v in values.items() if k not in state and id(v) not in objects]  # aliases are not
+    if strict and (missing or unexpected):
+        raise Mismatch(
+            "the served copy does not fit the module: "
+            + "; ".join(
+                [f"missing {k!r} (shape {list(state[k].shape)})" for k in missing[:5]]
+                + [f"unexpected {k!r} (shape {list(values[k].shape)})" for k in unexpected[:5]]
+            )
+        )
+    written: set[tuple[Any, ...]] = set()
     with torch.no_grad():
-        return module.load_state_dict(dequantize(served), strict=strict)
+        for key, name in source.items():
+            where = _memory(state[key])
+            if where not in written:  # tied entries are written once
+                state[key].copy_(values[name])
+                written.add(where)
+    return LoadResult(missing, unexpected)
 
 
-def _update(
-    target: str, model: str, version: int | str, client_id: str | None, load: Callable[[InferenceClient, int], None]
-) -> int:
-    """Resolve `version` once, `load(client, number)` it, ack it; returns the version number."""
+def _update(target: str, model: str, version: int | str, client_id: str | None,
+            load: Callable[[InferenceClient, Manifest], None]) -> int:  # fmt: skip
+    """Resolve `version` once, `load(client, manifest)` it, and ack it once loaded; returns its number."""
     with InferenceClient(target) as client:
-        number = client.manifest(model, version).version
-        load(client, number)
-        client.ack(model, number, client_id)
-    return number
+        manifest = client.manifest(model, version)
+        load(client, manifest)
+        client.ack(model, manifest.version, client_id)
+    return manifest.version
 
 
 def update_module(
@@ -71,9 +137,10 @@ def update_module(
     client_id: str | None = None,
     strict: bool = True,
 ) -> int:
-    """Pull a version into a torch module (an HF transformers model included) and ack it; returns it."""
+    """Pull a version into a torch module (an HF transformers model included) and ack it; returns it.
+    The whole version is pulled and verified before `load_into` writes any of it."""
     return _update(target, model, version, client_id,
-                   lambda client, number: load_into(module, client.pull(model, number), strict=strict))  # fmt: skip
+                   lambda client, m: load_into(module, client.pull(model, m.version), strict=strict))  # fmt: skip
 
 
 def update_sglang(
@@ -88,29 +155,156 @@ def update_sglang(
     """Pull a version into a running `sglang.Engine` with `update_weights_from_tensor` and ack it.
 
     SGLang's model loaders take checkpoint names and shapes, as the learner pushed them, and fp8
-    tensors with their `<name>_scale_inv` scales. The prefix cache is flushed: KV entries computed
-    with the old weights are stale."""
+    tensors with their `<name>_scale_inv` scales; tied aliases come under both names (its models
+    skip the head when the config ties it). The prefix cache is flushed: KV entries computed with
+    the old weights are stale. An update the engine reports as failed raises, and is not acked."""
 
-    def load(client: InferenceClient, number: int) -> None:
-        weights = client.pull(model, number)
-        engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=flush_cache)
+    def load(client: InferenceClient, m: Manifest) -> None:
+        weights = client.pull(model, m.version)
+        result = engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=flush_cache)
+        if isinstance(result, tuple) and result and result[0] is False:
+            raise RuntimeError(f"model {model!r} version {m.version}: SGLang refused the update: {result[1:]}")
 
     return _update(target, model, version, client_id, load)
+
+
+# ---- vLLM ----------------------------------------------------------------------------------------
+
+# Tensor-parallel layout of vLLM's decoder models (Llama, Qwen2, Mistral and their kin): which
+# checkpoint tensors each rank holds rows of (column-parallel, and the vocabulary-parallel
+# embeddings and head) or columns of (row-parallel); every other tensor is whole on every rank.
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+ROW_PARALLEL = ("o_proj", "down_proj")
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
+
+
+def tp_select(manifest: Manifest, rank: int, size: int, *, num_kv_heads: int | None = None,
+              head_dim: int | None = None) -> dict[str, Slice | None]:  # fmt: skip
+    """What tensor-parallel rank `rank` of `size` needs of a version: the rows or columns of each
+    parallel tensor that vLLM's layers keep on that rank, and the other tensors whole.
+
+    k/v projections with fewer KV heads than ranks are replicated, one head per group of ranks
+    (`num_kv_heads` and `head_dim` from the model's config). fp8 scales come whole."""
+    select: dict[str, Slice | None] = {}
+    for t in manifest.tensors:
+        module, _, param = t.name.rpartition(".")
+        layer = module.rpartition(".")[2]
+        select[t.name] = None
+        if size == 1 or param not in ("weight", "bias") or not t.shape:
+            continue
+        if layer in VOCAB_PARALLEL and param == "weight":
+            per_rank = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING // size
+            start, stop = rank * per_rank, min((rank + 1) * per_rank, t.shape[0])
+            if start < stop:
+                select[t.name] = Slice(0, start, stop)
+        elif layer in ("k_proj", "v_proj") and num_kv_heads and head_dim and num_kv_heads < size:
+            head = rank // (size // num_kv_heads)
+            select[t.name] = Slice(0, head * head_dim, (head + 1) * head_dim)
+        elif layer in COLUMN_PARALLEL and t.shape[0] % size == 0:
+            rows = t.shape[0] // size
+            select[t.name] = Slice(0, rank * rows, (rank + 1) * rows)
+        elif layer in ROW_PARALLEL and param == "weight" and len(t.shape) == 2 and t.shape[1] % size == 0:
+            cols = t.shape[1] // size
+            select[t.name] = Slice(1, rank * cols, (rank + 1) * cols)
+    return select
+
+
+def _placed(sliced: torch.Tensor, shape: tuple[int, ...], part: Slice) -> torch.Tensor:
+    """`sliced` at its place in a tensor of the whole `shape`, for a loader that narrows the whole
+    tensor to its rank's part itself. The rest is never read, and never touched: its pages stay
+    unmapped, so the worker holds only its slice."""
+    whole = torch.empty(shape, dtype=sliced.dtype)
+    whole.narrow(part.dim, part.start, part.stop - part.start).copy_(sliced)
+    return whole
+
+
+def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
+    """Name -> (shape, dtype) of the safetensors checkpoint an engine was started from; None when
+    it was not started from a local directory of safetensors files."""
+    files = sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []
+    if not files:
+        return None
+    out = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        out.update({k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"})
+    return out
+
+
+def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]], *, dequantize: bool = False,
+               tied: Iterable[str] = ()) -> None:  # fmt: skip
+    """Raise `Mismatch` unless the version has the names, shapes and kind of dtype (fp8 or not) of
+    the checkpoint the engine runs; names the engine ties (`tied`) may be absent from either."""
+    where = f"model {manifest.model!r} version {manifest.version}"
+    served = {t.name: t for t in manifest.tensors}
+    served_names = set(served) | {a for a, _ in manifest.aliases}
+    for t in manifest.tensors:
+        if dequantize and t.name.endswith(SCALE_SUFFIX) and t.name.removesuffix(SCALE_SUFFIX) in served:
+            continue
+        if t.name not in expected:
+            raise Mismatch(f"{where}: tensor {t.name!r} (shape {list(t.shape)}) is not in the engine's checkpoint")
+        shape, dtype = expected[t.name]
+        if list(t.shape) != list(shape):
+            raise Mismatch(f"{where}: tensor {t.name!r} has shape {list(t.shape)}; the engine expects {shape}")
+        engine_fp8 = dtype in FP8_DTYPES
+        if (t.dtype in FP8_DTYPES and not dequantize) != engine_fp8:
+            hint = "" if engine_fp8 else " (update with dequantize=True to load it as values)"
+            raise Mismatch(f"{where}: tensor {t.name!r} is served as {t.dtype}; the engine runs {dtype}{hint}")
+    absent = [n for n in expected if n not in served_names and n not in tied]
+    if absent:
+        more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
+        raise Mismatch(f"{where}: the version lacks tensor {absent[0]!r} (shape {expected[absent[0]][0]}) of the "
+                       f"engine's checkpoint{more}")  # fmt: skip
 
 
 class VllmWorkerExtension:
     """Mixed into each vLLM worker by `LLM(..., worker_extension_cls="weightsvc.loaders.VllmWorkerExtension")`.
 
-    Every worker (one per GPU) pulls the version itself and hands the checkpoint-named tensors to
-    the model's `load_weights`, which fuses (qkv, gate_up) and slices them for its tensor-parallel
-    rank as it does at start-up. Called through `collective_rpc`; see `update_vllm`."""
+    Each worker checks the version against the checkpoint its engine was started from, pulls what
+    its tensor-parallel rank needs (all of it with TP 1), verifies it, and only then reloads: through
+    the worker's `reload_weights` where vLLM has it (it restores the layers' checkpoint layout,
+    loads, and repacks them for its kernels), else through the model's `load_weights`. Called through
+    `collective_rpc`; see `update_vllm`."""
 
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
-    def weightsvc_load(self, target: str, model: str, version: int) -> int:
+    def weightsvc_load(self, target: str, model: str, version: int, dequantize_fp8: bool = False) -> dict[str, int]:
+        rank, size = self._weightsvc_tp()
+        config = self.model_runner.model_config
+        hf = config.hf_config
         with InferenceClient(target) as client:
-            loaded = self.model_runner.model.load_weights(weights=client.iter_weights(model, version))
-        return len(loaded) if loaded is not None else 0
+            manifest = client.manifest(model, version)
+            expected = _checkpoint(str(config.model))
+            if expected is not None:
+                tied = ("lm_head.weight",) if getattr(hf, "tie_word_embeddings", False) else ()
+                check_fits(manifest, expected, dequantize=dequantize_fp8, tied=tied)
+            heads = getattr(hf, "num_attention_heads", 1) or 1
+            head_dim = getattr(hf, "head_dim", None) or getattr(hf, "hidden_size", 0) // heads
+            select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
+                               head_dim=head_dim)  # fmt: skip
+            sliced = {n: s for n, s in select.items() if s is not None}
+            weights = client.pull(model, version, select=select) if sliced else client.pull(model, version)
+            pulled = client.last_pull_bytes
+        if dequantize_fp8:
+            weights = {n: t.to(config.dtype) for n, t in dequantize(weights).items()}
+        shapes = {t.name: t.shape for t in manifest.tensors}
+        for name, part in sliced.items():
+            weights[name] = _placed(weights[name], shapes[name], part)
+        weights = manifest.with_aliases(weights)
+        reload = getattr(self, "reload_weights", None)
+        if reload is not None:
+            reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
+        else:  # vLLM before in-place reload: its layers still hold the checkpoint layout on GPUs
+            self.model_runner.model.load_weights(weights=iter(weights.items()))
+        return {"rank": rank, "pulled_bytes": pulled}
+
+    def _weightsvc_tp(self) -> tuple[int, int]:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
 def update_vllm(
@@ -120,15 +314,24 @@ def update_vllm(
     version: int | str = "latest",
     *,
     client_id: str | None = None,
+    dequantize: bool = False,
 ) -> int:
     """Load a version into every worker of a vLLM `LLM` and ack it; returns the version.
 
     The version is resolved here, once, so that all tensor-parallel workers load the same one even
-    if a new version commits meanwhile. The prefix cache is reset afterwards (its KV entries were
-    computed with the old weights)."""
+    if a new version commits meanwhile. `dequantize` loads an fp8 version as values into an engine
+    that runs a higher precision. The prefix cache is reset afterwards (its KV entries were computed
+    with the old weights). A version that does not fit raises `Mismatch` before any worker writes
+    a weight; an engine that fails or dies during the update raises, and nothing is acked."""
 
-    def load(_client: InferenceClient, number: int) -> None:
-        llm.collective_rpc("weightsvc_load", args=(target, model, number))  # each worker pulls it
+    def load(_client: InferenceClient, m: Manifest) -> None:
+        try:
+            llm.collective_rpc("weightsvc_load", args=(target, model, m.version, dequantize))
+        except Exception as e:
+            if type(e).__name__ != "EngineDeadError":  # (vLLM's; weightsvc does not import vLLM)
+                raise
+            raise RuntimeError(f"model {model!r} version {m.version}: the vLLM engine died during the update "
+                               f"({e}); it was not acked") from e  # fmt: skip
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
 

@@ -11,20 +11,35 @@ from __future__ import annotations
 import importlib.util
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.loaders import VllmWorkerExtension, dequantize, load_into, update_module, update_sglang, update_vllm
+from weightsvc.loaders import (
+    Mismatch,
+    VllmWorkerExtension,
+    dequantize,
+    load_into,
+    update_module,
+    update_sglang,
+    update_vllm,
+)
 from weightsvc.server.server import BackgroundServer
+from weightsvc.transport.names import PUSH
+from weightsvc.transport.wire import encode_message
+from weightsvc.v1 import weightsvc_pb2 as pb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
 
@@ -73,87 +88,218 @@ def test_update_module_loads_the_served_copy_into_a_torch_module(
 def test_load_into_names_what_does_not_match(server: BackgroundServer, learner: LearnerClient, model: str) -> None:
     learner.push(1, masters(), model=model)
     served = InferenceClient(server.grpc_target).pull(model)
-    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"extra.weight\""):
+    with pytest.raises(Mismatch, match=r"missing 'extra.weight' \(shape \[2, 2\]\)"):
         load_into(torch.nn.ModuleDict({"extra": torch.nn.Linear(2, 2)}), {**served})
     result = load_into(torch.nn.ModuleDict({"q_proj": torch.nn.Linear(64, 64, bias=False)}), served, strict=False)
     assert "k_proj.weight" in result.unexpected_keys
 
 
-class FakeVllmModel(torch.nn.Module):
-    """vLLM's layout for tensor-parallel rank `rank` of `tp`: q/k/v fused into `qkv_proj`, each
-    rank holding its rows; `load_weights` maps checkpoint names as vLLM's models do."""
+class TiedLM(torch.nn.Module):
+    """A language model whose output head is tied to its embeddings, as HF's `tie_word_embeddings`."""
 
-    stacked = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2))
-
-    def __init__(self, rank: int, tp: int, dim: int = 64) -> None:
+    def __init__(self, vocab: int = 96, dim: int = 64) -> None:
         super().__init__()
-        self.rank, self.rows = rank, dim // tp
-        self.qkv_proj = torch.nn.Parameter(torch.zeros(3 * self.rows, dim, dtype=torch.bfloat16))
-        self.norm = torch.nn.LayerNorm(dim, dtype=torch.bfloat16)
+        self.embed_tokens = torch.nn.Embedding(vocab, dim)
+        self.proj = torch.nn.Linear(dim, dim, bias=False)
+        self.lm_head = torch.nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded = set()
-        for name, tensor in weights:
-            for fused, part, shard in self.stacked:
-                if name.startswith(part + "."):
-                    rows = tensor[self.rank * self.rows : (self.rank + 1) * self.rows]
-                    params[fused + ".weight" if fused + ".weight" in params else fused].data[
-                        shard * self.rows : (shard + 1) * self.rows
-                    ].copy_(rows)
-                    loaded.add(fused)
-                    break
-            else:
-                params[name].data.copy_(tensor)
-                loaded.add(name)
-        return loaded
+
+@pytest.mark.parametrize("format", ["bf16", "fp8_e4m3"])
+def test_tied_weights_travel_once_and_are_served_under_both_names(
+    server: BackgroundServer, learner: LearnerClient, model: str, format: str
+) -> None:
+    torch.manual_seed(0)
+    state = TiedLM().state_dict()
+    info = learner.push(1, state, model=model, format=format)
+    with InferenceClient(server.grpc_target) as client:
+        manifest = client.manifest(model, 1)
+        served = client.pull(model, 1)
+        http = InferenceClient(server.http_url).pull(model, 1)
+    assert manifest.aliases == (("lm_head.weight", "embed_tokens.weight"),)
+    assert [t.name for t in manifest.tensors if t.name.startswith(("lm_head", "embed"))] == ["embed_tokens.weight"]
+    proj = 64 * 64 + 4 if format == "fp8_e4m3" else 64 * 64 * 2  # (fp8: one byte, and one block scale)
+    assert info.data_bytes == 96 * 64 * 2 + proj
+    for pulled in (served, http):
+        assert pulled["lm_head.weight"] is pulled["embed_tokens.weight"]
+        assert pulled["lm_head.weight"].dtype == torch.bfloat16  # tied to the embeddings: never fp8
+    tied = TiedLM().to(torch.bfloat16)
+    update_module(tied, server.grpc_target, model, client_id="tied")
+    assert np.array_equal(bits(tied.lm_head.weight), bits(served["embed_tokens.weight"]))
+
+
+def test_a_declared_tie_pushes_the_tensor_under_its_own_name(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    torch.manual_seed(0)
+    head = torch.randn(96, 64)
+    learner.push(1, {"lm_head.weight": head}, model=model, tied={"lm_head.weight": "embed_tokens.weight"})
+    served = InferenceClient(server.grpc_target).pull(model, 1)
+    assert sorted(served) == ["embed_tokens.weight", "lm_head.weight"]
+    assert served["lm_head.weight"] is served["embed_tokens.weight"]
+    assert torch.allclose(served["lm_head.weight"].float(), head, rtol=1e-2)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' and 'embed_tokens.weight' are declared tied but"):
+        learner.push(2, {"lm_head.weight": head, "embed_tokens.weight": head + 1}, model=model,
+                     tied={"lm_head.weight": "embed_tokens.weight"})  # fmt: skip
+
+
+def test_the_service_refuses_aliases_that_name_no_tensor(server: BackgroundServer, model: str) -> None:
+    learner = LearnerClient(server.grpc_target)
+    bad = [({"lm_head.weight": "nothing"}, r"alias 'lm_head.weight' names tensor 'nothing', which the push does not"),
+           ({"w": "w"}, r"alias 'w' \(of 'w'\) is also a tensor of the push")]  # fmt: skip
+    for aliases, message in bad:
+        header = pb.PushHeader(model=model, step=1, tensors=[pb.TensorSpec(name="w", shape=[2], dtype="F32")])
+        header.aliases.update(aliases)
+        reqs = [pb.PushRequest(header=header), pb.PushRequest(chunk=pb.Chunk(tensor="w", data=bytes(8))),
+                pb.PushRequest(commit=pb.PushCommit())]  # fmt: skip
+        push = learner._channel.stream_unary(PUSH, request_serializer=encode_message,
+                                             response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            push(iter(reqs))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.search(message, e.value.details())
+    assert model not in {m["model"] for m in InferenceClient(server.grpc_target).models()}
+
+
+def test_a_checkpoint_without_the_tied_name_loads_into_a_tied_module(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    torch.manual_seed(0)
+    state = {n: v for n, v in TiedLM().state_dict().items() if n != "lm_head.weight"}  # as save_pretrained writes
+    learner.push(1, state, model=model)
+    module = TiedLM()
+    assert update_module(module, server.grpc_target, model, client_id="hf") == 1
+    served = InferenceClient(server.grpc_target).pull(model, 1)
+    assert torch.equal(module.lm_head.weight, served["embed_tokens.weight"].float())
+    assert acked(server, model) == {"hf": 1}
+
+
+def test_a_version_that_does_not_fit_writes_nothing_and_is_not_acked(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    torch.manual_seed(0)
+    state = TiedLM().state_dict()
+    state["proj.weight"] = torch.randn(64, 32)  # the module's is 64 x 64
+    learner.push(1, state, model=model)
+    module = TiedLM()
+    before = {n: v.clone() for n, v in module.state_dict().items()}
+    with pytest.raises(Mismatch, match=r"tensor 'proj.weight' has shape \[64, 32\]; the module expects \[64, 64\]"):
+        update_module(module, server.grpc_target, model, client_id="hf")
+    assert all(torch.equal(v, before[n]) for n, v in module.state_dict().items())  # not even the embeddings
+    assert acked(server, model) == {}
+
+
+# A Llama-shaped checkpoint: vocabulary, width, MLP width, attention heads, KV heads, layers.
+LLAMA = SimpleNamespace(vocab_size=1000, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
+
+
+def llama_masters(layers: int = 2) -> dict[str, torch.Tensor]:
+    c, gen = LLAMA, torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,),
+              "lm_head.weight": (c.vocab_size, c.hidden_size)}  # fmt: skip
+    kv, d, f = c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
+                   p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
+                   p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                   p + "mlp.down_proj.weight": (d, f),
+                   p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}  # fmt: skip
+    return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
+
+
+def vllm_part(name: str, whole: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    """The part of a whole checkpoint tensor that vLLM's layers keep on tensor-parallel rank `rank`,
+    as their weight loaders narrow it: a padded share of the vocabulary, rows of the column-parallel
+    layers (one KV head per group of ranks when there are fewer KV heads than ranks), columns of
+    the row-parallel ones, every other tensor whole."""
+    layer = name.rsplit(".", 2)[-2]
+    if layer in ("embed_tokens", "lm_head"):
+        per = -(-whole.shape[0] // 64) * 64 // tp
+        return whole[rank * per : min((rank + 1) * per, whole.shape[0])]
+    if layer in ("k_proj", "v_proj") and LLAMA.num_key_value_heads < tp:
+        head = rank // (tp // LLAMA.num_key_value_heads)
+        return whole[head * LLAMA.head_dim : (head + 1) * LLAMA.head_dim]
+    if layer in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+        rows = whole.shape[0] // tp
+        return whole[rank * rows : (rank + 1) * rows]
+    if layer in ("o_proj", "down_proj"):
+        cols = whole.shape[1] // tp
+        return whole[:, rank * cols : (rank + 1) * cols]
+    return whole
 
 
 class FakeVllmWorker(VllmWorkerExtension):
+    """A tensor-parallel worker of vLLM as the extension sees it: its model config, its rank, and a
+    model whose `load_weights` takes whole checkpoint tensors and keeps its rank's part of each
+    (`vllm_part`). It has no `reload_weights`, as vLLM before in-place reload."""
+
     def __init__(self, rank: int, tp: int) -> None:
-        self.model_runner = type("ModelRunner", (), {"model": FakeVllmModel(rank, tp)})()
+        self.rank, self.tp, self.kept = rank, tp, {}
+        model = SimpleNamespace(load_weights=self._load_weights)
+        self.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(model="", hf_config=LLAMA))
+
+    def _weightsvc_tp(self) -> tuple[int, int]:
+        return self.rank, self.tp
+
+    def _load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self.kept = {name: vllm_part(name, t, self.rank, self.tp).clone() for name, t in weights}
+        return set(self.kept)
+
+
+class EngineDeadError(RuntimeError):
+    """Named as vLLM's: what `collective_rpc` raises once the engine's process is gone."""
 
 
 class FakeLLM:
     """`vllm.LLM` as `update_vllm` uses it: `collective_rpc` runs a method on every worker."""
 
-    def __init__(self, tp: int) -> None:
+    def __init__(self, tp: int, dies: bool = False) -> None:
         self.workers = [FakeVllmWorker(r, tp) for r in range(tp)]
         self.prefix_cache_resets = 0
+        self.dies = dies
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        threads_out: list[Any] = [None] * len(self.workers)
-
-        def run(i: int) -> None:
-            threads_out[i] = getattr(self.workers[i], method)(*args)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(self.workers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return threads_out
+        if self.dies:
+            raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        with ThreadPoolExecutor(len(self.workers)) as pool:  # a worker's error is raised here, as vLLM does
+            return list(pool.map(lambda w: getattr(w, method)(*args), self.workers))
 
     def reset_prefix_cache(self) -> bool:
         self.prefix_cache_resets += 1
         return True
 
 
-def test_update_vllm_loads_every_tensor_parallel_worker_with_one_version(
-    server: BackgroundServer, learner: LearnerClient, model: str
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_each_tensor_parallel_worker_pulls_only_its_slice(
+    server: BackgroundServer, learner: LearnerClient, model: str, tp: int
 ) -> None:
-    learner.push(3, masters(), model=model)
-    llm = FakeLLM(tp=2)
+    learner.push(3, llama_masters(), model=model)
+    llm = FakeLLM(tp)
     assert update_vllm(llm, server.grpc_target, model, client_id="vllm-0") == 3
-    served = InferenceClient(server.grpc_target).pull(model, 3)
+    whole = InferenceClient(server.grpc_target).pull(model, 3)
     for rank, worker in enumerate(llm.workers):
-        m = worker.model_runner.model
-        rows = slice(rank * m.rows, (rank + 1) * m.rows)
-        expected = torch.cat([served[f"{p}_proj.weight"][rows] for p in "qkv"])
-        assert np.array_equal(bits(m.qkv_proj), bits(expected))
-        assert np.array_equal(bits(m.norm.weight), bits(served["norm.weight"]))
+        assert sorted(worker.kept) == sorted(whole)
+        for name, kept in worker.kept.items():
+            assert np.array_equal(bits(kept), bits(vllm_part(name, whole[name], rank, tp))), (rank, name)
     assert llm.prefix_cache_resets == 1
     assert acked(server, model) == {"vllm-0": 3}
+    # Bytes per worker: the replicated tensors whole, 1/TP of the others (KV heads replicated at TP 4).
+    manifest = InferenceClient(server.grpc_target).manifest(model, 3)
+    pulled = [r["pulled_bytes"] for r in llm.collective_rpc("weightsvc_load", (server.grpc_target, model, 3, False))]
+    parts = [sum(vllm_part(n, whole[n], r, tp).numel() * 2 for n in whole) for r in range(tp)]
+    for got, part in zip(pulled, parts, strict=True):
+        assert part <= got <= part + 16 * 1024, (got, part)  # the tensors' bytes, and the manifest
+    assert max(parts) <= manifest.data_bytes / tp * 1.1 + (tp > 2) * manifest.data_bytes * 0.1
+
+
+def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    learner.push(1, llama_masters(), model=model)
+    with pytest.raises(RuntimeError, match=rf"model '{model}' version 1: the vLLM engine died during the update"):
+        update_vllm(FakeLLM(2, dies=True), server.grpc_target, model, client_id="vllm-dead")
+    assert acked(server, model) == {}
 
 
 class FakeSglangEngine:

@@ -90,6 +90,62 @@ def _spec(name: str, value: Array | Shard) -> pb.TensorSpec:
     return pb.TensorSpec(name=name, shape=list(value.shape), dtype=MASTER_DTYPE, part=part)
 
 
+def _storage(value: Array | Shard) -> tuple[object, ...] | None:
+    """What identifies the memory a whole tensor views: equal for two names of one tied tensor."""
+    if isinstance(value, Shard):
+        return None
+    if isinstance(value, np.ndarray):
+        return ("numpy", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
+    if value.device.type == "meta" or value.numel() == 0:
+        return None
+    return ("torch", str(value.device), value.untyped_storage().data_ptr(), value.storage_offset(),
+            tuple(value.shape), value.stride(), value.dtype)  # fmt: skip
+
+
+def _equal(a: Array, b: Array) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = None
+          ) -> tuple[dict[str, Array | Shard], dict[str, str]]:  # fmt: skip
+    """The parts to push, each tied tensor once, and the aliases (alias -> pushed name).
+
+    Whole tensors that view the same memory (`lm_head.weight` and `embed_tokens.weight` of a
+    module with tied embeddings) are one tensor: the first name keeps it. `tied` declares ties by
+    name (alias -> tensor), as a model's config does: the tensor is pushed under the tensor's name
+    whichever of the two names `parts` holds it under, and both must not differ."""
+    kept: dict[str, Array | Shard] = {}
+    aliases: dict[str, str] = {}
+    owner: dict[tuple[object, ...], str] = {}
+    for name, value in parts.items():
+        key = _storage(value)
+        if key is not None and key in owner:
+            aliases[name] = owner[key]
+        else:
+            kept[name] = value
+            if key is not None:
+                owner[key] = name
+    for alias, target in (tied or {}).items():
+        target = aliases.get(target, target)
+        if alias == target or aliases.get(alias) == target:
+            continue
+        if alias in aliases:
+            raise ValueError(f"tensor {alias!r} is declared tied to {target!r} but shares its memory with "
+                             f"{aliases[alias]!r}")  # fmt: skip
+        if alias in kept:
+            value = kept.pop(alias)
+            other = kept.setdefault(target, value)  # pushed under the tensor's own name
+            if not (isinstance(value, Shard) or isinstance(other, Shard) or _equal(value, other)):
+                raise ValueError(f"tensors {alias!r} and {target!r} are declared tied but their values differ")
+        for name, to in aliases.items():  # aliases of the alias follow it
+            if to == alias:
+                aliases[name] = target
+        aliases[alias] = target
+    return kept, aliases
+
+
 class LearnerClient:
     """Pushes fp32 masters to weightsvc over gRPC."""
 
@@ -123,6 +179,7 @@ class LearnerClient:
         rounding: str = "",
         return_served: bool = False,
         progress: Progress | None = None,
+        tied: Mapping[str, str] | None = None,
     ) -> VersionInfo:
         """Stream the masters of `step`; returns once the version is committed (or raises).
 
@@ -137,22 +194,34 @@ class LearnerClient:
 
         When the deployment has several replicas (sharded, sharing a Redis registry), each tensor goes
         to the replica that owns it by rendezvous hashing of its name, all replicas at once; the
-        version commits when every replica has its part, and nothing is visible if one fails."""
+        version commits when every replica has its part, and nothing is visible if one fails.
+
+        Tied weights travel once: tensors that share memory, and the names `tied` declares tied
+        (alias -> tensor, e.g. `{"lm_head.weight": "model.embed_tokens.weight"}`), are pushed as one
+        tensor and served under every name, bit for bit the same (see `untie`). With several ranks,
+        declare ties with `tied` on every rank."""
         for name, value in parts.items():  # bad input raises here, with the tensor's name
             _spec(name, value)
+        parts, aliases = untie(parts, tied)
+        if world_size == 1:  # (another rank may hold the tensor of a declared tie)
+            aliases = {a: t for a, t in aliases.items() if t in parts}
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
                                world_size=world_size)  # fmt: skip
         replicas = self._replicas.topology()
         if len(replicas) <= 1:
+            header.aliases.update(aliases)
             streams = [(self._channel, header, dict(parts))]
         else:
             owned = assign(parts, replicas)
             header.owners.extend(r.id for r in replicas)
             where = f"model {model!r} step {step}"
-            streams = [
-                (self._replicas.channel(r.id, where), header, {n: parts[n] for n in owned.get(r.id, [])})
-                for r in replicas
-            ]
+            streams = []
+            for r in replicas:
+                mine = {n: parts[n] for n in owned.get(r.id, [])}
+                own = pb.PushHeader()
+                own.CopyFrom(header)
+                own.aliases.update({a: t for a, t in aliases.items() if t in mine})  # with the tensor's owner
+                streams.append((self._replicas.channel(r.id, where), own, mine))
         resp = self._push_streams(streams, progress)
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:

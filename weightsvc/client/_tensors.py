@@ -23,7 +23,8 @@ TORCH_DTYPES = {
 
 
 def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[str, torch.Tensor]:
-    """Verify each served tensor's checksum and return views of `data` as torch tensors.
+    """Verify each served tensor's checksum and return views of `data` as torch tensors, by name;
+    a tied alias is the same tensor as the one it names.
 
     The views share `data`'s memory; a read-only `data` (a file's bytes) is copied once first,
     since torch would warn on every tensor that it cannot write through."""
@@ -39,7 +40,7 @@ def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[
         else:
             piece = view[t.offset : t.offset + t.nbytes]
             out[t.name] = torch.frombuffer(piece, dtype=dtype, count=math.prod(t.shape)).view(t.shape)
-    return out
+    return manifest.with_aliases(out)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import re
 import struct
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 
@@ -26,6 +26,7 @@ MASTER_DTYPE = "F32"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _VERSION = re.compile(r"[0-9]{1,18}")
 METADATA_KEY = "weightsvc.manifest"
+T = TypeVar("T")
 
 
 def check_model_name(model: str) -> str:
@@ -163,6 +164,16 @@ class MasterDigest:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """The index range [start, stop) along dimension `dim` of a served tensor: what a tensor-parallel
+    worker pulls of a weight split over ranks (rows: dim 0, columns: dim 1)."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
 class ServedTensor:
     name: str
     shape: tuple[int, ...]
@@ -197,10 +208,13 @@ class Manifest:
     # A version made of parts held by several replicas (sharded replicas), in owner order; empty: one
     # server holds all of it. A replica's own file holds its part alone, with one Part for itself.
     parts: tuple[Part, ...] = ()
+    # Tied weights: (alias, tensor) pairs, sorted; the alias serves the tensor's bytes under its name.
+    aliases: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tensors"] = [{**t, "shape": list(t["shape"])} for t in d["tensors"]]
+        d["aliases"] = dict(self.aliases)
         return d
 
     @classmethod
@@ -208,7 +222,15 @@ class Manifest:
         tensors = tuple(ServedTensor(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
         parts = tuple(Part(**p) for p in d.get("parts", ()))
-        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts})
+        aliases = tuple(sorted(d.get("aliases", {}).items()))
+        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts, "aliases": aliases})
+
+    def with_aliases(self, tensors: dict[str, T]) -> dict[str, T]:
+        """`tensors` (by served name) with each alias added, as the very same object as its tensor."""
+        for alias, target in self.aliases:
+            if target in tensors:
+                tensors[alias] = tensors[target]
+        return tensors
 
     def info(self) -> dict[str, Any]:
         """The short form used in version lists and events."""
@@ -270,6 +292,7 @@ def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
         scaling=next((m.scaling for m in parts.values() if m.scaling), ""),
         lag=pool_lag([parts[o].lag for o in owners]),
         parts=tuple(placed),
+        aliases=tuple(sorted({a for m in parts.values() for a in m.aliases})),
     )
 
 

@@ -56,6 +56,7 @@ class PushHeader:
     rank: int = 0  # this learner rank, of world_size ranks that push the version together
     world_size: int = 1
     owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
+    aliases: tuple[tuple[str, str], ...] = ()  # tied weights: (alias, tensor), sorted by alias
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Push:
         self.deadline = time.monotonic() + self.join_timeout
         self.headers: dict[int, tuple[TensorSpec, ...]] = {}
         self.format = self.rounding = ""
+        self.aliases: tuple[tuple[str, str], ...] = ()
         loop = asyncio.get_running_loop()
         self.joined: asyncio.Future[None] = loop.create_future()
         self.session: asyncio.Future[PushSession] = loop.create_future()
@@ -116,7 +118,12 @@ class Push:
                 f"format {self.format!r} rounding {self.rounding!r}",
                 reason="invalid_header",
             )
-        self.format, self.rounding = header.format, header.rounding
+        if self.headers and header.aliases != self.aliases:
+            raise InvalidArgument(
+                f"{where}: aliases {dict(header.aliases)}, but the other ranks declared {dict(self.aliases)}",
+                reason="invalid_header",
+            )
+        self.format, self.rounding, self.aliases = header.format, header.rounding, header.aliases
         self.headers[rank] = header.tensors
         self.attached += 1
         if len(self.headers) == self.world_size:
@@ -433,17 +440,7 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
     seen: set[str] = set()
     total = 0
     for t in header.tensors:
-        if not t.name or len(t.name) > MAX_NAME_CHARS:
-            raise InvalidArgument(
-                f"{where}: tensor names must have 1-{MAX_NAME_CHARS} characters", reason="invalid_header"
-            )
-        if t.name in seen:
-            raise InvalidArgument(f"{where}: tensor {t.name!r} is declared twice", reason="invalid_header")
-        if t.name == RESERVED_NAME:
-            raise InvalidArgument(
-                f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format", reason="invalid_header"
-            )
-        seen.add(t.name)
+        _check_name(where, t.name, seen)
         if t.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
                 f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} (known: {', '.join(DTYPE_SIZES)})",
@@ -479,4 +476,20 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
                 f"than the {settings.max_version_bytes} bytes a version may have (--max-version-bytes)",
                 reason="too_large",
             )
+    for alias, target in header.aliases:
+        if alias in seen:
+            raise InvalidArgument(f"{where}: alias {alias!r} (of {target!r}) is also a tensor of the push",
+                                  reason="invalid_header")  # fmt: skip
+        _check_name(where, alias, seen)
 
+
+def _check_name(where: str, name: str, seen: set[str]) -> None:
+    """Refuse a tensor or alias name that is empty, too long, reserved or already used; else add it."""
+    if not name or len(name) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"{where}: tensor names must have 1-{MAX_NAME_CHARS} characters", reason="invalid_header")
+    if name in seen:
+        raise InvalidArgument(f"{where}: tensor {name!r} is declared twice", reason="invalid_header")
+    if name == RESERVED_NAME:
+        raise InvalidArgument(f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format",
+                              reason="invalid_header")  # fmt: skip
+    seen.add(name)

@@ -129,9 +129,16 @@ class PushSession:
                                        s.fp8_pattern)  # fmt: skip
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
+        declared = {t.name for t in header.tensors}
+        aliases_of: dict[str, tuple[str, ...]] = {}
+        for alias, target in header.aliases:
+            if target not in declared:
+                raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
+                                      "not declare", reason="invalid_header")  # fmt: skip
+            aliases_of[target] = (*aliases_of.get(target, ()), alias)
         entries, fmts = [], {}
         for t in header.tensors:
-            fmt = fmts[t.name] = spec.format_for(t.name, t.shape)
+            fmt = fmts[t.name] = spec.format_for(t.name, t.shape, aliases_of.get(t.name, ()))
             entries.append((t.name, t.shape, fmt.safetensors_dtype))
             if fmt.scaled:
                 entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
@@ -328,6 +335,8 @@ class PushSession:
         for name in sorted(self.tensors):
             t = self.tensors[name]
             h.update(f"{name}\x00{list(t.spec.shape)}\x00{t.master_digest.hexdigest()}\n".encode())
+        for alias, target in self.header.aliases:
+            h.update(f"{alias}\x00={target}\n".encode())
         checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
         slots = sorted([s for t in self.tensors.values() for s in (t.slot, t.scale) if s], key=lambda s: s.offset)
         manifest = Manifest(
@@ -341,6 +350,7 @@ class PushSession:
             master_digest="xxh3_128:" + h.hexdigest(),
             tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in slots),
             scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
+            aliases=self.header.aliases,
         )
         version = Version(manifest, manifest.safetensors_header(), self.data)
         residual = None

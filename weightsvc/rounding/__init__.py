@@ -89,10 +89,12 @@ class ExportSpec:
         except re.error as e:
             raise ValueError(f"fp8 pattern {self.fp8_pattern!r} is not a regular expression: {e}") from None
 
-    def format_for(self, name: str, shape: tuple[int, ...]) -> Format:
-        """The format tensor `name` is served in: fp8 for selected 2-D weights, else bf16."""
+    def format_for(self, name: str, shape: tuple[int, ...], aliases: tuple[str, ...] = ()) -> Format:
+        """The format tensor `name` is served in: fp8 for selected 2-D weights, else bf16. A tensor
+        with tied aliases is fp8 only if every one of its names selects it (a head tied to the
+        embeddings stays bf16, as the embeddings do)."""
         fmt = FORMATS[self.format]
-        if fmt.scaled and not (len(shape) == 2 and re.search(self.fp8_pattern, name)):
+        if fmt.scaled and not (len(shape) == 2 and all(re.search(self.fp8_pattern, n) for n in (name, *aliases))):
             return FORMATS["bf16"]
         return fmt
 

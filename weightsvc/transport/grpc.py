@@ -160,6 +160,7 @@ async def _push_messages(
                 rank=h.rank,
                 world_size=h.world_size or 1,
                 owners=tuple(h.owners),
+                aliases=tuple(sorted(h.aliases.items())),
             )
         elif kind == "commit":
             yield PushCommit()

@@ -159,5 +159,5 @@ def info_to_proto(m: Manifest) -> pb.VersionInfo:
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
     tensors = tuple(ServedTensor(**{**_scalars(ServedTensor, t), "shape": tuple(t.shape)}) for t in m.tensors)  # type: ignore[arg-type]
     parts = tuple(Part(**_scalars(Part, p)) for p in m.parts)  # type: ignore[arg-type]
-    return Manifest(**_scalars(Manifest, m, ("tensors", "lag", "parts")), tensors=tensors, lag=lag_from_proto(m),  # type: ignore[arg-type]
-                    parts=parts)  # fmt: skip
+    return Manifest(**_scalars(Manifest, m, ("tensors", "lag", "parts", "aliases")), tensors=tensors,  # type: ignore[arg-type]
+                    lag=lag_from_proto(m), parts=parts, aliases=tuple(sorted(m.aliases.items())))  # fmt: skip

@@ -27,7 +27,14 @@ class TensorPart(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners")
+    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases")
+    class AliasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +43,7 @@ class PushHeader(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -44,7 +52,8 @@ class PushHeader(_message.Message):
     rank: int
     world_size: int
     owners: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ...) -> None: ...
+    aliases: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
@@ -95,7 +104,14 @@ class ServedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts")
+    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases")
+    class AliasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +124,7 @@ class Manifest(_message.Message):
     SCALING_FIELD_NUMBER: _ClassVar[int]
     LAG_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -120,7 +137,8 @@ class Manifest(_message.Message):
     scaling: str
     lag: LagMetrics
     parts: _containers.RepeatedCompositeFieldContainer[ManifestPart]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ...) -> None: ...
+    aliases: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ManifestPart(_message.Message):
     __slots__ = ("owner", "offset", "nbytes")

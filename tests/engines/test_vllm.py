@@ -1,0 +1,176 @@
+"""A real vLLM (CPU) follows weightsvc: each update gives, token for token, what a fresh engine
+started from the pulled served copy gives. Run alone with `scripts/test_engines.sh`."""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.engines.engines import checkpoint, engine, generate, masters, served_checkpoint
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.loaders import dequantize, tp_select, update_vllm
+from weightsvc.server.server import BackgroundServer
+
+pytestmark = pytest.mark.engine
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
+
+
+def step(module: torch.nn.Module, seed: int, size: float = 0.05) -> dict[str, torch.Tensor]:
+    """A learner step big enough to change greedy generations; returns the new state dict (tied
+    parameters stay tied: `parameters()` holds each once)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(size * torch.randn(p.shape, generator=gen))
+    return module.state_dict()
+
+
+def acked(server: BackgroundServer, model: str) -> dict[str, int]:
+    return {c.client_id: c.version for c in server.service.clients(model)}
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, learner: LearnerClient,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    module, _ = masters("llama")
+    start = checkpoint(module, tmp_path / "v0")
+    with engine(start) as llm:
+        before = generate(llm)
+        for version in (1, 2):
+            learner.push(version, step(module, version), model="llama")
+            assert update_vllm(llm, server.grpc_target, "llama", client_id="vllm-0") == version
+            got = generate(llm)
+            assert acked(server, "llama") == {"vllm-0": version}
+            served = served_checkpoint(start, server.grpc_target, "llama", version, tmp_path / f"v{version}")
+            with engine(served) as fresh:
+                assert got == generate(fresh)
+            assert [g[0] for g in got] != [b[0] for b in before]  # the update did change the policy
+            before = got
+
+
+def test_tied_model_travels_once_and_its_head_follows(server: BackgroundServer, learner: LearnerClient,
+                                                      tmp_path: Path) -> None:  # fmt: skip
+    module, state = masters("qwen2")
+    start = checkpoint(module, tmp_path / "v0")
+    state = step(module, 1)
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    info = learner.push(1, state, model="qwen2")
+    with InferenceClient(server.grpc_target) as client:
+        manifest = client.manifest("qwen2", 1)
+        served = client.pull("qwen2", 1)
+    assert manifest.aliases == (("lm_head.weight", "model.embed_tokens.weight"),)
+    assert "lm_head.weight" not in {t.name for t in manifest.tensors}
+    assert info.data_bytes == sum(v.numel() * 2 for n, v in state.items() if n != "lm_head.weight")
+    assert np.array_equal(bits(served["lm_head.weight"]), bits(served["model.embed_tokens.weight"]))
+    with engine(start) as llm:
+        before = generate(llm)
+        update_vllm(llm, server.grpc_target, "qwen2", client_id="vllm-tied")
+        got = generate(llm)
+        with engine(served_checkpoint(start, server.grpc_target, "qwen2", 1, tmp_path / "v1")) as fresh:
+            assert got == generate(fresh)
+        assert [g[0] for g in got] != [b[0] for b in before]
+
+        # A version that does not fit the engine is refused before anything is written: the engine
+        # keeps generating what it did, and nothing is acked.
+        other, _ = masters("llama")
+        learner.push(1, other.state_dict(), model="other-shape")
+        with pytest.raises(Exception, match=r"tensor '.*' (is not in the engine's checkpoint|has shape)"):
+            update_vllm(llm, server.grpc_target, "other-shape", client_id="vllm-tied")
+        assert generate(llm) == got
+        assert acked(server, "other-shape") == {}
+
+
+def test_a_checkpoint_without_the_tied_head_loads_into_a_tied_engine(
+    server: BackgroundServer, learner: LearnerClient, tmp_path: Path
+) -> None:
+    module, _ = masters("qwen2", seed=3)
+    start = checkpoint(module, tmp_path / "v0")
+    state = {n: v for n, v in step(module, 7).items() if n != "lm_head.weight"}  # as save_pretrained writes it
+    learner.push(5, state, model="qwen2-file")
+    with engine(start) as llm:
+        assert update_vllm(llm, server.grpc_target, "qwen2-file", client_id="w") == 5
+        got = generate(llm)
+        with engine(served_checkpoint(start, server.grpc_target, "qwen2-file", 5, tmp_path / "v5")) as fresh:
+            assert got == generate(fresh)
+
+
+def test_tensor_parallel_workers_pull_their_slices(server: BackgroundServer, learner: LearnerClient, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (this machine has 2)
+    module, _ = masters("llama", seed=11)
+    start = checkpoint(module, tmp_path / "v0")
+    learner.push(1, step(module, 1), model="llama-tp")
+    with engine(start, tp=2) as llm:
+        results = llm.collective_rpc("weightsvc_load", args=(server.grpc_target, "llama-tp", 1, False))
+        llm.reset_prefix_cache()
+        got = generate(llm)
+        with engine(served_checkpoint(start, server.grpc_target, "llama-tp", 1, tmp_path / "v1"), tp=2) as fresh:
+            assert got == generate(fresh)
+    manifest = InferenceClient(server.grpc_target).manifest("llama-tp", 1)
+    select = tp_select(manifest, 0, 2, num_kv_heads=2, head_dim=32)
+    sliced = sum(t.nbytes for t in manifest.tensors if select[t.name] is not None)
+    whole = manifest.data_bytes - sliced
+    for r in results:
+        assert r["pulled_bytes"] <= whole + sliced / 2 + 64 * 1024  # framing aside, half of every sliced tensor
+    assert sorted(r["rank"] for r in results) == [0, 1]
+
+
+def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: LearnerClient, tmp_path: Path) -> None:
+    module, _ = masters("llama", seed=5)
+    start = checkpoint(module, tmp_path / "v0")
+    learner.push(1, step(module, 1), model="llama-worker")
+    proc = subprocess.Popen(
+        [sys.executable, str(EXAMPLE), "--target", server.grpc_target, "--model", "llama-worker",
+         "--until-version", "2", "--vllm", str(start)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    try:
+        first = json.loads(lines.get(timeout=300))
+        assert (first["event"], first["version"]) == ("swap", 1)
+        learner.push(2, step(module, 2), model="llama-worker")
+        second = json.loads(lines.get(timeout=300))
+        done = json.loads(lines.get(timeout=300))
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+    assert (second["event"], second["version"]) == ("swap", 2)
+    assert done["version"] == 2 and done["tokens"] > 0  # it sampled while it followed
+    assert acked(server, "llama-worker") and set(acked(server, "llama-worker").values()) == {2}
+    with engine(served_checkpoint(start, server.grpc_target, "llama-worker", 2, tmp_path / "v2")) as fresh:
+        assert done["generations"] == [g[0] for g in generate(fresh)]
+
+
+def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(server: BackgroundServer, learner: LearnerClient,
+                                                             tmp_path: Path) -> None:  # fmt: skip
+    # vLLM's CPU backend runs block-scaled fp8 only on CPUs with AMX tiles ("CPUFp8BlockScaledMMKernel
+    # requires AMX tile support (Sapphire Rapids or newer)"): here fp8 versions load as values.
+    module, _ = masters("llama", seed=13)
+    start = checkpoint(module, tmp_path / "v0")
+    learner.push(1, step(module, 1), model="llama-fp8", format="fp8_e4m3")
+    with engine(start) as llm:
+        before = generate(llm)
+        with pytest.raises(Exception, match=r"is served as F8_E4M3; the engine runs BF16"):
+            update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8")
+        assert generate(llm) == before and acked(server, "llama-fp8") == {}
+        update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8", dequantize=True)
+        got = generate(llm)
+    values = dequantize(InferenceClient(server.grpc_target).pull("llama-fp8", 1))
+    reference = served_checkpoint(start, server.grpc_target, "llama-fp8", 1, tmp_path / "v1")
+    save_file({n: t.to(torch.bfloat16) for n, t in values.items()}, str(reference / "model.safetensors"))
+    with engine(reference) as fresh:
+        assert got == generate(fresh)
+    assert acked(server, "llama-fp8") == {"fp8": 1}
