@@ -27,6 +27,7 @@ from weightsvc.client._common import (
     read_version_file,
     verify_data,
 )
+from weightsvc.core.manifest import Slice
 
 if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient
@@ -43,6 +44,7 @@ __all__ = [
     "LearnerClient",
     "RetryPolicy",
     "Shard",
+    "Slice",
     "VersionInfo",
     "dequantized",
     "read_version_file",
