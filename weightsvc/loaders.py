@@ -72,7 +72,7 @@ def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _memory(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    return t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride()
+    return t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape), t.stride()
 
 
 def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, strict: bool = True) -> LoadResult:
@@ -119,7 +119,7 @@ def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, st
 
 
 def _update(target: str, model: str, version: int | str, client_id: str | None,
-            load: Callable[[InferenceClient, Manifest], None]) -> int:  # fmt: skip
+            load: Callable[[InferenceClient, Manifest], object]) -> int:  # fmt: skip
     """Resolve `version` once, `load(client, manifest)` it, and ack it once loaded; returns its number."""
     with InferenceClient(target) as client:
         manifest = client.manifest(model, version)

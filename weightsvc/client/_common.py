@@ -31,8 +31,9 @@ from weightsvc.core.manifest import (
     verify,
 )
 from weightsvc.core.memory import alloc
+from weightsvc.core.selection import Select, by_owner, joined
 from weightsvc.core.topology import Replica
-from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
+from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
 from weightsvc.transport.wire import lag_from_proto
 
 if TYPE_CHECKING:
@@ -280,9 +281,17 @@ class InferenceClient:
     # ---- the transport's part (each transport's class defines all of these) ---------------------
 
     def _pull(
-        self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
+        self,
+        model: str,
+        version: str,
+        held: tuple[Manifest, memoryview] | None,
+        moved: Progress,
+        *,
+        select: Select | None = None,
+        owner: str | None = None,
     ) -> tuple[Manifest, memoryview]:
-        """A version's manifest and data section; with `held`, as a delta on it when the server sends one."""
+        """A version's manifest and data section; with `held`, as a delta on it when the server sends one;
+        with `select`, the selection's manifest and data section, from the replica `owner` if given."""
         raise NotImplementedError
 
     def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
@@ -321,19 +330,25 @@ class InferenceClient:
         version: int | str = "latest",
         *,
         base: int | None = None,
+        select: Select | None = None,
         progress: Progress | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The served tensors of a version (checksums verified), by name; `base`: see `pull_data`."""
+        """The served tensors of a version (checksums verified), by name; `base`, `select`: see `pull_data`."""
         from weightsvc.client._tensors import tensors_from_data
 
-        return tensors_from_data(*self.pull_data(model, version, base=base, progress=progress))
+        return tensors_from_data(*self.pull_data(model, version, base=base, select=select, progress=progress))
 
     def iter_weights(
-        self, model: str = "default", version: int | str = "latest", *, progress: Progress | None = None
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        select: Select | None = None,
+        progress: Progress | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """`(name, tensor)` pairs of a version, checksums verified, as vLLM's `model.load_weights`
         and SGLang's `update_weights_from_tensor` take them (fp8 scales come as `<name>_scale_inv`)."""
-        yield from self.pull(model, version, progress=progress).items()
+        yield from self.pull(model, version, select=select, progress=progress).items()
 
     def pull_file(
         self,
@@ -378,12 +393,23 @@ class InferenceClient:
         version: int | str = "latest",
         *,
         base: int | None = None,
+        select: Select | None = None,
         progress: Progress | None = None,
     ) -> tuple[Manifest, memoryview]:
         """The manifest and the raw data section of a version (not yet verified).
 
         With `base`, only the changes from that version are sent when that is smaller: the client
-        must hold it, from its previous pull of the model (or `hold`)."""
+        must hold it, from its previous pull of the model (or `hold`).
+
+        With `select` (tensor name -> `Slice(dim, start, stop)`, or None for the whole tensor), only
+        those tensors, sliced: the manifest is the selection's (each tensor with the slice's shape, the
+        checksum of the slice's bytes and its `slice`), and the selection is not held as a delta base."""
+        if select is not None:
+            if base is not None:
+                raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
+                                      "pull the selection without a base")  # fmt: skip
+            if not select:
+                raise InvalidArgument(f"model {model!r}: the selection is empty: select at least one tensor")
         held = self._held.get(model)
         if base is not None and (held is None or held[0].version != base):
             raise InvalidArgument(f"model {model!r}: this client holds no copy of version {base} to pull a delta on")
@@ -395,8 +421,36 @@ class InferenceClient:
             if progress:
                 progress(n)
 
+        if select is not None:
+            return self._pull_selection(model, str(version), select, moved)
         manifest, data = self._pull(model, str(version), held if base is not None else None, moved)
         self._held[model] = (manifest, data)
+        return manifest, data
+
+    def _pull_selection(self, model: str, version: str, select: Select, moved: Progress) -> tuple[Manifest, memoryview]:
+        """A selection of a version, checked to be the one asked for. A replica of a sharded version
+        refuses a selection of tensors it does not hold: each owner's tensors then come from it, all
+        at once, and are joined in owner order."""
+        try:
+            manifest, data = self._pull(model, version, None, moved, select=select)
+        except FailedPrecondition:
+            whole = self.manifest(model, version)
+            if not whole.parts:
+                raise
+            groups = by_owner(whole, select)
+            got: dict[str, tuple[Manifest, memoryview]] = {}
+
+            def pull(owner: str, group: Select) -> None:
+                # NOT_FOUND too: an owner learns of a commit a moment after the replica that made it.
+                got[owner] = self.retry.run(lambda: self._pull(model, str(whole.version), None, moved, select=group,
+                                                               owner=owner), also=(NotFound,))  # fmt: skip
+
+            gather([lambda o=o, g=g: pull(o, g) for o, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
+            manifest, data = joined([got[o] for o in sorted(groups)])
+        sent = {t.name: t.slice for t in manifest.tensors}
+        if sent != dict(select):
+            raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
+                           f"({sorted(sent)}) than the one asked for ({sorted(select)})")  # fmt: skip
         return manifest, data
 
     def held(self, model: str = "default") -> Manifest | None:

@@ -21,10 +21,11 @@ from weightsvc.client._common import (
 )
 from weightsvc.core.manifest import Manifest, Part
 from weightsvc.core.memory import alloc
+from weightsvc.core.selection import Select
 from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.transport.names import PULL
-from weightsvc.transport.wire import ChunkView, decode_pull_response, manifest_from_proto
+from weightsvc.transport.wire import ChunkView, decode_pull_response, manifest_from_proto, select_to_proto
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -184,19 +185,28 @@ class GrpcInferenceClient(InferenceClient):
     # ---- pulls ---------------------------------------------------------------------------------
 
     def _pull(
-        self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
+        self,
+        model: str,
+        version: str,
+        held: tuple[Manifest, memoryview] | None,
+        moved: Progress,
+        *,
+        select: Select | None = None,
+        owner: str | None = None,
     ) -> tuple[Manifest, memoryview]:
         manifest: Manifest | None = None
         rx: Receiver | None = None  # made at the first chunk: its size depends on whether a delta comes
         delta = False
-        pull = _pull_method(self._channel)
+        ch = self._channel if owner is None else self._replicas.channel(owner, f"model {model!r} version {version}")
+        pull = _pull_method(ch)
+        selected = select_to_proto(select) if select is not None else []
 
         def attempt() -> None:
             nonlocal manifest, rx, delta
             # After a break, ask for the same version from the first byte we do not have yet.
             pinned = version if manifest is None else str(manifest.version)
             request = pb.PullRequest(model=model, version=pinned, offset=rx.pos if rx else 0,
-                                     base="" if held is None else str(held[0].version))  # fmt: skip
+                                     base="" if held is None else str(held[0].version), select=selected)  # fmt: skip
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
                 first = _starts_with_manifest(next(stream, None))

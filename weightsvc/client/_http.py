@@ -15,6 +15,7 @@ from typing import Any
 from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
 from weightsvc.core.manifest import Manifest, Part, manifest_from_header, read_safetensors_header
 from weightsvc.core.memory import alloc
+from weightsvc.core.selection import Select, selector
 from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
 
@@ -159,7 +160,14 @@ class HttpInferenceClient(InferenceClient):
     # ---- pulls ---------------------------------------------------------------------------------
 
     def _pull(
-        self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress
+        self,
+        model: str,
+        version: str,
+        held: tuple[Manifest, memoryview] | None,
+        moved: Progress,
+        *,
+        select: Select | None = None,
+        owner: str | None = None,
     ) -> tuple[Manifest, memoryview]:
         if held is not None:
             manifest = self.manifest(model, version)  # the number: the delta route takes no "latest"
@@ -170,14 +178,17 @@ class HttpInferenceClient(InferenceClient):
         manifest_of: list[Manifest] = []  # set by the first try; later ones resume the same version
         etag, start = "", 0
         rx: Receiver | None = None
+        # A selection: a file of its own, of the selected tensors (the route's `select` selectors).
+        query = "?" + urllib.parse.urlencode([("select", selector(*s)) for s in select.items()]) if select else ""
+        url = None if owner is None else self._owner_url(owner, f"model {model!r} version {version}")
 
         def attempt() -> None:
             nonlocal etag, start, rx
-            path = f"/v1/models/{_quote(model)}/versions/{_quote(version)}/safetensors"
+            path = f"/v1/models/{_quote(model)}/versions/{_quote(version)}/safetensors{query}"
             if rx is None:
                 # One request: the file's own header carries the manifest, so "latest" cannot
                 # change under us.
-                with self._open("GET", path) as resp:
+                with self._open("GET", path, base=url) as resp:
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
                     header_len = int.from_bytes(head, "little")
@@ -190,8 +201,9 @@ class HttpInferenceClient(InferenceClient):
                     rx.read(resp)
                 return
             # Resume the same version (If-Range: never splice two versions).
-            path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors"
-            with self._open("GET", path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag}) as resp:
+            path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors{query}"
+            with self._open("GET", path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag},
+                            base=url) as resp:  # fmt: skip
                 if resp.status != 206:
                     raise DataLoss(f"{rx.where} changed while resuming its pull")
                 rx.read(resp)
@@ -199,6 +211,8 @@ class HttpInferenceClient(InferenceClient):
         try:
             self.retry.run(attempt, resumable=lambda: rx is not None)
         except FailedPrecondition:  # a version of parts: no replica holds the whole file
+            if select is not None:
+                raise  # the caller pulls each owner's tensors from it
             sharded = self.manifest(model, version)
             if not sharded.parts:
                 raise
@@ -227,17 +241,21 @@ class HttpInferenceClient(InferenceClient):
 
         return self._patched(manifest, held, self.retry.run(attempt))
 
-    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
-        if part.owner not in self._owners:
+    def _owner_url(self, owner: str, where: str) -> str:
+        """The HTTP URL of the replica `owner` (the topology is asked for again once if it is not known)."""
+        if owner not in self._owners:
             self._owners = {r.id: r.http for r in self.topology()}
-        if part.owner not in self._owners:
-            raise Unavailable(f"{rx.where}: the replica is not in the topology (it is down or has left)")
+        if owner not in self._owners:
+            raise Unavailable(f"{where}: replica {owner!r} is not in the topology (it is down or has left)")
+        return self._owners[owner]
+
+    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
         head, etag = self._head_of(manifest)
         with self._open(
             "GET",
             f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/safetensors",
             headers={"Range": f"bytes={head + rx.pos}-{head + rx.end - 1}", "If-Range": etag},
-            base=self._owners[part.owner],
+            base=self._owner_url(part.owner, rx.where),
         ) as resp:
             if resp.status != 206:
                 raise DataLoss(f"{rx.where}: the replica did not answer with its part")

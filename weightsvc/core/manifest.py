@@ -181,6 +181,21 @@ class ServedTensor:
     offset: int  # into the data section
     nbytes: int
     checksum: str = ""
+    # In the manifest of a selection (a sliced pull): the slice of the version's tensor this is, its
+    # shape the slice's. None: the whole tensor.
+    slice: Slice | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form; `slice` only when set, so a version's header is what it was before slices."""
+        d = {**asdict(self), "shape": list(self.shape)}
+        if self.slice is None:
+            del d["slice"]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ServedTensor:
+        cut = d.get("slice")
+        return cls(**{**d, "shape": tuple(d["shape"]), "slice": Slice(**cut) if cut else None})
 
 
 @dataclass(frozen=True)
@@ -213,13 +228,15 @@ class Manifest:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["tensors"] = [{**t, "shape": list(t["shape"])} for t in d["tensors"]]
+        d["tensors"] = [t.to_dict() for t in self.tensors]
         d["aliases"] = dict(self.aliases)
+        if not self.aliases:  # (so the header of a version without ties is what it was before them)
+            del d["aliases"]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
-        tensors = tuple(ServedTensor(**{**t, "shape": tuple(t["shape"])}) for t in d["tensors"])
+        tensors = tuple(ServedTensor.from_dict(t) for t in d["tensors"])
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
         parts = tuple(Part(**p) for p in d.get("parts", ()))
         aliases = tuple(sorted(d.get("aliases", {}).items()))

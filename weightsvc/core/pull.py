@@ -1,11 +1,13 @@
 """What happens on pull, for every transport: which bytes this replica sends, under which limits.
 
 `Pulls` admits a pull (--max-pulls), holds its version (eviction cannot recycle the buffer until the
-pull ends) and decides what follows the manifest: the data section, or the delta encoding against a
-version the client holds (encoded once for a fleet). A `Pull` sends each piece through the
-transport's own write under the stall timeout, counted in the metrics. The transports only frame
-the pieces: gRPC as chunks of the data section (or of the delta), HTTP as a range of the
-safetensors file (or the delta's bytes). Watch streams end when the server stops (`watching`).
+pull ends) and decides what follows the manifest: the data section, the delta encoding against a
+version the client holds (encoded once for a fleet), or the selection the client asked for
+(`core.selection`: the tensors it names, whole or sliced, under a manifest of their own). A `Pull`
+sends each piece through the transport's own write under the stall timeout, counted in the
+metrics. The transports only frame the pieces: gRPC as chunks of the data section (or of the delta
+or the selection), HTTP as a range of the safetensors file (or of the selection's file, or the
+delta's bytes). Watch streams end when the server stops (`watching`).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING
 
+from weightsvc.core import selection
 from weightsvc.core.delta import compatible as delta_compatible
 from weightsvc.core.delta import encode as delta_encode
 from weightsvc.core.manifest import Manifest
+from weightsvc.core.selection import Select, Selected
 from weightsvc.core.store import Version
 from weightsvc.errors import (
     DeadlineExceeded,
@@ -44,12 +48,21 @@ class Pulls:
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # oldest first; None: not smaller
 
     async def open(self, model: str, version: int | None, transport: str, base: int | None,
-                   dense_fallback: bool) -> Pull:  # fmt: skip
+                   dense_fallback: bool, select: Select | None = None) -> Pull:  # fmt: skip
         """A pull of `version` (None: the latest); with `base`, its body is the delta against it. When
-        there is none, FAILED_PRECONDITION saying why, or with `dense_fallback` the data section."""
+        there is none, FAILED_PRECONDITION saying why, or with `dense_fallback` the data section. With
+        `select`, the pull sends that selection of the version instead (never as a delta)."""
+        if select is not None and base is not None:
+            raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
+                                  "sliced pulls are sent dense; pull the selection without a base")  # fmt: skip
         pull = Pull(self.service, self.hold(model, version, transport), transport)
         try:
-            if base is not None:
+            if select is not None:
+                v = pull.version
+                pull.selection = await asyncio.to_thread(
+                    selection.gather, v.manifest, v.data, v.offset, select, self.service.store.replica_id
+                )
+            elif base is not None:
                 try:
                     pull.use_delta(base, await self.delta(pull.version, base))
                 except FailedPrecondition:
@@ -127,7 +140,8 @@ class Pulls:
 
 class Pull:
     """One pull in progress. `body` is what follows the manifest: the bytes of the data section this
-    replica holds (from `start`), or, when `base` is set, the delta encoding against that version."""
+    replica holds (from `start`), or, when `base` is set, the delta encoding against that version.
+    With a `selection`, the manifest and the bytes are the selection's."""
 
     def __init__(self, service: Service, version: Version, transport: str) -> None:
         self.service = service
@@ -136,11 +150,22 @@ class Pull:
         self.base: int | None = None
         self.body = version.data
         self.start = version.offset  # offset of body[0] in the data section
+        self.selection: Selected | None = None
         self.closed = False
 
     @property
     def manifest(self) -> Manifest:
-        return self.version.manifest
+        """The manifest the client gets: the version's, or the selection's."""
+        return self.version.manifest if self.selection is None else self.selection.manifest
+
+    @property
+    def etag(self) -> str:
+        """The HTTP entity tag of the file this pull serves (the version's, or the selection's)."""
+        return self.version.etag if self.selection is None else self.selection.etag
+
+    @property
+    def file_size(self) -> int:
+        return self.version.size if self.selection is None else self.selection.size
 
     def _where(self) -> str:
         return f"model {self.manifest.model!r} version {self.manifest.version}"
@@ -156,6 +181,8 @@ class Pull:
         if not 0 <= offset <= total:
             raise InvalidArgument(f"{self._where()}: resume offset {offset} is outside its {total}-byte "
                                   f"{'delta' if self.base is not None else 'data section'}")  # fmt: skip
+        if self.selection is not None:
+            return self.selection.chunks(offset, size)
         start, end = self.start, self.start + len(self.body)
         first = offset if start <= offset <= end else end
         return ((at, self.body[at - start : at - start + size]) for at in range(first, end, size))
@@ -165,6 +192,8 @@ class Pull:
 
         A replica holding one part serves the header and its own part (contiguous with the header only
         for the first part); any other range is FAILED_PRECONDITION, naming the owners."""
+        if self.selection is not None:
+            return self.selection.file_range(start, end, size)
         v = self.version
         head = len(v.header)
         lo, hi = (head + b for b in v.held)

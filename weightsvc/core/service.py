@@ -23,6 +23,7 @@ from weightsvc.core.manifest import (
 from weightsvc.core.pull import Pull, Pulls, watching
 from weightsvc.core.push import Pushes, PushMessage
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
+from weightsvc.core.selection import Select
 from weightsvc.core.store import ClientStatus, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
@@ -126,10 +127,12 @@ class Service:
         """The model's latest committed version (NOT_FOUND for a model without any)."""
         return self.store.get(model, None).manifest.version
 
-    async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None) -> Pull:
+    async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None,
+                   select: Select | None = None) -> Pull:  # fmt: skip
         """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
-        body is the delta encoding against it when there is one, else the data section as always."""
-        return await self.pulls.open(model, version, transport, base, dense_fallback=True)
+        body is the delta encoding against it when there is one, else the data section as always. With
+        `select`, only the selected tensors, whole or sliced, under the selection's own manifest."""
+        return await self.pulls.open(model, version, transport, base, dense_fallback=True, select=select)
 
     async def pull_delta(self, model: str, version: int | None, base: int, transport: str) -> Pull:
         """Start a pull whose body is the delta encoding of `version` against `base`; FAILED_PRECONDITION

@@ -30,6 +30,7 @@ from weightsvc.transport.wire import (
     encode_message,
     info_to_proto,
     manifest_to_proto,
+    select_from_proto,
 )
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -85,7 +86,9 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def Pull(self, request: pb.PullRequest, context: Any) -> None:
         base = parse_version_ref(request.base) if request.base else None
-        pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base)
+        select = select_from_proto(request.select) if request.select else None
+        pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base,
+                                       select=select)  # fmt: skip
         try:
             chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
             # Written rather than yielded: only the stall timeout around a write (which waits on flow

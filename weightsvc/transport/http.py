@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from weightsvc.core.manifest import Manifest, parse_version_ref
 from weightsvc.core.pull import Pull
+from weightsvc.core.selection import parse_selector, selection
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
@@ -38,6 +39,10 @@ _DELTA: dict[int | str, dict[str, Any]] = {
 _EVENTS: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/event-stream": {}}, "description": "One event per version: id, event, data"}
 }
+_SELECT = (
+    "A sliced pull: only these tensors, each `NAME` (whole) or `NAME@DIM:START:STOP` (the range [START, STOP) of "
+    "dim DIM; split on the last '@'). The answer is a safetensors file of the selection, its manifest in __metadata__"
+)
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
 
@@ -74,7 +79,7 @@ class PullResponse(Response):
 
     def __init__(self, pull: Pull, pieces: Iterator[memoryview], status: int, headers: dict[str, str]) -> None:
         m = pull.manifest
-        headers = {"etag": pull.version.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
+        headers = {"etag": pull.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
                    **headers}  # fmt: skip
         super().__init__(status_code=status, headers=headers, media_type="application/octet-stream")
         self.pull, self.pieces = pull, pieces
@@ -163,13 +168,19 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
-    async def safetensors(model: str, version: str, request: Request) -> Response:
-        pull = await service.pull(model, parse_version_ref(version), "http")
+    async def safetensors(
+        model: str,
+        version: str,
+        request: Request,
+        select: list[str] = Query([], description=_SELECT),
+    ) -> Response:
+        selected = selection(map(parse_selector, select)) if select else None
+        pull = await service.pull(model, parse_version_ref(version), "http", select=selected)
         try:
             span: tuple[int, int] | None = None
-            size = pull.version.size
+            size = pull.file_size
             if_range = request.headers.get("if-range")
-            if if_range is None or if_range == pull.version.etag:  # a stale If-Range gets the whole new file
+            if if_range is None or if_range == pull.etag:  # a stale If-Range gets the whole new file
                 span = _parse_range(request.headers.get("range"), size)
             start, end = span or (0, size)
             pieces = pull.file_pieces(start, end, PIECE_BYTES)
@@ -185,11 +196,11 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         except BaseException:
             pull.close()
             raise
-        m = pull.manifest
+        m, suffix = pull.manifest, "" if selected is None else "-selection"
         headers = {
             "content-length": str(end - start),
             "accept-ranges": "bytes",
-            "content-disposition": f'attachment; filename="{m.model}-{m.version}.safetensors"',
+            "content-disposition": f'attachment; filename="{m.model}-{m.version}{suffix}.safetensors"',
         }
         if span:
             headers["content-range"] = f"bytes {start}-{end - 1}/{size}"

@@ -13,11 +13,13 @@ delimited) holding Chunk {1: tensor string, 2: offset int64 varint, 3: data byte
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from weightsvc.core.manifest import LagMetrics, Manifest, Part, ServedTensor
+from weightsvc.core.manifest import LagMetrics, Manifest, Part, ServedTensor, Slice
+from weightsvc.core.selection import Select, selection
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2
@@ -156,8 +158,22 @@ def info_to_proto(m: Manifest) -> pb.VersionInfo:
     return pb.VersionInfo(**{**m.info(), "lag": lag_to_proto(m.lag)})
 
 
+def slice_from_proto(msg: pb.ServedTensor | pb.TensorSelect) -> Slice | None:
+    return Slice(msg.slice.dim, msg.slice.start, msg.slice.stop) if msg.HasField("slice") else None
+
+
+def select_to_proto(select: Select) -> list[pb.TensorSelect]:
+    return [pb.TensorSelect(tensor=name, slice=None if cut is None else pb.TensorSlice(**dataclasses.asdict(cut)))
+            for name, cut in select.items()]  # fmt: skip
+
+
+def select_from_proto(items: Iterable[pb.TensorSelect]) -> dict[str, Slice | None]:
+    return selection((item.tensor, slice_from_proto(item)) for item in items)
+
+
 def manifest_from_proto(m: pb.Manifest) -> Manifest:
-    tensors = tuple(ServedTensor(**{**_scalars(ServedTensor, t), "shape": tuple(t.shape)}) for t in m.tensors)  # type: ignore[arg-type]
+    tensors = tuple(ServedTensor(**{**_scalars(ServedTensor, t, ("slice",)), "shape": tuple(t.shape)},  # type: ignore[arg-type]
+                                 slice=slice_from_proto(t)) for t in m.tensors)  # fmt: skip
     parts = tuple(Part(**_scalars(Part, p)) for p in m.parts)  # type: ignore[arg-type]
     return Manifest(**_scalars(Manifest, m, ("tensors", "lag", "parts", "aliases")), tensors=tensors,  # type: ignore[arg-type]
                     lag=lag_from_proto(m), parts=parts, aliases=tuple(sorted(m.aliases.items())))  # fmt: skip

@@ -88,20 +88,40 @@ class PushResponse(_message.Message):
     def __init__(self, version: _Optional[_Union[VersionInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ServedTensor(_message.Message):
-    __slots__ = ("name", "shape", "dtype", "offset", "nbytes", "checksum")
+    __slots__ = ("name", "shape", "dtype", "offset", "nbytes", "checksum", "slice")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
     offset: int
     nbytes: int
     checksum: str
-    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ...) -> None: ...
+    slice: TensorSlice
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[str] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
+
+class TensorSlice(_message.Message):
+    __slots__ = ("dim", "start", "stop")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    start: int
+    stop: int
+    def __init__(self, dim: _Optional[int] = ..., start: _Optional[int] = ..., stop: _Optional[int] = ...) -> None: ...
+
+class TensorSelect(_message.Message):
+    __slots__ = ("tensor", "slice")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    SLICE_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    slice: TensorSlice
+    def __init__(self, tensor: _Optional[str] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
 
 class Manifest(_message.Message):
     __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases")
@@ -189,16 +209,18 @@ class VersionInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("model", "version", "offset", "base")
+    __slots__ = ("model", "version", "offset", "base", "select")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     offset: int
     base: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., offset: _Optional[int] = ..., base: _Optional[str] = ...) -> None: ...
+    select: _containers.RepeatedCompositeFieldContainer[TensorSelect]
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., offset: _Optional[int] = ..., base: _Optional[str] = ..., select: _Optional[_Iterable[_Union[TensorSelect, _Mapping]]] = ...) -> None: ...
 
 class Delta(_message.Message):
     __slots__ = ("base_version", "delta_bytes")

@@ -93,7 +93,8 @@ class WeightServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """Server stream: the Manifest first, then Chunk messages over the served data section.
+        """Server stream: the Manifest first, then Chunk messages over the served data section (of the
+        selected tensors only, for a sliced pull: PullRequest.select).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,190 @@
+"""Sliced pulls: a tensor-parallel worker pulls only the tensors, and the rows or columns of tensors,
+that it needs.
+
+A selection maps tensor names to a `Slice` of the tensor, or to None for the whole tensor. Its
+manifest lays the selected tensors out as a version's are (`layout`: wider dtypes first, selection
+order within a dtype), each with the slice's shape, the checksum of exactly its bytes and the slice
+it is of; its data section is gathered from the version's bytes (a whole tensor or a dim-0 range is
+a view of them, any other slice a copy). Over HTTP a selection is a list of `NAME` (whole) and
+`NAME@DIM:START:STOP` selectors.
+
+Numpy is loaded by the first slice that needs a copy: the clients import this module.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+
+from weightsvc.core.manifest import DTYPE_SIZES, Manifest, ServedTensor, Slice, checksum, layout
+from weightsvc.core.memory import alloc
+from weightsvc.errors import FailedPrecondition, InvalidArgument
+
+Select = Mapping[str, Slice | None]  # tensor name -> the slice of it, or None for the whole tensor
+_SLICED = re.compile(r"(-?\d{1,19}):(-?\d{1,19}):(-?\d{1,19})")
+
+
+def selection(pairs: Iterable[tuple[str, Slice | None]]) -> dict[str, Slice | None]:
+    """A selection from the (name, slice) pairs of a request; INVALID_ARGUMENT if a name comes twice."""
+    out: dict[str, Slice | None] = {}
+    for name, cut in pairs:
+        if name in out:
+            raise InvalidArgument(f"tensor {name!r} is selected twice: select each tensor once")
+        out[name] = cut
+    return out
+
+
+def selector(name: str, cut: Slice | None) -> str:
+    """The text form of one selected tensor: `NAME` (whole) or `NAME@DIM:START:STOP`."""
+    return name if cut is None else f"{name}@{cut.dim}:{cut.start}:{cut.stop}"
+
+
+def parse_selector(text: str) -> tuple[str, Slice | None]:
+    """`NAME@DIM:START:STOP` split on its last '@'; any other text is the name of a whole tensor."""
+    name, at, spec = text.rpartition("@")
+    sliced = _SLICED.fullmatch(spec)
+    if at and sliced:
+        dim, start, stop = map(int, sliced.groups())
+        return name, Slice(dim, start, stop)
+    return text, None
+
+
+def sliced_shape(shape: tuple[int, ...], cut: Slice | None) -> tuple[int, ...]:
+    if cut is None:
+        return shape
+    return (*shape[: cut.dim], cut.stop - cut.start, *shape[cut.dim + 1 :])
+
+
+def chosen(manifest: Manifest, select: Select) -> list[tuple[ServedTensor, Slice | None]]:
+    """The version's tensors that `select` names, in its order, with their slices. INVALID_ARGUMENT
+    names an unknown tensor, a dim the tensor does not have, or a range that is empty or outside it."""
+    where = f"model {manifest.model!r} version {manifest.version}"
+    if not select:
+        raise InvalidArgument(f"{where}: the selection is empty: select at least one tensor")
+    by_name = {t.name: t for t in manifest.tensors}
+    out = []
+    for name, cut in select.items():
+        t = by_name.get(name)
+        if t is None:
+            raise InvalidArgument(f"{where} has no tensor {name!r} to select")
+        if cut is not None:
+            what = f"{where}: tensor {name!r} of shape {list(t.shape)}"
+            if not 0 <= cut.dim < len(t.shape):
+                dims = f"dims 0 to {len(t.shape) - 1}" if t.shape else "no dims: select it whole"
+                raise InvalidArgument(f"{what} has no dim {cut.dim} ({dims})")
+            size = t.shape[cut.dim]
+            if not 0 <= cut.start < cut.stop <= size:
+                raise InvalidArgument(
+                    f"{what}: range [{cut.start}, {cut.stop}) of dim {cut.dim} is empty or outside [0, {size})"
+                )
+        out.append((t, cut))
+    return out
+
+
+def owner_of(manifest: Manifest, t: ServedTensor) -> str:
+    """The replica that holds tensor `t` of a version of parts (sharded replicas)."""
+    return next(p.owner for p in manifest.parts if p.offset <= t.offset and t.offset + t.nbytes <= p.offset + p.nbytes)
+
+
+def by_owner(manifest: Manifest, select: Select) -> dict[str, dict[str, Slice | None]]:
+    """A selection of a version of parts, split by the replica that holds each selected tensor."""
+    groups: dict[str, dict[str, Slice | None]] = {}
+    for t, cut in chosen(manifest, select):
+        groups.setdefault(owner_of(manifest, t), {})[t.name] = cut
+    return groups
+
+
+def _bytes_of(t: ServedTensor, cut: Slice | None, raw: memoryview) -> memoryview:
+    """The bytes of `cut` of tensor `t`, whose bytes are `raw`: a view of them when they are contiguous
+    (the whole tensor, a range of its outermost dim), else a copy."""
+    if cut is None:
+        return raw
+    itemsize = DTYPE_SIZES[t.dtype]
+    outer = math.prod(t.shape[: cut.dim])
+    inner = math.prod(t.shape[cut.dim + 1 :]) * itemsize  # bytes of one index of `dim`
+    if outer <= 1 or inner == 0:
+        return raw[cut.start * inner * outer : cut.stop * inner * outer]
+    import numpy as np
+
+    grid = np.frombuffer(raw, np.uint8).reshape(outer, t.shape[cut.dim], inner)
+    return np.ascontiguousarray(grid[:, cut.start : cut.stop]).reshape(-1).data
+
+
+@dataclass(frozen=True)
+class Selected:
+    """A selection of a version, ready to send: its manifest, its safetensors header and ETag, and the
+    bytes of each of its tensors, in the manifest's order."""
+
+    manifest: Manifest
+    header: bytes
+    etag: str
+    segments: tuple[memoryview, ...]
+
+    @property
+    def size(self) -> int:
+        """Bytes of the selection's safetensors file."""
+        return len(self.header) + self.manifest.data_bytes
+
+    def chunks(self, start: int, size: int) -> Iterator[tuple[int, memoryview]]:
+        """(offset, bytes) pieces of at most `size` bytes of the selection's data section from `start`
+        on; a piece never spans two tensors."""
+        for t, segment in zip(self.manifest.tensors, self.segments, strict=True):
+            end = t.offset + t.nbytes
+            for at in range(max(start, t.offset), end, size):
+                yield at, segment[at - t.offset : min(end, at + size) - t.offset]
+
+    def file_range(self, start: int, end: int, size: int) -> Iterator[memoryview]:
+        """Pieces of at most `size` bytes covering [start, end) of the selection's safetensors file."""
+        head = memoryview(self.header)
+        for at in range(start, min(end, len(head)), size):
+            yield head[at : min(end, len(head), at + size)]
+        stop = end - len(head)
+        for at, piece in self.chunks(max(0, start - len(head)), size):
+            if at >= stop:
+                return
+            yield piece[: stop - at]
+
+
+def gather(manifest: Manifest, data: memoryview, offset: int, select: Select, holder: str = "") -> Selected:
+    """The selection `select` of the version `manifest`, from the bytes [offset, offset + len(data)) of
+    its data section that this server holds (all of them, or a sharded replica's part, `holder`'s).
+    FAILED_PRECONDITION names the selected tensors that other replicas hold. Blocking: it hashes and
+    copies (run it off the event loop)."""
+    picked = chosen(manifest, select)
+    elsewhere = [t for t, _ in picked if not (offset <= t.offset and t.offset + t.nbytes <= offset + len(data))]
+    if elsewhere:
+        named = ", ".join(f"{t.name!r} ({owner_of(manifest, t)})" for t in elsewhere)
+        raise FailedPrecondition(
+            f"model {manifest.model!r} version {manifest.version} is sharded over replicas, and this one "
+            f"({holder}) does not hold the selected tensors {named}: pull each replica's tensors from it "
+            "(the InferenceClient does)"
+        )
+    placed, data_bytes = layout([(t.name, sliced_shape(t.shape, cut), t.dtype) for t, cut in picked])
+    source = {t.name: (t, cut) for t, cut in picked}
+    tensors, segments = [], []
+    for p in placed:
+        t, cut = source[p.name]
+        piece = _bytes_of(t, cut, data[t.offset - offset : t.offset - offset + t.nbytes])
+        tensors.append(replace(p, checksum=t.checksum if cut is None else checksum(piece), slice=cut))
+        segments.append(piece)
+    m = replace(manifest, tensors=tuple(tensors), data_bytes=data_bytes, parts=())
+    header = m.safetensors_header()
+    return Selected(m, header, m.etag(header), tuple(segments))
+
+
+def joined(selections: list[tuple[Manifest, memoryview]]) -> tuple[Manifest, memoryview]:
+    """The selections of a version pulled from several replicas, as one: back to back, in the order
+    given (a tensor after one of odd size, fp8, may sit unaligned)."""
+    tensors: list[ServedTensor] = []
+    offset = 0
+    for m, _ in selections:
+        tensors += [replace(t, offset=t.offset + offset) for t in m.tensors]
+        offset += m.data_bytes
+    data = alloc(offset)
+    offset = 0
+    for m, part in selections:
+        data[offset : offset + m.data_bytes] = part
+        offset += m.data_bytes
+    return replace(selections[0][0], tensors=tuple(tensors), data_bytes=offset), data
