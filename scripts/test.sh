@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite and the linter. Extra arguments go to pytest.
+# Set up, then run the linter, the whole test suite, and the real-engine tests (vLLM, in their own
+# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). Extra arguments go to
+# pytest and run the main suite alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -10,3 +12,6 @@ fi
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
 .venv/bin/python -m pytest -q -rs "$@"  # -rs: why each skipped test was skipped
+if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+  scripts/test_engines.sh
+fi

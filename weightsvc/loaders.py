@@ -154,16 +154,26 @@ def update_sglang(
 ) -> int:
     """Pull a version into a running `sglang.Engine` with `update_weights_from_tensor` and ack it.
 
-    SGLang's model loaders take checkpoint names and shapes, as the learner pushed them, and fp8
-    tensors with their `<name>_scale_inv` scales; tied aliases come under both names (its models
+    Written against SGLang 0.5.23 (`update_weights_from_tensor(named_tensors, load_format=None,
+    flush_cache=True)` -> `(success, message)`), inside the `begin_weight_update()` /
+    `end_weight_update()` session that 0.5.21 and later require. Its model loaders take checkpoint
+    names and shapes, as the learner pushed them; tied aliases come under both names (its models
     skip the head when the config ties it). The prefix cache is flushed: KV entries computed with
     the old weights are stale. An update the engine reports as failed raises, and is not acked."""
 
     def load(client: InferenceClient, m: Manifest) -> None:
         weights = client.pull(model, m.version)
-        result = engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=flush_cache)
+        session = hasattr(engine, "begin_weight_update")  # SGLang 0.5.21 and later update in a session
+        if session:
+            engine.begin_weight_update()
+        try:
+            result = engine.update_weights_from_tensor(named_tensors=list(weights.items()), flush_cache=flush_cache)
+        finally:
+            if session:
+                engine.end_weight_update()
         if isinstance(result, tuple) and result and result[0] is False:
-            raise RuntimeError(f"model {model!r} version {m.version}: SGLang refused the update: {result[1:]}")
+            why = result[1] if len(result) > 1 else "no reason given"
+            raise RuntimeError(f"model {model!r} version {m.version}: SGLang refused the update: {why}")
 
     return _update(target, model, version, client_id, load)
 
@@ -241,23 +251,33 @@ def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]]
     where = f"model {manifest.model!r} version {manifest.version}"
     served = {t.name: t for t in manifest.tensors}
     served_names = set(served) | {a for a, _ in manifest.aliases}
+    for t in manifest.tensors:  # the kind of each weight first: it explains its scales
+        if t.name in expected and (t.dtype in FP8_DTYPES and not dequantize) != (expected[t.name][1] in FP8_DTYPES):
+            dtype = expected[t.name][1]
+            hint = "" if dtype in FP8_DTYPES else " (update with dequantize=True to load it as values)"
+            raise Mismatch(f"{where}: tensor {t.name!r} is served as {t.dtype}; the engine runs {dtype}{hint}")
     for t in manifest.tensors:
         if dequantize and t.name.endswith(SCALE_SUFFIX) and t.name.removesuffix(SCALE_SUFFIX) in served:
             continue
         if t.name not in expected:
             raise Mismatch(f"{where}: tensor {t.name!r} (shape {list(t.shape)}) is not in the engine's checkpoint")
-        shape, dtype = expected[t.name]
+        shape = expected[t.name][0]
         if list(t.shape) != list(shape):
             raise Mismatch(f"{where}: tensor {t.name!r} has shape {list(t.shape)}; the engine expects {shape}")
-        engine_fp8 = dtype in FP8_DTYPES
-        if (t.dtype in FP8_DTYPES and not dequantize) != engine_fp8:
-            hint = "" if engine_fp8 else " (update with dequantize=True to load it as values)"
-            raise Mismatch(f"{where}: tensor {t.name!r} is served as {t.dtype}; the engine runs {dtype}{hint}")
     absent = [n for n in expected if n not in served_names and n not in tied]
     if absent:
         more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
         raise Mismatch(f"{where}: the version lacks tensor {absent[0]!r} (shape {expected[absent[0]][0]}) of the "
                        f"engine's checkpoint{more}")  # fmt: skip
+
+
+def check_engine_fits(manifest: Manifest, model_config: Any, *, dequantize: bool = False) -> None:
+    """`check_fits` against the checkpoint a vLLM engine was started from (its `ModelConfig`);
+    nothing to check against when it was not started from a local directory."""
+    expected = _checkpoint(str(model_config.model))
+    if expected is not None:
+        tied = ("lm_head.weight",) if getattr(model_config.hf_config, "tie_word_embeddings", False) else ()
+        check_fits(manifest, expected, dequantize=dequantize, tied=tied)
 
 
 class VllmWorkerExtension:
@@ -277,10 +297,7 @@ class VllmWorkerExtension:
         hf = config.hf_config
         with InferenceClient(target) as client:
             manifest = client.manifest(model, version)
-            expected = _checkpoint(str(config.model))
-            if expected is not None:
-                tied = ("lm_head.weight",) if getattr(hf, "tie_word_embeddings", False) else ()
-                check_fits(manifest, expected, dequantize=dequantize_fp8, tied=tied)
+            check_engine_fits(manifest, config, dequantize=dequantize_fp8)
             heads = getattr(hf, "num_attention_heads", 1) or 1
             head_dim = getattr(hf, "head_dim", None) or getattr(hf, "hidden_size", 0) // heads
             select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
@@ -294,6 +311,12 @@ class VllmWorkerExtension:
         for name, part in sliced.items():
             weights[name] = _placed(weights[name], shapes[name], part)
         weights = manifest.with_aliases(weights)
+        if getattr(hf, "tie_word_embeddings", False) and "lm_head.weight" not in weights:
+            # vLLM's in-place reload keeps the head it had unless it is given one (the version's
+            # checkpoint omits the tied name): hand it the embeddings under the head's name.
+            embed = next((n for n in weights if n.endswith("embed_tokens.weight")), None)
+            if embed is not None:
+                weights["lm_head.weight"] = weights[embed]
         reload = getattr(self, "reload_weights", None)
         if reload is not None:
             reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
@@ -325,6 +348,9 @@ def update_vllm(
     a weight; an engine that fails or dies during the update raises, and nothing is acked."""
 
     def load(_client: InferenceClient, m: Manifest) -> None:
+        config = getattr(llm, "model_config", None)
+        if config is not None:  # refused here, before any worker starts; each worker checks again
+            check_engine_fits(m, config, dequantize=dequantize)
         try:
             llm.collective_rpc("weightsvc_load", args=(target, model, m.version, dequantize))
         except Exception as e:

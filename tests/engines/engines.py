@@ -73,13 +73,14 @@ def engine(path: Path, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
     """A vLLM engine on the CPU with weightsvc's worker extension, shut down on exit."""
     from vllm import LLM
 
+    kwargs.setdefault("worker_extension_cls", "weightsvc.loaders.VllmWorkerExtension")
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0,
-              tensor_parallel_size=tp, worker_extension_cls="weightsvc.loaders.VllmWorkerExtension",
-              **kwargs)  # fmt: skip
+              tensor_parallel_size=tp, **kwargs)  # fmt: skip
     try:
         yield llm
     finally:
-        llm.llm_engine.engine_core.shutdown()
+        with contextlib.suppress(Exception):  # (an engine that died is gone already)
+            llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
 

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from tests.engines.engines import checkpoint, engine, generate, masters, served_checkpoint
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.loaders import dequantize, tp_select, update_vllm
+from weightsvc.loaders import Mismatch, dequantize, tp_select, update_vllm
 from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
@@ -86,7 +86,7 @@ def test_tied_model_travels_once_and_its_head_follows(server: BackgroundServer, 
         # keeps generating what it did, and nothing is acked.
         other, _ = masters("llama")
         learner.push(1, other.state_dict(), model="other-shape")
-        with pytest.raises(Exception, match=r"tensor '.*' (is not in the engine's checkpoint|has shape)"):
+        with pytest.raises(Mismatch, match=r"tensor 'lm_head.weight' \(shape \[512, 128\]\) is not in the engine's"):
             update_vllm(llm, server.grpc_target, "other-shape", client_id="vllm-tied")
         assert generate(llm) == got
         assert acked(server, "other-shape") == {}
@@ -136,8 +136,9 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
          "--until-version", "2", "--vllm", str(start)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
+    lines: queue.Queue[str] = queue.Queue()  # the worker's events (vLLM logs to stdout too)
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout if line.startswith('{"event"')],  # type: ignore[union-attr]
+                     daemon=True).start()  # fmt: skip
     try:
         first = json.loads(lines.get(timeout=300))
         assert (first["event"], first["version"]) == ("swap", 1)
@@ -163,7 +164,7 @@ def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(server: BackgroundS
     learner.push(1, step(module, 1), model="llama-fp8", format="fp8_e4m3")
     with engine(start) as llm:
         before = generate(llm)
-        with pytest.raises(Exception, match=r"is served as F8_E4M3; the engine runs BF16"):
+        with pytest.raises(Mismatch, match=r"is served as F8_E4M3; the engine runs BF16"):
             update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8")
         assert generate(llm) == before and acked(server, "llama-fp8") == {}
         update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8", dequantize=True)
@@ -174,3 +175,16 @@ def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(server: BackgroundS
     with engine(reference) as fresh:
         assert got == generate(fresh)
     assert acked(server, "llama-fp8") == {"fp8": 1}
+
+
+def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
+    server: BackgroundServer, learner: LearnerClient, tmp_path: Path
+) -> None:
+    module, _ = masters("llama", seed=17)
+    start = checkpoint(module, tmp_path / "v0")
+    learner.push(1, step(module, 1), model="llama-dies")
+    died = r"model 'llama-dies' version 1: the vLLM engine died during the update"
+    with engine(start, worker_extension_cls="tests.engines.dying.DyingWorkerExtension") as llm, \
+            pytest.raises(RuntimeError, match=died):  # fmt: skip
+        update_vllm(llm, server.grpc_target, "llama-dies", client_id="dies")
+    assert acked(server, "llama-dies") == {}

@@ -303,34 +303,56 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
 
 
 class FakeSglangEngine:
-    """`sglang.Engine.update_weights_from_tensor` over a module in checkpoint layout."""
+    """`sglang.Engine` (0.5.23) as `update_sglang` uses it, over a module in checkpoint layout, with
+    a tied head as SGLang's Qwen2 keeps it: `update_weights_from_tensor(named_tensors, load_format=None,
+    flush_cache=True)` answers `(success, message)`, refuses outside a `begin_weight_update()` /
+    `end_weight_update()` session, and warns of (and skips) a name the model does not have."""
 
-    def __init__(self) -> None:
-        self.module = Attention().to(torch.bfloat16)
-        self.flushed = False
+    def __init__(self, refuse: bool = False) -> None:
+        self.module = TiedLM().to(torch.bfloat16)
+        self.flushed = self.in_session = False
+        self.refuse = refuse
+        self.skipped: list[str] = []
+
+    def begin_weight_update(self, selector: str = "all") -> None:
+        self.in_session = True
+
+    def end_weight_update(self) -> None:
+        self.in_session = False
 
     def update_weights_from_tensor(
         self, named_tensors: list[tuple[str, torch.Tensor]], load_format: str | None = None, flush_cache: bool = True
     ) -> tuple[bool, str]:
-        params = dict(self.module.named_parameters())
+        if not self.in_session:
+            return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+        if self.refuse:
+            return False, "Failed to update weights: out of memory"
+        params = dict(self.module.named_parameters())  # the tied head is not among them
         with torch.no_grad():
             for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+                if name in params:
+                    params[name].copy_(tensor)
+                else:
+                    self.skipped.append(name)
         self.flushed = flush_cache
-        return True, "Succeeded to update model weights."
+        return True, "Success"
 
 
 def test_update_sglang_hands_the_engine_checkpoint_named_tensors(
     server: BackgroundServer, learner: LearnerClient, model: str
 ) -> None:
-    learner.push(2, masters(), model=model)
-    learner.push(5, masters(1), model=model)
+    torch.manual_seed(0)
+    learner.push(2, TiedLM().state_dict(), model=model)
+    learner.push(5, TiedLM().state_dict(), model=model)
     engine = FakeSglangEngine()
     assert update_sglang(engine, server.grpc_target, model, 2, client_id="sglang-0") == 2
     served = InferenceClient(server.grpc_target).pull(model, 2)
     for name, value in engine.module.state_dict().items():
         assert np.array_equal(bits(value), bits(served[name])), name
-    assert engine.flushed
+    assert engine.flushed and not engine.in_session and engine.skipped == ["lm_head.weight"]
+    assert acked(server, model) == {"sglang-0": 2}
+    with pytest.raises(RuntimeError, match=r"version 5: SGLang refused the update: Failed to update weights"):
+        update_sglang(FakeSglangEngine(refuse=True), server.grpc_target, model, client_id="sglang-1")
     assert acked(server, model) == {"sglang-0": 2}
 
 
