@@ -116,6 +116,20 @@ def test_push_widens_bf16_masters_exactly(served: Serve, tmp_path: Path) -> None
         assert torch.equal(served_copy[name], m), name  # bf16 masters are already on the served grid
 
 
+def test_push_of_a_checkpoint_without_its_tied_head(served: Serve, tmp_path: Path) -> None:
+    masters = make_masters(seed=5)  # as save_pretrained writes a tied model: no lm_head.weight
+    ckpt = tmp_path / "tied.safetensors"
+    save_file(masters, str(ckpt))
+    tie = ["--tie", "lm_head.weight=embed.weight"]
+    pushed = cli("push", str(ckpt), "--model", "tied", "--step", "1", "--target", served.target, *tie)
+    assert pushed.returncode == 0, pushed.stderr
+    served_copy = InferenceClient(served.target).pull("tied", 1)
+    assert served_copy["lm_head.weight"] is served_copy["embed.weight"]
+    line = one_error_line(cli("push", str(ckpt), "--model", "tied", "--step", "2", "--target", served.target,
+                              "--tie", "lm_head.weight"))  # fmt: skip
+    assert "--tie takes ALIAS=TENSOR, got 'lm_head.weight'" in line
+
+
 def test_errors_are_one_line_and_nonzero(
     served: Serve, checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
 ) -> None:

@@ -237,10 +237,21 @@ def push(
     model: Annotated[str, typer.Option(help="Model name.")] = "default",
     target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
+    tie: Annotated[
+        list[str] | None,
+        typer.Option(help="ALIAS=TENSOR: a tied name (e.g. lm_head.weight=model.embed_tokens.weight), served "
+                     "with TENSOR's bytes. Repeatable."),
+    ] = None,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
     """Push fp32 master weights; prints the committed version."""
+    tied = {}
+    for t in tie or []:
+        alias, eq, name = t.partition("=")
+        if not (alias and eq and name):
+            fail(f"--tie takes ALIAS=TENSOR, got {t!r}")
+        tied[alias] = name
     data_start, header = read_safetensors_header(file)  # a clear error before anything heavy loads
     from safetensors import SafetensorError
 
@@ -256,8 +267,8 @@ def push(
             LearnerClient(target, token=token, ca_cert=ca_cert) as client,
             progress_bar(f"push step {step}", total, progress) as bar,
         ):
-            info = client.push(step, state, model=model, progress=bar)
-    except (WeightsvcError, TypeError) as e:
+            info = client.push(step, state, model=model, progress=bar, tied=tied)
+    except (WeightsvcError, TypeError, ValueError) as e:
         fail(str(e))
     verb = "committed" if info.created else "already committed (identical content)"
     say(
