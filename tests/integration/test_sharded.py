@@ -270,3 +270,25 @@ def test_learner_ranks_push_to_sharded_replicas(redis_prefix: str, model: str) -
         pulled = InferenceClient(r0.grpc_target).pull(model, 1)
         assert pulled.keys() == expected.keys()
         assert all(torch.equal(pulled[n], expected[n]) for n in expected)
+
+
+def test_tied_weights_over_sharded_replicas_and_ranks(redis_prefix: str, model: str) -> None:
+    """A tie declared by name on every rank reaches the replica that owns its tensor, whichever rank
+    holds it: every replica serves the alias, bit for bit the tensor, as one server does."""
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix}
+    state = make_masters(seed=4)
+    tied = {"lm_head.weight": "embed.weight"}
+    names = list(state)
+    ranks: list[dict[str, torch.Tensor | Shard]] = [{n: state[n] for n in names[:3]}, {n: state[n] for n in names[3:]}]
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
+            serving() as alone:  # fmt: skip
+        for f in push_ranks(r0.grpc_target, 1, ranks, model, tied=tied):
+            f.result()
+        with LearnerClient(alone.grpc_target) as single:
+            single.push(1, state, model, tied=tied)
+        expected = InferenceClient(alone.grpc_target).pull(model, 1)
+        for replica in (r0, r1):
+            pulled = InferenceClient(replica.grpc_target).pull(model, 1)
+            assert pulled["lm_head.weight"] is pulled["embed.weight"]
+            assert pulled.keys() == expected.keys()
+            assert all(torch.equal(pulled[n], expected[n]) for n in expected)

@@ -18,7 +18,7 @@ import numpy as np
 from weightsvc.client._common import Credentials, InferenceClient, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.core.manifest import MASTER_DTYPE
-from weightsvc.core.topology import assign
+from weightsvc.core.topology import assign, owner
 from weightsvc.transport.names import PUSH
 from weightsvc.transport.wire import encode_chunk, encode_message
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -220,7 +220,7 @@ class LearnerClient:
                 mine = {n: parts[n] for n in owned.get(r.id, [])}
                 own = pb.PushHeader()
                 own.CopyFrom(header)
-                own.aliases.update({a: t for a, t in aliases.items() if t in mine})  # with the tensor's owner
+                own.aliases.update({a: t for a, t in aliases.items() if owner(t, replicas).id == r.id})  # its tensor's
                 streams.append((self._replicas.channel(r.id, where), own, mine))
         resp = self._push_streams(streams, progress)
         info = VersionInfo.from_proto(resp.version, resp.created)
