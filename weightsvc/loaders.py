@@ -50,6 +50,7 @@ __all__ = [
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+ALIVE_TIMEOUT_S = 30.0  # for the workers of an engine to answer after a failed update
 
 
 class Mismatch(ValueError):
@@ -324,10 +325,22 @@ class VllmWorkerExtension:
             self.model_runner.model.load_weights(weights=iter(weights.items()))
         return {"rank": rank, "pulled_bytes": pulled}
 
+    def weightsvc_alive(self) -> bool:
+        return True
+
     def _weightsvc_tp(self) -> tuple[int, int]:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def _alive(llm: Any) -> bool:
+    """Whether every worker of a vLLM engine still answers (after a failed update: died, or refused?)."""
+    try:
+        llm.collective_rpc("weightsvc_alive", timeout=ALIVE_TIMEOUT_S)
+    except Exception:
+        return False
+    return True
 
 
 def update_vllm(
@@ -354,10 +367,10 @@ def update_vllm(
         try:
             llm.collective_rpc("weightsvc_load", args=(target, model, m.version, dequantize))
         except Exception as e:
-            if type(e).__name__ != "EngineDeadError":  # (vLLM's; weightsvc does not import vLLM)
+            if _alive(llm):  # a load that failed in a live engine: its own error says why
                 raise
             raise RuntimeError(f"model {model!r} version {m.version}: the vLLM engine died during the update "
-                               f"({e}); it was not acked") from e  # fmt: skip
+                               f"({type(e).__name__}: {e}); it was not acked") from e  # fmt: skip
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
 

@@ -248,7 +248,7 @@ class FakeVllmWorker(VllmWorkerExtension):
 
 
 class EngineDeadError(RuntimeError):
-    """Named as vLLM's: what `collective_rpc` raises once the engine's process is gone."""
+    """As vLLM's: what `collective_rpc` raises once the engine's process is gone."""
 
 
 class FakeLLM:
@@ -259,7 +259,7 @@ class FakeLLM:
         self.prefix_cache_resets = 0
         self.dies = dies
 
-    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple[Any, ...] = ()) -> list[Any]:
         if self.dies:
             raise EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
         with ThreadPoolExecutor(len(self.workers)) as pool:  # a worker's error is raised here, as vLLM does
@@ -286,7 +286,8 @@ def test_each_tensor_parallel_worker_pulls_only_its_slice(
     assert acked(server, model) == {"vllm-0": 3}
     # Bytes per worker: the replicated tensors whole, 1/TP of the others (KV heads replicated at TP 4).
     manifest = InferenceClient(server.grpc_target).manifest(model, 3)
-    pulled = [r["pulled_bytes"] for r in llm.collective_rpc("weightsvc_load", (server.grpc_target, model, 3, False))]
+    results = llm.collective_rpc("weightsvc_load", args=(server.grpc_target, model, 3, False))
+    pulled = [r["pulled_bytes"] for r in results]
     parts = [sum(vllm_part(n, whole[n], r, tp).numel() * 2 for n in whole) for r in range(tp)]
     for got, part in zip(pulled, parts, strict=True):
         assert part <= got <= part + 16 * 1024, (got, part)  # the tensors' bytes, and the manifest
@@ -299,6 +300,13 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
     learner.push(1, llama_masters(), model=model)
     with pytest.raises(RuntimeError, match=rf"model '{model}' version 1: the vLLM engine died during the update"):
         update_vllm(FakeLLM(2, dies=True), server.grpc_target, model, client_id="vllm-dead")
+    live = FakeLLM(2)
+    def no_room(weights: object) -> None:
+        raise MemoryError("no room for the weights")
+
+    live.workers[1].model_runner.model.load_weights = no_room
+    with pytest.raises(MemoryError, match="no room for the weights"):  # a live engine's own error, as it is
+        update_vllm(live, server.grpc_target, model, client_id="vllm-live")
     assert acked(server, model) == {}
 
 
