@@ -27,7 +27,9 @@ loader fills the names the engine keeps and accepts a version that omits the tie
 from __future__ import annotations
 
 import json
+import queue
 import struct
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,7 +52,7 @@ __all__ = [
 
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
-ALIVE_TIMEOUT_S = 30.0  # for the workers of an engine to answer after a failed update
+ALIVE_TIMEOUT_S = 10.0  # for the workers of a live engine to answer after a failed update
 
 
 class Mismatch(ValueError):
@@ -335,12 +337,22 @@ class VllmWorkerExtension:
 
 
 def _alive(llm: Any) -> bool:
-    """Whether every worker of a vLLM engine still answers (after a failed update: died, or refused?)."""
+    """Whether every worker of a vLLM engine still answers (after a failed update: died, or refused?).
+    Asked from a thread of its own: a call into an engine whose process died can wait forever."""
+    answer: queue.SimpleQueue[bool] = queue.SimpleQueue()
+
+    def ask() -> None:
+        try:
+            llm.collective_rpc("weightsvc_alive")
+            answer.put(True)
+        except Exception:
+            answer.put(False)
+
+    threading.Thread(target=ask, name="weightsvc-vllm-alive", daemon=True).start()
     try:
-        llm.collective_rpc("weightsvc_alive", timeout=ALIVE_TIMEOUT_S)
-    except Exception:
+        return answer.get(timeout=ALIVE_TIMEOUT_S)
+    except queue.Empty:
         return False
-    return True
 
 
 def update_vllm(
