@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -160,10 +161,20 @@ def _pull_method(ch: grpc.Channel) -> Any:
                            response_deserializer=decode_pull_response)  # fmt: skip
 
 
-def _starts_with_manifest(first: object) -> pb.Manifest | None:
-    if isinstance(first, pb.PullResponse) and first.HasField("manifest"):
-        return first.manifest
-    return None
+def _read_manifest(stream: Iterator[object], where: str) -> Manifest | None:
+    """The manifest a Pull stream starts with, and its pieces (None: it did not start with one)."""
+    first = next(stream, None)
+    if not (isinstance(first, pb.PullResponse) and first.HasField("manifest")):
+        return None
+    head, more = first.manifest, []
+    got = len(head.tensors)
+    while got < head.tensor_count:
+        piece = next(stream, None)
+        if not (isinstance(piece, pb.PullResponse) and piece.HasField("manifest_tensors")):
+            raise DataLoss(f"{where}: the manifest ended after {got} of its {head.tensor_count} tensors")
+        more.append(piece.manifest_tensors.tensors)
+        got += len(piece.manifest_tensors.tensors)
+    return manifest_from_proto(head, itertools.chain.from_iterable(more))
 
 
 class GrpcInferenceClient(InferenceClient):
@@ -209,10 +220,9 @@ class GrpcInferenceClient(InferenceClient):
                                      base="" if held is None else str(held[0].version), select=selected)  # fmt: skip
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
-                first = _starts_with_manifest(next(stream, None))
-                if first is None:
+                got = _read_manifest(stream, f"model {model!r} version {pinned}")
+                if got is None:
                     raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
-                got = manifest_from_proto(first)
                 if manifest is not None and got.master_digest != manifest.master_digest:
                     raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
                 manifest = got
@@ -252,7 +262,7 @@ class GrpcInferenceClient(InferenceClient):
         request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
         with errors_of(self.target):
             stream = pull(request, timeout=self.timeout)
-            first = _starts_with_manifest(next(stream, None))
+            first = _read_manifest(stream, rx.where)
             if first is None or first.master_digest != manifest.master_digest:
                 raise DataLoss(f"{rx.where}: the replica answered with another version")
             for chunk in stream:
@@ -263,8 +273,17 @@ class GrpcInferenceClient(InferenceClient):
     # ---- metadata ------------------------------------------------------------------------------
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
-        return manifest_from_proto(self._call(self._stub.GetManifest,
-                                              pb.GetManifestRequest(model=model, version=str(version))))  # fmt: skip
+        head = self._call(self._stub.GetManifest, pb.GetManifestRequest(model=model, version=str(version)))
+        more, got = [], len(head.tensors)
+        while got < head.tensor_count:  # a big manifest comes in pieces: ask from where we got to
+            piece = self._call(self._stub.GetManifest, pb.GetManifestRequest(
+                model=model, version=str(head.version), tensors_from=got))  # fmt: skip
+            if piece.master_digest != head.master_digest or not piece.tensors:
+                raise DataLoss(f"model {model!r} version {head.version}: its manifest changed or ended after "
+                               f"{got} of {head.tensor_count} tensors")  # fmt: skip
+            more.append(piece.tensors)
+            got += len(piece.tensors)
+        return manifest_from_proto(head, itertools.chain.from_iterable(more))
 
     def versions(self, model: str = "default") -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))

@@ -124,7 +124,8 @@ class Committer:
             before = tracker.snapshot()
             if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
                 m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
-                version = Version(m, m.safetensors_header(), version.data)
+            # The file's header, from the final manifest: once, off the loop (0.7 s at 100,000 tensors).
+            version = Version(m, await asyncio.to_thread(m.safetensors_header), version.data)
             try:
                 if self._files is not None:
                     # Durable before visible: a version reported committed survives a crash. The
@@ -165,9 +166,8 @@ class Committer:
         return version, True
 
     async def _register(self, m: Manifest) -> CommitResult:
-        return await self._registry.commit(
-            m.model, m.version, m.master_digest, json.dumps(m.to_dict()), self._index.retain
-        )
+        raw = await asyncio.to_thread(lambda: json.dumps(m.to_dict()))
+        return await self._registry.commit(m.model, m.version, m.master_digest, raw, self._index.retain)
 
     def _kept_residual(self, model: str) -> int | None:
         """The version whose residual file is the model's current ef state (the others go)."""

@@ -57,7 +57,7 @@ class Parts:
         """`version` as this replica's file holds it: the part alone, marked as this replica's."""
         m = version.manifest
         m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
-        return Version(m, m.safetensors_header(), version.data)
+        return Version(m, b"", version.data)  # its header is made at commit
 
     async def commit(self, part: Version, part_of: PartOf) -> tuple[CommitResult, Version]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
@@ -68,6 +68,7 @@ class Parts:
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         self._waiting[m.model] = m.version
+        raw_part = await asyncio.to_thread(lambda: json.dumps(m.to_dict()))
         try:
             try:
                 decided = await self._registry.commit_part(
@@ -76,7 +77,7 @@ class Parts:
                     self.replica_id,
                     part_of.owners,
                     m.master_digest,
-                    json.dumps(m.to_dict()),
+                    raw_part,
                     self._retain,
                 )
             except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it
@@ -104,7 +105,7 @@ class Parts:
         raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
             raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
-        served = _served(part, raw)
+        served = await asyncio.to_thread(_served, part, raw)  # parses the whole manifest, makes its header
         if served is None:
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
         return decided, served

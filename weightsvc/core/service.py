@@ -143,7 +143,7 @@ class Service:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
         version of sharded replicas is whole here: the relay serves all of it."""
         manifest = dataclasses.replace(manifest, parts=())
-        await self.store.commit(Version(manifest, manifest.safetensors_header(), data))
+        await self.store.commit(Version(manifest, b"", data))  # its header is made at commit
 
     @overload
     def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]: ...

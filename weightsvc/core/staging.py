@@ -352,7 +352,7 @@ class PushSession:
             scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
             aliases=self.header.aliases,
         )
-        version = Version(manifest, manifest.safetensors_header(), self.data)
+        version = Version(manifest, b"", self.data)  # its header is made at commit, with the lag
         residual = None
         if self.residual is not None:
             new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc.core.manifest import TensorSpec, parse_version_ref
+from weightsvc.core.manifest import TensorSpec, off_loop, parse_version_ref
 from weightsvc.core.push import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
@@ -29,7 +29,8 @@ from weightsvc.transport.wire import (
     encode_chunk,
     encode_message,
     info_to_proto,
-    manifest_to_proto,
+    manifest_from,
+    manifest_pieces,
     select_from_proto,
 )
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -93,7 +94,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
             chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
             # Written rather than yielded: only the stall timeout around a write (which waits on flow
             # control) takes the version back from a client that stops reading.
-            await pull.send(context.write(pb.PullResponse(manifest=manifest_to_proto(pull.manifest))))
+            for message in await off_loop(manifest_pieces, pull.manifest):  # pre-encoded, in pieces
+                await pull.send(context.write(message))
             if pull.base is not None:
                 delta = pb.Delta(base_version=pull.base, delta_bytes=len(pull.body))
                 await pull.send(context.write(pb.PullResponse(delta=delta)))
@@ -112,7 +114,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> pb.Manifest:
-        return manifest_to_proto(self.service.manifest(request.model, parse_version_ref(request.version)))
+        m = self.service.manifest(request.model, parse_version_ref(request.version))
+        return await off_loop(manifest_from, m, request.tensors_from)
 
     @_abort_on_domain_error
     async def Watch(self, request: pb.WatchRequest, context: Any) -> AsyncIterator[pb.VersionEvent]:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from weightsvc.core.manifest import Manifest, parse_version_ref
+from weightsvc.core.manifest import Manifest, memo, off_loop, parse_version_ref
 from weightsvc.core.pull import Pull
 from weightsvc.core.selection import parse_selector, selection
 from weightsvc.core.service import Service
@@ -119,6 +119,10 @@ async def _events(watch: AsyncIterator[Manifest | None]) -> AsyncIterator[bytes]
         return  # the server stops: the client reconnects (to another replica) with Last-Event-ID
 
 
+def _json(m: Manifest) -> bytes:
+    return json.dumps(m.to_dict(), separators=(",", ":")).encode()
+
+
 def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     app = FastAPI(title="weightsvc", version="1", docs_url="/docs", redoc_url=None)
 
@@ -162,9 +166,10 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def versions(model: str) -> dict[str, Any]:
         return {"model": model, "versions": [m.info() for m in service.versions(model)]}
 
-    @app.get("/v1/models/{model}/versions/{version}/manifest")
-    async def manifest(model: str, version: str) -> dict[str, Any]:
-        return service.manifest(model, parse_version_ref(version)).to_dict()
+    @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
+    async def manifest(model: str, version: str) -> Response:
+        m = service.manifest(model, parse_version_ref(version))
+        return Response(await off_loop(memo, m, "json", _json), media_type="application/json")
 
     @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")

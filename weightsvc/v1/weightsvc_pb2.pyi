@@ -70,14 +70,22 @@ class PushCommit(_message.Message):
     def __init__(self) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("header", "chunk", "commit")
+    __slots__ = ("header", "chunk", "commit", "tensors")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
     header: PushHeader
     chunk: Chunk
     commit: PushCommit
-    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[PushCommit, _Mapping]] = ...) -> None: ...
+    tensors: PushTensors
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., commit: _Optional[_Union[PushCommit, _Mapping]] = ..., tensors: _Optional[_Union[PushTensors, _Mapping]] = ...) -> None: ...
+
+class PushTensors(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("version", "created")
@@ -124,7 +132,7 @@ class TensorSelect(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases")
+    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases", "tensor_count")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +153,7 @@ class Manifest(_message.Message):
     LAG_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -158,7 +167,14 @@ class Manifest(_message.Message):
     lag: LagMetrics
     parts: _containers.RepeatedCompositeFieldContainer[ManifestPart]
     aliases: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tensor_count: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ...) -> None: ...
+
+class ManifestTensors(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[ServedTensor]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ...) -> None: ...
 
 class ManifestPart(_message.Message):
     __slots__ = ("owner", "offset", "nbytes")
@@ -231,14 +247,16 @@ class Delta(_message.Message):
     def __init__(self, base_version: _Optional[int] = ..., delta_bytes: _Optional[int] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("manifest", "chunk", "delta")
+    __slots__ = ("manifest", "chunk", "delta", "manifest_tensors")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_TENSORS_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     chunk: Chunk
     delta: Delta
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ...) -> None: ...
+    manifest_tensors: ManifestTensors
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., delta: _Optional[_Union[Delta, _Mapping]] = ..., manifest_tensors: _Optional[_Union[ManifestTensors, _Mapping]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -273,12 +291,14 @@ class ListVersionsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
-    __slots__ = ("model", "version")
+    __slots__ = ("model", "version", "tensors_from")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FROM_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+    tensors_from: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., tensors_from: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("model", "after_version")
