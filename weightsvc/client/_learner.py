@@ -146,6 +146,22 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
     return kept, aliases
 
 
+HEADER_PIECE_BYTES = 4 << 20  # of tensor specs per header message: well under the 8 MiB message limit
+
+
+def _pieces(specs: list[pb.TensorSpec]) -> list[list[pb.TensorSpec]]:
+    pieces: list[list[pb.TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        n = len(spec.name) + 12 * len(spec.shape) + 32  # (an upper bound of its encoding)
+        if size + n > HEADER_PIECE_BYTES and pieces[-1]:
+            pieces.append([])
+            size = 0
+        pieces[-1].append(spec)
+        size += n
+    return pieces
+
+
 class LearnerClient:
     """Pushes fp32 masters to weightsvc over gRPC."""
 
@@ -200,8 +216,7 @@ class LearnerClient:
         (alias -> tensor, e.g. `{"lm_head.weight": "model.embed_tokens.weight"}`), are pushed as one
         tensor and served under every name, bit for bit the same (see `untie`). With several ranks,
         declare ties with `tied` on every rank."""
-        for name, value in parts.items():  # bad input raises here, with the tensor's name
-            _spec(name, value)
+        specs = {name: _spec(name, value) for name, value in parts.items()}  # bad input raises here, named
         parts, aliases = untie(parts, tied)
         if world_size == 1:  # (another rank may hold the tensor of a declared tie)
             aliases = {a: t for a, t in aliases.items() if t in parts}
@@ -222,7 +237,7 @@ class LearnerClient:
                 own.CopyFrom(header)
                 own.aliases.update({a: t for a, t in aliases.items() if owner(t, replicas).id == r.id})  # its tensor's
                 streams.append((self._replicas.channel(r.id, where), own, mine))
-        resp = self._push_streams(streams, progress)
+        resp = self._push_streams(streams, specs, progress)
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:
             credentials = self.credentials
@@ -233,7 +248,7 @@ class LearnerClient:
 
     def _push_streams(
         self, streams: list[tuple[grpc.Channel, pb.PushHeader, dict[str, Array | Shard]]],
-        progress: Progress | None,
+        specs: dict[str, pb.TensorSpec], progress: Progress | None,
     ) -> pb.PushResponse:  # fmt: skip
         """Run push streams at once (one per replica); the first to fail cancels the others."""
         senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
@@ -244,7 +259,7 @@ class LearnerClient:
                 # Chunks are pre-encoded by `transport.wire` (one copy); header and commit are plain messages.
                 push = ch.stream_unary(PUSH, request_serializer=encode_message,
                                        response_deserializer=pb.PushResponse.FromString)  # fmt: skip
-                call = push.future(self._messages(header, parts, progress, senders), timeout=self.timeout)
+                call = push.future(self._messages(header, parts, specs, progress, senders), timeout=self.timeout)
                 call.add_done_callback(done.put)
                 calls.append(call)
             for _ in calls:
@@ -262,15 +277,23 @@ class LearnerClient:
                     if sender is not threading.current_thread():
                         sender.join(5)
 
-    def _messages(self, header: pb.PushHeader, parts: dict[str, Array | Shard], progress: Progress | None,
-                  senders: list[threading.Thread]) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
+    def _messages(
+        self, header: pb.PushHeader, parts: dict[str, Array | Shard], specs: dict[str, pb.TensorSpec],
+        progress: Progress | None, senders: list[threading.Thread],
+    ) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
         senders.append(threading.current_thread())
-        specs = [_spec(name, value) for name, value in parts.items()]
+        # (a tied tensor pushed under its alias goes under the tensor's own name: `untie`)
+        declared = [specs.get(name) or _spec(name, value) for name, value in parts.items()]
         full = pb.PushHeader()
         full.CopyFrom(header)
-        full.tensors.extend(specs)
+        pieces = _pieces(declared)
+        full.tensors.extend(pieces[0])
+        if len(pieces) > 1:
+            full.tensor_count = len(declared)
         yield pb.PushRequest(header=full)
-        for spec, (name, value) in zip(specs, parts.items(), strict=True):
+        for more in pieces[1:]:  # a header of many tensors, in pieces under the message limit
+            yield pb.PushRequest(tensors=pb.PushTensors(tensors=more))
+        for spec, (name, value) in zip(declared, parts.items(), strict=True):
             raw = _master_bytes(name, value.data if isinstance(value, Shard) else value)
             start = spec.part.offset * 4  # bytes into the whole tensor
             # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.

@@ -293,12 +293,15 @@ BIG_MANIFEST = 2000  # tensors: work on a manifest this size takes milliseconds,
 _memos: dict[tuple[int, str], Any] = {}
 
 
+async def in_thread(big: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`: in a worker thread when `big` (the event loop serves every transport and must
+    never wait seconds on one push or pull), else inline (a thread costs more than small work)."""
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+
 async def off_loop(fn: Callable[..., T], m: Manifest, *args: Any) -> T:
-    """`fn(m, *args)`: in a worker thread for a big manifest (the event loop serves every transport
-    and must never wait seconds on one), inline for a small one (a thread costs more than the work)."""
-    if len(m.tensors) < BIG_MANIFEST:
-        return fn(m, *args)
-    return await asyncio.to_thread(fn, m, *args)
+    """`fn(m, *args)`, off the event loop for a big manifest."""
+    return await in_thread(len(m.tensors) >= BIG_MANIFEST, fn, m, *args)
 
 
 

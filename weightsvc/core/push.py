@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsvc.core.manifest import DTYPE_SIZES, MASTER_DTYPE, TensorSpec, check_model_name
+from weightsvc.core.manifest import BIG_MANIFEST, DTYPE_SIZES, MASTER_DTYPE, TensorSpec, check_model_name, in_thread
 from weightsvc.core.memory import resident_bytes
 from weightsvc.core.ranks import MAX_WORLD_SIZE, merge_parts
 from weightsvc.core.staging import PushSession
@@ -202,8 +202,8 @@ class Push:
         """Merge the ranks' headers and open the shared staging session; fails the push on any error."""
         pushes = self.pushes
         try:
-            whole = dataclasses.replace(header, tensors=merge_parts(self.where, self.headers), rank=0)
-            validate_header(whole, pushes.settings)
+            count = sum(len(tensors) for tensors in self.headers.values())
+            whole = await in_thread(count >= BIG_MANIFEST, self._whole, header)
             reserved = pushes.reserve_staging(whole)
             try:
                 session = await PushSession.open(pushes.service, whole, self.headers)
@@ -225,6 +225,12 @@ class Push:
             return
         pushes.staged(session)
         self.session.set_result(session)
+
+    def _whole(self, header: PushHeader) -> PushHeader:
+        """The header of the whole push, from every rank's (checked; linear in the tensors)."""
+        whole = dataclasses.replace(header, tensors=merge_parts(self.where, self.headers), rank=0)
+        validate_header(whole, self.pushes.settings)
+        return whole
 
     async def _wait_session(self) -> PushSession:
         """The shared session, once every rank has joined; fails the push at the join deadline."""
@@ -301,6 +307,7 @@ class Pushes:
             header = await next_message(messages, settings.push_idle_timeout_s)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
+            await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
             self._check(header)
             push = self._join(header)
             version, created = await push.run(header.rank, messages)
@@ -320,7 +327,7 @@ class Pushes:
             self.streams -= 1
 
     def _check(self, header: PushHeader) -> None:
-        """Refuse a header before it joins anything."""
+        """Refuse a header (already validated) before it joins anything."""
         store = self.service.store
         if self.settings.relay_from:
             raise FailedPrecondition(
@@ -328,7 +335,6 @@ class Pushes:
                 "push there",
                 reason="relay",
             )
-        validate_header(header, self.settings)
         if header.owners and store.replica_id not in header.owners:
             raise FailedPrecondition(
                 f"model {header.model!r} step {header.step}: this server is replica {store.replica_id!r}, "

@@ -21,6 +21,7 @@ import xxhash
 from weightsvc import rounding
 from weightsvc.core.lag import Sample, sample_stride, sampled_indices
 from weightsvc.core.manifest import (
+    BIG_MANIFEST,
     DTYPE_SIZES,
     MASTER_DTYPE,
     Manifest,
@@ -28,6 +29,7 @@ from weightsvc.core.manifest import (
     ServedTensor,
     TensorSpec,
     checksum,
+    in_thread,
     layout,
 )
 from weightsvc.core.memory import alloc
@@ -42,6 +44,14 @@ if TYPE_CHECKING:
 # learner (gRPC flow control) when export is slower than the network.
 MAX_PENDING_CHUNKS = 8
 MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
+# Small chunks are handed to the export thread together, up to this many bytes or chunks.
+BATCH_BYTES = 1 << 20
+BATCH_JOBS = 512
+
+
+def _run_all(jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
+    for job, t, offset, data in jobs:
+        job(t, offset, data)
 
 
 
@@ -88,19 +98,15 @@ class PushSession:
     """
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
-                 data_bytes: int, tensors: dict[str, _StagedTensor],
-                 ranks: dict[int, tuple[TensorSpec, ...]]) -> None:  # fmt: skip
+                 plan: _Plan) -> None:  # fmt: skip
         self.service = service
         self.header = header
         self.spec = spec
         self.data = data
-        self.data_bytes = data_bytes
-        self.tensors = tensors
-        self.parts = {
-            rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
-                   for p in specs}
-            for rank, specs in ranks.items()
-        }  # fmt: skip
+        self.data_bytes = plan.data_bytes
+        self.tensors = plan.tensors
+        self.parts = plan.parts
+        tensors = plan.tensors
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
         )
@@ -110,8 +116,11 @@ class PushSession:
         self.part_of = PartOf(header.owners, timeout) if header.owners else None
         self.stride = sample_stride(sum(t.spec.numel for t in tensors.values()))
         self.staged_bytes = 0
-        self._stage(data_bytes)
+        self._stage(plan.data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.batch: list[tuple[Callable[[_StagedTensor, int, bytes | memoryview], None], _StagedTensor, int,
+                               bytes | memoryview]] = []  # fmt: skip
+        self.batch_bytes = 0
         self.committed = False
         self.reserved = 0  # of the service's staging budget, returned when the session closes
         self.export_seconds = 0.0
@@ -129,34 +138,11 @@ class PushSession:
                                        s.fp8_pattern)  # fmt: skip
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
-        declared = {t.name for t in header.tensors}
-        aliases_of: dict[str, tuple[str, ...]] = {}
-        for alias, target in header.aliases:
-            if target not in declared:
-                raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
-                                      "not declare", reason="invalid_header")  # fmt: skip
-            aliases_of[target] = (*aliases_of.get(target, ()), alias)
-        entries, fmts = [], {}
-        for t in header.tensors:
-            fmt = fmts[t.name] = spec.format_for(t.name, t.shape, aliases_of.get(t.name, ()))
-            entries.append((t.name, t.shape, fmt.safetensors_dtype))
-            if fmt.scaled:
-                entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
-        names = [e[0] for e in entries]
-        if len(set(names)) != len(names):
-            clash = next(n for n in names if names.count(n) > 1)
-            raise InvalidArgument(f"{where}: tensor {clash!r} clashes with the scales of an fp8 tensor",
-                                  reason="invalid_header")  # fmt: skip
-        slots_list, data_bytes = layout(entries)
-        slots = {slot.name: slot for slot in slots_list}
-        tensors = {
-            t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
-            for t in header.tensors
-        }
-        data = service.store.pool.take(data_bytes)
+        plan = await in_thread(len(header.tensors) >= BIG_MANIFEST, _plan, header, spec, ranks, where)
+        data = service.store.pool.take(plan.data_bytes)
         if data is None:
-            data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
-        return cls(service, header, spec, data, data_bytes, tensors, ranks)
+            data = await asyncio.to_thread(alloc, plan.data_bytes)  # mapping pages takes a while: off the loop
+        return cls(service, header, spec, data, plan)
 
     def where(self, rank: int | None = None) -> str:
         where = f"model {self.header.model!r} step {self.header.step}"
@@ -224,10 +210,22 @@ class PushSession:
 
     def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
                byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
-        """Queue work for the export thread: one thread, so a tensor's chunks are handled in order."""
-        n = len(data)
-        self._stage(n)
-        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, job, t, byte_offset, data)
+        """Queue work for the export thread: one thread, so a tensor's chunks are handled in order.
+        Small chunks (many small tensors) go in batches: one hand-over to the thread costs more than
+        exporting a small tensor."""
+        self._stage(len(data))
+        self.batch.append((job, t, byte_offset, data))
+        self.batch_bytes += len(data)
+        if self.batch_bytes >= BATCH_BYTES or len(self.batch) >= BATCH_JOBS:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the batched chunks to the export thread."""
+        if not self.batch:
+            return
+        jobs, n = self.batch, self.batch_bytes
+        self.batch, self.batch_bytes = [], 0
+        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, _run_all, jobs)
         fut.add_done_callback(lambda _f: self._stage(-n))
         self.pending.append(fut)
 
@@ -318,6 +316,7 @@ class PushSession:
                 f"{self.where()}: commit of an incomplete push: {'; '.join(parts)}{more}",
                 reason="incomplete",
             )
+        self._flush()
         await asyncio.gather(*self.pending)
         self.pending.clear()
         self.service.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.export_seconds)
@@ -330,6 +329,15 @@ class PushSession:
                 "rejected (serve with --allow-nonfinite to accept)",
                 reason="nonfinite",
             )
+        version, residual, lag_input = await in_thread(len(self.tensors) >= BIG_MANIFEST, self._prepared)
+        committed, created = await self.service.store.commit(version, residual, lag_input, self.part_of)
+        self.committed = created
+        return committed, created
+
+    def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual] | None,
+                                 tuple[Sample, int, bool] | None]:  # fmt: skip
+        """The version to commit (its manifest), the new ef residual and the lag metrics' input, from
+        the exported tensors (linear in the tensors: off the loop for a big push)."""
         # Order-independent digest of the master: names, shapes and fp32 bytes.
         h = xxhash.xxh3_128()
         for name in sorted(self.tensors):
@@ -368,12 +376,11 @@ class PushSession:
                           for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
         saturated = sum(t.saturated for t in self.tensors.values())
         lag_input = (sample, saturated, self.stride == 1) if self.tensors else None  # (an empty part)
-        committed, created = await self.service.store.commit(version, residual, lag_input, self.part_of)
-        self.committed = created
-        return committed, created
+        return version, residual, lag_input
 
     async def close(self) -> None:
         """Release the staging memory; waits for exports already running so none writes after."""
+        self.batch.clear()
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
         for t in self.tensors.values():
@@ -394,3 +401,47 @@ def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
     return (-(-n // rounding.BLOCK), -(-k // rounding.BLOCK))
 
 
+@dataclasses.dataclass
+class _Plan:
+    """Where each tensor of a push is served: its format, its slot in the data section, and the part
+    each rank pushes of it."""
+
+    tensors: dict[str, _StagedTensor]
+    parts: dict[int, dict[str, _Part]]
+    data_bytes: int
+
+
+def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[TensorSpec, ...]],
+          where: str) -> _Plan:  # fmt: skip
+    """The plan of a push (pure, linear in its tensors: run off the loop for a big header)."""
+    declared = {t.name for t in header.tensors}
+    aliases_of: dict[str, tuple[str, ...]] = {}
+    for alias, target in header.aliases:
+        if target not in declared:
+            raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
+                                  "not declare", reason="invalid_header")  # fmt: skip
+        aliases_of[target] = (*aliases_of.get(target, ()), alias)
+    entries, fmts = [], {}
+    for t in header.tensors:
+        fmt = fmts[t.name] = spec.format_for(t.name, t.shape, aliases_of.get(t.name, ()))
+        entries.append((t.name, t.shape, fmt.safetensors_dtype))
+        if fmt.scaled:
+            entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
+    seen: set[str] = set()
+    for name, _, _ in entries:
+        if name in seen:
+            raise InvalidArgument(f"{where}: tensor {name!r} clashes with the scales of an fp8 tensor",
+                                  reason="invalid_header")  # fmt: skip
+        seen.add(name)
+    slots_list, data_bytes = layout(entries)
+    slots = {slot.name: slot for slot in slots_list}
+    tensors = {
+        t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
+        for t in header.tensors
+    }
+    parts = {
+        rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
+               for p in specs}
+        for rank, specs in ranks.items()
+    }  # fmt: skip
+    return _Plan(tensors, parts, data_bytes)

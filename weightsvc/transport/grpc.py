@@ -14,11 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc.core.manifest import TensorSpec, off_loop, parse_version_ref
+from weightsvc.core.manifest import BIG_MANIFEST, TensorSpec, in_thread, off_loop, parse_version_ref
 from weightsvc.core.push import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
-from weightsvc.errors import InvalidArgument, WeightsvcError
+from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.transport.auth import Auth, GrpcAuth
 from weightsvc.transport.names import METHODS, SERVICE
 from weightsvc.transport.status import grpc_status
@@ -81,7 +81,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
-        version, created = await self.service.push(_push_messages(request_iterator))
+        version, created = await self.service.push(
+            _push_messages(request_iterator, self.service.settings.max_tensors))
         return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
 
     @_abort_on_domain_error
@@ -141,9 +142,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
 
 async def _push_messages(
-    requests: AsyncIterator[pb.PushRequest | ChunkView | Malformed],
+    requests: AsyncIterator[pb.PushRequest | ChunkView | Malformed], max_tensors: int
 ) -> AsyncIterator[PushMessage]:
-    async for req in requests:
+    it = aiter(requests)
+    async for req in it:
         if isinstance(req, ChunkView):  # the bulk path: views into the received message
             yield PushChunk(req.tensor, req.offset, req.data)
             continue
@@ -154,24 +156,46 @@ async def _push_messages(
             yield PushChunk(req.chunk.tensor, req.chunk.offset, req.chunk.data)
         elif kind == "header":
             h = req.header
-            yield PushHeader(
-                model=h.model,
-                step=h.step,
-                tensors=tuple(
-                    TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
-                    for t in h.tensors
-                ),
-                format=h.format,
-                rounding=h.rounding,
-                rank=h.rank,
-                world_size=h.world_size or 1,
-                owners=tuple(h.owners),
-                aliases=tuple(sorted(h.aliases.items())),
-            )
+            where = f"model {h.model!r} step {h.step}"
+            if h.tensor_count > max_tensors:
+                raise ResourceExhausted(f"{where}: {h.tensor_count} tensors, more than the {max_tensors} a version "
+                                        "may have (--max-tensors)", reason="too_large")  # fmt: skip
+            pieces = [h.tensors]  # a big header comes in pieces: gather them first
+            count = len(h.tensors)
+            while count < h.tensor_count:
+                more = await anext(it, None)
+                if not (isinstance(more, pb.PushRequest) and more.WhichOneof("kind") == "tensors"):
+                    raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, and its pieces "
+                                          f"ended after {count}", reason="invalid_header")  # fmt: skip
+                pieces.append(more.tensors.tensors)
+                count += len(more.tensors.tensors)
+            if h.tensor_count and count != h.tensor_count:
+                raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
+                                      f"{count}", reason="invalid_header")  # fmt: skip
+            yield await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
         elif kind == "commit":
             yield PushCommit()
+        elif kind == "tensors":
+            raise InvalidArgument("PushTensors must follow the header, before any chunk", reason="invalid_header")
         else:
             raise InvalidArgument("empty push message: set one of header, chunk, commit", reason="bad_chunk")
+
+
+def _header(h: pb.PushHeader, pieces: list[Any]) -> PushHeader:
+    """The header and its pieces of tensors, as the core takes them (off the loop for a big one)."""
+    tensors = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
+                    for batch in pieces for t in batch)  # fmt: skip
+    return PushHeader(
+        model=h.model,
+        step=h.step,
+        tensors=tensors,
+        format=h.format,
+        rounding=h.rounding,
+        rank=h.rank,
+        world_size=h.world_size or 1,
+        owners=tuple(h.owners),
+        aliases=tuple(sorted(h.aliases.items())),
+    )
 
 
 def _part(part: pb.TensorPart) -> tuple[int, int]:

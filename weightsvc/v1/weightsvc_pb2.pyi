@@ -27,7 +27,7 @@ class TensorPart(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases")
+    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases", "tensor_count")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class PushHeader(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -53,7 +54,8 @@ class PushHeader(_message.Message):
     world_size: int
     owners: _containers.RepeatedScalarFieldContainer[str]
     aliases: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    tensor_count: int
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
