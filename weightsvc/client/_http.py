@@ -13,13 +13,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
-from weightsvc.core.manifest import Manifest, Part, manifest_from_header, read_safetensors_header
+from weightsvc.core.manifest import MAX_HEADER_BYTES, Manifest, Part, manifest_from_header, read_safetensors_header
 from weightsvc.core.memory import alloc
 from weightsvc.core.selection import Select, selector
 from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
 
-MAX_HEADER_BYTES = 100 << 20
 _quote = urllib.parse.quote
 Origin = urllib.parse.SplitResult
 

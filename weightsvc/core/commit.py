@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 
 from weightsvc._faults import crash_point
 from weightsvc.core.acks import Acks
 from weightsvc.core.lag import LagTracker, Sample
-from weightsvc.core.manifest import Manifest
+from weightsvc.core.manifest import Manifest, check_header_size
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import CommitResult, Registry, check_commit
@@ -127,6 +126,7 @@ class Committer:
             # The file's header, from the final manifest: once, off the loop (0.7 s at 100,000 tensors).
             version = Version(m, await asyncio.to_thread(m.safetensors_header), version.data)
             try:
+                check_header_size(len(version.header) - 8, f"model {m.model!r} step {m.version}")
                 if self._files is not None:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.
@@ -166,7 +166,7 @@ class Committer:
         return version, True
 
     async def _register(self, m: Manifest) -> CommitResult:
-        raw = await asyncio.to_thread(lambda: json.dumps(m.to_dict()))
+        raw = await asyncio.to_thread(m.json)
         return await self._registry.commit(m.model, m.version, m.master_digest, raw, self._index.retain)
 
     def _kept_residual(self, model: str) -> int | None:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from weightsvc.errors import DataLoss, InvalidArgument
+from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -274,21 +274,37 @@ class Manifest:
         are (a relay serves a version of parts whole, under a header without them)."""
         return f'"{self.model}-{self.version}-{xxhash.xxh3_64_hexdigest(header)}"'
 
+    def json(self, separators: tuple[str, str] = (", ", ": ")) -> str:
+        """`json.dumps(self.to_dict())`, the same text, made in slices of tensors: one C call over
+        100,000 tensors would hold the GIL, and so the event loop, for most of a second."""
+        d = self.to_dict()
+        key = separators[1]
+        head = json.dumps({**d, "tensors": []}, separators=separators)
+        body = _joined([d["tensors"][i : i + JSON_SLICE] for i in range(0, len(self.tensors), JSON_SLICE)],
+                       separators)  # fmt: skip
+        empty = f'"tensors"{key}[]'  # (a string value cannot hold it: its quotes would be escaped)
+        return head.replace(empty, f'"tensors"{key}[{body}]', 1)
+
     def safetensors_header(self) -> bytes:
-        """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes."""
-        header: dict[str, Any] = {"__metadata__": {METADATA_KEY: json.dumps(self.to_dict())}}
-        for t in self.tensors:
-            header[t.name] = {
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "data_offsets": [t.offset, t.offset + t.nbytes],
-            }
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes.
+        Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header."""
+        meta = json.dumps({"__metadata__": {METADATA_KEY: self.json()}}, separators=(",", ":"))
+        entries = [{t.name: {"dtype": t.dtype, "shape": list(t.shape),
+                             "data_offsets": [t.offset, t.offset + t.nbytes]} for t in self.tensors[i : i + JSON_SLICE]}
+                   for i in range(0, len(self.tensors), JSON_SLICE)]  # fmt: skip
+        parts = [meta[1:-1], *(json.dumps(e, separators=(",", ":"))[1:-1] for e in entries)]
+        raw = ("{" + ",".join(parts) + "}").encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
 
 
 BIG_MANIFEST = 2000  # tensors: work on a manifest this size takes milliseconds, and goes off the loop
+JSON_SLICE = 2000  # tensors per json.dumps call (each holds the GIL for a few milliseconds)
+
+
+def _joined(slices: list[list[dict[str, Any]]], separators: tuple[str, str]) -> str:
+    """The JSON items of `slices`, joined as one list's would be (without the brackets)."""
+    return separators[0].join(json.dumps(s, separators=separators)[1:-1] for s in slices if s)
 
 _memos: dict[tuple[int, str], Any] = {}
 
@@ -361,12 +377,27 @@ def layout(tensors: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[Served
     return out, offset
 
 
+# The largest header safetensors readers take (the format's own limit): a version whose file header
+# would be larger is refused before it commits, so that every committed version can be read back.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def check_header_size(nbytes: int, where: str) -> None:
+    if nbytes > MAX_HEADER_BYTES:
+        raise ResourceExhausted(
+            f"{where}: the version's file header would hold {nbytes} bytes (its tensors' names, shapes and "
+            f"checksums), more than the {MAX_HEADER_BYTES} a safetensors header may: push fewer tensors or "
+            "shorter names",
+            reason="too_large",
+        )
+
+
 def read_safetensors_header(prefix: bytes) -> tuple[int, dict[str, Any]]:
     """(data section start, header dict) of a safetensors file given its first bytes."""
     if len(prefix) < 8:
         raise InvalidArgument("not a safetensors file: shorter than 8 bytes")
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n > 100 << 20 or len(prefix) < 8 + n:
+    if n > MAX_HEADER_BYTES or len(prefix) < 8 + n:
         raise InvalidArgument(f"not a safetensors file: header length {n} is out of range")
     return 8 + n, json.loads(prefix[8 : 8 + n])
 

@@ -68,7 +68,7 @@ class Parts:
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         self._waiting[m.model] = m.version
-        raw_part = await asyncio.to_thread(lambda: json.dumps(m.to_dict()))
+        raw_part = await asyncio.to_thread(m.json)
         try:
             try:
                 decided = await self._registry.commit_part(

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from weightsvc._faults import crash_point
-from weightsvc.core.manifest import manifest_from_header, read_safetensors_header, verify
+from weightsvc.core.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
 from weightsvc.core.versions import Version
 from weightsvc.errors import ResourceExhausted, Unavailable
 from weightsvc.rounding import Residual
@@ -134,7 +134,7 @@ class VersionFiles:
         with open(path, "rb") as f:
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         (header_len,) = struct.unpack("<Q", mm[:8])
-        start, header = read_safetensors_header(mm[: 8 + min(header_len, 100 << 20)])
+        start, header = read_safetensors_header(mm[: 8 + min(header_len, MAX_HEADER_BYTES)])
         manifest = manifest_from_header(header)
         data = memoryview(mm)[start:]
         if len(data) != manifest.data_bytes:

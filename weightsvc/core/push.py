@@ -19,7 +19,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsvc.core.manifest import BIG_MANIFEST, DTYPE_SIZES, MASTER_DTYPE, TensorSpec, check_model_name, in_thread
+from weightsvc.core.manifest import (
+    BIG_MANIFEST,
+    DTYPE_SIZES,
+    MASTER_DTYPE,
+    TensorSpec,
+    check_header_size,
+    check_model_name,
+    in_thread,
+)
 from weightsvc.core.memory import resident_bytes
 from weightsvc.core.ranks import MAX_WORLD_SIZE, merge_parts
 from weightsvc.core.staging import PushSession
@@ -482,6 +490,9 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
                 f"than the {settings.max_version_bytes} bytes a version may have (--max-version-bytes)",
                 reason="too_large",
             )
+    # Each tensor is in the file header twice (its entry and the manifest): a lower bound, so that a
+    # header certain to be too big is refused now, not after its bytes arrived (commit checks exactly).
+    check_header_size(sum(2 * len(t.name) + 150 for t in header.tensors), where)
     for alias, target in header.aliases:
         if alias in seen:
             raise InvalidArgument(f"{where}: alias {alias!r} (of {target!r}) is also a tensor of the push",

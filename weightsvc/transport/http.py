@@ -120,7 +120,7 @@ async def _events(watch: AsyncIterator[Manifest | None]) -> AsyncIterator[bytes]
 
 
 def _json(m: Manifest) -> bytes:
-    return json.dumps(m.to_dict(), separators=(",", ":")).encode()
+    return m.json((",", ":")).encode()
 
 
 def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
