@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightsvc.push")
 
 MAX_NAME_CHARS = 1024
+FAIR_TURN_S = 0.01  # the longest a push stream holds the event loop before it gives way
 RESERVED_NAME = "__metadata__"
 Committed = tuple[Version, bool]  # the committed version, and whether this push created it
 
@@ -143,8 +144,14 @@ class Push:
         fails every rank; the last rank to leave releases the staging memory."""
         try:
             session = await self._wait_session()
+            turn = time.monotonic() + FAIR_TURN_S
             while True:
                 msg = await next_message(messages, self.pushes.settings.push_idle_timeout_s)
+                if time.monotonic() > turn:
+                    # Messages already received are handed over without a pause, so a stream of many
+                    # small ones would keep the loop from every other request: give way now and then.
+                    await asyncio.sleep(0)
+                    turn = time.monotonic() + FAIR_TURN_S
                 if self.failure is not None:  # another rank failed: this one stops at its next message
                     raise self.failure
                 if isinstance(msg, PushChunk):
