@@ -177,17 +177,20 @@ class HttpInferenceClient(InferenceClient):
         manifest_of: list[Manifest] = []  # set by the first try; later ones resume the same version
         etag, start = "", 0
         rx: Receiver | None = None
-        # A selection: a file of its own, of the selected tensors (the route's `select` selectors).
-        query = "?" + urllib.parse.urlencode([("select", selector(*s)) for s in select.items()]) if select else ""
+        # A selection: a file of its own, of the selected tensors, POSTed (thousands of selectors do
+        # not fit in a URL).
+        method, body = "GET", None
+        if select:
+            method, body = "POST", json.dumps({"select": [selector(*s) for s in select.items()]}).encode()
         url = None if owner is None else self._owner_url(owner, f"model {model!r} version {version}")
 
         def attempt() -> None:
             nonlocal etag, start, rx
-            path = f"/v1/models/{_quote(model)}/versions/{_quote(version)}/safetensors{query}"
+            path = f"/v1/models/{_quote(model)}/versions/{_quote(version)}/safetensors"
             if rx is None:
                 # One request: the file's own header carries the manifest, so "latest" cannot
                 # change under us.
-                with self._open("GET", path, base=url) as resp:
+                with self._open(method, path, body=body, base=url) as resp:
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
                     header_len = int.from_bytes(head, "little")
@@ -200,9 +203,9 @@ class HttpInferenceClient(InferenceClient):
                     rx.read(resp)
                 return
             # Resume the same version (If-Range: never splice two versions).
-            path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors{query}"
-            with self._open("GET", path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag},
-                            base=url) as resp:  # fmt: skip
+            path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors"
+            with self._open(method, path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag},
+                            body=body, base=url) as resp:  # fmt: skip
                 if resp.status != 206:
                     raise DataLoss(f"{rx.where} changed while resuming its pull")
                 rx.read(resp)

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -119,6 +119,10 @@ async def _events(watch: AsyncIterator[Manifest | None]) -> AsyncIterator[bytes]
         return  # the server stops: the client reconnects (to another replica) with Last-Event-ID
 
 
+class SelectBody(BaseModel):
+    select: list[str] = Field(description=_SELECT)
+
+
 def _json(m: Manifest) -> bytes:
     return m.json((",", ":")).encode()
 
@@ -179,6 +183,18 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         request: Request,
         select: list[str] = Query([], description=_SELECT),
     ) -> Response:
+        return await _file(model, version, request, select)
+
+    @app.post("/v1/models/{model}/versions/{version}/safetensors", response_model=None,
+              operation_id="post_safetensors_selection")  # fmt: skip
+    async def safetensors_selection(model: str, version: str, request: Request, body: SelectBody) -> Response:
+        """The selection's file, as `GET ...?select=` answers it, for a selection too long for a URL
+        (a tensor-parallel worker's slices of 100,000 tensors): the selectors in a JSON body."""
+        if not body.select:
+            raise InvalidArgument("the selection is empty: select at least one tensor")
+        return await _file(model, version, request, body.select)
+
+    async def _file(model: str, version: str, request: Request, select: list[str]) -> Response:
         selected = selection(map(parse_selector, select)) if select else None
         pull = await service.pull(model, parse_version_ref(version), "http", select=selected)
         try:
