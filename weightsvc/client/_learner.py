@@ -146,6 +146,8 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
     return kept, aliases
 
 
+# Tensors (or a rank's parts of them) this small travel packed, several to a chunk (Chunk in the proto).
+PACK_BYTES = 64 << 10
 HEADER_PIECE_BYTES = 4 << 20  # of tensor specs per header message: well under the 8 MiB message limit
 
 
@@ -293,9 +295,28 @@ class LearnerClient:
         yield pb.PushRequest(header=full)
         for more in pieces[1:]:  # a header of many tensors, in pieces under the message limit
             yield pb.PushRequest(tensors=pb.PushTensors(tensors=more))
+        pack: list[memoryview] = []  # small tensors, whole, in header order: one chunk for many
+        pack_start: tuple[str, int] = ("", 0)
+        pack_bytes = 0
         for spec, (name, value) in zip(declared, parts.items(), strict=True):
             raw = _master_bytes(name, value.data if isinstance(value, Shard) else value)
             start = spec.part.offset * 4  # bytes into the whole tensor
+            if len(raw) <= PACK_BYTES:
+                if not pack:
+                    pack_start = (name, start)
+                pack.append(raw)
+                pack_bytes += len(raw)
+                if pack_bytes >= self.chunk_bytes:
+                    yield encode_chunk(*pack_start, b"".join(pack))
+                    if progress:
+                        progress(pack_bytes)
+                    pack, pack_bytes = [], 0
+                continue
+            if pack:
+                yield encode_chunk(*pack_start, b"".join(pack))
+                if progress:
+                    progress(pack_bytes)
+                pack, pack_bytes = [], 0
             # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
             cut = -start % self.chunk_bytes or self.chunk_bytes
             pos = 0
@@ -306,6 +327,10 @@ class LearnerClient:
                     progress(len(piece))
                 pos += cut
                 cut = self.chunk_bytes
+        if pack:
+            yield encode_chunk(*pack_start, b"".join(pack))
+            if progress:
+                progress(pack_bytes)
         yield pb.PushRequest(commit=pb.PushCommit())
 
     def close(self) -> None:

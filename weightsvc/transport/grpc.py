@@ -145,15 +145,18 @@ async def _push_messages(
     requests: AsyncIterator[pb.PushRequest | ChunkView | Malformed], max_tensors: int
 ) -> AsyncIterator[PushMessage]:
     it = aiter(requests)
+    layout: _RankLayout | None = None
     async for req in it:
         if isinstance(req, ChunkView):  # the bulk path: views into the received message
-            yield PushChunk(req.tensor, req.offset, req.data)
+            for chunk in _unpacked(layout, req.tensor, req.offset, req.data):
+                yield chunk
             continue
         if isinstance(req, Malformed):
             raise InvalidArgument(req.reason, reason="bad_chunk")
         kind = req.WhichOneof("kind")
         if kind == "chunk":
-            yield PushChunk(req.chunk.tensor, req.chunk.offset, req.chunk.data)
+            for chunk in _unpacked(layout, req.chunk.tensor, req.chunk.offset, memoryview(req.chunk.data)):
+                yield chunk
         elif kind == "header":
             h = req.header
             where = f"model {h.model!r} step {h.step}"
@@ -172,13 +175,51 @@ async def _push_messages(
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
                                       f"{count}", reason="invalid_header")  # fmt: skip
-            yield await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
+            header = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
+            layout = _RankLayout(header.tensors)
+            yield header
         elif kind == "commit":
             yield PushCommit()
         elif kind == "tensors":
             raise InvalidArgument("PushTensors must follow the header, before any chunk", reason="invalid_header")
         else:
             raise InvalidArgument("empty push message: set one of header, chunk, commit", reason="bad_chunk")
+
+
+class _RankLayout:
+    """The byte ranges a rank declared, in its header's order: where a packed chunk's bytes go."""
+
+    def __init__(self, tensors: tuple[TensorSpec, ...]) -> None:
+        self.order = [(t.name, t.elements[0] * 4, sum(t.elements) * 4) for t in tensors]
+        self.index: dict[str, int] | None = None  # made when a first chunk runs past its tensor
+
+    def find(self, name: str) -> int | None:
+        if self.index is None:
+            self.index = {name: i for i, (name, _, _) in enumerate(self.order)}
+        return self.index.get(name)
+
+
+def _unpacked(layout: _RankLayout | None, tensor: str, offset: int, data: memoryview) -> list[PushChunk]:
+    """A chunk as the pieces of each tensor it holds: a chunk that runs past the end of its tensor's
+    part goes on with the next tensors of the rank's header (many small tensors, few messages).
+    One the header cannot place (an unknown tensor, a bad offset, past the last tensor) is left
+    whole: the push refuses it, saying why."""
+    i = None if layout is None else layout.find(tensor) if len(data) else None
+    if i is None or layout is None or offset + len(data) <= layout.order[i][2]:
+        return [PushChunk(tensor, offset, data)]
+    pieces, rest, at = [], data, offset
+    while len(rest):
+        if i == len(layout.order):
+            return [PushChunk(tensor, offset, data)]
+        name, _, end = layout.order[i]
+        room = max(end - at, 0)
+        if room:
+            pieces.append(PushChunk(name, at, rest[:room]))
+            rest = rest[room:]
+        i += 1
+        if i < len(layout.order):
+            at = layout.order[i][1]
+    return pieces
 
 
 def _header(h: pb.PushHeader, pieces: list[Any]) -> PushHeader:
