@@ -124,7 +124,7 @@ class Committer:
             before = tracker.snapshot()
             if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
                 m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
-                version = Version(m, m.safetensors_header(), version.data)
+                version = dataclasses.replace(version, manifest=m, header=m.safetensors_header())
             try:
                 if self._files is not None:
                     # Durable before visible: a version reported committed survives a crash. The
@@ -132,7 +132,7 @@ class Committer:
                     if residual is not None:
                         await asyncio.to_thread(self._files.write_residual, m.model, residual[1])
                         crash_point("commit.residual-written")
-                    await asyncio.to_thread(self._files.write, version)
+                    version = await asyncio.to_thread(self._files.write, version)  # served from its file now
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:

@@ -9,7 +9,9 @@ event loop's, so what it keeps or removes is passed in.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import itertools
 import logging
 import mmap
 import os
@@ -19,11 +21,12 @@ from pathlib import Path
 
 from weightsvc._faults import crash_point
 from weightsvc.core.manifest import manifest_from_header, read_safetensors_header, verify
-from weightsvc.core.versions import Version
-from weightsvc.errors import ResourceExhausted, Unavailable
+from weightsvc.core.versions import Version, VersionFile
+from weightsvc.errors import ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.rounding import Residual
 
 log = logging.getLogger("weightsvc.store")
+_serial = itertools.count()
 
 
 class VersionFiles:
@@ -36,18 +39,54 @@ class VersionFiles:
     def residual_path(self, model: str, version: int) -> Path:
         return self.path(model, version).with_name(f"residual-{version:020d}.safetensors")
 
-    def write(self, version: Version) -> None:
-        """Write the version's file whole or not at all (a temporary file, synced, then renamed)."""
-        m = version.manifest
-        path = self.path(m.model, m.version)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def stage(self, model: str, version: int, header_bytes: int, data_bytes: int) -> VersionFile:
+        """A temporary file in the model's directory for a push to export into: room for a header of
+        up to `header_bytes`, then the data section (page-aligned), mapped read-write. Its blocks are
+        allocated now, so a full disk is an answer here rather than a fault while writing the mapping."""
+        path = self.path(model, version)
+        tmp = self._tmp(path)
+        start = -(-max(header_bytes, 8) // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(version.header)
-                f.write(version.data)
-                f.flush()
-                os.fsync(f.fileno())
+            f = open(tmp, "w+b")  # noqa: SIM115 (the returned VersionFile owns it)
+            try:
+                os.posix_fallocate(f.fileno(), 0, start + data_bytes)
+                mapping = mmap.mmap(f.fileno(), start + data_bytes)
+            except BaseException:
+                f.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e) from None
+        return VersionFile(tmp, f, mapping, start)
+
+    @staticmethod
+    def discard(staged: VersionFile) -> None:
+        """A staged file that did not become a version (or already did, under its own name)."""
+        staged.close()
+        staged.path.unlink(missing_ok=True)
+
+    def write(self, version: Version) -> Version:
+        """Put the version's file in place whole or not at all (synced, then renamed); returns the
+        version served from that file, mapped read-only. A version staged in a file (`stage`) gets
+        its header written in front of its data; one held in memory (a relay's) is written whole."""
+        m = version.manifest
+        path = self.path(m.model, m.version)
+        staged = version.file
+        in_place = staged is not None and len(version.header) <= staged.data_start
+        tmp = staged.path if staged is not None and in_place else self._tmp(path)
+        try:
+            if staged is not None and in_place:
+                staged.mapping[: staged.data_start] = _padded(version.header, staged.data_start)
+                staged.mapping.flush()
+                os.fsync(staged.file.fileno())
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(version.header)
+                    f.write(version.data)
+                    f.flush()
+                    os.fsync(f.fileno())
             crash_point("commit.version-written")
             os.replace(tmp, path)
             dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -55,13 +94,17 @@ class VersionFiles:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+            file = _open(path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            where = f"model {m.model!r} version {m.version}: cannot persist to {path.parent}"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhausted(f"{where}: {e.strerror}", reason="too_large") from None
-            raise Unavailable(f"{where}: {e}", reason="other") from None
+            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e) from None
+        return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
+
+    @staticmethod
+    def _tmp(path: Path) -> Path:
+        """A temporary name beside `path`, unique to this write (restore removes what is left of it)."""
+        return path.with_name(f".{path.name}.{os.getpid()}-{next(_serial)}.tmp")
 
     def write_residual(self, model: str, residual: Residual) -> None:
         """Write the ef residual after `residual.version`, named by that version."""
@@ -131,14 +174,43 @@ class VersionFiles:
     @staticmethod
     def load(path: Path) -> Version:
         """A version's file, mapped read-only, its tensors' checksums verified."""
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        (header_len,) = struct.unpack("<Q", mm[:8])
-        start, header = read_safetensors_header(mm[: 8 + min(header_len, 100 << 20)])
-        manifest = manifest_from_header(header)
-        data = memoryview(mm)[start:]
-        if len(data) != manifest.data_bytes:
-            raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
-        for t in manifest.tensors:
-            verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
-        return Version(manifest, bytes(mm[:start]), data)
+        file = _open(path)
+        try:
+            header = read_safetensors_header(file.mapping[: file.data_start])[1]
+            manifest = manifest_from_header(header)
+            data = file.data
+            if len(data) != manifest.data_bytes:
+                raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
+            for t in manifest.tensors:
+                verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
+        except BaseException:
+            file.close()
+            raise
+        return Version(manifest, bytes(file.mapping[: file.data_start]), data, file=file)
+
+
+def _open(path: Path) -> VersionFile:
+    """A version's file, open and mapped read-only."""
+    f = open(path, "rb")  # noqa: SIM115 (the returned VersionFile owns it)
+    try:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(mapping) < 8:
+            raise ValueError(f"{len(mapping)} bytes: not a safetensors file")
+        (header_len,) = struct.unpack("<Q", mapping[:8])
+        if header_len > min(len(mapping) - 8, 100 << 20):
+            raise ValueError(f"header length {header_len} is out of range")
+    except BaseException:
+        f.close()
+        raise
+    return VersionFile(path, f, mapping, 8 + header_len)
+
+
+def _padded(header: bytes, size: int) -> bytes:
+    """A safetensors prefix grown to `size` bytes: its JSON padded with spaces, as the format allows."""
+    return struct.pack("<Q", size - 8) + header[8:].ljust(size - 8, b" ")
+
+
+def _failure(where: str, e: OSError) -> WeightsvcError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{where}: {e.strerror}", reason="too_large")
+    return Unavailable(f"{where}: {e}", reason="other")

@@ -2,17 +2,20 @@
 
 A push is staged privately: the served copy is laid out from the header(s), master bytes are exported
 into their slots as they arrive (in a worker thread, overlapping the receipt of the next chunks), and
-only `commit` makes the version visible. The session computes; the push that owns it (`core.push`)
-decides when it commits and when it is dropped.
+only `commit` makes the version visible. With a data dir the data section is staged in the version's
+own file (a temporary one, mapped), so the served copy never sits in this process's memory and the
+commit renames the file in place; without one it is a buffer in memory. The session computes; the
+push that owns it (`core.push`) decides when it commits and when it is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,6 +35,7 @@ from weightsvc.core.manifest import (
 )
 from weightsvc.core.memory import alloc
 from weightsvc.core.store import PartOf, Version
+from weightsvc.core.versions import VersionFile
 from weightsvc.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -42,6 +46,9 @@ if TYPE_CHECKING:
 # learner (gRPC flow control) when export is slower than the network.
 MAX_PENDING_CHUNKS = 8
 MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
+# Room in a staged file's header beyond the manifest known at the start (its lag metrics and, on a
+# sharded replica, its part come at commit). A header that still does not fit is written with a copy.
+HEADER_SLACK = 4096
 
 
 
@@ -88,12 +95,13 @@ class PushSession:
     """
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
-                 data_bytes: int, tensors: dict[str, _StagedTensor],
+                 file: VersionFile | None, data_bytes: int, tensors: dict[str, _StagedTensor],
                  ranks: dict[int, tuple[TensorSpec, ...]]) -> None:  # fmt: skip
         self.service = service
         self.header = header
         self.spec = spec
         self.data = data
+        self.file = file  # with a data dir: the staged file that `data` maps
         self.data_bytes = data_bytes
         self.tensors = tensors
         self.parts = {
@@ -153,10 +161,20 @@ class PushSession:
             t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
             for t in header.tensors
         }
-        data = service.store.pool.take(data_bytes)
-        if data is None:
-            data = await asyncio.to_thread(alloc, data_bytes)  # mapping pages takes a while: off the loop
-        return cls(service, header, spec, data, data_bytes, tensors, ranks)
+        files, file = service.store.files, None
+        if files is not None:
+            # The header is known only at commit (checksums, lag): leave room for it before the data.
+            scaled = any(t.scale for t in tensors.values())
+            sized = _manifest(header, spec, slots_list, data_bytes, scaled,
+                              {s.name: checksum(b"") for s in slots_list}, "xxh3_128:" + "0" * 32)  # fmt: skip
+            bound = len(sized.safetensors_header()) + HEADER_SLACK
+            file = await asyncio.to_thread(files.stage, header.model, header.step, bound, data_bytes)
+            data = file.data
+        else:
+            recycled = service.store.pool.take(data_bytes)
+            # Mapping fresh pages takes a while: off the loop.
+            data = recycled if recycled is not None else await asyncio.to_thread(alloc, data_bytes)
+        return cls(service, header, spec, data, file, data_bytes, tensors, ranks)
 
     def where(self, rank: int | None = None) -> str:
         where = f"model {self.header.model!r} step {self.header.step}"
@@ -338,21 +356,11 @@ class PushSession:
         for alias, target in self.header.aliases:
             h.update(f"{alias}\x00={target}\n".encode())
         checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
-        slots = sorted([s for t in self.tensors.values() for s in (t.slot, t.scale) if s], key=lambda s: s.offset)
-        manifest = Manifest(
-            model=self.header.model,
-            version=self.header.step,
-            format=self.spec.format,
-            rounding=self.spec.rounding,
-            seed=self.spec.seed,
-            committed_unix=time.time(),
-            data_bytes=self.data_bytes,
-            master_digest="xxh3_128:" + h.hexdigest(),
-            tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in slots),
-            scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
-            aliases=self.header.aliases,
-        )
-        version = Version(manifest, manifest.safetensors_header(), self.data)
+        slots = [s for t in self.tensors.values() for s in (t.slot, t.scale) if s]
+        scaled = any(t.scale for t in self.tensors.values())
+        manifest = _manifest(self.header, self.spec, slots, self.data_bytes, scaled, checksums,
+                             "xxh3_128:" + h.hexdigest())  # fmt: skip
+        version = Version(manifest, manifest.safetensors_header(), self.data, file=self.file)
         residual = None
         if self.residual is not None:
             new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}
@@ -380,9 +388,35 @@ class PushSession:
             t.master = t.new_residual = None
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
-        if not self.committed:  # nobody else ever saw this buffer
+        files = self.service.store.files
+        if self.file is not None and files is not None:
+            # Committed, the version maps its file under its own name; else the temporary file goes.
+            with contextlib.suppress(BufferError):
+                self.data.release()
+            await asyncio.to_thread(files.discard, self.file)
+            self.file = None
+        elif not self.committed:  # nobody else ever saw this buffer
             self.service.store.pool.give(self.data)
         self.data = memoryview(b"")
+
+
+def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[ServedTensor], data_bytes: int,
+              scaled: bool, checksums: Mapping[str, str], master_digest: str) -> Manifest:  # fmt: skip
+    """The manifest of the version a push stages, less its lag metrics (the commit adds them)."""
+    ordered = sorted(slots, key=lambda s: s.offset)
+    return Manifest(
+        model=header.model,
+        version=header.step,
+        format=spec.format,
+        rounding=spec.rounding,
+        seed=spec.seed,
+        committed_unix=time.time(),
+        data_bytes=data_bytes,
+        master_digest=master_digest,
+        tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in ordered),
+        scaling=spec.scaling if scaled else "",
+        aliases=header.aliases,
+    )
 
 
 def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
