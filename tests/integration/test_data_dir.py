@@ -5,6 +5,7 @@ grows neither with the size of a version nor with --retain."""
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import torch
 from tests.conftest import ServeProcess, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import ResourceExhausted
+from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
 MIB = 1 << 20
 
@@ -50,6 +52,12 @@ class PeakAnonymous:
 def big_masters(mib: int) -> dict[str, torch.Tensor]:
     """`mib` MiB of fp32 masters in 16 MiB tensors."""
     return {f"layers.{i}.weight": torch.randn(1024, 4096) * 0.02 for i in range(mib // 16)}
+
+
+def maps_a_file(array: Any) -> bool:
+    """Whether a numpy array is a view of a mapping (of a residual file)."""
+    base = array.base
+    return isinstance(getattr(base, "obj", base), mmap.mmap)
 
 
 def get(url: str, headers: dict[str, str] | None = None) -> bytes:
@@ -177,3 +185,28 @@ def test_anonymous_memory_does_not_grow_with_retain(tmp_path: Path) -> None:
     # In memory, retaining 6 would hold 5 more versions (640 MiB); here not one more.
     assert peaks[6] < peaks[1] + 128 * MIB, peaks
     assert peaks[6] < 512 * MIB, peaks
+
+
+def test_the_ef_residual_lives_in_its_file(data_dir: Path) -> None:
+    masters = make_masters()
+    with serving(data_dir=data_dir, rounding="ef") as srv:
+        learner = LearnerClient(srv.grpc_target)
+        for step in (1, 2):
+            learner.push(step, masters, model="m")
+        residual = srv.service.store.residual("m", "bf16", srv.server.settings.scaling)
+        assert residual.version == 2
+        assert all(maps_a_file(r) for r in residual.tensors.values())
+        served = InferenceClient(srv.grpc_target).pull("m", 2)
+        files = sorted(p.name for p in (data_dir / "models" / "m").iterdir())
+        assert files == [f"{1:020d}.safetensors", f"{2:020d}.safetensors", f"residual-{2:020d}.safetensors"]
+    with serving(data_dir=data_dir, rounding="ef") as srv:  # restored from the file, mapped again
+        residual = srv.service.store.residual("m", "bf16", srv.server.settings.scaling)
+        assert residual.version == 2
+        assert all(maps_a_file(r) for r in residual.tensors.values())
+        LearnerClient(srv.grpc_target).push(3, masters, model="m")
+    # The chain is the learner's own: the same bits as exporting 1, 2, 3 with one residual.
+    own = Residual()
+    for step in (1, 2, 3):
+        want = export_state_dict(masters, ExportSpec("bf16", "ef"), version=step, residual=own)
+        if step == 2:
+            assert all(want[n].view(torch.int16).equal(served[n].view(torch.int16)) for n in masters)

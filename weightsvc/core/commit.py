@@ -23,7 +23,7 @@ from weightsvc.core.manifest import Manifest
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import CommitResult, Registry, check_commit
-from weightsvc.core.versions import Version, VersionIndex
+from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, FailedPrecondition
 from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
@@ -75,12 +75,12 @@ class Committer:
     async def commit(
         self,
         version: Version,
-        residual: tuple[int | None, Residual] | None = None,
+        residual: tuple[int | None, Residual, VersionFile | None] | None = None,
         lag_input: tuple[Sample, int, bool] | None = None,
         part_of: PartOf | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
-        residual it started from). Returns (the committed version, created).
+        residual it started from and the file it was staged in, if it was). Returns (the committed version, created).
 
         With `part_of`, `version` is this replica's part of a version of sharded replicas: it becomes
         visible when every owner's part is in, or is withdrawn after `part_of.timeout` seconds or once
@@ -100,7 +100,7 @@ class Committer:
     async def _commit(
         self,
         version: Version,
-        residual: tuple[int | None, Residual] | None,
+        residual: tuple[int | None, Residual, VersionFile | None] | None,
         lag_input: tuple[Sample, int, bool] | None,
         part_of: PartOf | None,
     ) -> tuple[Version, bool]:
@@ -130,7 +130,7 @@ class Committer:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.
                     if residual is not None:
-                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1])
+                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1], residual[2])
                         crash_point("commit.residual-written")
                     version = await asyncio.to_thread(self._files.write, version)  # served from its file now
                     crash_point("commit.version-renamed")

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import errno
 import itertools
+import json
 import logging
 import mmap
 import os
@@ -19,11 +20,14 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from weightsvc._faults import crash_point
 from weightsvc.core.manifest import manifest_from_header, read_safetensors_header, verify
 from weightsvc.core.versions import Version, VersionFile
 from weightsvc.errors import ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.rounding import Residual
+from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
 
 log = logging.getLogger("weightsvc.store")
 _serial = itertools.count()
@@ -106,15 +110,59 @@ class VersionFiles:
         """A temporary name beside `path`, unique to this write (restore removes what is left of it)."""
         return path.with_name(f".{path.name}.{os.getpid()}-{next(_serial)}.tmp")
 
-    def write_residual(self, model: str, residual: Residual) -> None:
-        """Write the ef residual after `residual.version`, named by that version."""
+    def stage_residual(self, model: str, version: int, numels: dict[str, int], format: str,
+                       scaling: str) -> tuple[VersionFile, dict[str, np.ndarray]]:  # fmt: skip
+        """A temporary residual file for an `ef` push to write its new residual into (the layout
+        `Residual.save` writes), and each tensor's residual as an array mapping it: a big model's
+        residual lives in the page cache, not in this process's memory."""
+        offsets, end = {}, 0
+        for name, numel in numels.items():
+            offsets[name], end = (end, end + 4 * numel), end + 4 * numel
+        meta = {RESIDUAL_VERSION_KEY: str(version), RESIDUAL_FORMAT_KEY: format, RESIDUAL_SCALING_KEY: scaling}
+        entries = {n: {"dtype": "F32", "shape": [numels[n]], "data_offsets": list(o)} for n, o in offsets.items()}
+        raw = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = self.residual_path(model, version)
+        tmp = self._tmp(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "w+b")  # noqa: SIM115 (the returned VersionFile owns it)
+            try:
+                os.posix_fallocate(f.fileno(), 0, 8 + len(raw) + end)
+                mapping = mmap.mmap(f.fileno(), 8 + len(raw) + end)
+            except BaseException:
+                f.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
+                           e) from None  # fmt: skip
+        mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
+        staged = VersionFile(tmp, f, mapping, 8 + len(raw))
+        start = staged.data_start
+        arrays = {n: np.frombuffer(mapping, np.float32, numels[n], start + o[0]) for n, o in offsets.items()}
+        return staged, arrays
+
+    def write_residual(self, model: str, residual: Residual, staged: VersionFile | None = None) -> None:
+        """Write the ef residual after `residual.version`, named by that version (from the file it was
+        staged in, when it was)."""
         assert residual.version is not None
         path = self.residual_path(model, residual.version)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            residual.save(path)
+            if staged is None:
+                residual.save(path)
+                return
+            staged.mapping.flush()
+            os.fsync(staged.file.fileno())
+            os.replace(staged.path, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except OSError as e:
-            raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
+            raise _failure(f"model {model!r}: cannot persist the ef residual to {path.parent}", e) from None
 
     def remove(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
@@ -166,7 +214,7 @@ class VersionFiles:
         if path is None or not path.exists():
             return None
         try:
-            return Residual.load(path)
+            return _map_residual(path)
         except Exception as e:
             log.error("skipping %s: %s", path, e)
             return None
@@ -203,6 +251,25 @@ def _open(path: Path) -> VersionFile:
         f.close()
         raise
     return VersionFile(path, f, mapping, 8 + header_len)
+
+
+def _map_residual(path: Path) -> Residual:
+    """A residual file (as `Residual.save` writes it), its arrays mapping the file copy-on-write: a
+    big model's residual is read from the page cache, and the kernels may take the arrays as writable."""
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (n,) = struct.unpack("<Q", mapping[:8])
+    start, header = read_safetensors_header(mapping[: 8 + min(n, 100 << 20)])
+    meta = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        lo, hi = entry["data_offsets"]
+        if entry["dtype"] != "F32" or start + hi > len(mapping) or (hi - lo) % 4:
+            raise ValueError(f"tensor {name!r}: not an F32 residual within the file")
+        tensors[name] = np.frombuffer(mapping, np.float32, (hi - lo) // 4, start + lo)
+    version = meta.get(RESIDUAL_VERSION_KEY, "")
+    return Residual(int(version) if version else None, tensors, meta.get(RESIDUAL_FORMAT_KEY, ""),
+                    meta.get(RESIDUAL_SCALING_KEY, ""))  # fmt: skip
 
 
 def _padded(header: bytes, size: int) -> bytes:

@@ -96,12 +96,19 @@ class PushSession:
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
                  file: VersionFile | None, data_bytes: int, tensors: dict[str, _StagedTensor],
-                 ranks: dict[int, tuple[TensorSpec, ...]]) -> None:  # fmt: skip
+                 ranks: dict[int, tuple[TensorSpec, ...]],
+                 staged_residual: tuple[VersionFile, dict[str, np.ndarray]] | None = None) -> None:  # fmt: skip
         self.service = service
         self.header = header
         self.spec = spec
         self.data = data
         self.file = file  # with a data dir: the staged file that `data` maps
+        # With a data dir and ef: the file the new residual is staged in, and its arrays.
+        self.residual_file: VersionFile | None = None
+        if staged_residual is not None:
+            self.residual_file, arrays = staged_residual
+            for name, array in arrays.items():
+                tensors[name].new_residual = array
         self.data_bytes = data_bytes
         self.tensors = tensors
         self.parts = {
@@ -161,7 +168,7 @@ class PushSession:
             t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
             for t in header.tensors
         }
-        files, file = service.store.files, None
+        files, file, staged_residual = service.store.files, None, None
         if files is not None:
             # The header is known only at commit (checksums, lag): leave room for it before the data.
             scaled = any(t.scale for t in tensors.values())
@@ -170,11 +177,19 @@ class PushSession:
             bound = len(sized.safetensors_header()) + HEADER_SLACK
             file = await asyncio.to_thread(files.stage, header.model, header.step, bound, data_bytes)
             data = file.data
+            if spec.rounding == "ef":  # the new residual is staged in a file of its own
+                numels = {name: t.spec.numel for name, t in tensors.items()}
+                try:
+                    staged_residual = await asyncio.to_thread(files.stage_residual, header.model, header.step,
+                                                              numels, spec.format, spec.scaling)  # fmt: skip
+                except BaseException:
+                    await asyncio.to_thread(files.discard, file)
+                    raise
         else:
             recycled = service.store.pool.take(data_bytes)
             # Mapping fresh pages takes a while: off the loop.
             data = recycled if recycled is not None else await asyncio.to_thread(alloc, data_bytes)
-        return cls(service, header, spec, data, file, data_bytes, tensors, ranks)
+        return cls(service, header, spec, data, file, data_bytes, tensors, ranks, staged_residual)
 
     def where(self, rank: int | None = None) -> str:
         where = f"model {self.header.model!r} step {self.header.step}"
@@ -223,8 +238,8 @@ class PushSession:
         part.received += n
         t.received += n
         self.service.metrics.push_bytes.labels(self.header.model).inc(n)
-        if first and self.residual is not None:
-            self._stage(t.nbytes)  # the new residual of this tensor
+        if first and self.residual is not None and self.residual_file is None:
+            self._stage(t.nbytes)  # the new residual of this tensor, in memory
         if t.fmt.scaled:
             if first:
                 self._stage(t.nbytes)  # the gathered master
@@ -367,6 +382,7 @@ class PushSession:
             residual = (
                 self.base_version,
                 rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
+                self.residual_file,
             )
         # By name, then element: the lag metrics depend neither on the order chunks arrived in nor
         # on the order the ranks declared the tensors in.
@@ -389,6 +405,9 @@ class PushSession:
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
         files = self.service.store.files
+        if self.residual_file is not None and files is not None:
+            await asyncio.to_thread(files.discard, self.residual_file)  # (committed, it was renamed)
+            self.residual_file = None
         if self.file is not None and files is not None:
             # Committed, the version maps its file under its own name; else the temporary file goes.
             with contextlib.suppress(BufferError):
