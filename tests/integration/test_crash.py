@@ -77,7 +77,6 @@ def test_sigkill_during_a_push_keeps_what_was_committed(tmp_path: Path) -> None:
 
     with pytest.raises(WeightsvcError):
         learner.push(3, masters(3), model=MODEL, progress=power_cut)
-    assert leftovers(data)  # step 3 was being staged in its own temporary file
     srv = serve(data)
     try:
         assert [v.version for v in InferenceClient(srv.target).versions(MODEL)] == [1, 2]
