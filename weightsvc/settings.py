@@ -80,7 +80,9 @@ class Settings(BaseSettings):
     max_message_bytes: int = Field(8 << 20, ge=64 << 10, description="Largest gRPC message accepted.")
     max_version_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one version.")
     max_staged_bytes: int = Field(
-        default_factory=_half_memory, ge=1, description="Served bytes staged by all pushes in progress."
+        default_factory=_half_memory,
+        ge=1,
+        description="Served bytes staged in memory by all pushes in progress (with --data-dir: in their files).",
     )
     max_tensors: int = Field(1_000_000, ge=1, description="Tensors of one version.")
     max_tensor_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one tensor.")
@@ -88,7 +90,9 @@ class Settings(BaseSettings):
     max_pushes: int = Field(64, ge=1, description="Push streams at once (each rank of a multi-rank push is one).")
     max_pulls: int = Field(1024, ge=1, description="Pulls at once, gRPC and HTTP.")
     max_rss_bytes: int = Field(
-        0, ge=0, description="Resident memory above which no new push is staged (0: 90% of the memory it may use)."
+        0,
+        ge=0,
+        description="Anonymous resident memory above which no new push is staged (0: 90% of the memory it may use).",
     )
     push_idle_timeout_s: float = Field(120.0, gt=0, description="Abandon a push that sends nothing this long.")
     pull_stall_timeout_s: float = Field(

@@ -263,17 +263,17 @@ async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit
         next_written.wait(30)  # the first commit's prune runs once the next residual is on disk
         prune(*args, **kwargs)  # type: ignore[arg-type]
 
-    def write_residual_and_tell(model: str, residual: Residual) -> None:
-        write_residual(model, residual)
+    def write_residual_and_tell(model: str, residual: Residual, staged: object = None) -> None:
+        write_residual(model, residual, staged)  # type: ignore[arg-type]
         if residual.version == 2:
             next_written.set()
 
     files.prune = late_prune  # type: ignore[method-assign]
     files.write_residual = write_residual_and_tell  # type: ignore[method-assign]
     residual = {"w": np.zeros(4, np.float32)}
-    first = asyncio.ensure_future(store.commit(make_version("m", 1), (None, Residual(1, residual, "bf16", ""))))
+    first = asyncio.ensure_future(store.commit(make_version("m", 1), (None, Residual(1, residual, "bf16", ""), None)))
     await store.index.shown("m", 1)
-    await store.commit(make_version("m", 2), (1, Residual(2, residual, "bf16", "")))
+    await store.commit(make_version("m", 2), (1, Residual(2, residual, "bf16", ""), None))
     await first
 
     assert sorted(p.name for p in files.path("m", 0).parent.iterdir()) == [

@@ -22,7 +22,7 @@ from weightsvc.core.manifest import Manifest, check_header_size
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import CommitResult, Registry, check_commit
-from weightsvc.core.versions import Version, VersionIndex
+from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, FailedPrecondition
 from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
@@ -74,12 +74,12 @@ class Committer:
     async def commit(
         self,
         version: Version,
-        residual: tuple[int | None, Residual] | None = None,
+        residual: tuple[int | None, Residual, VersionFile | None] | None = None,
         lag_input: tuple[Sample, int, bool] | None = None,
         part_of: PartOf | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
-        residual it started from). Returns (the committed version, created).
+        residual it started from and the file it was staged in, if it was). Returns (the committed version, created).
 
         With `part_of`, `version` is this replica's part of a version of sharded replicas: it becomes
         visible when every owner's part is in, or is withdrawn after `part_of.timeout` seconds or once
@@ -99,7 +99,7 @@ class Committer:
     async def _commit(
         self,
         version: Version,
-        residual: tuple[int | None, Residual] | None,
+        residual: tuple[int | None, Residual, VersionFile | None] | None,
         lag_input: tuple[Sample, int, bool] | None,
         part_of: PartOf | None,
     ) -> tuple[Version, bool]:
@@ -124,16 +124,16 @@ class Committer:
             if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
                 m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
             # The file's header, from the final manifest: once, off the loop (0.7 s at 100,000 tensors).
-            version = Version(m, await asyncio.to_thread(m.safetensors_header), version.data)
+            version = dataclasses.replace(version, manifest=m, header=await asyncio.to_thread(m.safetensors_header))
             try:
                 check_header_size(len(version.header) - 8, f"model {m.model!r} step {m.version}")
                 if self._files is not None:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.
                     if residual is not None:
-                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1])
+                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1], residual[2])
                         crash_point("commit.residual-written")
-                    await asyncio.to_thread(self._files.write, version)
+                    version = await asyncio.to_thread(self._files.write, version)  # served from its file now
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:

@@ -61,3 +61,17 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * mmap.PAGESIZE
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def anonymous_bytes() -> int:
+    """This process's anonymous resident memory (RssAnon): what it holds itself, not the pages of the
+    files it maps (versions in a data dir), which the kernel writes back and drops as it needs.
+    0 where /proc has none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0

@@ -57,7 +57,7 @@ class Parts:
         """`version` as this replica's file holds it: the part alone, marked as this replica's."""
         m = version.manifest
         m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
-        return Version(m, b"", version.data)  # its header is made at commit
+        return dataclasses.replace(version, manifest=m, header=b"")  # its header is made at commit
 
     async def commit(self, part: Version, part_of: PartOf) -> tuple[CommitResult, Version]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
@@ -160,7 +160,7 @@ def _served(part: Version, raw: str) -> Version | None:
     own = next((p for p in whole.parts if p.owner == owner and p.nbytes == m.data_bytes), None)
     if own is None or json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
         return None
-    return Version(whole, whole.safetensors_header(), part.data, part=m, offset=own.offset)
+    return dataclasses.replace(part, manifest=whole, header=whole.safetensors_header(), part=m, offset=own.offset)
 
 
 async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:

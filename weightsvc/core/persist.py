@@ -9,7 +9,10 @@ event loop's, so what it keeps or removes is passed in.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
+import itertools
+import json
 import logging
 import mmap
 import os
@@ -17,13 +20,17 @@ import struct
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from weightsvc._faults import crash_point
 from weightsvc.core.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
-from weightsvc.core.versions import Version
-from weightsvc.errors import ResourceExhausted, Unavailable
+from weightsvc.core.versions import Version, VersionFile
+from weightsvc.errors import ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.rounding import Residual
+from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
 
 log = logging.getLogger("weightsvc.store")
+_serial = itertools.count()
 
 
 class VersionFiles:
@@ -36,18 +43,54 @@ class VersionFiles:
     def residual_path(self, model: str, version: int) -> Path:
         return self.path(model, version).with_name(f"residual-{version:020d}.safetensors")
 
-    def write(self, version: Version) -> None:
-        """Write the version's file whole or not at all (a temporary file, synced, then renamed)."""
-        m = version.manifest
-        path = self.path(m.model, m.version)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    def stage(self, model: str, version: int, header_bytes: int, data_bytes: int) -> VersionFile:
+        """A temporary file in the model's directory for a push to export into: room for a header of
+        up to `header_bytes`, then the data section (page-aligned), mapped read-write. Its blocks are
+        allocated now, so a full disk is an answer here rather than a fault while writing the mapping."""
+        path = self.path(model, version)
+        tmp = self._tmp(path)
+        start = -(-max(header_bytes, 8) // mmap.PAGESIZE) * mmap.PAGESIZE
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(version.header)
-                f.write(version.data)
-                f.flush()
-                os.fsync(f.fileno())
+            f = open(tmp, "w+b")  # noqa: SIM115 (the returned VersionFile owns it)
+            try:
+                os.posix_fallocate(f.fileno(), 0, start + data_bytes)
+                mapping = mmap.mmap(f.fileno(), start + data_bytes)
+            except BaseException:
+                f.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e) from None
+        return VersionFile(tmp, f, mapping, start)
+
+    @staticmethod
+    def discard(staged: VersionFile) -> None:
+        """A staged file that did not become a version (or already did, under its own name)."""
+        staged.close()
+        staged.path.unlink(missing_ok=True)
+
+    def write(self, version: Version) -> Version:
+        """Put the version's file in place whole or not at all (synced, then renamed); returns the
+        version served from that file, mapped read-only. A version staged in a file (`stage`) gets
+        its header written in front of its data; one held in memory (a relay's) is written whole."""
+        m = version.manifest
+        path = self.path(m.model, m.version)
+        staged = version.file
+        in_place = staged is not None and len(version.header) <= staged.data_start
+        tmp = staged.path if staged is not None and in_place else self._tmp(path)
+        try:
+            if staged is not None and in_place:
+                staged.mapping[: staged.data_start] = _padded(version.header, staged.data_start)
+                staged.mapping.flush()
+                os.fsync(staged.file.fileno())
+            else:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as f:
+                    f.write(version.header)
+                    f.write(version.data)
+                    f.flush()
+                    os.fsync(f.fileno())
             crash_point("commit.version-written")
             os.replace(tmp, path)
             dir_fd = os.open(path.parent, os.O_RDONLY)
@@ -55,23 +98,71 @@ class VersionFiles:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+            file = _open(path)
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            where = f"model {m.model!r} version {m.version}: cannot persist to {path.parent}"
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ResourceExhausted(f"{where}: {e.strerror}", reason="too_large") from None
-            raise Unavailable(f"{where}: {e}", reason="other") from None
+            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e) from None
+        return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
 
-    def write_residual(self, model: str, residual: Residual) -> None:
-        """Write the ef residual after `residual.version`, named by that version."""
+    @staticmethod
+    def _tmp(path: Path) -> Path:
+        """A temporary name beside `path`, unique to this write (restore removes what is left of it)."""
+        return path.with_name(f".{path.name}.{os.getpid()}-{next(_serial)}.tmp")
+
+    def stage_residual(self, model: str, version: int, numels: dict[str, int], format: str,
+                       scaling: str) -> tuple[VersionFile, dict[str, np.ndarray]]:  # fmt: skip
+        """A temporary residual file for an `ef` push to write its new residual into (the layout
+        `Residual.save` writes), and each tensor's residual as an array mapping it: a big model's
+        residual lives in the page cache, not in this process's memory."""
+        offsets, end = {}, 0
+        for name, numel in numels.items():
+            offsets[name], end = (end, end + 4 * numel), end + 4 * numel
+        meta = {RESIDUAL_VERSION_KEY: str(version), RESIDUAL_FORMAT_KEY: format, RESIDUAL_SCALING_KEY: scaling}
+        entries = {n: {"dtype": "F32", "shape": [numels[n]], "data_offsets": list(o)} for n, o in offsets.items()}
+        raw = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        path = self.residual_path(model, version)
+        tmp = self._tmp(path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            f = open(tmp, "w+b")  # noqa: SIM115 (the returned VersionFile owns it)
+            try:
+                os.posix_fallocate(f.fileno(), 0, 8 + len(raw) + end)
+                mapping = mmap.mmap(f.fileno(), 8 + len(raw) + end)
+            except BaseException:
+                f.close()
+                tmp.unlink(missing_ok=True)
+                raise
+        except OSError as e:
+            raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
+                           e) from None  # fmt: skip
+        mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
+        staged = VersionFile(tmp, f, mapping, 8 + len(raw))
+        start = staged.data_start
+        arrays = {n: np.frombuffer(mapping, np.float32, numels[n], start + o[0]) for n, o in offsets.items()}
+        return staged, arrays
+
+    def write_residual(self, model: str, residual: Residual, staged: VersionFile | None = None) -> None:
+        """Write the ef residual after `residual.version`, named by that version (from the file it was
+        staged in, when it was)."""
         assert residual.version is not None
         path = self.residual_path(model, residual.version)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            residual.save(path)
+            if staged is None:
+                residual.save(path)
+                return
+            staged.mapping.flush()
+            os.fsync(staged.file.fileno())
+            os.replace(staged.path, path)
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         except OSError as e:
-            raise Unavailable(f"model {model!r}: cannot persist the ef residual to {path.parent}: {e}") from None
+            raise _failure(f"model {model!r}: cannot persist the ef residual to {path.parent}", e) from None
 
     def remove(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
@@ -123,7 +214,7 @@ class VersionFiles:
         if path is None or not path.exists():
             return None
         try:
-            return Residual.load(path)
+            return _map_residual(path)
         except Exception as e:
             log.error("skipping %s: %s", path, e)
             return None
@@ -131,14 +222,62 @@ class VersionFiles:
     @staticmethod
     def load(path: Path) -> Version:
         """A version's file, mapped read-only, its tensors' checksums verified."""
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        (header_len,) = struct.unpack("<Q", mm[:8])
-        start, header = read_safetensors_header(mm[: 8 + min(header_len, MAX_HEADER_BYTES)])
-        manifest = manifest_from_header(header)
-        data = memoryview(mm)[start:]
-        if len(data) != manifest.data_bytes:
-            raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
-        for t in manifest.tensors:
-            verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
-        return Version(manifest, bytes(mm[:start]), data)
+        file = _open(path)
+        try:
+            header = read_safetensors_header(file.mapping[: file.data_start])[1]
+            manifest = manifest_from_header(header)
+            data = file.data
+            if len(data) != manifest.data_bytes:
+                raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
+            for t in manifest.tensors:
+                verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
+        except BaseException:
+            file.close()
+            raise
+        return Version(manifest, bytes(file.mapping[: file.data_start]), data, file=file)
+
+
+def _open(path: Path) -> VersionFile:
+    """A version's file, open and mapped read-only."""
+    f = open(path, "rb")  # noqa: SIM115 (the returned VersionFile owns it)
+    try:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if len(mapping) < 8:
+            raise ValueError(f"{len(mapping)} bytes: not a safetensors file")
+        (header_len,) = struct.unpack("<Q", mapping[:8])
+        if header_len > min(len(mapping) - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"header length {header_len} is out of range")
+    except BaseException:
+        f.close()
+        raise
+    return VersionFile(path, f, mapping, 8 + header_len)
+
+
+def _map_residual(path: Path) -> Residual:
+    """A residual file (as `Residual.save` writes it), its arrays mapping the file copy-on-write: a
+    big model's residual is read from the page cache, and the kernels may take the arrays as writable."""
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (n,) = struct.unpack("<Q", mapping[:8])
+    start, header = read_safetensors_header(mapping[: 8 + min(n, MAX_HEADER_BYTES)])
+    meta = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        lo, hi = entry["data_offsets"]
+        if entry["dtype"] != "F32" or start + hi > len(mapping) or (hi - lo) % 4:
+            raise ValueError(f"tensor {name!r}: not an F32 residual within the file")
+        tensors[name] = np.frombuffer(mapping, np.float32, (hi - lo) // 4, start + lo)
+    version = meta.get(RESIDUAL_VERSION_KEY, "")
+    return Residual(int(version) if version else None, tensors, meta.get(RESIDUAL_FORMAT_KEY, ""),
+                    meta.get(RESIDUAL_SCALING_KEY, ""))  # fmt: skip
+
+
+def _padded(header: bytes, size: int) -> bytes:
+    """A safetensors prefix grown to `size` bytes: its JSON padded with spaces, as the format allows."""
+    return struct.pack("<Q", size - 8) + header[8:].ljust(size - 8, b" ")
+
+
+def _failure(where: str, e: OSError) -> WeightsvcError:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return ResourceExhausted(f"{where}: {e.strerror}", reason="too_large")
+    return Unavailable(f"{where}: {e}", reason="other")

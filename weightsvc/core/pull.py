@@ -22,6 +22,7 @@ from weightsvc.core.delta import encode as delta_encode
 from weightsvc.core.manifest import Manifest
 from weightsvc.core.selection import Select, Selected
 from weightsvc.core.store import Version
+from weightsvc.core.versions import FileRange
 from weightsvc.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -187,8 +188,9 @@ class Pull:
         first = offset if start <= offset <= end else end
         return ((at, self.body[at - start : at - start + size]) for at in range(first, end, size))
 
-    def file_pieces(self, start: int, end: int, size: int) -> Iterator[memoryview]:
-        """Pieces of at most `size` bytes covering [start, end) of the version's safetensors file.
+    def file_pieces(self, start: int, end: int, size: int, zero_copy: bool = False) -> Iterator[memoryview | FileRange]:
+        """Pieces of at most `size` bytes covering [start, end) of the version's safetensors file; with
+        `zero_copy`, what lies in a file comes as ranges of it (`Version.file_range`).
 
         A replica holding one part serves the header and its own part (contiguous with the header only
         for the first part); any other range is FAILED_PRECONDITION, naming the owners."""
@@ -204,7 +206,7 @@ class Pull:
                 f"this one serves its header ({head} bytes) and its own part by Range. The InferenceClient "
                 "gathers the parts from their owners"
             )
-        return v.file_range(start, end, size)
+        return v.file_range(start, end, size, zero_copy)
 
     def lend(self) -> None:
         """The transport may keep views of the body beyond this pull: never recycle the version's buffer

@@ -28,7 +28,7 @@ from weightsvc.core.manifest import (
     check_model_name,
     in_thread,
 )
-from weightsvc.core.memory import resident_bytes
+from weightsvc.core.memory import anonymous_bytes
 from weightsvc.core.ranks import MAX_WORLD_SIZE, merge_parts
 from weightsvc.core.staging import PushSession
 from weightsvc.core.store import Version
@@ -401,9 +401,11 @@ class Pushes:
         self.service.changed()
 
     def reserve_staging(self, header: PushHeader) -> int:
-        """Reserve the served bytes a push will stage, or refuse it if over the memory budget."""
-        served = sum(t.numel for t in header.tensors) * 2  # every served format is at most 2 bytes
-        rss, mark = resident_bytes(), self.settings.rss_high_water
+        """Reserve the served bytes a push will stage, or refuse it if over the memory budget. With a
+        data dir they are staged in the version's file, not in memory: nothing to reserve."""
+        in_memory = self.service.store.files is None
+        served = sum(t.numel for t in header.tensors) * 2 if in_memory else 0  # every served format: ≤ 2 bytes
+        rss, mark = anonymous_bytes(), self.settings.rss_high_water
         if rss + served > mark:
             raise ResourceExhausted(
                 f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {served} more "

@@ -2,17 +2,20 @@
 
 A push is staged privately: the served copy is laid out from the header(s), master bytes are exported
 into their slots as they arrive (in a worker thread, overlapping the receipt of the next chunks), and
-only `commit` makes the version visible. The session computes; the push that owns it (`core.push`)
-decides when it commits and when it is dropped.
+only `commit` makes the version visible. With a data dir the data section is staged in the version's
+own file (a temporary one, mapped), so the served copy never sits in this process's memory and the
+commit renames the file in place; without one it is a buffer in memory. The session computes; the
+push that owns it (`core.push`) decides when it commits and when it is dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,6 +37,7 @@ from weightsvc.core.manifest import (
 )
 from weightsvc.core.memory import alloc
 from weightsvc.core.store import PartOf, Version
+from weightsvc.core.versions import VersionFile
 from weightsvc.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -47,6 +51,9 @@ MASTER_ITEMSIZE = DTYPE_SIZES[MASTER_DTYPE]
 # Small chunks are handed to the export thread together, up to this many bytes or chunks.
 BATCH_BYTES = 1 << 20
 BATCH_JOBS = 512
+# Room in a staged file's header beyond the manifest known at the start (its lag metrics and, on a
+# sharded replica, its part come at commit). A header that still does not fit is written with a copy.
+HEADER_SLACK = 4096
 
 
 def _run_all(jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
@@ -98,15 +105,23 @@ class PushSession:
     """
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
-                 plan: _Plan) -> None:  # fmt: skip
+                 plan: _Plan, file: VersionFile | None,
+                 staged_residual: tuple[VersionFile, dict[str, np.ndarray]] | None = None) -> None:  # fmt: skip
         self.service = service
         self.header = header
         self.spec = spec
         self.data = data
-        self.data_bytes = plan.data_bytes
-        self.tensors = plan.tensors
-        self.parts = plan.parts
+        self.file = file  # with a data dir: the staged file that `data` maps
+        # With a data dir and ef: the file the new residual is staged in, and its arrays.
+        self.residual_file: VersionFile | None = None
         tensors = plan.tensors
+        if staged_residual is not None:
+            self.residual_file, arrays = staged_residual
+            for name, array in arrays.items():
+                tensors[name].new_residual = array
+        self.data_bytes = plan.data_bytes
+        self.tensors = tensors
+        self.parts = plan.parts
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
         )
@@ -138,11 +153,30 @@ class PushSession:
                                        s.fp8_pattern)  # fmt: skip
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
-        plan = await in_thread(len(header.tensors) >= BIG_MANIFEST, _plan, header, spec, ranks, where)
-        data = service.store.pool.take(plan.data_bytes)
-        if data is None:
-            data = await asyncio.to_thread(alloc, plan.data_bytes)  # mapping pages takes a while: off the loop
-        return cls(service, header, spec, data, plan)
+        big = len(header.tensors) >= BIG_MANIFEST
+        plan = await in_thread(big, _plan, header, spec, ranks, where)
+        files, file, staged_residual = service.store.files, None, None
+        if files is not None:
+            # The header is known only at commit (checksums, lag): leave room for it before the data.
+            scaled = any(t.scale for t in plan.tensors.values())
+            sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled,
+                              {s.name: checksum(b"") for s in plan.slots}, "xxh3_128:" + "0" * 32)  # fmt: skip
+            bound = await in_thread(big, lambda: len(sized.safetensors_header()) + HEADER_SLACK)
+            file = await asyncio.to_thread(files.stage, header.model, header.step, bound, plan.data_bytes)
+            data = file.data
+            if spec.rounding == "ef":  # the new residual is staged in a file of its own
+                numels = {name: t.spec.numel for name, t in plan.tensors.items()}
+                try:
+                    staged_residual = await asyncio.to_thread(files.stage_residual, header.model, header.step,
+                                                              numels, spec.format, spec.scaling)  # fmt: skip
+                except BaseException:
+                    await asyncio.to_thread(files.discard, file)
+                    raise
+        else:
+            recycled = service.store.pool.take(plan.data_bytes)
+            # Mapping fresh pages takes a while: off the loop.
+            data = recycled if recycled is not None else await asyncio.to_thread(alloc, plan.data_bytes)
+        return cls(service, header, spec, data, plan, file, staged_residual)
 
     def where(self, rank: int | None = None) -> str:
         where = f"model {self.header.model!r} step {self.header.step}"
@@ -191,8 +225,8 @@ class PushSession:
         part.received += n
         t.received += n
         self.service.metrics.push_bytes.labels(self.header.model).inc(n)
-        if first and self.residual is not None:
-            self._stage(t.nbytes)  # the new residual of this tensor
+        if first and self.residual is not None and self.residual_file is None:
+            self._stage(t.nbytes)  # the new residual of this tensor, in memory
         if t.fmt.scaled:
             if first:
                 self._stage(t.nbytes)  # the gathered master
@@ -334,7 +368,7 @@ class PushSession:
         self.committed = created
         return committed, created
 
-    def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual] | None,
+    def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,
                                  tuple[Sample, int, bool] | None]:  # fmt: skip
         """The version to commit (its manifest), the new ef residual and the lag metrics' input, from
         the exported tensors (linear in the tensors: off the loop for a big push)."""
@@ -346,27 +380,18 @@ class PushSession:
         for alias, target in self.header.aliases:
             h.update(f"{alias}\x00={target}\n".encode())
         checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
-        slots = sorted([s for t in self.tensors.values() for s in (t.slot, t.scale) if s], key=lambda s: s.offset)
-        manifest = Manifest(
-            model=self.header.model,
-            version=self.header.step,
-            format=self.spec.format,
-            rounding=self.spec.rounding,
-            seed=self.spec.seed,
-            committed_unix=time.time(),
-            data_bytes=self.data_bytes,
-            master_digest="xxh3_128:" + h.hexdigest(),
-            tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in slots),
-            scaling=self.spec.scaling if any(t.scale for t in self.tensors.values()) else "",
-            aliases=self.header.aliases,
-        )
-        version = Version(manifest, b"", self.data)  # its header is made at commit, with the lag
+        slots = [s for t in self.tensors.values() for s in (t.slot, t.scale) if s]
+        scaled = any(t.scale for t in self.tensors.values())
+        manifest = _manifest(self.header, self.spec, slots, self.data_bytes, scaled, checksums,
+                             "xxh3_128:" + h.hexdigest())  # fmt: skip
+        version = Version(manifest, b"", self.data, file=self.file)  # its header is made at commit, with the lag
         residual = None
         if self.residual is not None:
             new = {name: t.new_residual for name, t in self.tensors.items() if t.new_residual is not None}
             residual = (
                 self.base_version,
                 rounding.Residual(self.header.step, new, self.spec.format, self.spec.scaling),
+                self.residual_file,
             )
         # By name, then element: the lag metrics depend neither on the order chunks arrived in nor
         # on the order the ranks declared the tensors in.
@@ -387,9 +412,38 @@ class PushSession:
             t.master = t.new_residual = None
         self.service.metrics.staged_bytes.dec(self.staged_bytes)
         self.staged_bytes = 0
-        if not self.committed:  # nobody else ever saw this buffer
+        files = self.service.store.files
+        if self.residual_file is not None and files is not None:
+            await asyncio.to_thread(files.discard, self.residual_file)  # (committed, it was renamed)
+            self.residual_file = None
+        if self.file is not None and files is not None:
+            # Committed, the version maps its file under its own name; else the temporary file goes.
+            with contextlib.suppress(BufferError):
+                self.data.release()
+            await asyncio.to_thread(files.discard, self.file)
+            self.file = None
+        elif not self.committed:  # nobody else ever saw this buffer
             self.service.store.pool.give(self.data)
         self.data = memoryview(b"")
+
+
+def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[ServedTensor], data_bytes: int,
+              scaled: bool, checksums: Mapping[str, str], master_digest: str) -> Manifest:  # fmt: skip
+    """The manifest of the version a push stages, less its lag metrics (the commit adds them)."""
+    ordered = sorted(slots, key=lambda s: s.offset)
+    return Manifest(
+        model=header.model,
+        version=header.step,
+        format=spec.format,
+        rounding=spec.rounding,
+        seed=spec.seed,
+        committed_unix=time.time(),
+        data_bytes=data_bytes,
+        master_digest=master_digest,
+        tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in ordered),
+        scaling=spec.scaling if scaled else "",
+        aliases=header.aliases,
+    )
 
 
 def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
@@ -409,6 +463,7 @@ class _Plan:
     tensors: dict[str, _StagedTensor]
     parts: dict[int, dict[str, _Part]]
     data_bytes: int
+    slots: list[ServedTensor]
 
 
 def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[TensorSpec, ...]],
@@ -444,4 +499,4 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
                for p in specs}
         for rank, specs in ranks.items()
     }  # fmt: skip
-    return _Plan(tensors, parts, data_bytes)
+    return _Plan(tensors, parts, data_bytes, slots_list)

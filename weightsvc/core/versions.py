@@ -3,20 +3,54 @@ and the recycling of its buffer.
 
 Loop-owned: every method runs on the service's event loop. A `Version` is immutable once committed;
 evicting it only drops the index's reference, so a pull that still holds it finishes from the same
-bytes, and its buffer goes back to the pool when that pull ends.
+bytes, and its buffer goes back to the pool (or its file is unmapped) when that pull ends.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
 
 from weightsvc.core.manifest import Manifest
 from weightsvc.core.memory import BufferPool
 from weightsvc.errors import NotFound
 from weightsvc.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """Bytes [offset, offset + count) of an open file, for a transport that sends them without copying."""
+
+    file: BinaryIO
+    offset: int
+    count: int
+
+
+@dataclass(eq=False)
+class VersionFile:
+    """The file a version's data section lives in (a data dir), open and mapped: pulls read the
+    mapping or send the file itself, so the bytes sit in the page cache, not in this process's memory."""
+
+    path: Path
+    file: BinaryIO
+    mapping: mmap.mmap
+    data_start: int  # the file offset of the data section
+
+    @property
+    def data(self) -> memoryview:
+        return memoryview(self.mapping)[self.data_start :]
+
+    def close(self) -> None:
+        """Unmap and close. A view still lent to a transport keeps the mapping until it is dropped."""
+        with contextlib.suppress(BufferError, ValueError):
+            self.mapping.close()
+        self.file.close()
 
 
 @dataclass(eq=False)
@@ -33,6 +67,8 @@ class Version:
     # is then the whole version's) and where `data` starts in the version's data section.
     part: Manifest | None = None
     offset: int = 0
+    # With a data dir: the file `data` maps (its data section is `data`, this replica's bytes).
+    file: VersionFile | None = None
 
     @property
     def held(self) -> tuple[int, int]:
@@ -54,18 +90,22 @@ class Version:
         """Bytes of the version's safetensors file (of which a part's replica holds the header and its part)."""
         return len(self.header) + self.manifest.data_bytes
 
-    def file_range(self, start: int, end: int, piece: int) -> Iterator[memoryview]:
+    def file_range(self, start: int, end: int, piece: int, zero_copy: bool = False) -> Iterator[memoryview | FileRange]:
         """Pieces of at most `piece` bytes covering [start, end) of the safetensors file (for a part:
-        a range of the header and the bytes this replica holds)."""
+        a range of the header and the bytes this replica holds). With `zero_copy`, the data section of
+        a version in a file comes as ranges of that file, for the transport to send as they are."""
         head = memoryview(self.header)
-        skip = len(head) + self.offset  # file offset of data[0]
+        skip = len(head) + self.offset  # offset of data[0] in the served file
         while start < end:
             if start < len(head):
                 stop = min(end, len(head), start + piece)
                 yield head[start:stop]
             else:
                 stop = min(end, start + piece)
-                yield self.data[start - skip : stop - skip]
+                if zero_copy and self.file is not None:
+                    yield FileRange(self.file.file, self.file.data_start + start - skip, stop - start)
+                else:
+                    yield self.data[start - skip : stop - skip]
             start = stop
 
 
@@ -160,7 +200,11 @@ class VersionIndex:
         return evicted
 
     def _recycle(self, version: Version) -> None:
-        if not version.lent:
+        if version.file is not None:
+            with contextlib.suppress(BufferError):  # still exported: the mapping goes with the last view
+                version.data.release()
+            version.file.close()
+        elif not version.lent:
             self.pool.give(version.data)
 
     def _update_gauges(self, model: str) -> None:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-_VERSION_KEY = "weightsvc.residual.version"
-_FORMAT_KEY = "weightsvc.residual.format"
-_SCALING_KEY = "weightsvc.residual.scaling"
+# The file's metadata (the service writes residual files of the same layout itself: core.persist).
+RESIDUAL_VERSION_KEY = "weightsvc.residual.version"
+RESIDUAL_FORMAT_KEY = "weightsvc.residual.format"
+RESIDUAL_SCALING_KEY = "weightsvc.residual.scaling"
 
 
 @dataclass
@@ -44,9 +45,9 @@ class Residual:
 
         path = Path(path)
         meta = {
-            _VERSION_KEY: "" if self.version is None else str(self.version),
-            _FORMAT_KEY: self.format,
-            _SCALING_KEY: self.scaling,
+            RESIDUAL_VERSION_KEY: "" if self.version is None else str(self.version),
+            RESIDUAL_FORMAT_KEY: self.format,
+            RESIDUAL_SCALING_KEY: self.scaling,
         }
         raw = save(dict(self.tensors), metadata=meta)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -66,5 +67,7 @@ class Residual:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
             tensors = {k: np.ascontiguousarray(f.get_tensor(k), dtype=np.float32).reshape(-1) for k in f.keys()}  # noqa: SIM118
-        raw = meta.get(_VERSION_KEY, "")
-        return cls(int(raw) if raw else None, tensors, meta.get(_FORMAT_KEY, ""), meta.get(_SCALING_KEY, ""))
+        raw = meta.get(RESIDUAL_VERSION_KEY, "")
+        return cls(
+            int(raw) if raw else None, tensors, meta.get(RESIDUAL_FORMAT_KEY, ""), meta.get(RESIDUAL_SCALING_KEY, "")
+        )

@@ -29,7 +29,7 @@ from weightsvc.server.relay import Relay
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import HttpAuth
 from weightsvc.transport.grpc import start_grpc, stop_grpc
-from weightsvc.transport.http import create_app
+from weightsvc.transport.http import Sendfile, create_app
 
 log = logging.getLogger("weightsvc.server")
 T = TypeVar("T")
@@ -91,6 +91,7 @@ class Server:
         app: Any = create_app(self.service, is_ready=lambda: self.ready)
         if auth is not None:
             app = HttpAuth(app, auth, [p for p in s.auth_open_paths.split(",") if p])
+        app = Sendfile(app)  # outermost: it reaches uvicorn's connection
         config = uvicorn.Config(
             app,
             ssl_certfile=s.tls_cert,

@@ -3,12 +3,14 @@ watch (server-sent events), acks and clients."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, BinaryIO
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +25,7 @@ from weightsvc.core.pull import Pull
 from weightsvc.core.selection import parse_selector, selection
 from weightsvc.core.service import Service
 from weightsvc.core.topology import HASHING
+from weightsvc.core.versions import FileRange
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.transport.status import http_domain_error, http_error
 
@@ -43,6 +46,7 @@ _SELECT = (
     "A sliced pull: only these tensors, each `NAME` (whole) or `NAME@DIM:START:STOP` (the range [START, STOP) of "
     "dim DIM; split on the last '@'). The answer is a safetensors file of the selection, its manifest in __metadata__"
 )
+SENDFILE = "weightsvc.sendfile"  # the ASGI extension `Sendfile` adds
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
 
@@ -75,9 +79,11 @@ def _unsatisfiable(header: str) -> tuple[int, int]:
 
 
 class PullResponse(Response):
-    """Streams the pieces of a pull; releases the pull when done (also when the client goes away)."""
+    """Streams the pieces of a pull; releases the pull when done (also when the client goes away).
+    Ranges of a version's file go out with the server's sendfile (`SENDFILE`)."""
 
-    def __init__(self, pull: Pull, pieces: Iterator[memoryview], status: int, headers: dict[str, str]) -> None:
+    def __init__(self, pull: Pull, pieces: Iterator[memoryview | FileRange], status: int,
+                 headers: dict[str, str]) -> None:  # fmt: skip
         m = pull.manifest
         headers = {"etag": pull.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
                    **headers}  # fmt: skip
@@ -91,6 +97,10 @@ class PullResponse(Response):
                 # Zero-copy: the server's transport may keep views of what it could not send yet.
                 self.pull.lend()
                 for piece in self.pieces:
+                    if isinstance(piece, FileRange):
+                        sendfile = scope["extensions"][SENDFILE]
+                        await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
+                        continue
                     await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
                                          len(piece))  # fmt: skip
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -98,6 +108,34 @@ class PullResponse(Response):
             log.warning("HTTP %s", e.message)  # an incomplete response: the server closes the connection
         finally:
             self.pull.close()
+
+
+class Sendfile:
+    """ASGI middleware that offers the app `scope["extensions"][SENDFILE]`: `await sendfile(file,
+    offset, count)` sends a range of a file on the connection with the kernel's sendfile, so a
+    version in the data dir goes from the page cache to the socket without passing through this
+    process. uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP
+    connections; on TLS (or another server) nothing is offered and the app sends bytes as usual."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cycle = getattr(send, "__self__", None)  # uvicorn's request-response cycle
+        transport = getattr(cycle, "transport", None)
+        counted = isinstance(getattr(cycle, "expected_content_length", None), int)
+        if scope["type"] == "http" and scope.get("scheme") == "http" and counted and transport is not None:
+
+            async def sendfile(file: BinaryIO, offset: int, count: int) -> None:
+                # The body goes around uvicorn's send, which checks it against Content-Length.
+                cycle.expected_content_length -= count  # type: ignore[union-attr]
+                if transport.is_closing():
+                    return  # the client went away; uvicorn's own send ignores what follows
+                with contextlib.suppress(ConnectionError):
+                    await asyncio.get_running_loop().sendfile(transport, file, offset, count)
+
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), SENDFILE: sendfile}}
+        await self.app(scope, receive, send)
 
 
 class AckBody(BaseModel):
@@ -204,7 +242,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             if if_range is None or if_range == pull.etag:  # a stale If-Range gets the whole new file
                 span = _parse_range(request.headers.get("range"), size)
             start, end = span or (0, size)
-            pieces = pull.file_pieces(start, end, PIECE_BYTES)
+            zero_copy = SENDFILE in (request.scope.get("extensions") or {})
+            pieces = pull.file_pieces(start, end, PIECE_BYTES, zero_copy)
         except ValueError:
             pull.close()
             return http_error(
