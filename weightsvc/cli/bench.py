@@ -946,8 +946,10 @@ def run_bench(
     figure ids at the top, the numbers behind them in "details", one row per figure in "report"."""
     say = log or (lambda _m: None)
     parts = set(PARTS.values()) if only is None else {PARTS.get(x, x) for x in only}
-    model = _model(size_mib)
-    say(f"model: {len(model)} tensors, {sum(t.numel() * 4 for t in model.values()) / 2**20:.0f} MiB fp32")
+    model: dict[str, torch.Tensor] = {}
+    if parts & {"transfer", "E1", "P1", "S2"}:
+        model = _model(size_mib)
+        say(f"model: {len(model)} tensors, {sum(t.numel() * 4 for t in model.values()) / 2**20:.0f} MiB fp32")
     tcp = RawTcp(repeat)
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
 
