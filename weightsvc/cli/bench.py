@@ -715,7 +715,7 @@ def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ..
     cache of their files, not in the process)."""
     import tempfile
 
-    pushes = max(retains) + 2  # the same pushes for every --retain: each fills its retention
+    pushes = max(retains) + 1  # the same pushes for every --retain: each fills its retention and evicts
     anon: dict[int, int] = {}
     peak: dict[int, int] = {}
     retained: dict[int, int] = {}
@@ -757,14 +757,16 @@ def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ..
     }
 
 
-def _plain_http_seconds(url: str, path: str, buf: memoryview) -> float:
-    """Seconds to read one HTTP body into a preallocated buffer with http.client, no parsing."""
+def _plain_http_seconds(url: str, path: str, nbytes: int, buf: memoryview | None = None) -> float:
+    """Seconds to read one HTTP body of `nbytes` with http.client, no parsing, into `buf` (preallocated)
+    or, without one, into a fresh buffer mapped within the clock, as a pull's."""
     import http.client
 
     parts = urllib.parse.urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port)
     try:
         start = time.perf_counter()
+        buf = alloc(nbytes) if buf is None else buf
         conn.request("GET", path)
         resp = conn.getresponse()
         got = 0
@@ -837,8 +839,9 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
                say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
     """P1: `InferenceClient.pull` (into memory, checksums verified) over HTTP and gRPC vs raw TCP into
     a preallocated buffer; what the transfer alone costs (`pull_data`, no verification); and a plain
-    http.client read into a preallocated buffer. For reference, the same served file from nginx
-    (sendfile on) to the same HTTP client and the same plain read."""
+    http.client read into a preallocated buffer, and into a fresh one as a pull's (mapping it is part
+    of the pull). For reference, the same served file from nginx (sendfile on) to the same HTTP client
+    and the same plain read."""
     import shutil
     import tempfile
 
@@ -869,8 +872,10 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
             os.makedirs(f"{d}/tmp")
             with InferenceClient(server.http) as client:
                 served_bytes = client.pull_file(f"{d}/root{path}", version=version).data_bytes
-            buf = alloc(os.path.getsize(f"{d}/root{path}"))
-            seconds["plain_http"] = _best(lambda: _plain_http_seconds(server.http, path, buf), repeat)
+            file_bytes = os.path.getsize(f"{d}/root{path}")
+            buf = alloc(file_bytes)
+            seconds["plain_http"] = _best(lambda: _plain_http_seconds(server.http, path, file_bytes, buf), repeat)
+            seconds["plain_http_fresh"] = _best(lambda: _plain_http_seconds(server.http, path, file_bytes), repeat)
             lag = server.loop_lag_max_s(warm)
         finally:
             server.close()
@@ -883,10 +888,9 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
             try:
                 with InferenceClient(nginx.url) as client:
                     seconds["pull_nginx"] = timed(lambda c=client: c.pull(version=version))  # type: ignore[misc]
-                seconds["plain_nginx"] = _best(lambda: _plain_http_seconds(nginx.url, path, buf), repeat)
+                seconds["plain_nginx"] = _best(lambda: _plain_http_seconds(nginx.url, path, file_bytes, buf), repeat)
             finally:
                 nginx.close()
-    file_bytes = len(buf)
     down = tcp.down(served_bytes)
     ratio = {k: down / v for k, v in seconds.items()}
     say("P1: " + ", ".join(f"{k} {served_bytes / v / 1e9:.2f} GB/s" for k, v in seconds.items())
@@ -922,7 +926,7 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
                 f"skipped: {nginx_skipped}"
                 if nginx_skipped
                 else f"{ratio['pull_nginx']:.2f}x (plain read: nginx {ratio['plain_nginx']:.2f}x, "
-                f"weightsvc {ratio['plain_http']:.2f}x)",
+                f"weightsvc {ratio['plain_http']:.2f}x, fresh buffer {ratio['plain_http_fresh']:.2f}x)",
                 "reference",
             ),
         },
@@ -953,26 +957,29 @@ def run_bench(
     tcp = RawTcp(repeat)
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
 
-    def add(part: dict[str, Any]) -> None:
+    def add(name: str, started: float, part: dict[str, Any]) -> None:
         result["details"].update(part.pop("details", {}))
+        result["details"][f"seconds_{name}"] = round(time.monotonic() - started, 1)  # what a run costs
         result["report"].update(part.pop("report", {}))
         result.update(part)
 
     if "transfer" in parts:
-        add(transfer_bench(model, repeat=repeat, retain=retain, tcp=tcp, say=say))
+        add("transfer", time.monotonic(), transfer_bench(model, repeat=repeat, retain=retain, tcp=tcp, say=say))
+    # E1 and S1: best of 3 and 2 at most; each run of 8 pullers, and of 100,000 tensors, takes seconds.
     if "E1" in parts:
-        add(sync_bench(model, pullers=pullers, repeat=repeat, tcp=tcp, say=say))
+        add("E1", time.monotonic(), sync_bench(model, pullers=pullers, repeat=min(repeat, 3), tcp=tcp, say=say))
     if "P1" in parts:
-        add(pull_bench(model, repeat=repeat, tcp=tcp, say=say))
+        add("P1", time.monotonic(), pull_bench(model, repeat=repeat, tcp=tcp, say=say))
     if "S1" in parts:
-        # Best of 2 at most: the 100,000-tensor point alone takes tens of seconds a run.
-        add(tensor_cost_bench(total_mib=s1_mib, counts=s1_tensors, repeat=min(repeat, 2), say=say))
+        add("S1", time.monotonic(),
+            tensor_cost_bench(total_mib=s1_mib, counts=s1_tensors, repeat=min(repeat, 2), say=say))  # fmt: skip
     if "S2" in parts:
-        add(data_dir_rss_bench(model, retains=s2_retains, say=say))
+        add("S2", time.monotonic(), data_dir_rss_bench(model, retains=s2_retains, say=say))
     if "kernels" in parts:
         say("kernels: K1/K2 on a 256 MiB fp32 tensor")
+        started = time.monotonic()
         kernels = kernel_bench(repeat=repeat)
-        add({k: v for k, v in kernels.items() if not k.startswith("kernel_")})
+        add("kernels", started, {k: v for k, v in kernels.items() if not k.startswith("kernel_")})
         result["details"].update({k: v for k, v in kernels.items() if k.startswith("kernel_")})
         result["report"].update({
             "K1": _row("fused sr bf16 export vs x.to(bfloat16)", f"{kernels['K1']:.2f}x", ">= 0.8x"),
@@ -981,10 +988,11 @@ def run_bench(
                                        f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster"),
         })  # fmt: skip
     if "delta" in parts:
-        add(delta_bench())
+        add("delta", time.monotonic(), delta_bench())
     if "scale" in parts:
+        started = time.monotonic()
         scale = scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say)
-        add({"scale_3v1": scale["scale_3v1"], "details": scale.get("details", {})})
+        add("scale", started, {"scale_3v1": scale["scale_3v1"], "details": scale.get("details", {})})
         result["report"]["scale_3v1"] = _row(
             f"{PULLERS} pullers from 3 sharded replicas vs from 1, aggregate",
             "no Redis" if result["scale_3v1"] is None else f"{result['scale_3v1']:.2f}x",
