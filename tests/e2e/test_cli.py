@@ -188,7 +188,7 @@ def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path,
 
 
 def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
-    result = cli("bench", "--size-mib", "32", "--repeat", "1", "--json", timeout=300)
+    result = cli("bench", "--size-mib", "32", "--repeat", "1", "--only", "T1,K1,delta", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     for key in (
@@ -211,6 +211,36 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
         assert isinstance(figures[key], float) and figures[key] > 0, key
     assert figures["details"]["master_mib"] == 32
     assert figures["details"]["fanout_pullers"] == 8
+    assert "E1_1" not in figures and "S1" not in figures  # --only
+
+
+def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
+    result = cli("bench", "--only", "E1,S1,S2,P1", "--size-mib", "16", "--repeat", "1", "--pullers", "1,2",
+                 "--s1-mib", "1", "--s1-tensors", "10,100", "--s2-retain", "1,2", "--json", timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    details = figures["details"]
+    for key in ("E1_1", "E1_1_grpc", "E1_1_http", "E1_2", "E1_2_grpc", "E1_2_http", "P1_http", "P1_grpc"):
+        assert isinstance(figures[key], float) and figures[key] > 0, key
+    for key in ("e1_1_grpc_sync_s", "e1_2_http_sync_s"):  # the pullers hold it after the push committed
+        commit = details[key.replace("sync", "commit")]
+        assert 0 < commit <= details[key], key
+    assert isinstance(figures["S1"], float) and figures["S1"] == min(figures["S1_grpc"], figures["S1_http"])
+    assert details["s1_tensors"] == [10, 100] and len(details["s1_push_s"]) == 2
+    assert isinstance(figures["S2"], float)
+    assert details["s2_retain_1_retained_mib"] == 8 and details["s2_retain_2_retained_mib"] == 16
+    assert 0 < details["s2_retain_1_anon_rss_mib"] <= details["s2_retain_1_peak_anon_rss_mib"]
+    if details["p1_nginx_skipped"] is None:
+        assert isinstance(figures["P1_nginx"], float) and figures["P1_nginx"] > 0
+    else:
+        assert figures["P1_nginx"] is None and "nginx" in details["p1_nginx_skipped"]
+    assert figures["L1"] == max(v for k, v in details.items() if k.startswith("loop_lag_max_s_")) > 0
+    assert "T1" not in figures and "K1" not in figures  # --only
+
+
+def test_bench_refuses_an_unknown_figure() -> None:
+    line = one_error_line(cli("bench", "--only", "E1,X9"))
+    assert "unknown figure(s) X9" in line
 
 
 def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> None:

@@ -5,6 +5,13 @@ Transfer part (this module): the service runs as a separate process, as it does 
 - T1: pull the committed version (gRPC and HTTP, checksums verified) vs raw TCP on the served bytes.
 - T3: 8 puller processes at once, aggregate, vs 8 raw TCP streams from one process at once.
 - M1: the server's peak RSS against 1.25 x retained bytes + 300 MiB.
+- E1: sync time, from the learner's push call until N watching puller processes hold the version,
+  vs the raw-TCP lower bound: the masters up, then the served bytes down (to N at once).
+- S1: push + pull time per tensor, from the same total size split into more and more tensors.
+- S2: the server's anonymous RSS with --data-dir against the bytes it retains, for several --retain.
+- P1: the clients' pull into memory vs raw TCP into a preallocated buffer; for reference, the same
+  file from nginx (sendfile) to the same client.
+- L1: how long the server's event loop was blocked, at most, in each of the above.
 - scale_3v1: 8 pullers at once from 3 sharded replicas (on Redis) vs from 1 replica, aggregate.
 Raw TCP is two Python processes moving a preallocated buffer with sendall/recv_into: the best a
 Python peer can do on this machine, so a ratio of 1.0 means "as fast as the socket".
@@ -12,14 +19,17 @@ Python peer can do on this machine, so a ratio of 1.0 means "as fast as the sock
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -192,6 +202,32 @@ class _ServerProcess:
     def rss_bytes(self) -> int:
         return self._status("VmRSS:")
 
+    def anon_rss_bytes(self) -> int:
+        """Resident anonymous memory: what the process itself holds, not the page cache of its files."""
+        return self._status("RssAnon:")
+
+    def loop_lag(self) -> list[tuple[float, float]]:
+        """The event loop's lag histogram so far: (bucket bound, wake-ups up to it), cumulative."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{self.http}/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        return sorted(
+            (float(s.labels["le"]), s.value)
+            for f in text_string_to_metric_families(text)
+            if f.name == "weightsvc_event_loop_lag_seconds"
+            for s in f.samples
+            if s.name.endswith("_bucket")
+        )
+
+    def loop_lag_max_s(self, since: list[tuple[float, float]] | None = None) -> float:
+        """The longest the event loop was blocked (since the histogram `since`), rounded up to its bucket."""
+        now = self.loop_lag()
+        if since is not None:
+            now = [(le, count - before) for (le, count), (_, before) in zip(now, since, strict=True)]
+        total = now[-1][1]  # le="+Inf": every wake-up
+        return next(le for le, count in now if count == total)
+
     def _status(self, field: str) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
@@ -244,6 +280,31 @@ def scale_bench(*, size_mib: int = 512, repeat: int = 3, redis_url: str = "redis
 
 def _best(fn: Callable[[], float], repeat: int) -> float:
     return min(fn() for _ in range(repeat))
+
+
+class RawTcp:
+    """The raw-TCP baselines of one run, each measured once (best of `repeat`) for all the figures
+    that compare with it. Measured while no server runs."""
+
+    def __init__(self, repeat: int) -> None:
+        self.repeat = repeat
+        self._seconds: dict[tuple[str, int], float] = {}
+
+    def _get(self, key: tuple[str, int], fn: Callable[[], float]) -> float:
+        if key not in self._seconds:
+            self._seconds[key] = _best(fn, self.repeat)
+        return self._seconds[key]
+
+    def up(self, nbytes: int) -> float:
+        return self._get(("up", nbytes), lambda: raw_tcp_seconds(nbytes, download=False))
+
+    def down(self, nbytes: int) -> float:
+        return self._get(("down", nbytes), lambda: raw_tcp_seconds(nbytes, download=True))
+
+    def fanout(self, nbytes: int, peers: int) -> float:
+        if peers == 1:
+            return self.down(nbytes)
+        return self._get((f"fanout{peers}", nbytes), lambda: raw_tcp_fanout_seconds(nbytes, peers))
 
 
 def _torch_ops_sr(x: torch.Tensor) -> torch.Tensor:
@@ -358,13 +419,20 @@ def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
     return out
 
 
-def run_bench(
-    *, size_mib: int = 1024, repeat: int = 3, retain: int = 4, log: Callable[[str], Any] | None = None
-) -> dict[str, Any]:
-    say = log or (lambda _m: None)
-    model = _model(size_mib)
+# Which part of the bench measures each figure id (`--only` takes ids or part names).
+PARTS = {"T1": "transfer", "T2": "transfer", "T3": "transfer", "M1": "transfer", "K1": "kernels", "K2": "kernels",
+         "delta": "delta", "scale_3v1": "scale", "E1": "E1", "S1": "S1", "S2": "S2", "P1": "P1"}  # fmt: skip
+L1_TARGET_S = 0.1
+
+
+def _row(what: str, value: str, target: str = "") -> dict[str, str]:
+    return {"what": what, "value": value, "target": target}
+
+
+def transfer_bench(model: dict[str, torch.Tensor], *, repeat: int, retain: int, tcp: RawTcp,
+                   say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+    """T1, T2, T3 and M1 on one server."""
     master_bytes = sum(t.numel() * 4 for t in model.values())
-    say(f"model: {len(model)} tensors, {master_bytes / 2**20:.0f} MiB fp32")
     server = _ServerProcess(retain)
     try:
         learner = LearnerClient(server.grpc)
@@ -380,6 +448,7 @@ def run_bench(
         # that steady state, and the peak RSS is read in it.
         for _ in range(retain):
             push_once()
+        warm = server.loop_lag()
         push_s = _best(push_once, repeat)
         served_bytes = InferenceClient(server.http).manifest().data_bytes
         say(f"push: {master_bytes / push_s / 1e9:.2f} GB/s")
@@ -403,26 +472,27 @@ def run_bench(
             f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")  # fmt: skip
         peak_fanout = server.peak_rss_bytes()  # with the gRPC streams of 8 pullers in flight too
         retained = sum(v.data_bytes for v in InferenceClient(server.http).versions())
+        lag = server.loop_lag_max_s(warm)
         learner.close()
     finally:
         server.close()
 
-    tcp_up_s = _best(lambda: raw_tcp_seconds(master_bytes, download=False), repeat)
-    tcp_down_s = _best(lambda: raw_tcp_seconds(served_bytes, download=True), repeat)
-    tcp_fanout_s = _best(lambda: raw_tcp_fanout_seconds(served_bytes, PULLERS), repeat)
+    tcp_up_s, tcp_down_s = tcp.up(master_bytes), tcp.down(served_bytes)
+    tcp_fanout_s = tcp.fanout(served_bytes, PULLERS)
     say(f"raw tcp: up {master_bytes / tcp_up_s / 1e9:.2f} GB/s, down {served_bytes / tcp_down_s / 1e9:.2f} GB/s")
     bound = 1.25 * retained + (300 << 20)
     t1_grpc, t1_http = tcp_down_s / pull_grpc_s, tcp_down_s / pull_http_s
     t3_grpc, t3_http = tcp_fanout_s / fanout_grpc_s, tcp_fanout_s / fanout_http_s
-    result: dict[str, Any] = {
-        "T1": round(max(t1_grpc, t1_http), 3),
+    t1, t2, t3, m1 = max(t1_grpc, t1_http), tcp_up_s / push_s, max(t3_grpc, t3_http), peak / bound
+    return {
+        "T1": round(t1, 3),
         "T1_grpc": round(t1_grpc, 3),
         "T1_http": round(t1_http, 3),
-        "T2": round(tcp_up_s / push_s, 3),
-        "T3": round(max(t3_grpc, t3_http), 3),
+        "T2": round(t2, 3),
+        "T3": round(t3, 3),
         "T3_grpc": round(t3_grpc, 3),
         "T3_http": round(t3_http, 3),
-        "M1": round(peak / bound, 3),
+        "M1": round(m1, 3),
         "details": {
             "master_mib": master_bytes >> 20,
             "served_mib": served_bytes >> 20,
@@ -441,45 +511,498 @@ def run_bench(
             "peak_rss_fanout_mib": peak_fanout >> 20,
             "m1_bound_mib": int(bound) >> 20,
             "retained_mib": retained >> 20,
-            "cpus": os.cpu_count(),
+            "loop_lag_max_s_transfer": lag,
+        },
+        "report": {
+            "T1": _row("pull vs raw TCP (best of gRPC/HTTP)", f"{t1:.2f}x", ">= 0.5x"),
+            "T1_grpc": _row("pull over gRPC vs raw TCP", f"{t1_grpc:.2f}x"),
+            "T1_http": _row("pull over HTTP vs raw TCP", f"{t1_http:.2f}x"),
+            "T2": _row("push fp32 -> committed vs raw TCP", f"{t2:.2f}x", ">= 0.4x"),
+            "T3": _row(
+                f"{PULLERS} pullers at once vs {PULLERS} raw TCP streams, aggregate (best of gRPC/HTTP)",
+                f"{t3:.2f}x (grpc {t3_grpc:.2f}x, http {t3_http:.2f}x)",
+                ">= 0.4x",
+            ),
+            "M1": _row(f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB", f"{m1:.2f}", "<= 1.0"),
         },
     }
-    say("kernels: K1/K2 on a 256 MiB fp32 tensor")
-    kernels = kernel_bench(repeat=repeat)
-    result.update({k: v for k, v in kernels.items() if not k.startswith("kernel_")})
-    result.update(delta_bench())
-    result["details"].update({k: v for k, v in kernels.items() if k.startswith("kernel_")})
-    scale = scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say)
-    result["scale_3v1"] = scale["scale_3v1"]
-    result["details"].update(scale.get("details", {}))
-    result["report"] = {
-        "T1": {"what": "pull vs raw TCP (best of gRPC/HTTP)", "value": f"{result['T1']:.2f}x", "target": ">= 0.5x"},
-        "T1_grpc": {"what": "pull over gRPC vs raw TCP", "value": f"{t1_grpc:.2f}x", "target": ""},
-        "T1_http": {"what": "pull over HTTP vs raw TCP", "value": f"{t1_http:.2f}x", "target": ""},
-        "T2": {"what": "push fp32 -> committed vs raw TCP", "value": f"{result['T2']:.2f}x", "target": ">= 0.4x"},
-        "T3": {
-            "what": f"{PULLERS} pullers at once vs {PULLERS} raw TCP streams, aggregate (best of gRPC/HTTP)",
-            "value": f"{result['T3']:.2f}x (grpc {t3_grpc:.2f}x, http {t3_http:.2f}x)",
-            "target": ">= 0.4x",
+
+
+# One watching puller of E1, in its own process (argv: target, the version it holds already): pulls
+# each new version as the watch announces it, verified, and prints when it holds it (the system-wide
+# monotonic clock).
+_WATCHER = """
+import sys, time
+from weightsvc.client import InferenceClient
+client = InferenceClient(sys.argv[1])
+for info in client.watch(after=int(sys.argv[2])):
+    tensors = client.pull(version=info.version)
+    print(info.version, time.monotonic(), flush=True)
+    del tensors
+"""
+
+
+def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repeat: int, tcp: RawTcp,
+               say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+    """E1: from the learner's push call until `n` puller processes, already watching, hold the new
+    version (checksums verified), over gRPC and over HTTP, vs raw TCP moving the masters up and then
+    the served bytes down to `n` receivers at once."""
+    master_bytes = sum(t.numel() * 4 for t in model.values())
+    server = _ServerProcess(2)
+    sync: dict[tuple[int, str], float] = {}
+    commit: dict[tuple[int, str], float] = {}  # of the same run: the push call alone
+    try:
+        learner = LearnerClient(server.grpc)
+        step = 1
+        learner.push(step, model)  # warm-up: kernels compiled, buffers recycled from here on
+        warm = server.loop_lag()
+
+        def push_and_wait(procs: list[subprocess.Popen[str]]) -> tuple[float, float]:
+            """Seconds from the push call until every watcher holds the version, and until committed."""
+            nonlocal step
+            step += 1
+            start = time.monotonic()
+            learner.push(step, model)
+            pushed = time.monotonic()
+            held = []
+            for p in procs:
+                assert p.stdout is not None
+                version, at = p.stdout.readline().split()
+                assert int(version) == step, (version, step)
+                held.append(float(at))
+            return max(held) - start, pushed - start
+
+        served_bytes = InferenceClient(server.http).manifest().data_bytes
+        for n in pullers:
+            for transport, target in (("grpc", server.grpc), ("http", server.http)):
+                procs = [subprocess.Popen([sys.executable, "-c", _WATCHER, target, str(step)], stdout=subprocess.PIPE,
+                                          text=True) for _ in range(n)]  # fmt: skip
+                try:
+                    push_and_wait(procs)  # every watcher connected, watching and warm
+                    runs = [push_and_wait(procs) for _ in range(repeat)]
+                finally:
+                    for p in procs:
+                        p.kill()
+                        p.wait()
+                sync[n, transport], commit[n, transport] = min(runs)
+                say(f"E1: {n} {transport} puller(s) hold the version {sync[n, transport]:.2f} s after the push call "
+                    f"(commit at {commit[n, transport]:.2f} s)")  # fmt: skip
+        lag = server.loop_lag_max_s(warm)
+        learner.close()
+    finally:
+        server.close()
+    out: dict[str, Any] = {"details": {"loop_lag_max_s_E1": lag}, "report": {}}
+    for n in pullers:
+        bound = tcp.up(master_bytes) + tcp.fanout(served_bytes, n)
+        ratios = {t: sync[n, t] / bound for t in ("grpc", "http")}
+        best = min(ratios.values())
+        out[f"E1_{n}"] = round(best, 3)
+        for t, r in ratios.items():
+            out[f"E1_{n}_{t}"] = round(r, 3)
+            out["details"][f"e1_{n}_{t}_sync_s"] = round(sync[n, t], 3)
+            out["details"][f"e1_{n}_{t}_commit_s"] = round(commit[n, t], 3)
+        out["details"][f"e1_{n}_raw_tcp_bound_s"] = round(bound, 3)
+        out["report"][f"E1_{n}"] = _row(
+            f"push call -> {n} watching puller(s) hold it, vs raw TCP up + down ({bound:.2f} s)",
+            f"{best:.2f}x (grpc {sync[n, 'grpc']:.2f} s, http {sync[n, 'http']:.2f} s)",
+            "<= 1.5x" if n == 1 else "<= 2.0x",
+        )
+    out["details"]["e1_master_mib"] = master_bytes >> 20
+    return out
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys on xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
+                      say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+    """S1: push + pull (checksums verified) of `total_mib` fp32 split into each of `counts` tensors;
+    the least-squares slope of the time on the count is the cost of one tensor, end to end."""
+    gen = torch.Generator().manual_seed(0)
+    elements = (total_mib << 20) // 4
+    times: dict[str, list[float]] = {"push": [], "pull_grpc": [], "pull_http": []}
+    server = _ServerProcess(2)
+    try:
+        learner = LearnerClient(server.grpc)
+        clients = {"grpc": InferenceClient(server.grpc), "http": InferenceClient(server.http)}
+        step = 1
+        learner.push(step, {"w": torch.zeros(1 << 16)})  # warm-up: kernels compiled
+        warm = server.loop_lag()
+        for count in counts:
+            # Views of one block at distinct offsets: distinct tensors to the learner, built at once.
+            model = {f"t.{i}": t for i, t in enumerate((torch.randn(count, elements // count, generator=gen) * 0.02)
+                                                       .unbind(0))}  # fmt: skip
+
+            def push_once(model: dict[str, torch.Tensor]) -> float:
+                nonlocal step
+                step += 1
+                start = time.perf_counter()
+                learner.push(step, model)
+                return time.perf_counter() - start
+
+            def pull_once(client: InferenceClient) -> float:
+                start = time.perf_counter()
+                client.pull(version=step)
+                return time.perf_counter() - start
+
+            times["push"].append(_best(lambda m=model: push_once(m), repeat))  # type: ignore[misc]
+            for t, client in clients.items():
+                times[f"pull_{t}"].append(_best(lambda c=client: pull_once(c), repeat))  # type: ignore[misc]
+            say(f"S1: {count} tensors: push {times['push'][-1]:.2f} s, pull grpc {times['pull_grpc'][-1]:.2f} s, "
+                f"http {times['pull_http'][-1]:.2f} s")  # fmt: skip
+        lag = server.loop_lag_max_s(warm)
+        for client in clients.values():
+            client.close()
+        learner.close()
+    finally:
+        server.close()
+    xs = [float(c) for c in counts]
+    us = {k: _slope(xs, v) * 1e6 for k, v in times.items()}
+    s1 = {t: us["push"] + us[f"pull_{t}"] for t in ("grpc", "http")}
+    best = min(s1.values())
+    return {
+        "S1": round(best, 2),
+        "S1_grpc": round(s1["grpc"], 2),
+        "S1_http": round(s1["http"], 2),
+        "details": {
+            "s1_total_mib": total_mib,
+            "s1_tensors": list(counts),
+            **{f"s1_{k}_s": [round(x, 4) for x in v] for k, v in times.items()},
+            **{f"s1_{k}_us_per_tensor": round(v, 2) for k, v in us.items()},
+            "loop_lag_max_s_S1": lag,
         },
-        "K1": {"what": "fused sr bf16 export vs x.to(bfloat16)", "value": f"{kernels['K1']:.2f}x", "target": ">= 0.8x"},
-        "K2": {"what": "fused ef bf16 export vs x.to(bfloat16)", "value": f"{kernels['K2']:.2f}x", "target": ">= 0.4x"},
-        "K1_vs_torch_ops_sr": {
-            "what": "fused sr vs sr composed from torch ops",
-            "value": f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster",
-            "target": "",
-        },
-        "scale_3v1": {
-            "what": f"{PULLERS} pullers from 3 sharded replicas vs from 1, aggregate",
-            "value": "no Redis" if result["scale_3v1"] is None else f"{result['scale_3v1']:.2f}x",
-            "target": f"cores here: {os.cpu_count()}",
-        },
-        "M1": {
-            "what": f"server peak RSS {peak >> 20} MiB / bound {int(bound) >> 20} MiB",
-            "value": f"{result['M1']:.2f}",
-            "target": "<= 1.0",
+        "report": {
+            "S1": _row(
+                f"push + pull per tensor, {total_mib} MiB in {'/'.join(map(str, counts))} tensors (slope)",
+                f"{best:.1f} us (push {us['push']:.1f}, pull grpc {us['pull_grpc']:.1f}, http {us['pull_http']:.1f})",
+                "<= 50 us",
+            ),
         },
     }
+
+
+def _push_steps(learner: LearnerClient, model: dict[str, torch.Tensor], first: int, last: int) -> None:
+    for step in range(first, last + 1):
+        learner.push(step, model)
+
+
+def _peak_anon_rss(server: _ServerProcess, work: Callable[[], object]) -> int:
+    """The server's peak anonymous RSS while `work` runs, sampled every 50 ms (there is no HWM of it)."""
+    samples = [server.anon_rss_bytes()]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.05):
+            samples.append(server.anon_rss_bytes())
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        work()
+    finally:
+        done.set()
+        sampler.join()
+    return max(samples)
+
+
+def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ...],
+                       say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+    """S2: with --data-dir, the server's anonymous RSS once the same pushes are done, for each
+    --retain; the least-squares slope of it on the retained bytes (0: the versions live in the page
+    cache of their files, not in the process)."""
+    import tempfile
+
+    pushes = max(retains) + 1  # the same pushes for every --retain: each fills its retention and evicts
+    anon: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    retained: dict[int, int] = {}
+    lags = []
+    for k in retains:
+        with tempfile.TemporaryDirectory(prefix="weightsvc-bench-") as data_dir:
+            server = _ServerProcess(k, "--data-dir", data_dir)
+            try:
+                with LearnerClient(server.grpc) as learner:
+                    learner.push(1, model)  # warm-up: kernels compiled
+                    warm = server.loop_lag()
+                    peak[k] = _peak_anon_rss(server, functools.partial(_push_steps, learner, model, 2, pushes))
+                time.sleep(0.5)  # what a push left behind to free, freed
+                anon[k] = server.anon_rss_bytes()
+                retained[k] = sum(v.data_bytes for v in InferenceClient(server.http).versions())
+                lags.append(server.loop_lag_max_s(warm))
+            finally:
+                server.close()
+        say(f"S2: --retain {k}: anonymous RSS {anon[k] >> 20} MiB (peak {peak[k] >> 20}) "
+            f"holding {retained[k] >> 20} MiB")  # fmt: skip
+    xs = [float(retained[k]) for k in retains]
+    s2 = _slope(xs, [float(anon[k]) for k in retains]) if len(set(xs)) > 1 else 0.0
+    return {
+        "S2": round(s2, 3),
+        "details": {
+            **{f"s2_retain_{k}_anon_rss_mib": anon[k] >> 20 for k in retains},
+            **{f"s2_retain_{k}_peak_anon_rss_mib": peak[k] >> 20 for k in retains},
+            **{f"s2_retain_{k}_retained_mib": retained[k] >> 20 for k in retains},
+            "s2_pushes": pushes,
+            "loop_lag_max_s_S2": max(lags),
+        },
+        "report": {
+            "S2": _row(
+                "anonymous RSS per retained byte, --data-dir, --retain " + "/".join(map(str, retains)),
+                f"{s2:.3f} (" + ", ".join(f"{anon[k] >> 20} MiB" for k in retains) + ")",
+                "~0: independent of --retain",
+            ),
+        },
+    }
+
+
+def _plain_http_seconds(url: str, path: str, nbytes: int, buf: memoryview | None = None) -> float:
+    """Seconds to read one HTTP body of `nbytes` with http.client, no parsing, into `buf` (preallocated)
+    or, without one, into a fresh buffer mapped within the clock, as a pull's."""
+    import http.client
+
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port)
+    try:
+        start = time.perf_counter()
+        buf = alloc(nbytes) if buf is None else buf
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        got = 0
+        while n := resp.readinto(buf[got : got + _RECV_PIECE]):
+            got += n
+        elapsed = time.perf_counter() - start
+    finally:
+        conn.close()
+    if resp.status != 200 or got != len(buf):
+        raise RuntimeError(f"GET {url}{path}: status {resp.status}, {got} of {len(buf)} bytes")
+    return elapsed
+
+
+_NGINX_CONF = """
+daemon off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 64; }}
+http {{
+    sendfile on;
+    access_log off;
+    client_body_temp_path {d}/tmp;
+    proxy_temp_path {d}/tmp;
+    fastcgi_temp_path {d}/tmp;
+    uwsgi_temp_path {d}/tmp;
+    scgi_temp_path {d}/tmp;
+    server {{
+        listen 127.0.0.1:{port};
+        root {d}/root;
+    }}
+}}
+"""
+
+
+class _Nginx:
+    """A private nginx serving `root` on a free port, in the foreground, every file of it in `d`."""
+
+    def __init__(self, d: str) -> None:
+        import shutil
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with open(f"{d}/nginx.conf", "w") as f:
+            f.write(_NGINX_CONF.format(d=d, port=port))
+        exe = shutil.which("nginx")
+        assert exe is not None
+        self.proc = subprocess.Popen([exe, "-p", d, "-e", f"{d}/error.log", "-c", f"{d}/nginx.conf"],
+                                     stderr=subprocess.PIPE)  # fmt: skip
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    error = Path(d, "error.log").read_text()[-500:]
+                    raise RuntimeError(f"nginx did not start: {error}") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
+               say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+    """P1: `InferenceClient.pull` (into memory, checksums verified) over HTTP and gRPC vs raw TCP into
+    a preallocated buffer; what the transfer alone costs (`pull_data`, no verification); and a plain
+    http.client read into a preallocated buffer, and into a fresh one as a pull's (mapping it is part
+    of the pull). For reference, the same served file from nginx (sendfile on) to the same HTTP client
+    and the same plain read."""
+    import shutil
+    import tempfile
+
+    def timed(fn: Callable[[], object]) -> float:
+        def once() -> float:
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+
+        return _best(once, repeat)
+
+    seconds: dict[str, float] = {}
+    nginx_skipped = None
+    with tempfile.TemporaryDirectory(prefix="weightsvc-bench-") as d:
+        server = _ServerProcess(2)
+        try:
+            with LearnerClient(server.grpc) as learner:
+                version = learner.push(1, model).version
+            warm = server.loop_lag()
+            for t, target in (("grpc", server.grpc), ("http", server.http)):
+                with InferenceClient(target) as client:
+                    client.manifest()  # connected before the clock starts
+                    seconds[f"pull_{t}"] = timed(lambda c=client: c.pull(version=version))  # type: ignore[misc]
+                    seconds[f"pull_data_{t}"] = timed(lambda c=client: c.pull_data(version=version))  # type: ignore[misc]
+            # The nginx root holds the file at the service's own path: the same client pulls from both.
+            path = f"/v1/models/default/versions/{version}/safetensors"
+            os.makedirs(f"{d}/root{os.path.dirname(path)}")
+            os.makedirs(f"{d}/tmp")
+            with InferenceClient(server.http) as client:
+                served_bytes = client.pull_file(f"{d}/root{path}", version=version).data_bytes
+            file_bytes = os.path.getsize(f"{d}/root{path}")
+            buf = alloc(file_bytes)
+            seconds["plain_http"] = _best(lambda: _plain_http_seconds(server.http, path, file_bytes, buf), repeat)
+            seconds["plain_http_fresh"] = _best(lambda: _plain_http_seconds(server.http, path, file_bytes), repeat)
+            lag = server.loop_lag_max_s(warm)
+        finally:
+            server.close()
+        if shutil.which("nginx") is None:
+            nginx_skipped = "nginx is not on PATH"
+        else:
+            for sub in ("", "/root", "/root/v1", "/root/v1/models"):  # nginx's workers may run as nobody
+                os.chmod(f"{d}{sub}", 0o755)
+            nginx = _Nginx(d)
+            try:
+                with InferenceClient(nginx.url) as client:
+                    seconds["pull_nginx"] = timed(lambda c=client: c.pull(version=version))  # type: ignore[misc]
+                seconds["plain_nginx"] = _best(lambda: _plain_http_seconds(nginx.url, path, file_bytes, buf), repeat)
+            finally:
+                nginx.close()
+    down = tcp.down(served_bytes)
+    ratio = {k: down / v for k, v in seconds.items()}
+    say("P1: " + ", ".join(f"{k} {served_bytes / v / 1e9:.2f} GB/s" for k, v in seconds.items())
+        + f"; raw tcp {served_bytes / down / 1e9:.2f} GB/s")  # fmt: skip
+    out: dict[str, Any] = {
+        "P1_http": round(ratio["pull_http"], 3),
+        "P1_grpc": round(ratio["pull_grpc"], 3),
+        "P1_nginx": None if nginx_skipped else round(ratio["pull_nginx"], 3),
+        "details": {
+            "p1_served_mib": served_bytes >> 20,
+            "p1_raw_tcp_down_gbps": round(served_bytes / down / 1e9, 3),
+            **{
+                f"p1_{k}_gbps": round((file_bytes if k.startswith("plain") else served_bytes) / v / 1e9, 3)
+                for k, v in seconds.items()
+            },
+            **{f"p1_{k}_vs_raw_tcp": round(v, 3) for k, v in ratio.items()},
+            "p1_nginx_skipped": nginx_skipped,
+            "loop_lag_max_s_P1": lag,
+        },
+        "report": {
+            "P1_http": _row(
+                "InferenceClient.pull over HTTP (verified) vs raw TCP into a preallocated buffer",
+                f"{ratio['pull_http']:.2f}x (transfer alone {ratio['pull_data_http']:.2f}x)",
+                ">= 0.8x",
+            ),
+            "P1_grpc": _row(
+                "InferenceClient.pull over gRPC (verified) vs raw TCP into a preallocated buffer",
+                f"{ratio['pull_grpc']:.2f}x (transfer alone {ratio['pull_data_grpc']:.2f}x)",
+                ">= 0.6x",
+            ),
+            "P1_nginx": _row(
+                "the same HTTP client pulling the same file from nginx (sendfile) vs raw TCP",
+                f"skipped: {nginx_skipped}"
+                if nginx_skipped
+                else f"{ratio['pull_nginx']:.2f}x (plain read: nginx {ratio['plain_nginx']:.2f}x, "
+                f"weightsvc {ratio['plain_http']:.2f}x, fresh buffer {ratio['plain_http_fresh']:.2f}x)",
+                "reference",
+            ),
+        },
+    }
+    return out
+
+
+def run_bench(
+    *,
+    size_mib: int = 1024,
+    repeat: int = 3,
+    retain: int = 4,
+    only: set[str] | None = None,
+    pullers: tuple[int, ...] = (1, 8),
+    s1_mib: int = 64,
+    s1_tensors: tuple[int, ...] = (100, 10_000, 100_000),
+    s2_retains: tuple[int, ...] = (1, 2, 4),
+    log: Callable[[str], Any] | None = None,
+) -> dict[str, Any]:
+    """The figures of `only` (ids or part names of PARTS; all when None), as one JSON-able dict:
+    figure ids at the top, the numbers behind them in "details", one row per figure in "report"."""
+    say = log or (lambda _m: None)
+    parts = set(PARTS.values()) if only is None else {PARTS.get(x, x) for x in only}
+    model: dict[str, torch.Tensor] = {}
+    if parts & {"transfer", "E1", "P1", "S2"}:
+        model = _model(size_mib)
+        say(f"model: {len(model)} tensors, {sum(t.numel() * 4 for t in model.values()) / 2**20:.0f} MiB fp32")
+    tcp = RawTcp(repeat)
+    result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
+
+    def add(name: str, started: float, part: dict[str, Any]) -> None:
+        result["details"].update(part.pop("details", {}))
+        result["details"][f"seconds_{name}"] = round(time.monotonic() - started, 1)  # what a run costs
+        result["report"].update(part.pop("report", {}))
+        result.update(part)
+
+    if "transfer" in parts:
+        add("transfer", time.monotonic(), transfer_bench(model, repeat=repeat, retain=retain, tcp=tcp, say=say))
+    # E1 and S1: best of 3 and 2 at most; each run of 8 pullers, and of 100,000 tensors, takes seconds.
+    if "E1" in parts:
+        add("E1", time.monotonic(), sync_bench(model, pullers=pullers, repeat=min(repeat, 3), tcp=tcp, say=say))
+    if "P1" in parts:
+        add("P1", time.monotonic(), pull_bench(model, repeat=repeat, tcp=tcp, say=say))
+    if "S1" in parts:
+        add("S1", time.monotonic(),
+            tensor_cost_bench(total_mib=s1_mib, counts=s1_tensors, repeat=min(repeat, 2), say=say))  # fmt: skip
+    if "S2" in parts:
+        add("S2", time.monotonic(), data_dir_rss_bench(model, retains=s2_retains, say=say))
+    if "kernels" in parts:
+        say("kernels: K1/K2 on a 256 MiB fp32 tensor")
+        started = time.monotonic()
+        kernels = kernel_bench(repeat=repeat)
+        add("kernels", started, {k: v for k, v in kernels.items() if not k.startswith("kernel_")})
+        result["details"].update({k: v for k, v in kernels.items() if k.startswith("kernel_")})
+        result["report"].update({
+            "K1": _row("fused sr bf16 export vs x.to(bfloat16)", f"{kernels['K1']:.2f}x", ">= 0.8x"),
+            "K2": _row("fused ef bf16 export vs x.to(bfloat16)", f"{kernels['K2']:.2f}x", ">= 0.4x"),
+            "K1_vs_torch_ops_sr": _row("fused sr vs sr composed from torch ops",
+                                       f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster"),
+        })  # fmt: skip
+    if "delta" in parts:
+        add("delta", time.monotonic(), delta_bench())
+    if "scale" in parts:
+        started = time.monotonic()
+        scale = scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say)
+        add("scale", started, {"scale_3v1": scale["scale_3v1"], "details": scale.get("details", {})})
+        result["report"]["scale_3v1"] = _row(
+            f"{PULLERS} pullers from 3 sharded replicas vs from 1, aggregate",
+            "no Redis" if result["scale_3v1"] is None else f"{result['scale_3v1']:.2f}x",
+            f"cores here: {os.cpu_count()}",
+        )
+    lags = [v for k, v in result["details"].items() if k.startswith("loop_lag_max_s_")]
+    if lags:  # L1: the longest block of the event loop, over every server of this run after its first push
+        result["L1"] = max(lags)
+        result["report"]["L1"] = _row("event loop blocked at most (bucket), every server after its first push",
+                                      f"<= {max(lags) * 1000:.0f} ms", f"<= {L1_TARGET_S * 1000:.0f} ms")  # fmt: skip
     return result
 
 

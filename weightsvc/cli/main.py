@@ -476,21 +476,51 @@ def demo(
     print_table(table)
 
 
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. `--pullers 1,8`."""
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of positive integers", param_hint=flag)
+    return values
+
+
 @app.command()
 def bench(
-    size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB.")] = 1024,
+    size_mib: Annotated[int, typer.Option(help="fp32 model size in MiB (T, E1, P1, S2).")] = 1024,
     repeat: Annotated[int, typer.Option(help="Runs per figure; the best is kept.")] = 5,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by figure id.")] = False,
+    only: Annotated[
+        str | None,
+        typer.Option(help="Comma-separated figure ids to measure, e.g. E1,S1 (default: all)."),
+    ] = None,
+    pullers: Annotated[str, typer.Option(help="E1: numbers of watching pullers, comma-separated.")] = "1,8",
+    s1_mib: Annotated[int, typer.Option(help="S1: total fp32 MiB, split into each count of --s1-tensors.")] = 64,
+    s1_tensors: Annotated[
+        str, typer.Option(help="S1: tensor counts, comma-separated (two at least: the slope).")
+    ] = "100,10000,100000",
+    s2_retain: Annotated[str, typer.Option(help="S2: --retain values of the server, comma-separated.")] = "1,2,4",
     soak: Annotated[
         float | None,
         typer.Option(help="Instead: SECONDS of one learner pushing and 8 pullers; RSS must stay within 10%."),
     ] = None,
 ) -> None:
-    """Transfer and export benchmarks: pull, push and fan-out vs raw TCP loopback, server RSS, kernels."""
+    """Transfer and export benchmarks: sync time, pull, push and fan-out vs raw TCP loopback, per-tensor
+    cost, server RSS, kernels."""
     from weightsvc._log import configure_logging
-    from weightsvc.cli.bench import run_bench
+    from weightsvc.cli.bench import PARTS, run_bench
     from weightsvc.cli.bench import soak as run_soak
 
+    figures = None if only is None else {x.strip() for x in only.split(",")}
+    unknown = sorted((figures or set()) - set(PARTS))
+    if unknown:
+        raise typer.BadParameter(f"unknown figure(s) {', '.join(unknown)}; known: {', '.join(PARTS)}",
+                                 param_hint="--only")  # fmt: skip
+    counts = _ints("--s1-tensors", s1_tensors)
+    if len(set(counts)) < 2:
+        raise typer.BadParameter("give two different counts at least: S1 is a slope", param_hint="--s1-tensors")
     configure_logging("warning")
     if soak is not None:
         result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else note)
@@ -498,7 +528,9 @@ def bench(
         if not result["ok"]:
             raise typer.Exit(1)
         return
-    result = run_bench(size_mib=size_mib, repeat=repeat, log=None if json_out else note)
+    result = run_bench(size_mib=size_mib, repeat=repeat, only=figures, pullers=_ints("--pullers", pullers),
+                       s1_mib=s1_mib, s1_tensors=counts, s2_retains=_ints("--s2-retain", s2_retain),
+                       log=None if json_out else note)  # fmt: skip
     report = result.pop("report")
     if json_out:
         print(json.dumps(result, indent=2))
