@@ -92,7 +92,10 @@ class PullResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            # Every write under the stall timeout, the last one too: the server waits for a client's
+            # window before it writes (uvicorn drains first), so any of them can wait forever.
+            await self.pull.send(send({"type": "http.response.start", "status": self.status_code,
+                                       "headers": self.raw_headers}))  # fmt: skip
             if scope.get("method") != "HEAD":
                 # Zero-copy: the server's transport may keep views of what it could not send yet.
                 self.pull.lend()
@@ -103,7 +106,7 @@ class PullResponse(Response):
                         continue
                     await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
                                          len(piece))  # fmt: skip
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self.pull.send(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except DeadlineExceeded as e:
             log.warning("HTTP %s", e.message)  # an incomplete response: the server closes the connection
         finally:
