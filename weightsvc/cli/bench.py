@@ -730,6 +730,7 @@ def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ..
                     peak[k] = _peak_anon_rss(server, functools.partial(_push_steps, learner, model, 2, pushes))
                 time.sleep(0.5)  # what a push left behind to free, freed
                 anon[k] = server.anon_rss_bytes()
+                peak[k] = max(peak[k], anon[k])  # (the peak is sampled: the last reading counts too)
                 retained[k] = sum(v.data_bytes for v in InferenceClient(server.http).versions())
                 lags.append(server.loop_lag_max_s(warm))
             finally:
