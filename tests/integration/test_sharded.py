@@ -228,7 +228,9 @@ def test_three_replica_processes_survive_a_replica_killed_mid_push(
             with pytest.raises(WeightsvcError):
                 learner.push(2, states[1], model, progress=kill_r2_midway)
             procs["r2"].died()
-            assert _no_parts_left(prefix)
+            # (at the latest when --push-rank-timeout-s runs out: once in a full run, the learner's
+            # cancel had not reached an owner after 20 s; not seen when run alone)
+            assert _no_parts_left(prefix, timeout=45)
             for r in ("r0", "r1"):
                 assert [v.version for v in InferenceClient(procs[r].target).versions(model)] == [1]
 
