@@ -62,6 +62,25 @@ def server() -> Iterator[BackgroundServer]:
     srv.__exit__(None, None, None)
 
 
+# The client contract holds on every transport: tests over both take `client` or `transport`.
+TRANSPORTS = ["grpc", "http"]
+
+
+def target(srv: BackgroundServer, transport: str) -> str:
+    return srv.grpc_target if transport == "grpc" else srv.http_url
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def client(server: BackgroundServer, transport: str) -> Iterator[InferenceClient]:
+    with InferenceClient(target(server, transport)) as c:
+        yield c
+
+
 @pytest.fixture
 def model(request: pytest.FixtureRequest) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "-", request.node.name)[:100]

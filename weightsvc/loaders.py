@@ -26,9 +26,8 @@ loader fills the names the engine keeps and accepts a version that omits the tie
 
 from __future__ import annotations
 
-import json
+import functools
 import queue
-import struct
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from weightsvc.client import InferenceClient, Slice, dequantized
-from weightsvc.core.manifest import Manifest
+from weightsvc.core.manifest import Manifest, read_safetensors_header
 
 __all__ = [
     "Mismatch",
@@ -232,6 +231,7 @@ def _placed(sliced: torch.Tensor, shape: tuple[int, ...], part: Slice) -> torch.
     return whole
 
 
+@functools.cache  # (an engine's checkpoint does not change under it: read once per process)
 def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     """Name -> (shape, dtype) of the safetensors checkpoint an engine was started from; None when
     it was not started from a local directory of safetensors files."""
@@ -241,8 +241,8 @@ def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     out = {}
     for path in files:
         with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            _, header = read_safetensors_header(head + f.read(int.from_bytes(head, "little")))
         out.update({k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"})
     return out
 

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file
 
-from tests.conftest import make_masters, serving, start_server
+from tests.conftest import make_masters, serving, start_server, target
 from tests.integration.test_delta import small_step
 from tests.integration.test_export_service import same_bits
 from tests.integration.test_push_pull import assert_served
@@ -35,23 +34,6 @@ from weightsvc.client import (
 from weightsvc.core import delta
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
-
-TRANSPORTS = ["grpc", "http"]
-
-
-def target(srv: BackgroundServer, transport: str) -> str:
-    return srv.grpc_target if transport == "grpc" else srv.http_url
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def client(server: BackgroundServer, transport: str) -> Iterator[InferenceClient]:
-    with InferenceClient(target(server, transport)) as c:
-        yield c
 
 
 def test_the_target_picks_the_transport(server: BackgroundServer, client: InferenceClient, transport: str) -> None:

@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from tests.conftest import make_masters, serving
-from tests.integration.test_client_contract import TRANSPORTS, target
+from tests.conftest import TRANSPORTS, make_masters, serving, target
 from tests.integration.test_push_pull import http_get
 from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_resume import CUT_AFTER, CuttingProxy
@@ -26,17 +25,6 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 Select = dict[str, Slice | None]
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def client(server: BackgroundServer, transport: str) -> Iterator[InferenceClient]:
-    with InferenceClient(target(server, transport)) as c:
-        yield c
 
 
 def masters(seed: int = 0) -> dict[str, torch.Tensor]:

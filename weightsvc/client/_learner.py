@@ -20,7 +20,7 @@ from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.core.manifest import MASTER_DTYPE
 from weightsvc.core.topology import assign, owner
 from weightsvc.transport.names import PUSH
-from weightsvc.transport.wire import encode_chunk, encode_message
+from weightsvc.transport.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -118,15 +118,15 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
     whichever of the two names `parts` holds it under, and both must not differ."""
     kept: dict[str, Array | Shard] = {}
     aliases: dict[str, str] = {}
-    owner: dict[tuple[object, ...], str] = {}
+    first: dict[tuple[object, ...], str] = {}  # memory -> the first name that views it
     for name, value in parts.items():
         key = _storage(value)
-        if key is not None and key in owner:
-            aliases[name] = owner[key]
+        if key is not None and key in first:
+            aliases[name] = first[key]
         else:
             kept[name] = value
             if key is not None:
-                owner[key] = name
+                first[key] = name
     for alias, target in (tied or {}).items():
         target = aliases.get(target, target)
         if alias == target or aliases.get(alias) == target:
@@ -148,20 +148,6 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
 
 # Tensors (or a rank's parts of them) this small travel packed, several to a chunk (Chunk in the proto).
 PACK_BYTES = 64 << 10
-HEADER_PIECE_BYTES = 4 << 20  # of tensor specs per header message: well under the 8 MiB message limit
-
-
-def _pieces(specs: list[pb.TensorSpec]) -> list[list[pb.TensorSpec]]:
-    pieces: list[list[pb.TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        n = len(spec.name) + 12 * len(spec.shape) + 32  # (an upper bound of its encoding)
-        if size + n > HEADER_PIECE_BYTES and pieces[-1]:
-            pieces.append([])
-            size = 0
-        pieces[-1].append(spec)
-        size += n
-    return pieces
 
 
 class LearnerClient:
@@ -288,7 +274,8 @@ class LearnerClient:
         declared = [specs.get(name) or _spec(name, value) for name, value in parts.items()]
         full = pb.PushHeader()
         full.CopyFrom(header)
-        pieces = _pieces(declared)
+        starts = piece_starts((len(s.name) + 12 * len(s.shape) + 32 for s in declared), MESSAGE_PIECE_BYTES)
+        pieces = [declared[a:b] for a, b in zip(starts, [*starts[1:], len(declared)], strict=True)]
         full.tensors.extend(pieces[0])
         if len(pieces) > 1:
             full.tensor_count = len(declared)
@@ -296,27 +283,30 @@ class LearnerClient:
         for more in pieces[1:]:  # a header of many tensors, in pieces under the message limit
             yield pb.PushRequest(tensors=pb.PushTensors(tensors=more))
         pack: list[memoryview] = []  # small tensors, whole, in header order: one chunk for many
-        pack_start: tuple[str, int] = ("", 0)
+        at = ("", 0)  # where the pack starts: its first tensor, and the byte in it
         pack_bytes = 0
+
+        def packed() -> Iterator[bytes]:
+            nonlocal pack_bytes
+            if pack:
+                yield encode_chunk(*at, pack)
+                if progress:
+                    progress(pack_bytes)
+                pack.clear()
+                pack_bytes = 0
+
         for spec, (name, value) in zip(declared, parts.items(), strict=True):
             raw = _master_bytes(name, value.data if isinstance(value, Shard) else value)
             start = spec.part.offset * 4  # bytes into the whole tensor
             if len(raw) <= PACK_BYTES:
                 if not pack:
-                    pack_start = (name, start)
+                    at = (name, start)
                 pack.append(raw)
                 pack_bytes += len(raw)
                 if pack_bytes >= self.chunk_bytes:
-                    yield encode_chunk(*pack_start, b"".join(pack))
-                    if progress:
-                        progress(pack_bytes)
-                    pack, pack_bytes = [], 0
+                    yield from packed()
                 continue
-            if pack:
-                yield encode_chunk(*pack_start, b"".join(pack))
-                if progress:
-                    progress(pack_bytes)
-                pack, pack_bytes = [], 0
+            yield from packed()
             # Chunk boundaries on multiples of chunk_bytes of the whole tensor, whatever the shard.
             cut = -start % self.chunk_bytes or self.chunk_bytes
             pos = 0
@@ -327,10 +317,7 @@ class LearnerClient:
                     progress(len(piece))
                 pos += cut
                 cut = self.chunk_bytes
-        if pack:
-            yield encode_chunk(*pack_start, b"".join(pack))
-            if progress:
-                progress(pack_bytes)
+        yield from packed()
         yield pb.PushRequest(commit=pb.PushCommit())
 
     def close(self) -> None:

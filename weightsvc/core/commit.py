@@ -123,8 +123,11 @@ class Committer:
             before = tracker.snapshot()
             if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
                 m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
-            # The file's header, from the final manifest: once, off the loop (0.7 s at 100,000 tensors).
-            version = dataclasses.replace(version, manifest=m, header=await asyncio.to_thread(m.safetensors_header))
+            # The manifest's JSON (for the file's header and the registry) and the header, from the
+            # final manifest: once each, off the loop (0.25 s and 0.35 s at 100,000 tensors).
+            text = await asyncio.to_thread(m.json)
+            header = await asyncio.to_thread(m.safetensors_header, text)
+            version = dataclasses.replace(version, manifest=m, header=header)
             try:
                 check_header_size(len(version.header) - 8, f"model {m.model!r} step {m.version}")
                 if self._files is not None:
@@ -137,9 +140,9 @@ class Committer:
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:
-                    decided = await self._register(m)
+                    decided = await self._register(m, text)
                 else:
-                    decided, version = await self._parts.commit(version, part_of)
+                    decided, version = await self._parts.commit(version, part_of, text)
             except BaseException:
                 self._lag[m.model] = before
                 if self._files is not None:
@@ -165,8 +168,8 @@ class Committer:
             await asyncio.to_thread(self._files.prune, m.model, evicted, kept, latest)
         return version, True
 
-    async def _register(self, m: Manifest) -> CommitResult:
-        raw = await asyncio.to_thread(m.json)
+    async def _register(self, m: Manifest, text: str | None = None) -> CommitResult:
+        raw = text if text is not None else await asyncio.to_thread(m.json)
         return await self._registry.commit(m.model, m.version, m.master_digest, raw, self._index.retain)
 
     def _kept_residual(self, model: str) -> int | None:

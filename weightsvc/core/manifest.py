@@ -14,7 +14,7 @@ import math
 import re
 import struct
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -285,15 +285,17 @@ class Manifest:
         empty = f'"tensors"{key}[]'  # (a string value cannot hold it: its quotes would be escaped)
         return head.replace(empty, f'"tensors"{key}[{body}]', 1)
 
-    def safetensors_header(self) -> bytes:
+    def safetensors_header(self, text: str | None = None) -> bytes:
         """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes.
-        Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header."""
-        meta = json.dumps({"__metadata__": {METADATA_KEY: self.json()}}, separators=(",", ":"))
-        entries = [{t.name: {"dtype": t.dtype, "shape": list(t.shape),
-                             "data_offsets": [t.offset, t.offset + t.nbytes]} for t in self.tensors[i : i + JSON_SLICE]}
-                   for i in range(0, len(self.tensors), JSON_SLICE)]  # fmt: skip
-        parts = [meta[1:-1], *(json.dumps(e, separators=(",", ":"))[1:-1] for e in entries)]
-        raw = ("{" + ",".join(parts) + "}").encode()
+        Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header.
+        `text`: this manifest's `json()`, when the caller has made it already."""
+        meta = json.dumps({"__metadata__": {METADATA_KEY: self.json() if text is None else text}},
+                          separators=(",", ":"))  # fmt: skip
+        slices = (self.tensors[i : i + JSON_SLICE] for i in range(0, len(self.tensors), JSON_SLICE))
+        entries = _joined(({t.name: {"dtype": t.dtype, "shape": list(t.shape),
+                                     "data_offsets": [t.offset, t.offset + t.nbytes]} for t in ts} for ts in slices),
+                          (",", ":"))  # fmt: skip
+        raw = ("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
 
@@ -302,9 +304,11 @@ BIG_MANIFEST = 2000  # tensors: work on a manifest this size takes milliseconds,
 JSON_SLICE = 2000  # tensors per json.dumps call (each holds the GIL for a few milliseconds)
 
 
-def _joined(slices: list[list[dict[str, Any]]], separators: tuple[str, str]) -> str:
-    """The JSON items of `slices`, joined as one list's would be (without the brackets)."""
+def _joined(slices: Iterable[list[Any] | dict[str, Any]], separators: tuple[str, str]) -> str:
+    """The JSON items of `slices` (lists or dicts), joined as one list's or dict's would be (without
+    the brackets)."""
     return separators[0].join(json.dumps(s, separators=separators)[1:-1] for s in slices if s)
+
 
 _memos: dict[tuple[int, str], Any] = {}
 
@@ -318,7 +322,6 @@ async def in_thread(big: bool, fn: Callable[..., T], *args: Any) -> T:
 async def off_loop(fn: Callable[..., T], m: Manifest, *args: Any) -> T:
     """`fn(m, *args)`, off the event loop for a big manifest."""
     return await in_thread(len(m.tensors) >= BIG_MANIFEST, fn, m, *args)
-
 
 
 def memo(m: Manifest, kind: str, make: Callable[[Manifest], T]) -> T:

@@ -59,16 +59,17 @@ class Parts:
         m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
         return dataclasses.replace(version, manifest=m, header=b"")  # its header is made at commit
 
-    async def commit(self, part: Version, part_of: PartOf) -> tuple[CommitResult, Version]:
+    async def commit(self, part: Version, part_of: PartOf, text: str | None = None) -> tuple[CommitResult, Version]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
         registry's decision and the version as served (the whole manifest, this part's bytes).
-        Raises only while the version is not committed: once it is, this replica keeps its part."""
+        Raises only while the version is not committed: once it is, this replica keeps its part.
+        `text`: the part's manifest as JSON, when the caller has made it."""
         m = part.manifest
         where = f"model {m.model!r} version {m.version}"
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
+        mine = text if text is not None else await asyncio.to_thread(m.json)
         self._waiting[m.model] = m.version
-        raw_part = await asyncio.to_thread(m.json)
         try:
             try:
                 decided = await self._registry.commit_part(
@@ -77,7 +78,7 @@ class Parts:
                     self.replica_id,
                     part_of.owners,
                     m.master_digest,
-                    raw_part,
+                    mine,
                     self._retain,
                 )
             except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it

@@ -129,7 +129,7 @@ class PushSession:
         # Sharded replicas: this push is this replica's part of the version.
         timeout = service.settings.push_rank_timeout_s
         self.part_of = PartOf(header.owners, timeout) if header.owners else None
-        self.stride = sample_stride(sum(t.spec.numel for t in tensors.values()))
+        self.stride = sample_stride(plan.numel)
         self.staged_bytes = 0
         self._stage(plan.data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -139,9 +139,8 @@ class PushSession:
         self.committed = False
         self.reserved = 0  # of the service's staging budget, returned when the session closes
         self.export_seconds = 0.0
-        for t in self.tensors.values():
-            if t.nbytes == 0:
-                self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
+        for t in plan.empty:  # no chunk comes for them
+            self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
 
     @classmethod
     async def open(cls, service: Service, header: PushHeader, ranks: dict[int, tuple[TensorSpec, ...]]) -> PushSession:
@@ -158,11 +157,8 @@ class PushSession:
         files, file, staged_residual = service.store.files, None, None
         if files is not None:
             # The header is known only at commit (checksums, lag): leave room for it before the data.
-            scaled = any(t.scale for t in plan.tensors.values())
-            sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled,
-                              {s.name: checksum(b"") for s in plan.slots}, "xxh3_128:" + "0" * 32)  # fmt: skip
-            bound = await in_thread(big, lambda: len(sized.safetensors_header()) + HEADER_SLACK)
-            file = await asyncio.to_thread(files.stage, header.model, header.step, bound, plan.data_bytes)
+            room = await in_thread(big, _header_room, header, spec, plan)
+            file = await asyncio.to_thread(files.stage, header.model, header.step, room, plan.data_bytes)
             data = file.data
             if spec.rounding == "ef":  # the new residual is staged in a file of its own
                 numels = {name: t.spec.numel for name, t in plan.tensors.items()}
@@ -464,6 +460,8 @@ class _Plan:
     parts: dict[int, dict[str, _Part]]
     data_bytes: int
     slots: list[ServedTensor]
+    numel: int  # elements of all the masters
+    empty: list[_StagedTensor]  # the tensors without elements
 
 
 def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[TensorSpec, ...]],
@@ -499,4 +497,15 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
                for p in specs}
         for rank, specs in ranks.items()
     }  # fmt: skip
-    return _Plan(tensors, parts, data_bytes, slots_list)
+    return _Plan(tensors, parts, data_bytes, slots_list, sum(t.spec.numel for t in tensors.values()),
+                 [t for t in tensors.values() if t.nbytes == 0])  # fmt: skip
+
+
+def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> int:
+    """Bytes to leave for the file header in front of a staged version's data: that of the manifest
+    as far as it is known (every checksum as long as a real one), and room for what the commit adds."""
+    blank = checksum(b"")
+    scaled = any(t.scale for t in plan.tensors.values())
+    sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled, {s.name: blank for s in plan.slots},
+                      "xxh3_128:" + "0" * 32)  # fmt: skip
+    return len(sized.safetensors_header()) + HEADER_SLACK

@@ -175,8 +175,7 @@ async def _push_messages(
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
                                       f"{count}", reason="invalid_header")  # fmt: skip
-            header = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
-            layout = _RankLayout(header.tensors)
+            header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
             yield header
         elif kind == "commit":
             yield PushCommit()
@@ -191,39 +190,33 @@ class _RankLayout:
 
     def __init__(self, tensors: tuple[TensorSpec, ...]) -> None:
         self.order = [(t.name, t.elements[0] * 4, sum(t.elements) * 4) for t in tensors]
-        self.index: dict[str, int] | None = None  # made when a first chunk runs past its tensor
-
-    def find(self, name: str) -> int | None:
-        if self.index is None:
-            self.index = {name: i for i, (name, _, _) in enumerate(self.order)}
-        return self.index.get(name)
+        self.index = {t.name: i for i, t in enumerate(tensors)}
 
 
 def _unpacked(layout: _RankLayout | None, tensor: str, offset: int, data: memoryview) -> list[PushChunk]:
     """A chunk as the pieces of each tensor it holds: a chunk that runs past the end of its tensor's
     part goes on with the next tensors of the rank's header (many small tensors, few messages).
-    One the header cannot place (an unknown tensor, a bad offset, past the last tensor) is left
-    whole: the push refuses it, saying why."""
-    i = None if layout is None else layout.find(tensor) if len(data) else None
-    if i is None or layout is None or offset + len(data) <= layout.order[i][2]:
-        return [PushChunk(tensor, offset, data)]
-    pieces, rest, at = [], data, offset
-    while len(rest):
-        if i == len(layout.order):
-            return [PushChunk(tensor, offset, data)]
-        name, _, end = layout.order[i]
-        room = max(end - at, 0)
-        if room:
-            pieces.append(PushChunk(name, at, rest[:room]))
-            rest = rest[room:]
-        i += 1
-        if i < len(layout.order):
-            at = layout.order[i][1]
-    return pieces
+    One the header cannot place (an unknown tensor, an offset outside its part, bytes past the last
+    tensor) is left whole: the push refuses it, saying why."""
+    i = layout.index.get(tensor) if layout is not None and len(data) else None
+    if layout is None or i is None or not offset < layout.order[i][2] < offset + len(data):
+        return [PushChunk(tensor, offset, data)]  # within its tensor, or not ours to place
+    pieces, rest = [], data
+    for j in range(i, len(layout.order)):
+        name, start, end = layout.order[j]
+        at = offset if j == i else start
+        take = rest[: end - at]
+        if len(take):
+            pieces.append(PushChunk(name, at, take))
+            rest = rest[len(take) :]
+        if not len(rest):
+            return pieces
+    return [PushChunk(tensor, offset, data)]
 
 
-def _header(h: pb.PushHeader, pieces: list[Any]) -> PushHeader:
-    """The header and its pieces of tensors, as the core takes them (off the loop for a big one)."""
+def _header(h: pb.PushHeader, pieces: list[Any]) -> tuple[PushHeader, _RankLayout]:
+    """The header and its pieces of tensors as the core takes them, and the rank's layout (linear in
+    the tensors: off the loop for a big header)."""
     tensors = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
                     for batch in pieces for t in batch)  # fmt: skip
     return PushHeader(
@@ -236,7 +229,7 @@ def _header(h: pb.PushHeader, pieces: list[Any]) -> PushHeader:
         world_size=h.world_size or 1,
         owners=tuple(h.owners),
         aliases=tuple(sorted(h.aliases.items())),
-    )
+    ), _RankLayout(tensors)
 
 
 def _part(part: pb.TensorPart) -> tuple[int, int]:

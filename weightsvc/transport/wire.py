@@ -64,18 +64,20 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(tensor: str, offset: int, data: memoryview | bytes) -> bytes:
-    """Serialized PushRequest/PullResponse with field `chunk` set (identical to protobuf's bytes)."""
+def encode_chunk(tensor: str, offset: int, data: memoryview | bytes | list[memoryview]) -> bytes:
+    """Serialized PushRequest/PullResponse with field `chunk` set (identical to protobuf's bytes).
+    `data` may come in pieces (packed small tensors): they are joined once, with the framing."""
+    pieces = data if isinstance(data, list) else [data]
+    n = sum(len(p) for p in pieces)
     inner = bytearray()
     if tensor:
         name = tensor.encode()
         inner += b"\x0a" + _varint(len(name)) + name
     if offset:
         inner += b"\x10" + _varint(offset & 0xFFFFFFFFFFFFFFFF)
-    if len(data):
-        inner += b"\x1a" + _varint(len(data))
-    size = len(inner) + len(data)
-    return b"".join((b"\x12", _varint(size), inner, data))
+    if n:
+        inner += b"\x1a" + _varint(n)
+    return b"".join((b"\x12", _varint(len(inner) + n), inner, *pieces))
 
 
 def decode_chunk(raw: bytes) -> ChunkView | None:
@@ -133,7 +135,8 @@ def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
     return msg if isinstance(msg, bytes) else msg.SerializeToString()
 
 
-MANIFEST_PIECE_BYTES = 4 << 20  # of tensors per manifest message: well under the 8 MiB message limit
+# A big header or manifest goes in messages of about this many bytes: well under the 8 MiB limit.
+MESSAGE_PIECE_BYTES = 4 << 20
 
 
 def _tensor_to_proto(t: ServedTensor) -> pb.ServedTensor:
@@ -153,15 +156,23 @@ def manifest_to_proto(m: Manifest, tensors: Iterable[ServedTensor] | None = None
     return msg
 
 
-def _pieces(m: Manifest) -> tuple[list[int], list[bytes]]:
-    """The manifest as serialized PullResponse messages of about MANIFEST_PIECE_BYTES each: the
-    Manifest with the first tensors, then ManifestTensors; and the index of each one's first tensor."""
-    starts, bounds, size = [0], [], 0
-    for i, t in enumerate(m.tensors):
-        size += len(t.name) + len(t.checksum) + 16 * len(t.shape) + 48  # (an upper bound of its encoding)
-        if size > MANIFEST_PIECE_BYTES and i > starts[-1]:
+def piece_starts(sizes: Iterable[int], limit: int) -> list[int]:
+    """Where each piece of a list of items begins, so that a piece holds at most `limit` bytes of
+    items (`sizes`: an upper bound of each one's encoding), or a single item."""
+    starts, size = [0], 0
+    for i, n in enumerate(sizes):
+        if size + n > limit and i > starts[-1]:
             starts.append(i)
-            size = len(t.name) + len(t.checksum) + 16 * len(t.shape) + 48
+            size = 0
+        size += n
+    return starts
+
+
+def _pieces(m: Manifest) -> tuple[list[int], list[bytes]]:
+    """The manifest as serialized PullResponse messages of about MESSAGE_PIECE_BYTES each: the
+    Manifest with the first tensors, then ManifestTensors; and the index of each one's first tensor."""
+    starts = piece_starts((len(t.name) + len(t.checksum) + 16 * len(t.shape) + 48 for t in m.tensors),
+                          MESSAGE_PIECE_BYTES)  # fmt: skip
     bounds = [*starts[1:], len(m.tensors)]
     first = pb.PullResponse(manifest=manifest_to_proto(m, m.tensors[: bounds[0]])).SerializeToString()
     rest = [pb.PullResponse(manifest_tensors=pb.ManifestTensors(tensors=[_tensor_to_proto(t) for t in m.tensors[a:b]]))
@@ -184,13 +195,11 @@ def manifest_from(m: Manifest, tensors_from: int) -> pb.Manifest:
                               f"tensors_from {tensors_from} is out of range")  # fmt: skip
     i = bisect.bisect_right(starts, tensors_from) - 1
     msg = pb.PullResponse.FromString(pieces[i])
+    head = msg.manifest if i == 0 else manifest_to_proto(m, ())
     batch = msg.manifest.tensors if i == 0 else msg.manifest_tensors.tensors
     del batch[: tensors_from - starts[i]]
-    if i == 0:
-        return msg.manifest
-    head = pb.PullResponse.FromString(pieces[0]).manifest
-    del head.tensors[:]
-    head.tensors.extend(batch)
+    if i:
+        head.tensors.extend(batch)
     return head
 
 
