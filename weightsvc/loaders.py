@@ -305,6 +305,8 @@ class VllmWorkerExtension:
             head_dim = getattr(hf, "head_dim", None) or getattr(hf, "hidden_size", 0) // heads
             select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
                                head_dim=head_dim)  # fmt: skip
+            if dequantize_fp8:  # a block's scale spans the rows of several ranks: dequantized whole
+                select.update({n.removesuffix(SCALE_SUFFIX): None for n in select if n.endswith(SCALE_SUFFIX)})
             sliced = {n: s for n, s in select.items() if s is not None}
             weights = client.pull(model, version, select=select) if sliced else client.pull(model, version)
             pulled = client.last_pull_bytes

@@ -237,7 +237,8 @@ class FakeVllmWorker(VllmWorkerExtension):
     def __init__(self, rank: int, tp: int) -> None:
         self.rank, self.tp, self.kept = rank, tp, {}
         model = SimpleNamespace(load_weights=self._load_weights)
-        self.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(model="", hf_config=LLAMA))
+        self.model_runner = SimpleNamespace(model=model, model_config=SimpleNamespace(model="", hf_config=LLAMA,
+                                                                                      dtype=torch.bfloat16))
 
     def _weightsvc_tp(self) -> tuple[int, int]:
         return self.rank, self.tp
@@ -292,6 +293,20 @@ def test_each_tensor_parallel_worker_pulls_only_its_slice(
     for got, part in zip(pulled, parts, strict=True):
         assert part <= got <= part + 16 * 1024, (got, part)  # the tensors' bytes, and the manifest
     assert max(parts) <= manifest.data_bytes / tp * 1.1 + (tp > 2) * manifest.data_bytes * 0.1
+
+
+def test_tensor_parallel_workers_load_an_fp8_version_as_values(
+    server: BackgroundServer, learner: LearnerClient, model: str
+) -> None:
+    learner.push(1, llama_masters(), model=model, format="fp8_e4m3")
+    llm = FakeLLM(2)
+    update_vllm(llm, server.grpc_target, model, client_id="vllm-fp8", dequantize=True)
+    served = InferenceClient(server.grpc_target).pull(model, 1)
+    values = {n: t.to(torch.bfloat16) for n, t in dequantize(served).items()}
+    for rank, worker in enumerate(llm.workers):
+        assert sorted(worker.kept) == sorted(values)
+        for name, kept in worker.kept.items():
+            assert np.array_equal(bits(kept), bits(vllm_part(name, values[name], rank, 2))), (rank, name)
 
 
 def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
