@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -276,16 +276,16 @@ def test_an_error_while_staging_is_opened_answers_every_rank(monkeypatch: pytest
 
 
 def test_an_unexpected_exception_on_one_rank_fails_every_rank(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
-    add_chunk = PushSession.add_chunk
+    add_chunks = PushSession.add_chunks
 
-    async def fault_on_rank_1(self: PushSession, rank: int, chunk: PushChunk) -> None:
+    async def fault_on_rank_1(self: PushSession, rank: int, chunks: Sequence[PushChunk]) -> None:
         if rank == 1:
             raise RuntimeError("injected fault")
-        await add_chunk(self, rank, chunk)
+        await add_chunks(self, rank, chunks)
 
     state = make_masters()
     with serving() as srv:
-        monkeypatch.setattr(PushSession, "add_chunk", fault_on_rank_1)
+        monkeypatch.setattr(PushSession, "add_chunks", fault_on_rank_1)
         rank0, rank1 = answered(push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model))
         assert isinstance(rank1, Internal), rank1
         assert f"model {model!r} step 1: rank 1's stream failed: RuntimeError: injected fault" in str(rank1)

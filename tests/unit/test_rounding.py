@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsvc.rounding import ExportSpec, export_array, fair_cast
+from weightsvc.rounding import ExportSpec, export_array, export_runs, fair_cast
 
 BF16_MAX_BITS = 0x7F7F
 
@@ -91,6 +91,31 @@ def test_same_bits_for_any_chunking() -> None:
         piece = master[start : start + 1234]
         pieces.append(fair_cast(piece, rounding="sr", seed=5, version=9, name="layer.weight", offset=start))
     assert np.array_equal(bits16(whole), bits16(torch.cat(pieces)))
+
+
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky"])
+def test_many_runs_in_one_call_give_the_bits_of_one_call_each(rounding: str) -> None:
+    """The service exports small tensors together: same bits and counts as one export each, with
+    specials, saturation, empty runs and element offsets past 2**32."""
+    rng = np.random.default_rng(3)
+    spec = ExportSpec("bf16", rounding, seed=11)
+    sizes = [int(n) for n in rng.integers(0, 200, 300)] + [0, 1]
+    masters = [(rng.standard_normal(n) * 1e3).astype(np.float32) for n in sizes]
+    masters[5][:4] = [np.inf, np.nan, 3.4e38, -3.39e38]
+    names = [f"layers.{i}.weight" for i in range(len(sizes))]
+    offsets = [int(o) for o in rng.integers(0, 1 << 40, len(sizes))]
+    outs = np.cumsum([0] + [n + 3 for n in sizes])[:-1].tolist()  # gaps between runs stay untouched
+    served = np.full(outs[-1] + sizes[-1] + 3, 0xABCD, np.uint16)
+    stats = export_runs(masters, served, spec, version=4, names=names, offsets=offsets, outs=outs)
+    for master, name, offset, out, got in zip(masters, names, offsets, outs, stats, strict=True):
+        alone = np.empty(master.size * 2, np.uint8)
+        want = export_array(master, alone, spec, version=4, name=name, offset=offset)
+        assert np.array_equal(served[out : out + master.size], alone.view(np.uint16)), name
+        assert (got.nonfinite, got.saturated) == (want.nonfinite, want.saturated), name
+        assert (served[out + master.size : out + master.size + 3] == 0xABCD).all(), name
+    assert stats[5].nonfinite == 2
+    with pytest.raises(ValueError, match="bf16 with rtn, sr or sr-sticky, not bf16 ef"):
+        export_runs(masters, served, ExportSpec("bf16", "ef"), version=4, names=names, offsets=offsets, outs=outs)
 
 
 def test_keys_change_the_bits_and_nothing_else_does() -> None:

@@ -9,6 +9,7 @@ faulted on first write. A kernel without MADV_POPULATE_WRITE (before 5.14) gets 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 from collections import defaultdict
@@ -20,10 +21,8 @@ _libc = ctypes.CDLL(None, use_errno=True)  # calls release the GIL
 
 def _populated(buf: mmap.mmap) -> bool:
     """Huge pages where the kernel has them, all mapped now; False where it cannot populate."""
-    try:
+    with contextlib.suppress(AttributeError, OSError):  # no THP: 4 KiB pages, populated all the same
         buf.madvise(mmap.MADV_HUGEPAGE)
-    except (AttributeError, OSError):  # no THP: 4 KiB pages, populated all the same
-        pass
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     return _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(len(buf)), _MADV_POPULATE_WRITE) == 0
 

@@ -80,7 +80,7 @@ class PushCommit:
     pass
 
 
-PushMessage = PushHeader | PushChunk | PushCommit
+PushMessage = PushHeader | PushChunk | list[PushChunk] | PushCommit  # a list: the tensors of one packed message
 
 
 class Push:
@@ -155,7 +155,9 @@ class Push:
                 if self.failure is not None:  # another rank failed: this one stops at its next message
                     raise self.failure
                 if isinstance(msg, PushChunk):
-                    await session.add_chunk(rank, msg)
+                    await session.add_chunks(rank, (msg,))
+                elif isinstance(msg, list):
+                    await session.add_chunks(rank, msg)
                 elif isinstance(msg, PushCommit):
                     session.check_rank_complete(rank)
                     return await self._commit(rank, session)

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -54,11 +54,6 @@ BATCH_JOBS = 512
 # Room in a staged file's header beyond the manifest known at the start (its lag metrics and, on a
 # sharded replica, its part come at commit). A header that still does not fit is written with a copy.
 HEADER_SLACK = 4096
-
-
-def _run_all(jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
-    for job, t, offset, data in jobs:
-        job(t, offset, data)
 
 
 
@@ -188,7 +183,22 @@ class PushSession:
                 f"{self.where(rank)}: commit of an incomplete push: {'; '.join(shown)}{more}", reason="incomplete"
             )
 
-    async def add_chunk(self, rank: int, chunk: PushChunk) -> None:
+    async def add_chunks(self, rank: int, chunks: Sequence[PushChunk]) -> None:
+        """Accept a rank's chunks (one wire message: many small tensors travel packed in one), hand
+        them to the export thread, and wait while it is too far behind."""
+        n = 0
+        for chunk in chunks:
+            n += self._accept(rank, chunk)
+        self.service.metrics.push_bytes.labels(self.header.model).inc(n)
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        if len(self.pending) > MAX_PENDING_CHUNKS:
+            # Shielded: the ranks of a push share these futures, and a rank whose stream is cancelled
+            # must not cancel the export another rank waits on.
+            await asyncio.shield(self.pending[0])
+
+    def _accept(self, rank: int, chunk: PushChunk) -> int:
+        """Check one chunk against its rank's part and queue its export; its size."""
         where = self.where(rank)
         part = self.parts[rank].get(chunk.tensor)
         if part is None:
@@ -220,7 +230,6 @@ class PushSession:
         first = t.received == 0
         part.received += n
         t.received += n
-        self.service.metrics.push_bytes.labels(self.header.model).inc(n)
         if first and self.residual is not None and self.residual_file is None:
             self._stage(t.nbytes)  # the new residual of this tensor, in memory
         if t.fmt.scaled:
@@ -231,12 +240,7 @@ class PushSession:
                 self._start(self._export_whole, t, 0, b"")
         else:
             self._start(self._export_chunk, t, chunk.offset, chunk.data)
-        while self.pending and self.pending[0].done():
-            self.pending.popleft().result()
-        if len(self.pending) > MAX_PENDING_CHUNKS:
-            # Shielded: the ranks of a push share these futures, and a rank whose stream is cancelled
-            # must not cancel the export another rank waits on.
-            await asyncio.shield(self.pending[0])
+        return n
 
     def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
                byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
@@ -255,7 +259,7 @@ class PushSession:
             return
         jobs, n = self.batch, self.batch_bytes
         self.batch, self.batch_bytes = [], 0
-        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, _run_all, jobs)
+        fut = asyncio.get_running_loop().run_in_executor(self.service.executor, self._run_all, jobs)
         fut.add_done_callback(lambda _f: self._stage(-n))
         self.pending.append(fut)
 
@@ -273,19 +277,47 @@ class PushSession:
     def _slot_bytes(self, slot: ServedTensor) -> np.ndarray:
         return np.frombuffer(self.data, dtype=np.uint8, count=slot.nbytes, offset=slot.offset)
 
-    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
-        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16)."""
+    def _run_all(self, jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
+        """Worker thread: a batch of jobs, in order. Its small bf16 chunks (rtn or sr) are exported
+        first in one kernel call: one call each would cost more than their export."""
+        done: dict[int, rounding.ExportStats] = {}
+        if self.spec.format == "bf16" and self.spec.rounding != "ef":
+            runs = [(i, t, offset, data) for i, (job, t, offset, data) in enumerate(jobs)
+                    if job == self._export_chunk and t.fmt.name == "bf16" and len(data) < BATCH_BYTES]  # fmt: skip
+            if len(runs) > 1:
+                start = time.perf_counter()
+                served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
+                stats = rounding.export_runs(
+                    [np.frombuffer(data, np.float32) for _, _, _, data in runs], served, self.spec,
+                    version=self.header.step, names=[t.spec.name for _, t, _, _ in runs],
+                    offsets=[offset // MASTER_ITEMSIZE for _, _, offset, _ in runs],
+                    outs=[(t.slot.offset + offset // 2) // 2 for _, t, offset, _ in runs],
+                )  # fmt: skip
+                done = {i: st for (i, _, _, _), st in zip(runs, stats, strict=True)}
+                self.export_seconds += time.perf_counter() - start
+        for i, (job, t, offset, data) in enumerate(jobs):
+            if i in done:
+                self._export_chunk(t, offset, data, done[i])
+            else:
+                job(t, offset, data)
+
+    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview,
+                      exported: rounding.ExportStats | None = None) -> None:  # fmt: skip
+        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16); with `exported`,
+        its stats: the chunk was exported with others in one call."""
         start = time.perf_counter()
         master = np.frombuffer(data, dtype=np.float32)
         served = self._slot_bytes(t.slot)
         first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
-        res_in, res_out = self._residuals(t)
-        stats = rounding.export_array(
-            master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
-            name=t.spec.name, fmt=t.fmt, offset=first,
-            residual=None if res_in is None else res_in[first : first + count],
-            new_residual=None if res_out is None else res_out[first : first + count],
-        )  # fmt: skip
+        stats = exported
+        if stats is None:
+            res_in, res_out = self._residuals(t)
+            stats = rounding.export_array(
+                master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
+                name=t.spec.name, fmt=t.fmt, offset=first,
+                residual=None if res_in is None else res_in[first : first + count],
+                new_residual=None if res_out is None else res_out[first : first + count],
+            )  # fmt: skip
         t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated

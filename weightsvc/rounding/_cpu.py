@@ -67,6 +67,19 @@ def _bf16_special(bits):  # type: ignore[no-untyped-def]
     return out
 
 
+@njit(inline="always")
+def _bf16_one(bits, k0, k1, index, stochastic):  # type: ignore[no-untyped-def]
+    """(served bits, nonfinite, saturated) of fp32 pattern `bits`, flat element `index` of its tensor."""
+    if (bits & _EXP_MASK) == _EXP_MASK:
+        return _bf16_special(bits), 1, 0
+    if stochastic:
+        add = random_bits(k0, k1, index) & np.uint32(0xFFFF)
+    else:
+        add = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    out, sat = _bf16_round(bits, add)
+    return out, 0, sat
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def bf16_export(master, served, k0, k1, offset, stochastic):  # type: ignore[no-untyped-def]
     """master: uint32 view of fp32 (1-D); served: uint16 (same length). Returns (nonfinite, saturated)."""
@@ -74,19 +87,30 @@ def bf16_export(master, served, k0, k1, offset, stochastic):  # type: ignore[no-
     saturated = 0
     base = np.uint64(offset)
     for i in prange(master.size):
-        bits = master[i]
-        if (bits & _EXP_MASK) == _EXP_MASK:
-            served[i] = np.uint16(_bf16_special(bits))
-            nonfinite += 1
-            continue
-        if stochastic:
-            add = random_bits(k0, k1, base + np.uint64(i)) & np.uint32(0xFFFF)
-        else:
-            add = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-        out, sat = _bf16_round(bits, add)
+        out, nf, sat = _bf16_one(master[i], k0, k1, base + np.uint64(i), stochastic)
+        nonfinite += nf
         saturated += sat
         served[i] = np.uint16(out)
     return nonfinite, saturated
+
+
+@njit(nogil=True, cache=True)
+def bf16_export_runs(master, served, starts, outs, offsets, k0s, k1s, stochastic, counts):  # type: ignore[no-untyped-def]
+    """Many small runs in one call, each exactly as `bf16_export` would: run j is
+    master[starts[j]:starts[j + 1]] (uint32 view of fp32), elements offsets[j]... of a tensor keyed
+    (k0s[j], k1s[j]), written to served[outs[j]:] (uint16). counts[j] = (nonfinite, saturated)."""
+    for j in range(starts.size - 1):
+        base = np.uint64(offsets[j])
+        start, out_at = starts[j], outs[j]
+        nonfinite = 0
+        saturated = 0
+        for i in range(starts[j + 1] - start):
+            out, nf, sat = _bf16_one(master[start + i], k0s[j], k1s[j], base + np.uint64(i), stochastic)
+            nonfinite += nf
+            saturated += sat
+            served[out_at + i] = np.uint16(out)
+        counts[j, 0] = nonfinite
+        counts[j, 1] = saturated
 
 
 @njit(parallel=True, nogil=True, cache=True)

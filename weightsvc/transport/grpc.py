@@ -148,15 +148,13 @@ async def _push_messages(
     layout: _RankLayout | None = None
     async for req in it:
         if isinstance(req, ChunkView):  # the bulk path: views into the received message
-            for chunk in _unpacked(layout, req.tensor, req.offset, req.data):
-                yield chunk
+            yield _unpacked(layout, req.tensor, req.offset, req.data)
             continue
         if isinstance(req, Malformed):
             raise InvalidArgument(req.reason, reason="bad_chunk")
         kind = req.WhichOneof("kind")
         if kind == "chunk":
-            for chunk in _unpacked(layout, req.chunk.tensor, req.chunk.offset, memoryview(req.chunk.data)):
-                yield chunk
+            yield _unpacked(layout, req.chunk.tensor, req.chunk.offset, memoryview(req.chunk.data))
         elif kind == "header":
             h = req.header
             where = f"model {h.model!r} step {h.step}"
