@@ -112,3 +112,32 @@ def test_serving_staleness_from_acks() -> None:
             ("pod-a", 2, True),
             ("pod-b", 0, True),
         }
+
+
+def test_small_tensors_exported_together_give_the_metrics_and_bits_of_one_export_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many small tensors travel packed and are exported in one kernel call, their samples taken
+    with one index array: the version must be the one a chunk-by-chunk export makes."""
+    from weightsvc.core.staging import PushSession
+
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(1, 400, (3000,), generator=gen).tolist()
+    first = {f"layers.{i}.w": torch.randn(n, generator=gen) * 0.01 for i, n in enumerate(sizes)}
+    second = {k: v + 1e-4 * torch.randn(v.shape, generator=gen) for k, v in first.items()}
+
+    def pushed() -> tuple[object, list[str], str]:
+        with serving() as srv, LearnerClient(srv.grpc_target) as learner:
+            learner.push(1, first)
+            learner.push(2, second)
+            m = InferenceClient(srv.grpc_target).manifest()
+            return m.lag, [t.checksum for t in m.tensors], m.master_digest
+
+    together = pushed()
+
+    def one_by_one(self: PushSession, jobs: list) -> None:  # type: ignore[type-arg]
+        for job, t, offset, data in jobs:
+            job(t, offset, data)
+
+    monkeypatch.setattr(PushSession, "_run_all", one_by_one)
+    assert pushed() == together

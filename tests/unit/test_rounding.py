@@ -106,7 +106,10 @@ def test_many_runs_in_one_call_give_the_bits_of_one_call_each(rounding: str) -> 
     offsets = [int(o) for o in rng.integers(0, 1 << 40, len(sizes))]
     outs = np.cumsum([0] + [n + 3 for n in sizes])[:-1].tolist()  # gaps between runs stay untouched
     served = np.full(outs[-1] + sizes[-1] + 3, 0xABCD, np.uint16)
-    stats = export_runs(masters, served, spec, version=4, names=names, offsets=offsets, outs=outs)
+    starts = np.cumsum([0, *sizes])
+    outs = np.array(outs)
+    stats = export_runs(np.concatenate(masters), starts, served, spec, version=4, names=names, offsets=offsets,
+                        outs=outs)  # fmt: skip
     for master, name, offset, out, got in zip(masters, names, offsets, outs, stats, strict=True):
         alone = np.empty(master.size * 2, np.uint8)
         want = export_array(master, alone, spec, version=4, name=name, offset=offset)
@@ -115,7 +118,8 @@ def test_many_runs_in_one_call_give_the_bits_of_one_call_each(rounding: str) -> 
         assert (served[out + master.size : out + master.size + 3] == 0xABCD).all(), name
     assert stats[5].nonfinite == 2
     with pytest.raises(ValueError, match="bf16 with rtn, sr or sr-sticky, not bf16 ef"):
-        export_runs(masters, served, ExportSpec("bf16", "ef"), version=4, names=names, offsets=offsets, outs=outs)
+        export_runs(np.concatenate(masters), starts, served, ExportSpec("bf16", "ef"), version=4, names=names,
+                    offsets=offsets, outs=outs)  # fmt: skip
 
 
 def test_keys_change_the_bits_and_nothing_else_does() -> None:

@@ -279,45 +279,68 @@ class PushSession:
 
     def _run_all(self, jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
         """Worker thread: a batch of jobs, in order. Its small bf16 chunks (rtn or sr) are exported
-        first in one kernel call: one call each would cost more than their export."""
-        done: dict[int, rounding.ExportStats] = {}
+        first, in one kernel call: one call each would cost more than their export."""
+        runs: list[int] = []
         if self.spec.format == "bf16" and self.spec.rounding != "ef":
-            runs = [(i, t, offset, data) for i, (job, t, offset, data) in enumerate(jobs)
+            runs = [i for i, (job, t, _, data) in enumerate(jobs)
                     if job == self._export_chunk and t.fmt.name == "bf16" and len(data) < BATCH_BYTES]  # fmt: skip
-            if len(runs) > 1:
-                start = time.perf_counter()
-                served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
-                stats = rounding.export_runs(
-                    [np.frombuffer(data, np.float32) for _, _, _, data in runs], served, self.spec,
-                    version=self.header.step, names=[t.spec.name for _, t, _, _ in runs],
-                    offsets=[offset // MASTER_ITEMSIZE for _, _, offset, _ in runs],
-                    outs=[(t.slot.offset + offset // 2) // 2 for _, t, offset, _ in runs],
-                )  # fmt: skip
-                done = {i: st for (i, _, _, _), st in zip(runs, stats, strict=True)}
-                self.export_seconds += time.perf_counter() - start
+        if len(runs) > 1:
+            self._export_runs([jobs[i][1:] for i in runs])
+        fused = set(runs) if len(runs) > 1 else set()
         for i, (job, t, offset, data) in enumerate(jobs):
-            if i in done:
-                self._export_chunk(t, offset, data, done[i])
-            else:
+            if i not in fused:
                 job(t, offset, data)
 
-    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview,
-                      exported: rounding.ExportStats | None = None) -> None:  # fmt: skip
-        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16); with `exported`,
-        its stats: the chunk was exported with others in one call."""
+    def _export_runs(self, runs: list[tuple[_StagedTensor, int, bytes | memoryview]]) -> None:
+        """Worker thread: `_export_chunk` of many small bf16 chunks at once, each kernel call and
+        array operation made once for all of them."""
+        start = time.perf_counter()
+        sizes = np.fromiter((len(data) for _, _, data in runs), np.int64, len(runs)) // MASTER_ITEMSIZE
+        starts = np.zeros(len(runs) + 1, np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        master = np.frombuffer(b"".join(data for _, _, data in runs), np.float32)
+        firsts = np.fromiter((offset for _, offset, _ in runs), np.int64, len(runs)) // MASTER_ITEMSIZE
+        outs = np.fromiter((t.slot.offset for t, _, _ in runs), np.int64, len(runs)) // 2 + firsts
+        served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
+        names = [t.spec.name for t, _, _ in runs]
+        stats = rounding.export_runs(master, starts, served, self.spec, version=self.header.step, names=names,
+                                     offsets=firsts.tolist(), outs=outs)  # fmt: skip
+        # The sampled elements of every run: those whose flat index in their tensor is a multiple of
+        # the stride (as `_export_chunk` takes them), gathered with one index array.
+        skip = -firsts % self.stride
+        taken = np.maximum(0, (sizes - skip + self.stride - 1) // self.stride)
+        run_of = np.repeat(np.arange(len(runs)), taken)
+        within = skip[run_of] + self.stride * (np.arange(run_of.size) - np.repeat(np.cumsum(taken) - taken, taken))
+        codes = served[outs[run_of] + within]
+        sample = (master[starts[run_of] + within], rounding.decode(codes, rounding.FORMATS["bf16"]),
+                  codes.astype(np.uint32))  # fmt: skip
+        bounds = np.cumsum(taken).tolist()
+        data_view = self.data
+        for j, (t, offset, data) in enumerate(runs):
+            t.master_digest.update(offset, data)
+            t.nonfinite += stats[j].nonfinite
+            t.saturated += stats[j].saturated
+            if taken[j]:
+                a, b = bounds[j] - int(taken[j]), bounds[j]
+                t.samples[int(firsts[j])] = (sample[0][a:b], sample[1][a:b], sample[2][a:b])
+            t.exported += len(data)
+            if t.exported == t.nbytes:
+                t.checksums[t.slot.name] = checksum(data_view[t.slot.offset : t.slot.offset + t.slot.nbytes])
+        self.export_seconds += time.perf_counter() - start
+
+    def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:
+        """Worker thread: Fair Cast one chunk into the tensor's slot (bf16/fp16)."""
         start = time.perf_counter()
         master = np.frombuffer(data, dtype=np.float32)
         served = self._slot_bytes(t.slot)
         first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
-        stats = exported
-        if stats is None:
-            res_in, res_out = self._residuals(t)
-            stats = rounding.export_array(
-                master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
-                name=t.spec.name, fmt=t.fmt, offset=first,
-                residual=None if res_in is None else res_in[first : first + count],
-                new_residual=None if res_out is None else res_out[first : first + count],
-            )  # fmt: skip
+        res_in, res_out = self._residuals(t)
+        stats = rounding.export_array(
+            master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
+            name=t.spec.name, fmt=t.fmt, offset=first,
+            residual=None if res_in is None else res_in[first : first + count],
+            new_residual=None if res_out is None else res_out[first : first + count],
+        )  # fmt: skip
         t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated

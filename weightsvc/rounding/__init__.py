@@ -278,21 +278,21 @@ def export_array(
 
 
 def export_runs(
-    masters: list[np.ndarray], served: np.ndarray, spec: ExportSpec, *, version: int, names: list[str],
-    offsets: list[int], outs: list[int],
+    master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: ExportSpec, *, version: int,
+    names: list[str], offsets: list[int], outs: np.ndarray,
 ) -> list[ExportStats]:
     """`export_array` of many small bf16 runs in one kernel call, the same bits as one call each
-    (a call per small tensor costs more than its export). Run j: `masters[j]` (1-D float32) holds
-    elements offsets[j]... of tensor names[j], exported to served[outs[j]:] (served: uint16, the
-    whole data section). Rounding rtn, sr or sr-sticky; `ef` keeps a residual per tensor: one call each."""
+    (a call per small tensor costs more than its export). Run j: master[starts[j]:starts[j + 1]]
+    (1-D float32), elements offsets[j]... of tensor names[j], exported to served[outs[j]:] (served:
+    uint16, the whole data section). Rounding rtn, sr or sr-sticky; `ef` keeps a residual per
+    tensor: one call each."""
     if spec.rounding == "ef" or spec.format != "bf16":
         raise ValueError(f"export_runs takes bf16 with rtn, sr or sr-sticky, not {spec.format} {spec.rounding}")
+    if master.dtype != np.float32 or len(starts) != len(names) + 1 or len(outs) != len(names):
+        raise ValueError("export_runs: master must be float32, with one start per run and one more")
     keys = np.array([spec.key(version, name) for name in names], np.uint32).reshape(-1, 2)
-    starts = np.zeros(len(masters) + 1, np.int64)
-    np.cumsum([m.size for m in masters], out=starts[1:])
-    counts = np.zeros((len(masters), 2), np.int64)
-    master = np.concatenate(masters) if masters else np.zeros(0, np.float32)
-    _cpu.bf16_export_runs(master.view(np.uint32), served, starts, np.array(outs, np.int64),
+    counts = np.zeros((len(names), 2), np.int64)
+    _cpu.bf16_export_runs(master.view(np.uint32), served, starts.astype(np.int64), outs.astype(np.int64),
                           np.array(offsets, np.uint64), keys[:, 0].copy(), keys[:, 1].copy(),
                           spec.stochastic, counts)  # fmt: skip
     return [ExportStats(int(nf), int(sat)) for nf, sat in counts.tolist()]
