@@ -53,3 +53,32 @@ def test_bad_version_ref() -> None:
 def test_model_names_that_cannot_be_paths_are_refused(name: str) -> None:
     with pytest.raises(InvalidArgument, match="model name"):
         check_model_name(name)
+
+
+def test_manifest_json_and_header_are_the_text_json_dumps_writes() -> None:
+    """Both are written tensor by tensor, for speed: they must stay byte for byte what
+    `json.dumps` makes (names to escape, every dtype, empty shapes, a selection's slices)."""
+    import json
+    import random
+    import struct
+
+    from weightsvc.core.manifest import METADATA_KEY, LagMetrics, Slice
+
+    rng = random.Random(1)
+    names = ["a", 'é\u2603"q\\b\nnl', "model.layers.0.w", "\x00ctl", "\U0001d518nicode"]
+    tensors, offset = [], 0
+    for i in range(3000):
+        shape = tuple(rng.randint(0, 9999) for _ in range(rng.randint(0, 3)))
+        cut = Slice(0, 1, 3) if i % 777 == 5 else None
+        tensors.append(ServedTensor(f"{rng.choice(names)}{i}", shape, rng.choice(["BF16", "F8_E4M3", "F32"]), offset,
+                                    2 * i, f"xxh3_64:{rng.getrandbits(64):016x}", cut))  # fmt: skip
+        offset += 2 * i
+    m = Manifest("m", 3, "bf16", "sr", 0, 1.5, offset, "xxh3_128:0", tuple(tensors),
+                 lag=LagMetrics(0.1, None, 3, 0.2, 0, 10, False))  # fmt: skip
+    for separators in ((", ", ": "), (",", ":")):
+        assert m.json(separators) == json.dumps(m.to_dict(), separators=separators)
+    entries = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
+               for t in m.tensors}  # fmt: skip
+    raw = json.dumps({"__metadata__": {METADATA_KEY: m.json()}, **entries}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    assert m.safetensors_header() == struct.pack("<Q", len(raw)) + raw

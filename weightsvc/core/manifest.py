@@ -14,7 +14,7 @@ import math
 import re
 import struct
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -231,10 +231,11 @@ class Manifest:
     # Tied weights: (alias, tensor) pairs, sorted; the alias serves the tensor's bytes under its name.
     aliases: tuple[tuple[str, str], ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, tensors: bool = True) -> dict[str, Any]:
+        """JSON form; `tensors=False` leaves their list empty."""
         d = {"model": self.model, "version": self.version, "format": self.format, "rounding": self.rounding,
              "seed": self.seed, "committed_unix": self.committed_unix, "data_bytes": self.data_bytes,
-             "master_digest": self.master_digest, "tensors": [t.to_dict() for t in self.tensors],
+             "master_digest": self.master_digest, "tensors": [t.to_dict() for t in self.tensors] if tensors else [],
              "scaling": self.scaling, "lag": None if self.lag is None else self.lag.to_dict(),
              "parts": [{"owner": p.owner, "offset": p.offset, "nbytes": p.nbytes} for p in self.parts]}  # fmt: skip
         if self.aliases:  # (so the header of a version without ties is what it was before them)
@@ -277,11 +278,10 @@ class Manifest:
     def json(self, separators: tuple[str, str] = (", ", ": ")) -> str:
         """`json.dumps(self.to_dict())`, the same text, made in slices of tensors: one C call over
         100,000 tensors would hold the GIL, and so the event loop, for most of a second."""
-        d = self.to_dict()
         key = separators[1]
-        head = json.dumps({**d, "tensors": []}, separators=separators)
-        body = _joined([d["tensors"][i : i + JSON_SLICE] for i in range(0, len(self.tensors), JSON_SLICE)],
-                       separators)  # fmt: skip
+        head = json.dumps(self.to_dict(tensors=False), separators=separators)
+        body = separators[0].join(_tensor_json(self.tensors[i : i + JSON_SLICE], separators)
+                                  for i in range(0, len(self.tensors), JSON_SLICE))  # fmt: skip
         empty = f'"tensors"{key}[]'  # (a string value cannot hold it: its quotes would be escaped)
         return head.replace(empty, f'"tensors"{key}[{body}]', 1)
 
@@ -291,23 +291,42 @@ class Manifest:
         `text`: this manifest's `json()`, when the caller has made it already."""
         meta = json.dumps({"__metadata__": {METADATA_KEY: self.json() if text is None else text}},
                           separators=(",", ":"))  # fmt: skip
-        slices = (self.tensors[i : i + JSON_SLICE] for i in range(0, len(self.tensors), JSON_SLICE))
-        entries = _joined(({t.name: {"dtype": t.dtype, "shape": list(t.shape),
-                                     "data_offsets": [t.offset, t.offset + t.nbytes]} for t in ts} for ts in slices),
-                          (",", ":"))  # fmt: skip
+        entries = ",".join(_entries_json(self.tensors[i : i + JSON_SLICE])
+                           for i in range(0, len(self.tensors), JSON_SLICE))  # fmt: skip
         raw = ("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
 
 
 BIG_MANIFEST = 2000  # tensors: work on a manifest this size takes milliseconds, and goes off the loop
-JSON_SLICE = 2000  # tensors per json.dumps call (each holds the GIL for a few milliseconds)
+JSON_SLICE = 2000  # tensors per slice of JSON made at once (each holds the GIL for a few milliseconds)
+_string = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it (in C)
 
 
-def _joined(slices: Iterable[list[Any] | dict[str, Any]], separators: tuple[str, str]) -> str:
-    """The JSON items of `slices` (lists or dicts), joined as one list's or dict's would be (without
-    the brackets)."""
-    return separators[0].join(json.dumps(s, separators=separators)[1:-1] for s in slices if s)
+def _tensor_json(tensors: Sequence[ServedTensor], separators: tuple[str, str]) -> str:
+    """The JSON of `[t.to_dict() for t in tensors]` without its brackets: the text `json.dumps` makes,
+    written directly (3x faster: the commit of 100,000 tensors waits on it)."""
+    sep, key = separators
+    out = []
+    for t in tensors:
+        if t.slice is not None:  # (a selection's manifest)
+            out.append(json.dumps(t.to_dict(), separators=separators))
+            continue
+        shape = sep.join(map(str, t.shape))
+        out.append(f'{{"name"{key}{_string(t.name)}{sep}"shape"{key}[{shape}]{sep}"dtype"{key}{_string(t.dtype)}'
+                   f'{sep}"offset"{key}{t.offset}{sep}"nbytes"{key}{t.nbytes}{sep}"checksum"{key}'
+                   f"{_string(t.checksum)}}}")  # fmt: skip
+    return sep.join(out)
+
+
+def _entries_json(tensors: Sequence[ServedTensor]) -> str:
+    """The safetensors header entries of `tensors`, as `json.dumps` with (",", ":") writes them, without
+    the braces."""
+    return ",".join(
+        f'{_string(t.name)}:{{"dtype":{_string(t.dtype)},"shape":[{",".join(map(str, t.shape))}],'
+        f'"data_offsets":[{t.offset},{t.offset + t.nbytes}]}}'
+        for t in tensors
+    )
 
 
 _memos: dict[tuple[int, str], Any] = {}

@@ -246,8 +246,7 @@ class PushSession:
                byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
         """Queue work for the export thread: one thread, so a tensor's chunks are handled in order.
         Small chunks (many small tensors) go in batches: one hand-over to the thread costs more than
-        exporting a small tensor."""
-        self._stage(len(data))
+        exporting a small tensor. Staged bytes count at the hand-over (one metric update a batch)."""
         self.batch.append((job, t, byte_offset, data))
         self.batch_bytes += len(data)
         if self.batch_bytes >= BATCH_BYTES or len(self.batch) >= BATCH_JOBS:
@@ -259,6 +258,7 @@ class PushSession:
             return
         jobs, n = self.batch, self.batch_bytes
         self.batch, self.batch_bytes = [], 0
+        self._stage(n)
         fut = asyncio.get_running_loop().run_in_executor(self.service.executor, self._run_all, jobs)
         fut.add_done_callback(lambda _f: self._stage(-n))
         self.pending.append(fut)
