@@ -68,6 +68,8 @@ def _master_bytes(name: str, array: Array) -> memoryview:
         return np.ascontiguousarray(array, dtype="<f4").reshape(-1).view(np.uint8).data
     import torch
 
+    if array.dtype == torch.float32 and array.device.type == "cpu" and array.is_contiguous():
+        return array.detach().numpy().reshape(-1).view(np.uint8).data  # (no copy, few torch calls)
     return array.detach().to("cpu", torch.float32).contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
@@ -98,8 +100,7 @@ def _storage(value: Array | Shard) -> tuple[object, ...] | None:
         return ("numpy", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
     if value.device.type == "meta" or value.numel() == 0:
         return None
-    return ("torch", str(value.device), value.untyped_storage().data_ptr(), value.storage_offset(),
-            tuple(value.shape), value.stride(), value.dtype)  # fmt: skip
+    return ("torch", value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
 
 
 def _equal(a: Array, b: Array) -> bool:

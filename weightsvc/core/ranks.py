@@ -18,6 +18,10 @@ MAX_WORLD_SIZE = 1 << 16
 def merge_parts(where: str, ranks: Mapping[int, tuple[TensorSpec, ...]]) -> tuple[TensorSpec, ...]:
     """The whole tensors that the ranks' parts make up, in order of first declaration (lowest rank
     first); raises if ranks disagree on a shape or the parts of a tensor leave a gap or overlap."""
+    if len(ranks) == 1:  # one rank of whole tensors, each declared once: they are the version's
+        (specs,) = ranks.values()
+        if all(s.part is None for s in specs) and len({s.name for s in specs}) == len(specs):
+            return specs
     whole: dict[str, TensorSpec] = {}
     pieces: dict[str, list[tuple[int, int, int]]] = {}  # name -> (offset, count, rank)
     for rank in sorted(ranks):

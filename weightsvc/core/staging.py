@@ -491,7 +491,7 @@ def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[Ser
         committed_unix=time.time(),
         data_bytes=data_bytes,
         master_digest=master_digest,
-        tensors=tuple(dataclasses.replace(s, checksum=checksums[s.name]) for s in ordered),
+        tensors=tuple(ServedTensor(s.name, s.shape, s.dtype, s.offset, s.nbytes, checksums[s.name]) for s in ordered),
         scaling=spec.scaling if scaled else "",
         aliases=header.aliases,
     )
