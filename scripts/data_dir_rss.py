@@ -2,9 +2,12 @@
 samples the server's RssAnon (and RssFile) while it runs.
 
     python scripts/data_dir_rss.py --size-mib 4096 --retain 8 --pushes 10 [--pull]
+    python scripts/data_dir_rss.py --size-mib 16384 --max-rss-mib 4096 --retain 2 --pushes 2 --views
 
-`--size-mib` is the fp32 size pushed (the bf16 version is half of it). The data dir is a temporary
-directory, removed at the end.
+`--size-mib` is the fp32 size pushed (the bf16 version is half of it). `--views`: the masters are
+overlapping views of one 1 GiB tensor (each its own memory to the client, so pushed as distinct
+tensors), so a push larger than this machine's memory needs no more than 1 GiB in the learner.
+The data dir is a temporary directory, removed at the end.
 """
 
 from __future__ import annotations
@@ -35,12 +38,20 @@ def main() -> None:
     p.add_argument("--pushes", type=int, default=10)
     p.add_argument("--max-rss-mib", type=int, default=0)
     p.add_argument("--pull", action="store_true", help="pull each version over HTTP after its push")
+    p.add_argument("--views", action="store_true", help="masters as views of one 1 GiB tensor")
     a = p.parse_args()
     tensors = max(1, a.size_mib // 64)
-    masters = {f"layers.{i}.weight": torch.randn(4096, a.size_mib * 1024 * 1024 // 4 // tensors // 4096)
-               for i in range(tensors)}  # fmt: skip
+    cols = a.size_mib * 1024 * 1024 // 4 // tensors // 4096
+    if a.views:
+        base = torch.randn(1 << 28)
+        step = (base.numel() - 4096 * cols) // tensors
+        masters = {f"layers.{i}.weight": base[i * step : i * step + 4096 * cols].view(4096, cols)
+                   for i in range(tensors)}  # fmt: skip
+    else:
+        masters = {f"layers.{i}.weight": torch.randn(4096, cols) for i in range(tensors)}
     with tempfile.TemporaryDirectory(dir="/tmp") as data_dir:
-        args = ["--data-dir", data_dir, "--retain", str(a.retain)]
+        # (the masters of a version may be larger than the default limit)
+        args = ["--data-dir", data_dir, "--retain", str(a.retain), "--max-version-bytes", str(2 * a.size_mib << 20)]
         if a.max_rss_mib:
             args += ["--max-rss-bytes", str(a.max_rss_mib << 20)]
         server = ServeProcess(*args)

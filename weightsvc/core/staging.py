@@ -344,11 +344,11 @@ class PushSession:
         t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
-        start = -first % self.stride  # the sampled elements of this chunk, as strided views
-        if start < count:
+        skip = -first % self.stride  # the sampled elements of this chunk, as strided views
+        if skip < count:
             codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)
-            codes = codes[start :: self.stride]
-            t.samples[first] = (master[start :: self.stride].copy(), rounding.decode(codes, t.fmt),
+            codes = codes[skip :: self.stride]
+            t.samples[first] = (master[skip :: self.stride].copy(), rounding.decode(codes, t.fmt),
                                 codes.astype(np.uint32))  # fmt: skip
         t.exported += len(data)
         if t.exported == t.nbytes:  # the last chunk of the tensor, from whichever rank
