@@ -96,6 +96,24 @@ def test_step_not_above_latest(learner: LearnerClient, model: str) -> None:
         learner.push(4, masters, model=model)
 
 
+def test_steps_are_those_every_version_number_can_be_asked_for_by(
+    learner: LearnerClient, puller: InferenceClient, model: str
+) -> None:
+    """The last valid step commits and is pulled by its number; above it, and below 0, the push is
+    refused before anything is staged (a model at 2**63 - 1 could never take another push)."""
+    from weightsvc.core.manifest import MAX_STEP
+
+    masters = {"w": torch.randn(4)}
+    for step in (MAX_STEP + 1, 2**63 - 1, -1):
+        with pytest.raises(InvalidArgument, match=rf"model '{model}' step {step}: step must be in \[0, {MAX_STEP}\]"):
+            learner.push(step, masters, model=model)
+    with pytest.raises(NotFound):  # nothing was committed
+        puller.versions(model)
+    assert learner.push(MAX_STEP, masters, model=model).version == MAX_STEP
+    assert puller.manifest(model, MAX_STEP).version == MAX_STEP
+    assert puller.pull(model, str(MAX_STEP))["w"].shape == (4,)
+
+
 def test_same_step_with_different_content(learner: LearnerClient, puller: InferenceClient, model: str) -> None:
     learner.push(5, make_masters(seed=1), model=model)
     before = puller.manifest(model, 5)

@@ -118,3 +118,25 @@ def test_served_weights_runs_the_module_on_the_served_copy_and_keeps_the_masters
             assert torch.equal(p.detach(), masters[name]) and p.grad is not None  # masters back, grads kept
         with pytest.raises(KeyError, match="no tensor"), served_weights(policy, {}):
             pass
+
+
+def test_the_export_time_metric_is_the_time_spent_exporting() -> None:
+    """`weightsvc_export_seconds` observes each push's export time: more than nothing, less than
+    the push took, in the bucket that fits it."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with serving() as srv, LearnerClient(srv.grpc_target) as learner:
+        masters = make_masters()
+        masters["many.small"] = torch.randn(64)  # exported with other small chunks, in one call
+        masters["one.big"] = torch.randn(1 << 20)  # chunk by chunk
+        start = time.monotonic()
+        for step in (1, 2):
+            learner.push(step, masters)
+        took = time.monotonic() - start
+        text = srv.server.service.metrics.render().decode()  # type: ignore[union-attr]
+        samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name.startswith("weightsvc_export_seconds")}  # fmt: skip
+        assert samples["weightsvc_export_seconds_count"] == 2
+        assert 0 < samples["weightsvc_export_seconds_sum"] < took

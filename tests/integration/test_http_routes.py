@@ -333,3 +333,23 @@ def test_http_ack_errors_match_grpc_ack(server: BackgroundServer, model: str) ->
         pb_grpc.WeightServiceStub(channel).Ack(pb.AckRequest(model=model, version=2, client_id="c"))
     _, answer = http_post(server.http_url, acks, b'{"version": 2, "client_id": "c"}')
     assert answer["error"]["message"] == over_grpc.value.details()  # type: ignore[index]
+
+
+def test_the_http_server_sends_small_responses_without_waiting_nagle(server: BackgroundServer) -> None:
+    """Every accepted connection has TCP_NODELAY: without it, a small response on a kept-alive
+    connection waits for the client's delayed ack (about 40 ms a request)."""
+    parts = urllib.parse.urlsplit(server.http_url)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port)
+    try:
+        conn.request("GET", "/healthz")
+        conn.getresponse().read()
+
+        async def nodelay() -> list[int]:
+            connections = server.server._http.server_state.connections  # type: ignore[union-attr]
+            socks = [c.transport.get_extra_info("socket") for c in connections]
+            return [s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks]
+
+        flags = server.call(nodelay())
+        assert flags and all(flags), flags
+    finally:
+        conn.close()

@@ -26,6 +26,9 @@ from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 MASTER_DTYPE = "F32"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Steps, so versions, are 0 ... MAX_STEP: each one can be asked for by number (18 digits), and a
+# model at the last step can still take the pushes above it that int64 leaves room for.
+MAX_STEP = 10**18 - 1
 _VERSION = re.compile(r"[0-9]{1,18}")
 METADATA_KEY = "weightsvc.manifest"
 T = TypeVar("T")

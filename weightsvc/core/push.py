@@ -23,6 +23,7 @@ from weightsvc.core.manifest import (
     BIG_MANIFEST,
     DTYPE_SIZES,
     MASTER_DTYPE,
+    MAX_STEP,
     TensorSpec,
     check_header_size,
     check_model_name,
@@ -442,8 +443,8 @@ async def next_message(messages: AsyncIterator[PushMessage], idle: float) -> Pus
 def validate_header(header: PushHeader, settings: Settings) -> None:
     check_model_name(header.model)
     where = f"model {header.model!r} step {header.step}"
-    if header.step < 0:
-        raise InvalidArgument(f"{where}: step must be >= 0", reason="invalid_header")
+    if not 0 <= header.step <= MAX_STEP:
+        raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
     if not 1 <= header.world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
                               reason="invalid_header")  # fmt: skip
