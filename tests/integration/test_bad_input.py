@@ -319,3 +319,20 @@ def test_odd_version_strings_are_invalid_argument(
 def test_unknown_model_clients_route_is_404(server: BackgroundServer, model: str) -> None:
     status, err = http_error(server.http_url, f"/v1/models/{model}/clients")
     assert status == 404 and f"unknown model '{model}'" in err["message"]
+
+
+def test_aborted_pushes_keep_no_more_memory_than_the_staging_budget(model: str) -> None:
+    """Each aborted push leaves its buffer for reuse: the buffers kept stay within the staging
+    budget (the oldest go), and a push that needs that memory has it freed rather than refused."""
+    mib = 1 << 20
+    with serving(max_staged_bytes=48 * mib) as srv:
+        pool = srv.service.store.pool
+        for i, size in enumerate((16, 18, 20, 22)):  # served MiB: bf16 halves the fp32 masters
+            n = size * mib // 2
+            error = raw_push(srv.grpc_target, [header(model, 1 + i, [("w", [n], "F32")]), chunk("w", FOUR_FLOATS)])
+            assert error.code() == grpc.StatusCode.ABORTED, error
+            srv.call(srv.service.wait_pushes(0))
+            assert 0 < pool.free_bytes <= 48 * mib, (size, pool.free_bytes)
+        assert srv.service.metrics.staged_bytes._value.get() == 0
+        with LearnerClient(srv.grpc_target) as learner:  # 40 MiB served: only with the kept buffers freed
+            assert learner.push(9, {"w": torch.randn(20 * mib // 2)}, model=model).created

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
-from collections import defaultdict
 
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python's mmap module before 3.13
@@ -42,33 +41,43 @@ def alloc(nbytes: int) -> memoryview:
 
 
 class BufferPool:
-    """Data-section buffers of evicted versions, handed to the next push of the same size.
+    """Data-section buffers of evicted versions and aborted pushes, handed to the next push of the
+    same size.
 
     A learner pushes a model of the same size every step: reusing the buffer of the version that
     retention just dropped skips mapping fresh pages (measured above). The store gives a buffer
-    back only once no pull holds its version, so no reader ever sees it change.
+    back only once no pull holds its version, so no reader ever sees it change. The pool holds one
+    buffer per size and at most `max_bytes` in all (the oldest go first); a push that needs the
+    memory it holds has it freed (`free`).
     """
 
-    def __init__(self, keep_per_size: int = 1) -> None:
-        self.keep_per_size = keep_per_size
-        self._free: dict[int, list[memoryview]] = defaultdict(list)
+    def __init__(self, max_bytes: int | None = None) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, memoryview] = {}  # size -> buffer, oldest first
 
     def take(self, nbytes: int) -> memoryview | None:
         """A recycled buffer of exactly `nbytes`, or None (then `alloc` one, off the event loop)."""
-        free = self._free.get(nbytes)
-        return free.pop() if free else None
+        return self._free.pop(nbytes, None)
 
     def give(self, buf: memoryview) -> None:
         # Only our own anonymous mappings: restored versions are read-only file mappings.
         if buf.readonly or not isinstance(buf.obj, mmap.mmap) or len(buf) != len(buf.obj):
             return
-        free = self._free[len(buf)]
-        if len(free) < self.keep_per_size:
-            free.append(buf)
+        if len(buf) in self._free or (self.max_bytes is not None and len(buf) > self.max_bytes):
+            return
+        self._free[len(buf)] = buf
+        while self.max_bytes is not None and self.free_bytes > self.max_bytes:
+            self._free.pop(next(iter(self._free)))
+
+    def free(self) -> int:
+        """Let go of every buffer (their memory returns to the system); the bytes let go of."""
+        freed = self.free_bytes
+        self._free.clear()
+        return freed
 
     @property
     def free_bytes(self) -> int:
-        return sum(len(b) for bufs in self._free.values() for b in bufs)
+        return sum(len(b) for b in self._free.values())
 
 
 def resident_bytes() -> int:

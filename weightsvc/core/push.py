@@ -409,6 +409,10 @@ class Pushes:
         in_memory = self.service.store.files is None
         served = sum(t.numel for t in header.tensors) * 2 if in_memory else 0  # every served format: ≤ 2 bytes
         rss, mark = anonymous_bytes(), self.settings.rss_high_water
+        pool = self.service.store.pool  # buffers kept for reuse count in both, and go before a refusal
+        if (rss + served > mark or self._staging_reserved + served + pool.free_bytes > self.settings.max_staged_bytes
+                ) and pool.free():  # fmt: skip
+            rss = anonymous_bytes()
         if rss + served > mark:
             raise ResourceExhausted(
                 f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {served} more "

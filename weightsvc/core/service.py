@@ -74,6 +74,7 @@ class Service:
         self.store = VersionStore(
             retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
         )
+        self.store.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
