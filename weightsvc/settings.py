@@ -88,6 +88,7 @@ class Settings(BaseSettings):
     max_tensor_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one tensor.")
     # Beyond these a new stream gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
     max_pushes: int = Field(64, ge=1, description="Push streams at once (each rank of a multi-rank push is one).")
+    max_models: int = Field(256, ge=1, description="Models this server holds (a push of one more is refused).")
     max_pulls: int = Field(1024, ge=1, description="Pulls at once, gRPC and HTTP.")
     max_rss_bytes: int = Field(
         0,

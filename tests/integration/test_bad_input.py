@@ -336,3 +336,16 @@ def test_aborted_pushes_keep_no_more_memory_than_the_staging_budget(model: str) 
         assert srv.service.metrics.staged_bytes._value.get() == 0
         with LearnerClient(srv.grpc_target) as learner:  # 40 MiB served: only with the kept buffers freed
             assert learner.push(9, {"w": torch.randn(20 * mib // 2)}, model=model).created
+
+
+def test_a_push_of_one_model_more_than_max_models_is_refused(model: str) -> None:
+    with serving(max_models=2) as srv, LearnerClient(srv.grpc_target) as learner:
+        masters = {"w": torch.randn(4)}
+        learner.push(1, masters, model=f"{model}-a")
+        learner.push(1, masters, model=f"{model}-b")
+        with pytest.raises(ResourceExhausted, match=rf"model '{model}-c' step 1: this server holds or is receiving "
+                                                    r"2 models, the most it takes \(--max-models 2\)"):  # fmt: skip
+            learner.push(1, masters, model=f"{model}-c")
+        assert learner.push(2, masters, model=f"{model}-a").created  # the models it holds go on
+        with pytest.raises(NotFound):
+            InferenceClient(srv.grpc_target).versions(f"{model}-c")

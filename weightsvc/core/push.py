@@ -12,6 +12,7 @@ Nothing is visible unless the commit completes. A push with world_size 1 is a pu
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
@@ -307,6 +308,7 @@ class Pushes:
         self.meeting: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
         self._releasing: set[asyncio.Future[None]] = set()
         self._staging_reserved = 0
+        self.pushing: collections.Counter[str] = collections.Counter()  # models with push streams open
 
     async def run(self, messages: AsyncIterator[PushMessage]) -> Committed:
         """Run one push stream: header, chunks, commit. Nothing is visible unless it commits.
@@ -327,8 +329,14 @@ class Pushes:
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
             await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
             self._check(header)
-            push = self._join(header)
-            version, created = await push.run(header.rank, messages)
+            self.pushing[header.model] += 1
+            try:
+                push = self._join(header)
+                version, created = await push.run(header.rank, messages)
+            finally:
+                self.pushing[header.model] -= 1
+                if not self.pushing[header.model]:
+                    del self.pushing[header.model]
             if header.rank == 0:
                 log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
                          "committed" if created else "idempotent push of", header.model, header.step,
@@ -360,6 +368,16 @@ class Pushes:
                 reason="invalid_header",
             )
         store.check_step(header.model, header.step)
+        held = set(store.index.models())
+        if header.model not in held and header.model not in self.pushing:
+            others = len(held | set(self.pushing))
+            if others >= self.settings.max_models:
+                raise ResourceExhausted(
+                    f"model {header.model!r} step {header.step}: this server holds or is receiving {others} models, "
+                    f"the most it takes (--max-models {self.settings.max_models}); push to one of them, or raise "
+                    "the limit",
+                    reason="too_many",
+                )
 
     def _join(self, header: PushHeader) -> Push:
         """The push this rank's stream belongs to (a new one for world_size 1)."""
