@@ -96,6 +96,11 @@ class Settings(BaseSettings):
         description="Anonymous resident memory above which no new push is staged (0: 90% of the memory it may use).",
     )
     push_idle_timeout_s: float = Field(120.0, gt=0, description="Abandon a push that sends nothing this long.")
+    push_min_bytes_per_s: float = Field(
+        1 << 20,
+        gt=0,
+        description="Abandon a push stream not done within --push-idle-timeout-s plus its bytes at this rate.",
+    )
     pull_stall_timeout_s: float = Field(
         120.0, gt=0, description="Drop a pull whose client reads nothing this long, and release its version."
     )

@@ -144,11 +144,18 @@ class Push:
     async def run(self, rank: int, messages: AsyncIterator[PushMessage]) -> Committed:
         """Feed one rank's stream into the push and answer with the push's outcome. Any exception
         fails every rank; the last rank to leave releases the staging memory."""
+        settings = self.pushes.settings
         try:
             session = await self._wait_session()
             turn = time.monotonic() + FAIR_TURN_S
+            # A stream that trickles would hold its staging forever: its bytes must come at a rate.
+            rank_bytes = sum(p.end - p.start for p in session.parts[rank].values())
+            allowed = settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
+            deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
+                        f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
+                        f"{settings.push_min_bytes_per_s:g}, plus --push-idle-timeout-s)")  # fmt: skip
             while True:
-                msg = await next_message(messages, self.pushes.settings.push_idle_timeout_s)
+                msg = await next_message(messages, settings.push_idle_timeout_s, deadline)
                 if time.monotonic() > turn:
                     # Messages already received are handed over without a pause, so a stream of many
                     # small ones would keep the loop from every other request: give way now and then.
@@ -451,14 +458,19 @@ class Pushes:
         self._staging_reserved -= nbytes
 
 
-async def next_message(messages: AsyncIterator[PushMessage], idle: float) -> PushMessage | None:
-    """The stream's next message; None at its end; DeadlineExceeded after `idle` seconds of nothing."""
+async def next_message(messages: AsyncIterator[PushMessage], idle: float,
+                       deadline: tuple[float, str] | None = None) -> PushMessage | None:  # fmt: skip
+    """The stream's next message; None at its end; DeadlineExceeded after `idle` seconds of nothing,
+    or at `deadline` (monotonic time, and what to say)."""
+    wait = idle if deadline is None else min(idle, deadline[0] - time.monotonic())
     try:
-        async with asyncio.timeout(idle):
+        async with asyncio.timeout(max(wait, 0)):
             return await anext(messages)
     except StopAsyncIteration:
         return None
     except TimeoutError:
+        if wait < idle and deadline is not None:
+            raise DeadlineExceeded(deadline[1], reason="aborted") from None
         raise DeadlineExceeded(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
 
 
