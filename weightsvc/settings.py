@@ -89,6 +89,15 @@ class Settings(BaseSettings):
     # Beyond these a new stream gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
     max_pushes: int = Field(64, ge=1, description="Push streams at once (each rank of a multi-rank push is one).")
     max_models: int = Field(256, ge=1, description="Models this server holds (a push of one more is refused).")
+    max_connections: int = Field(
+        1000, ge=1, description="Connections held at once on each of the gRPC and HTTP ports; more are closed."
+    )
+    connect_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Close a connection that has not sent a whole HTTP request head (or finished the gRPC "
+        "handshake) this long after it opened or after its last response.",
+    )
     max_pulls: int = Field(1024, ge=1, description="Pulls at once, gRPC and HTTP.")
     max_rss_bytes: int = Field(
         0,

@@ -4,6 +4,7 @@ held, and leaves the server serving."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import urllib.parse
@@ -107,3 +108,72 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
             InferenceClient(stalling.http_url).pull("big")
         _pulls_done(stalling)
     assert InferenceClient(stalling.http_url).pull("big")["w"].shape == (4096, 4096)
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    """True once the server has closed `sock` (or reset it), reading what it sends first (gRPC's
+    SETTINGS, then a GOAWAY); each read waits at most the socket's timeout."""
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(model: str) -> None:
+    """Connections that send nothing (or half a request) cannot take the service down: beyond
+    --max-connections a port closes new ones at once, the others are closed --connect-timeout-s
+    after they opened, and meanwhile pushes, pulls and /healthz are served."""
+    with serving(max_connections=40, connect_timeout_s=1.0) as srv:
+        url = urllib.parse.urlsplit(srv.http_url)
+        grpc_port = int(srv.grpc_target.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                for port in (url.port, grpc_port) for _ in range(60)]  # fmt: skip
+        half = socket.create_connection(("127.0.0.1", url.port), timeout=5)
+        half.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
+        try:
+            connections = srv.server._http.server_state.connections  # type: ignore[union-attr]
+            assert len(connections) <= 40
+            assert all(_closed_by_server(s) for s in [*idle, half])  # within the 5 s socket timeout
+            with LearnerClient(srv.grpc_target) as learner:
+                learner.push(1, make_masters(), model=model)
+            for target in (srv.grpc_target, srv.http_url):
+                assert sorted(InferenceClient(target).pull(model)) == sorted(make_masters())
+        finally:
+            for s in [*idle, half]:
+                s.close()
+
+
+def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_read_whole() -> None:
+    from weightsvc.transport.http_limits import MAX_HEAD_BYTES
+
+    with serving() as srv:
+        url = urllib.parse.urlsplit(srv.http_url)
+        with socket.create_connection(("127.0.0.1", url.port), timeout=10) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-big: ")
+            answer = b""
+            with contextlib.suppress(ConnectionError):
+                for _ in range(64):  # 16 MiB, unless the server answers first
+                    s.sendall(b"a" * (256 << 10))
+            while chunk := s.recv(65536):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert f"the request head is larger than {MAX_HEAD_BYTES} bytes".encode() in answer
+        status, _ = _get(srv.http_url, "/healthz")
+        assert status == 200
+
+
+def _get(base: str, path: str) -> tuple[int, bytes]:
+    import http.client
+
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=10)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()

@@ -234,6 +234,9 @@ def _part(part: pb.TensorPart) -> tuple[int, int]:
     return part.offset, part.count
 
 
+CONNECTION_IDLE_S = 300
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -246,8 +249,14 @@ async def start_grpc(
 ) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server (WeightService + health); returns it and the bound port.
     `tls` is (certificate chain, private key) in PEM."""
+    s = service.settings
+    # Connections are bounded, and one that never finishes its handshake, or holds no call for
+    # CONNECTION_IDLE_S, is closed (a client's channel reconnects when it next calls).
+    limits = [("grpc.max_allowed_incoming_connections", s.max_connections),
+              ("grpc.server_handshake_timeout_ms", int(s.connect_timeout_s * 1000)),
+              ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000))]  # fmt: skip
     server = grpc.aio.server(
-        options=grpc_options(service.settings.max_message_bytes), interceptors=[GrpcAuth(auth)] if auth else None
+        options=grpc_options(s.max_message_bytes) + limits, interceptors=[GrpcAuth(auth)] if auth else None
     )
     servicer = WeightServicer(service)
     # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
