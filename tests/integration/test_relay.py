@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import make_masters, serving, start_server
+from tests.conftest import REDIS_URL, make_masters, serving, start_server
+from tests.integration.test_registry import needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import read_version_file
 from weightsvc.core.manifest import Manifest
@@ -102,3 +103,16 @@ def test_relay_survives_an_unexpected_exception_counts_it_and_retries(
             assert service.metrics.relay_failures.labels("mirror")._value.get() == 1  # type: ignore[attr-defined]
             learner.push(3, masters, model=model)  # and it goes on following
             assert relayed(relay, model, after=2) == 3
+
+
+@needs_redis
+def test_a_relay_given_the_shared_redis_stays_out_of_the_shards(redis_prefix: str, model: str) -> None:
+    """Relays take the deployment's shared settings, Redis included: a relay must not register as a
+    shard (learners would push its tensors to it and fail), and pushes and relaying go on."""
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix}
+    with serving(**shared) as upstream, serving(relay_from=upstream.grpc_target, **shared) as relay:
+        assert [r.id for r in InferenceClient(upstream.grpc_target).topology()] == [upstream.server.replica.id]
+        with LearnerClient(upstream.grpc_target) as learner:
+            learner.push(1, make_masters(), model=model)
+        assert relayed(relay, model, None) == 1
+        assert sorted(InferenceClient(relay.http_url).pull(model, 1)) == sorted(make_masters())

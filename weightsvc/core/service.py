@@ -68,9 +68,10 @@ class Service:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
-        registry = (
-            RedisRegistry(settings.redis_url, prefix=settings.redis_prefix) if settings.redis_url else MemoryRegistry()
-        )
+        # A relay keeps a registry of its own whatever its environment: in the shared one it would be
+        # taken for a shard, and every push would be sent to it.
+        shared = None if settings.relay_from else settings.redis_url
+        registry = RedisRegistry(shared, prefix=settings.redis_prefix) if shared else MemoryRegistry()
         self.store = VersionStore(
             retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
         )
