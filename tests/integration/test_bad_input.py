@@ -305,6 +305,20 @@ def test_staging_budget_refuses_pushes_beyond_it(model: str) -> None:
         LearnerClient(srv.grpc_target).push(1, {"w": torch.zeros(100)}, model=model)  # 200 bytes fit
 
 
+@pytest.mark.parametrize("settings", [{"rounding": "ef"}, {"format": "fp8_e4m3"}], ids=["ef", "fp8"])
+def test_the_staging_budget_counts_ef_residuals_and_gathered_fp8_masters(model: str, settings: dict[str, str]) -> None:
+    """A 256 x 256 tensor serves in at most 128 KiB, within a 200 KiB budget; with ef its new fp32
+    residual, in fp8 its master gathered whole for the scales, add 4 bytes an element: 384 KiB, and
+    the push is refused before it stages anything."""
+    with serving(max_staged_bytes=200 << 10, **settings) as srv, LearnerClient(srv.grpc_target) as learner:
+        with pytest.raises(ResourceExhausted, match=r"pushes in progress hold 0 bytes; 393216 more \(served bytes, "
+                                                    r"ef residuals and fp8 masters gathered for their scales\) would "
+                                                    r"exceed the staging budget of 204800 bytes"):  # fmt: skip
+            learner.push(1, {"layers.0.mlp.weight": torch.randn(256, 256)}, model=model)
+        assert_nothing_visible(srv, model)
+        assert learner.push(1, {"layers.0.mlp.weight": torch.randn(128, 256)}, model=model).created  # 192 KiB
+
+
 @pytest.mark.parametrize("version", ["\u00b2", "9" * 5000, "-1", "1.5"])
 def test_odd_version_strings_are_invalid_argument(
     server: BackgroundServer, learner: LearnerClient, model: str, version: str

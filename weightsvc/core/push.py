@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import heapq
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from weightsvc import rounding
 from weightsvc.core.manifest import (
     BIG_MANIFEST,
     DTYPE_SIZES,
@@ -428,31 +430,47 @@ class Pushes:
         self.sessions.discard(session)
         self.service.changed()
 
-    def reserve_staging(self, header: PushHeader) -> int:
-        """Reserve the served bytes a push will stage, or refuse it if over the memory budget. With a
-        data dir they are staged in the version's file, not in memory: nothing to reserve."""
+    def staging_bytes(self, header: PushHeader) -> int:
+        """The memory a push stages: its served bytes (≤ 2 a element in every format) and, with ef, its
+        new fp32 residual, unless a data dir takes both; and, in an fp8 format, the fp32 masters
+        of the tensors being gathered whole for their scales (at most one a rank at a time: the
+        largest 2-D ones bound them)."""
+        s = self.settings
         in_memory = self.service.store.files is None
-        served = sum(t.numel for t in header.tensors) * 2 if in_memory else 0  # every served format: ≤ 2 bytes
+        numel = sum(t.numel for t in header.tensors)
+        nbytes = numel * 2 if in_memory else 0
+        if in_memory and (header.rounding or s.rounding) == "ef":
+            nbytes += numel * 4
+        fmt = rounding.FORMATS.get(header.format or s.format)
+        if fmt is not None and fmt.scaled:
+            matrices = heapq.nlargest(header.world_size, (t.numel for t in header.tensors if len(t.shape) == 2))
+            nbytes += 4 * sum(matrices)
+        return nbytes
+
+    def reserve_staging(self, header: PushHeader) -> int:
+        """Reserve the memory a push will stage (`staging_bytes`), or refuse it if over the memory budget."""
+        staged = self.staging_bytes(header)
         rss, mark = anonymous_bytes(), self.settings.rss_high_water
         pool = self.service.store.pool  # buffers kept for reuse count in both, and go before a refusal
-        if (rss + served > mark or self._staging_reserved + served + pool.free_bytes > self.settings.max_staged_bytes
+        if (rss + staged > mark or self._staging_reserved + staged + pool.free_bytes > self.settings.max_staged_bytes
                 ) and pool.free():  # fmt: skip
             rss = anonymous_bytes()
-        if rss + served > mark:
+        what = "(served bytes, ef residuals and fp8 masters gathered for their scales)"
+        if rss + staged > mark:
             raise ResourceExhausted(
-                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {served} more "
-                f"would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
+                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {staged} more "
+                f"{what} would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
                 reason="too_large",
             )
-        if self._staging_reserved + served > self.settings.max_staged_bytes:
+        if self._staging_reserved + staged > self.settings.max_staged_bytes:
             raise ResourceExhausted(
                 f"model {header.model!r} step {header.step}: pushes in progress hold "
-                f"{self._staging_reserved} bytes; {served} more would exceed the staging budget of "
+                f"{self._staging_reserved} bytes; {staged} more {what} would exceed the staging budget of "
                 f"{self.settings.max_staged_bytes} bytes (--max-staged-bytes); retry later",
                 reason="too_large",
             )
-        self._staging_reserved += served
-        return served
+        self._staging_reserved += staged
+        return staged
 
     def unreserve(self, nbytes: int) -> None:
         self._staging_reserved -= nbytes
