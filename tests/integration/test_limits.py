@@ -107,6 +107,8 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
         with pytest.raises(ResourceExhausted, match=r"\(HTTP 429\)"):
             InferenceClient(stalling.http_url).pull("big")
         _pulls_done(stalling)
+        sock.settimeout(10)
+        assert _closed_by_server(sock)  # the dropped pull's connection goes too
     assert InferenceClient(stalling.http_url).pull("big")["w"].shape == (4096, 4096)
 
 

@@ -9,6 +9,8 @@ import dataclasses
 import json
 import logging
 import re
+import socket
+import struct
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, BinaryIO
 
@@ -46,7 +48,8 @@ _SELECT = (
     "A sliced pull: only these tensors, each `NAME` (whole) or `NAME@DIM:START:STOP` (the range [START, STOP) of "
     "dim DIM; split on the last '@'). The answer is a safetensors file of the selection, its manifest in __metadata__"
 )
-SENDFILE = "weightsvc.sendfile"  # the ASGI extension `Sendfile` adds
+SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
+ABORT = "weightsvc.abort"
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
 
@@ -108,9 +111,23 @@ class PullResponse(Response):
                                          len(piece))  # fmt: skip
             await self.pull.send(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except DeadlineExceeded as e:
-            log.warning("HTTP %s", e.message)  # an incomplete response: the server closes the connection
+            log.warning("HTTP %s", e.message)
+            # The connection goes now: closed gracefully, it would first send what its buffer holds,
+            # at the pace of the client that stopped reading, and hold on for as long.
+            abort = (scope.get("extensions") or {}).get(ABORT)
+            if abort is not None:
+                abort()
         finally:
             self.pull.close()
+
+
+def _reset(transport: asyncio.Transport) -> None:
+    """Drop a connection at once: a reset, not a close that would still send what the kernel holds."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 class Sendfile:
@@ -127,6 +144,8 @@ class Sendfile:
         cycle = getattr(send, "__self__", None)  # uvicorn's request-response cycle
         transport = getattr(cycle, "transport", None)
         counted = isinstance(getattr(cycle, "expected_content_length", None), int)
+        if scope["type"] == "http" and transport is not None:
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), ABORT: lambda: _reset(transport)}}
         if scope["type"] == "http" and scope.get("scheme") == "http" and counted and transport is not None:
 
             async def sendfile(file: BinaryIO, offset: int, count: int) -> None:
