@@ -6,6 +6,7 @@ client id or a tensor name.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -109,11 +110,21 @@ class Metrics:
             self.relay_failures.labels(stage)
         r.register(_ClientCollector(self))
         self._client_lags: Callable[[], dict[str, list[int]]] = dict
+        self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
 
     def observe_lag(self, model: str, format: str, rounding: str, lag: LagMetrics) -> None:
         labels = (model, format, rounding)
+        # A model's series are those of the export it runs now: those of the one it ran before go
+        # (a model that lagged under rtn must not keep its alert firing once it serves sr).
+        before = self._lag_labels.get(model)
+        if before is not None and before != labels:
+            for series in (self.served_lag_steps, self.update_visibility, self.served_churn,
+                           self.served_relative_error, self.saturated_elements):  # fmt: skip
+                with contextlib.suppress(KeyError):
+                    series.remove(*before)
+        self._lag_labels[model] = labels
         self.served_lag_steps.labels(*labels).set(lag.lag_steps)
         if lag.update_visibility is not None:
             self.update_visibility.labels(*labels).set(lag.update_visibility)

@@ -50,3 +50,11 @@ def test_promtool_accepts_rules_and_metrics(tmp_path: Path) -> None:
     metrics = subprocess.run(["promtool", "check", "metrics"], input=exported_metrics_text(), capture_output=True,
                              text=True)  # fmt: skip
     assert metrics.returncode == 0, metrics.stdout + metrics.stderr
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool on PATH (Debian package prometheus)")
+def test_alert_rules_pass_their_unit_tests() -> None:
+    """`weightsvc-alerts.test.yml`: each alert tested fires when, and as often as, its summary says."""
+    tests = RULES.with_name("weightsvc-alerts.test.yml")
+    result = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -141,3 +141,16 @@ def test_small_tensors_exported_together_give_the_metrics_and_bits_of_one_export
 
     monkeypatch.setattr(PushSession, "_run_all", one_by_one)
     assert pushed() == together
+
+
+def test_a_model_that_changes_its_export_keeps_only_the_series_of_the_new_one() -> None:
+    """The lag series of an export a model no longer runs go: an alert on rtn's lag must stop once
+    the model serves sr."""
+    with serving(retain=10) as srv, LearnerClient(srv.grpc_target) as learner:
+        for step, rounding in ((1, "rtn"), (2, "rtn"), (3, "sr"), (4, "sr")):
+            learner.push(step, {"w": bf16_exact((32, 32), seed=step)}, rounding=rounding)
+            learner.push(step, {"w": bf16_exact((32, 32), seed=step)}, model="other", rounding="rtn")
+        body = http_get(srv.http_url, "/metrics")[2].decode()
+        lag_series = {(s.labels["model"], s.labels["rounding"]) for f in text_string_to_metric_families(body)
+                      for s in f.samples if s.name == "weightsvc_served_lag_steps"}  # fmt: skip
+        assert lag_series == {("default", "sr"), ("other", "rtn")}
