@@ -286,3 +286,38 @@ async def test_parts_withdrawn_leave_nothing_and_owners_must_agree(registry: Reg
     with pytest.raises(FailedPrecondition, match="step 2 is not above the latest version 5"):
         await registry.commit("m", 5, "d5", manifest(5), retain=4)
         await registry.commit_part("m", 2, "r0", ["r0"], "d", "{}", retain=4)
+
+
+def test_a_registry_that_lost_its_data_gets_the_versions_back_from_the_files(
+    private_redis: PrivateRedis, tmp_path: Path, model: str
+) -> None:
+    """Redis comes back empty, a version commits, the server restarts: the versions committed before
+    are still on disk, served, and back in the registry; none is deleted."""
+    data = tmp_path / "data"
+    with serving(redis_url=private_redis.url, data_dir=data) as srv, LearnerClient(srv.grpc_target) as learner:
+        for step in (1, 2, 3):
+            learner.push(step, make_masters(step), model=model)
+        redis.Redis.from_url(private_redis.url).flushall()  # as if Redis restarted without its data
+        learner.push(4, make_masters(4), model=model)
+        digests = {v: InferenceClient(srv.grpc_target).manifest(model, v).master_digest for v in (1, 2, 3, 4)}
+    with serving(redis_url=private_redis.url, data_dir=data) as srv:
+        puller = InferenceClient(srv.grpc_target)
+        assert [v.version for v in puller.versions(model)] == [1, 2, 3, 4]
+        for v, digest in digests.items():
+            assert puller.manifest(model, v).master_digest == digest
+            puller.pull(model, v)  # (checksums verified)
+        r = redis.Redis.from_url(private_redis.url)
+        assert [int(v) for v in r.zrange(f"weightsvc:{{{model}}}:versions", 0, -1)] == [1, 2, 3, 4]
+    assert len(list((data / "models" / model).glob("*.safetensors"))) == 4
+
+
+async def test_restore_takes_back_a_lost_version_below_the_latest(registry: Registry) -> None:
+    await registry.commit("m", 5, "d5", manifest(5), retain=3)
+    assert await registry.restore("m", 3, "d3", manifest(3), retain=3)
+    assert await registry.restore("m", 3, "d3", manifest(3), retain=3)  # held already: the same
+    assert await registry.versions("m") == [3, 5]
+    with pytest.raises(AlreadyExists, match="'m' version 3 is already committed with different content"):
+        await registry.restore("m", 3, "other", manifest(3), retain=3)
+    assert await registry.restore("m", 4, "d4", manifest(4), retain=3)
+    assert not await registry.restore("m", 1, "d1", manifest(1), retain=3)  # older than retention keeps
+    assert await registry.versions("m") == [3, 4, 5]

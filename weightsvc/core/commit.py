@@ -197,7 +197,9 @@ class Committer:
 
     async def sync_registry(self) -> None:
         """After a restart, make the registry and the restored versions agree. A version the registry
-        never committed (a crash between the file and the registry) above its latest is dropped; a
+        never committed (a crash between the file and the registry) above its latest is dropped; one
+        below its latest that it does not know (it lost its data) is given back to it, and dropped
+        only if retention leaves it out or the registry holds other content under its number; a
         registry that knows nothing of a model (a fresh one, or the embedded one) takes the files."""
         for model in self._index.models():
             known = await self._registry.versions(model)
@@ -215,6 +217,15 @@ class Committer:
                     continue
                 if known and v > known[-1]:
                     dropped.append(v)
+                    continue
+                if known:  # below its latest: the registry lost it (its data), or retention let it go
+                    m = version.manifest
+                    try:
+                        text = await asyncio.to_thread(m.json)
+                        if not await self._registry.restore(model, v, m.master_digest, text, self._index.retain):
+                            dropped.append(v)  # older than what retention keeps
+                    except AlreadyExists:
+                        dropped.append(v)  # the registry holds other content under that number
                     continue
                 try:
                     await self._register(version.manifest)

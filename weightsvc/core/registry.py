@@ -111,6 +111,21 @@ class MemoryRegistry:
             self._changed.notify_all()
         return CommitResult(created=True, evicted=evicted)
 
+    async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
+        """Take back a version a server holds durably and the registry has lost (its data, not its
+        verdict): added whatever the latest is, with no event; retention applies. True if it is
+        now held (already, or restored), False if retention left it out. ALREADY_EXISTS if the
+        registry holds that version with another digest."""
+        vs = self._manifests.setdefault(model, {})
+        if version in vs:
+            if vs[version][0] != digest:
+                raise _conflict(model, version, vs[version][0], digest)
+            return True
+        vs[version] = (digest, manifest)
+        for v in sorted(vs)[: max(0, len(vs) - retain)]:
+            del vs[v]
+        return version in vs
+
     async def commit_part(
         self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
     ) -> CommitResult | None:
@@ -222,6 +237,30 @@ end
 """
 # ARGV: model, version, digest, manifest, retain, events kept
 _COMMIT = _FINISH + "return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])"
+# ARGV: model, version, digest, manifest, retain. A version a server holds and the registry lost: added
+# below the latest too, without an event; retention applies.
+_RESTORE = """
+local v, digest = ARGV[2], ARGV[3]
+local existing = redis.call('HGET', KEYS[3], v)
+if existing then
+  if existing == digest then return {'held'} end
+  return {'conflict', existing}
+end
+redis.call('ZADD', KEYS[1], tonumber(v), v)
+redis.call('HSET', KEYS[2], v, ARGV[4])
+redis.call('HSET', KEYS[3], v, digest)
+redis.call('SADD', KEYS[5], ARGV[1])
+local extra = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
+if extra > 0 then
+  for _, o in ipairs(redis.call('ZRANGE', KEYS[1], 0, extra - 1)) do
+    redis.call('ZREM', KEYS[1], o)
+    redis.call('HDEL', KEYS[2], o)
+    redis.call('HDEL', KEYS[3], o)
+    if o == v then return {'evicted'} end
+  end
+end
+return {'held'}
+"""
 # ARGV: model, version, owner, owners (JSON list, sorted), part digest, part manifest, retain, events kept,
 # ms the pending parts live. The owners' parts are gathered; the last one commits the version.
 _COMMIT_PART = (
@@ -275,6 +314,7 @@ class RedisRegistry:
         # otherwise end an idle watch (and a part waiting for the other owners') with UNAVAILABLE.
         self._block_ms = max(1, int(socket_timeout * 400))
         self._commit = self._redis.register_script(_COMMIT)
+        self._restore = self._redis.register_script(_RESTORE)
         self._commit_part = self._redis.register_script(_COMMIT_PART)
         self._withdraw_part = self._redis.register_script(_WITHDRAW_PART)
 
@@ -327,6 +367,15 @@ class RedisRegistry:
         if status == "owners":
             raise _owners_disagree(model, version, owner, owners, rest[0])
         return self._decided(model, version, digest, status, rest)
+
+    async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
+        args: list[str | int] = [model, version, digest, manifest, retain]
+        out = await self._call(f"restoring model {model!r} version {version}",
+                               self._restore(keys=self._keys(model), args=args))  # fmt: skip
+        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
+        if status == "conflict":
+            raise _conflict(model, version, rest[0], digest)
+        return status == "held"
 
     async def withdraw_part(self, model: str, version: int, owner: str) -> bool:
         out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
