@@ -11,6 +11,7 @@ import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -321,3 +322,37 @@ async def test_restore_takes_back_a_lost_version_below_the_latest(registry: Regi
     assert await registry.restore("m", 4, "d4", manifest(4), retain=3)
     assert not await registry.restore("m", 1, "d1", manifest(1), retain=3)  # older than retention keeps
     assert await registry.versions("m") == [3, 4, 5]
+
+
+@needs_redis
+def test_a_commit_whose_answer_is_lost_is_read_back_and_never_loses_its_file(
+    monkeypatch: pytest.MonkeyPatch, redis_prefix: str, tmp_path: Path, model: str
+) -> None:
+    """Redis runs the commit script, then its answer times out. The server asks it back: the version
+    is served and its file kept. When even that question fails, the push fails, and its retry (the
+    registry says the version exists, with this content) serves the version."""
+    real_commit, real_manifest = RedisRegistry.commit, RedisRegistry.manifest
+
+    async def answer_lost(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
+        await real_commit(self, *args, **kwargs)
+        raise Unavailable("registry unreachable while committing: Timeout reading from socket")
+
+    async def unreachable(self: RedisRegistry, *args: Any, **kwargs: Any) -> Any:
+        raise Unavailable("registry unreachable while reading: Timeout reading from socket")
+
+    data = tmp_path / "data"
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "data_dir": data}
+    with serving(**shared) as srv, LearnerClient(srv.grpc_target) as learner:
+        puller = InferenceClient(srv.grpc_target)
+        monkeypatch.setattr(RedisRegistry, "commit", answer_lost)
+        assert learner.push(1, make_masters(1), model=model).created
+        assert [v.version for v in puller.versions(model)] == [1]
+        monkeypatch.setattr(RedisRegistry, "manifest", unreachable)
+        with pytest.raises(Unavailable, match="registry unreachable while committing"):
+            learner.push(2, make_masters(2), model=model)
+        monkeypatch.setattr(RedisRegistry, "commit", real_commit)
+        monkeypatch.setattr(RedisRegistry, "manifest", real_manifest)
+        assert not learner.push(2, make_masters(2), model=model).created  # committed by the first try
+        assert [v.version for v in puller.versions(model)] == [1, 2]
+        puller.pull(model, 2)
+    assert len(list((data / "models" / model).glob("*.safetensors"))) == 2

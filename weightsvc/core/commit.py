@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 
 from weightsvc._faults import crash_point
@@ -23,7 +24,7 @@ from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import CommitResult, Registry, check_commit
 from weightsvc.core.versions import Version, VersionFile, VersionIndex
-from weightsvc.errors import AlreadyExists, FailedPrecondition
+from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
 
@@ -140,7 +141,7 @@ class Committer:
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:
-                    decided = await self._register(m, text)
+                    decided = await self._registered(m, text)
                 else:
                     decided, version = await self._parts.commit(version, part_of, text)
             except BaseException:
@@ -148,10 +149,12 @@ class Committer:
                 if self._files is not None:
                     await asyncio.to_thread(self._files.remove, m.model, m.version, residual is not None)
                 raise
-            # Committed meanwhile by another replica; a part already committed is held here from now on.
+            # Committed meanwhile (by another replica, or by an earlier try of this push whose answer
+            # was lost): what this server holds of it is served from now on.
             held = self._index.find(m.model, m.version)
-            if not decided.created and (part_of is None or held is not None):
-                return (held if held is not None else version), False
+            if not decided.created and held is not None:
+                return held, False
+            created = decided.created or part_of is not None
             evicted = self._index.add(version)
             self._acks.committed(m.model, m.version, m.committed_unix)
             if residual is not None:
@@ -166,7 +169,24 @@ class Committer:
             # the latest version, the prune leaves that file alone.
             kept, latest = self._kept_residual(m.model), self._index.latest(m.model)
             await asyncio.to_thread(self._files.prune, m.model, evicted, kept, latest)
-        return version, True
+        return version, created
+
+    async def _registered(self, m: Manifest, text: str) -> CommitResult:
+        """Commit `m` in the registry. One that does not answer may have committed all the same (a
+        timeout after its script ran): it is asked whether it holds this very content before the
+        commit counts as failed, so the file of a version it announced is never deleted."""
+        try:
+            return await self._register(m, text)
+        except Unavailable:
+            try:
+                raw = await self._registry.manifest(m.model, m.version)
+            except Unavailable:
+                raw = None  # it cannot tell either: failed, and a retry of the push will find out
+            if raw is None or json.loads(raw).get("master_digest") != m.master_digest:
+                raise
+            log.warning("model %s version %d: the registry committed it, though its answer was lost", m.model,
+                        m.version)  # fmt: skip
+            return CommitResult(created=True)
 
     async def _register(self, m: Manifest, text: str | None = None) -> CommitResult:
         raw = text if text is not None else await asyncio.to_thread(m.json)
