@@ -46,6 +46,10 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.damaged_files = Gauge(
+            "weightsvc_damaged_files",
+            "Version files found damaged at start-up and moved aside (under <data dir>/damaged)", registry=r,
+        )  # fmt: skip
         self.retained_versions = Gauge(
             "weightsvc_retained_versions", "Committed versions held per model", ["model"], registry=r
         )

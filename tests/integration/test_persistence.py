@@ -62,6 +62,27 @@ def test_damaged_and_partial_files_are_not_restored(data_dir: Path) -> None:
         assert not list(model_dir.glob(".*.tmp"))
 
 
+def test_a_flipped_bit_in_a_header_tensor_name_is_caught_and_the_file_set_aside(data_dir: Path) -> None:
+    """The header's own entry for a tensor (not the manifest it carries) is what a plain safetensors
+    reader of the download goes by: damage there is found at restart, the file is moved aside under
+    damaged/ and counted, and the other versions are served."""
+    masters = make_masters()
+    with serving(data_dir=data_dir) as srv:
+        for step in (1, 2):
+            LearnerClient(srv.grpc_target).push(step, masters, model="m")
+    path = data_dir / "models" / "m" / f"{2:020d}.safetensors"
+    raw = bytearray(path.read_bytes())
+    entry = raw.rindex(b'"embed.weight":{"dtype"', 0, 8 + int.from_bytes(raw[:8], "little"))
+    raw[entry + 1] ^= 0x01  # "embed.weight" -> "dmbed.weight", in the header entry alone
+    path.write_bytes(bytes(raw))
+
+    with serving(data_dir=data_dir) as srv:
+        assert [v.version for v in InferenceClient(srv.grpc_target).versions("m")] == [1]
+        assert srv.service.metrics.damaged_files._value.get() == 1
+    assert not path.exists()
+    assert (data_dir / "damaged" / "m" / path.name).read_bytes() == bytes(raw)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="needs Linux: kills servers with SIGKILL and reads /proc")
 def test_learner_killed_mid_push_leaves_nothing(data_dir: Path, tmp_path: Path) -> None:
     """A learner process dies (SIGKILL) in the middle of its stream: nothing visible, memory freed."""

@@ -213,6 +213,7 @@ class Committer:
                 self._residuals[model] = residual
             self._files.prune(model, evicted, self._kept_residual(model))
             count += len(versions)
+        self._metrics.damaged_files.set(len(self._files.damaged))
         return count
 
     async def sync_registry(self) -> None:

@@ -36,6 +36,7 @@ _serial = itertools.count()
 class VersionFiles:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
+        self.damaged: list[Path] = []  # files restore found damaged and moved aside, where they now are
 
     def path(self, model: str, version: int) -> Path:
         return self.data_dir / "models" / model / f"{version:020d}.safetensors"
@@ -199,11 +200,27 @@ class VersionFiles:
                     if (m.model, f"{m.version:020d}.safetensors") != (model_dir.name, path.name):
                         raise ValueError(f"its manifest is of model {m.model!r} version {m.version}")
                 except Exception as e:  # one damaged file must not take the others down
-                    log.error("skipping %s: %s", path, e)
+                    self._set_aside(path, e)
                     continue
                 versions.append(version)
             latest = versions[-1].manifest.version if versions else None
             yield model_dir.name, versions, self._residual(model_dir, latest)
+
+    def _set_aside(self, path: Path, e: Exception) -> None:
+        """Move a damaged file out of the versions, under damaged/, for an operator to look at: left
+        in place it would be skipped again at every start, and a later commit of its number would
+        replace the only evidence."""
+        aside = self.data_dir / "damaged" / path.parent.name / path.name
+        try:
+            aside.parent.mkdir(parents=True, exist_ok=True)
+            while aside.exists():
+                aside = aside.with_name(aside.name + ".again")
+            path.rename(aside)
+        except OSError as moved:
+            log.error("damaged version file %s (%s) could not be moved aside: %s", path, e, moved)
+            return
+        log.error("damaged version file %s (%s): moved to %s", path, e, aside)
+        self.damaged.append(aside)
 
     @staticmethod
     def _residual(model_dir: Path, latest: int | None) -> Residual | None:
@@ -224,8 +241,12 @@ class VersionFiles:
         """A version's file, mapped read-only, its tensors' checksums verified."""
         file = _open(path)
         try:
-            header = read_safetensors_header(file.mapping[: file.data_start])[1]
-            manifest = manifest_from_header(header)
+            prefix = bytes(file.mapping[: file.data_start])
+            manifest = manifest_from_header(read_safetensors_header(prefix)[1])
+            # The whole header, not only the manifest it carries: its tensor entries (names, shapes,
+            # offsets) are what a plain safetensors reader of the download goes by.
+            if prefix[8:].rstrip(b" ") != manifest.safetensors_header()[8:].rstrip(b" "):
+                raise ValueError("its header differs from the one its manifest makes (tensor names, shapes or offsets)")
             data = file.data
             if len(data) != manifest.data_bytes:
                 raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
