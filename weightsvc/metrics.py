@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from weightsvc.core.manifest import LagMetrics
+
+if TYPE_CHECKING:
+    from weightsvc.core.acks import ClientStatus
 
 # Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
 REJECT_REASONS = (
@@ -113,7 +117,7 @@ class Metrics:
         for stage in RELAY_STAGES:
             self.relay_failures.labels(stage)
         r.register(_ClientCollector(self))
-        self._client_lags: Callable[[], dict[str, list[int]]] = dict
+        self._clients: Callable[[], dict[str, list[ClientStatus]]] = dict
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
@@ -136,9 +140,9 @@ class Metrics:
         self.served_relative_error.labels(*labels).set(lag.relative_error)
         self.saturated_elements.labels(*labels).inc(lag.saturated_elements)
 
-    def watch_clients(self, client_lags: Callable[[], dict[str, list[int]]]) -> None:
-        """Where the staleness figures come from: versions behind latest per connected client."""
-        self._client_lags = client_lags
+    def watch_clients(self, clients: Callable[[], dict[str, list[ClientStatus]]]) -> None:
+        """Where the staleness figures come from: the clients not forgotten, per model."""
+        self._clients = clients
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -155,17 +159,25 @@ class _ClientCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         clients = GaugeMetricFamily("weightsvc_clients", "Inference clients that acked recently", labels=["model"])
+        silent = GaugeMetricFamily(
+            "weightsvc_clients_silent",
+            "Clients that stopped acking (over 5 minutes ago) and are not forgotten yet (--client-forget-s)",
+            labels=["model"],
+        )  # fmt: skip
         worst = GaugeMetricFamily(
-            "weightsvc_client_lag_versions", "Versions the most stale connected client is behind latest",
+            "weightsvc_client_lag_versions",
+            "Versions the most stale client is behind latest (a silent one counts until it is forgotten)",
             labels=["model"],
         )  # fmt: skip
         spread = HistogramMetricFamily(
-            "weightsvc_client_staleness_versions", "Versions behind latest, over connected clients",
+            "weightsvc_client_staleness_versions", "Versions behind latest, over the clients not forgotten",
             labels=["model"],
         )  # fmt: skip
-        for model, lags in self.metrics._client_lags().items():
-            clients.add_metric([model], len(lags))
+        for model, tracked in self.metrics._clients().items():
+            lags = [c.lag_versions for c in tracked]
+            clients.add_metric([model], sum(c.connected for c in tracked))
+            silent.add_metric([model], sum(not c.connected for c in tracked))
             worst.add_metric([model], max(lags, default=0))
             buckets = [(str(b), sum(lag <= b for lag in lags)) for b in _LAG_BUCKETS] + [("+Inf", len(lags))]
             spread.add_metric([model], buckets, sum(lags))
-        yield from (clients, worst, spread)
+        yield from (clients, silent, worst, spread)

@@ -104,6 +104,12 @@ class Settings(BaseSettings):
         ge=0,
         description="Anonymous resident memory above which no new push is staged (0: 90% of the memory it may use).",
     )
+    client_forget_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How long a client that stopped acking still counts in the staleness metrics (a stuck one keeps "
+        "its alert firing until then).",
+    )
     push_idle_timeout_s: float = Field(120.0, gt=0, description="Abandon a push that sends nothing this long.")
     push_min_bytes_per_s: float = Field(
         1 << 20,

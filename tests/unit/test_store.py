@@ -156,7 +156,7 @@ async def test_an_ack_counts_the_versions_behind_even_past_retention_and_reaches
     await acks.flush()
 
     assert acks.versions_behind("m", 2) == 3  # versions 3, 4 and 5, though only 5 is retained
-    assert acks.client_lags() == {"m": [3]}
+    assert {m: [c.lag_versions for c in cs] for m, cs in acks.tracked().items()} == {"m": [3]}
     assert [(c.client_id, c.version) for c in acks.clients("m")] == [("sampler-0", 2)]
     assert (await registry.acks("m"))["sampler-0"][0] == 2
     with pytest.raises(InvalidArgument, match=r"model 'm': cannot ack version 6, the latest committed is 5"):
@@ -280,3 +280,39 @@ async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit
         f"{2:020d}.safetensors",
         f"residual-{2:020d}.safetensors",
     ]
+
+
+async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_it_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stuck client acks no more: after 5 minutes it is silent, not connected, yet its lag keeps
+    counting (so StaleClients can fire) until --client-forget-s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from weightsvc.core import acks as acks_module
+
+    metrics = Metrics()
+    index = VersionIndex(retain=2, metrics=metrics)
+    acks = Acks(index, MemoryRegistry(), metrics)
+    acks.forget_s = 3600.0
+    start = time.time()
+    index.add(make_version("m", 1, size=8))
+    acks.committed("m", 1, start)
+    acks.ack("m", 1, "stuck-0")
+    await acks.flush()
+
+    def scraped(now: float) -> dict[str, float]:
+        monkeypatch.setattr(acks_module.time, "time", lambda: now)
+        text = metrics.render().decode()
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name in ("weightsvc_clients", "weightsvc_clients_silent", "weightsvc_client_lag_versions")}
+
+    for v in (2, 3, 4):
+        index.add(make_version("m", v, size=8))
+        acks.committed("m", v, start)
+    assert scraped(start) == {"weightsvc_clients": 1, "weightsvc_clients_silent": 0,
+                              "weightsvc_client_lag_versions": 3}  # fmt: skip
+    assert scraped(start + 600) == {"weightsvc_clients": 0, "weightsvc_clients_silent": 1,
+                                    "weightsvc_client_lag_versions": 3}  # fmt: skip
+    assert scraped(start + 3700) == {"weightsvc_clients": 0, "weightsvc_clients_silent": 0,
+                                     "weightsvc_client_lag_versions": 0}  # fmt: skip

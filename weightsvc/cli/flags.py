@@ -25,7 +25,7 @@ PANELS = {
     "Limits": ("chunk_bytes", "max_message_bytes", "max_version_bytes", "max_staged_bytes", "max_tensors",
                "max_tensor_bytes", "max_pushes", "max_models", "max_connections",
                "connect_timeout_s", "max_pulls", "max_rss_bytes", "push_idle_timeout_s",
-               "push_min_bytes_per_s",
+               "push_min_bytes_per_s", "client_forget_s",
                "pull_stall_timeout_s", "push_rank_timeout_s"),
     "Auth and TLS": ("auth_file", "auth_open_paths", "tls_cert", "tls_key"),
     "Scale-out": ("redis_url", "redis_prefix", "replica_id", "advertise_host", "relay_from"),

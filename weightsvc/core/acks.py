@@ -53,7 +53,10 @@ class Acks:
         self._clients: dict[str, dict[str, ClientAck]] = {}
         self._acking: set[asyncio.Future[None]] = set()
         self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
-        metrics.watch_clients(self.client_lags)
+        # A client silent for longer than this is forgotten by the staleness metrics; until then it
+        # counts (with the version it acked last), so one that is stuck keeps its alert firing.
+        self.forget_s = 3600.0
+        metrics.watch_clients(self.tracked)
 
     def committed(self, model: str, version: int, committed_unix: float) -> None:
         """Remember a version as committed (by this server, or restored) at `committed_unix`."""
@@ -112,6 +115,7 @@ class Acks:
             for a in self._clients.get(model, {}).values()
         ]  # fmt: skip
 
-    def client_lags(self) -> dict[str, list[int]]:
-        """Versions behind latest of each connected client, per model (read at every scrape)."""
-        return {model: [c.lag_versions for c in self.clients(model) if c.connected] for model in self._clients}
+    def tracked(self) -> dict[str, list[ClientStatus]]:
+        """The clients that acked within `forget_s`, per model (read at every scrape)."""
+        horizon = time.time() - self.forget_s
+        return {model: [c for c in self.clients(model) if c.last_seen_unix >= horizon] for model in self._clients}

@@ -76,6 +76,7 @@ class Service:
             retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
         )
         self.store.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
+        self.store.acks.forget_s = settings.client_forget_s
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)

@@ -63,7 +63,6 @@ class VersionStore:
         self.ack = self.acks.ack
         self.flush_acks = self.acks.flush
         self.clients = self.acks.clients
-        self.client_lags = self.acks.client_lags
         self.versions_behind = self.acks.versions_behind
 
     @property
