@@ -114,7 +114,7 @@ class Settings(BaseSettings):
     push_min_bytes_per_s: float = Field(
         1 << 20,
         gt=0,
-        description="Abandon a push stream not done within --push-idle-timeout-s plus its bytes at this rate.",
+        description="Abandon a push stream not done within twice --push-idle-timeout-s plus its bytes at this rate.",
     )
     pull_stall_timeout_s: float = Field(
         120.0, gt=0, description="Drop a pull whose client reads nothing this long, and release its version."

@@ -151,11 +151,12 @@ class Push:
             session = await self._wait_session()
             turn = time.monotonic() + FAIR_TURN_S
             # A stream that trickles would hold its staging forever: its bytes must come at a rate.
+            # (Twice the idle timeout on top: one that stops altogether is told it stalled.)
             rank_bytes = sum(p.end - p.start for p in session.parts[rank].values())
-            allowed = settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
+            allowed = 2 * settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
             deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
                         f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
-                        f"{settings.push_min_bytes_per_s:g}, plus --push-idle-timeout-s)")  # fmt: skip
+                        f"{settings.push_min_bytes_per_s:.0f}, plus twice --push-idle-timeout-s)")  # fmt: skip
             while True:
                 msg = await next_message(messages, settings.push_idle_timeout_s, deadline)
                 if time.monotonic() > turn:
