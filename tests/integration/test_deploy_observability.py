@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.conftest import serving
 from tests.integration.test_push_pull import http_get
@@ -58,3 +59,6 @@ def test_alert_rules_pass_their_unit_tests() -> None:
     tests = RULES.with_name("weightsvc-alerts.test.yml")
     result = subprocess.run(["promtool", "test", "rules", str(tests)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+    alerts = {r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]}
+    tested = {t["alertname"] for case in yaml.safe_load(tests.read_text())["tests"] for t in case["alert_rule_test"]}
+    assert alerts == tested, f"alerts without a test: {sorted(alerts - tested)}"
