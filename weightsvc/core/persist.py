@@ -255,7 +255,7 @@ class VersionFiles:
         except BaseException:
             file.close()
             raise
-        return Version(manifest, bytes(file.mapping[: file.data_start]), data, file=file)
+        return Version(manifest, prefix, data, file=file)
 
 
 def _open(path: Path) -> VersionFile:

@@ -84,7 +84,7 @@ class PushCommit:
     pass
 
 
-PushMessage = PushHeader | PushChunk | list[PushChunk] | PushCommit  # a list: the tensors of one packed message
+PushMessage = PushHeader | list[PushChunk] | PushCommit  # chunks: the tensors of one wire message
 
 
 class Push:
@@ -166,9 +166,7 @@ class Push:
                     turn = time.monotonic() + FAIR_TURN_S
                 if self.failure is not None:  # another rank failed: this one stops at its next message
                     raise self.failure
-                if isinstance(msg, PushChunk):
-                    await session.add_chunks(rank, (msg,))
-                elif isinstance(msg, list):
+                if isinstance(msg, list):
                     await session.add_chunks(rank, msg)
                 elif isinstance(msg, PushCommit):
                     session.check_rank_complete(rank)

@@ -89,6 +89,14 @@ def _not_above(model: str, version: int, latest: int) -> FailedPrecondition:
     )
 
 
+def _retain(versions: dict[int, Any], retain: int) -> tuple[int, ...]:
+    """Drop all but the newest `retain` versions; the ones dropped, oldest first."""
+    evicted = tuple(sorted(versions)[: max(0, len(versions) - retain)])
+    for v in evicted:
+        del versions[v]
+    return evicted
+
+
 class MemoryRegistry:
     """The registry of one process."""
 
@@ -104,9 +112,7 @@ class MemoryRegistry:
         if not check_commit(model, version, digest, vs[version][0] if version in vs else None, max(vs, default=None)):
             return CommitResult(created=False)
         vs[version] = (digest, manifest)
-        evicted = tuple(sorted(vs)[: max(0, len(vs) - retain)])
-        for v in evicted:
-            del vs[v]
+        evicted = _retain(vs, retain)
         async with self._changed:
             self._changed.notify_all()
         return CommitResult(created=True, evicted=evicted)
@@ -122,9 +128,7 @@ class MemoryRegistry:
                 raise _conflict(model, version, vs[version][0], digest)
             return True
         vs[version] = (digest, manifest)
-        for v in sorted(vs)[: max(0, len(vs) - retain)]:
-            del vs[v]
-        return version in vs
+        return version not in _retain(vs, retain)
 
     async def commit_part(
         self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
@@ -208,6 +212,21 @@ class MemoryRegistry:
 # Every script's KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set),
 # and for parts: the pending parts of the version (hash). `finish` applies the commit rules.
 _FINISH = """
+-- Drop all but the newest `retain` versions; the ones dropped, oldest first.
+local function retain_newest(retain)
+  local dropped = {}
+  local extra = redis.call('ZCARD', KEYS[1]) - tonumber(retain)
+  if extra > 0 then
+    dropped = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
+    for _, o in ipairs(dropped) do
+      redis.call('ZREM', KEYS[1], o)
+      redis.call('HDEL', KEYS[2], o)
+      redis.call('HDEL', KEYS[3], o)
+    end
+  end
+  return dropped
+end
+
 local function finish(model, v, digest, manifest, retain, kept)
   local existing = redis.call('HGET', KEYS[3], v)
   if existing then
@@ -222,15 +241,8 @@ local function finish(model, v, digest, manifest, retain, kept)
   redis.call('SADD', KEYS[5], model)
   redis.call('XADD', KEYS[4], 'MAXLEN', '~', kept, '*', 'version', v)
   local result = {'created'}
-  local extra = redis.call('ZCARD', KEYS[1]) - tonumber(retain)
-  if extra > 0 then
-    local old = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
-    for _, o in ipairs(old) do
-      redis.call('ZREM', KEYS[1], o)
-      redis.call('HDEL', KEYS[2], o)
-      redis.call('HDEL', KEYS[3], o)
-      table.insert(result, o)
-    end
+  for _, o in ipairs(retain_newest(retain)) do
+    table.insert(result, o)
   end
   return result
 end
@@ -239,7 +251,7 @@ end
 _COMMIT = _FINISH + "return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])"
 # ARGV: model, version, digest, manifest, retain. A version a server holds and the registry lost: added
 # below the latest too, without an event; retention applies.
-_RESTORE = """
+_RESTORE = _FINISH + """
 local v, digest = ARGV[2], ARGV[3]
 local existing = redis.call('HGET', KEYS[3], v)
 if existing then
@@ -250,14 +262,8 @@ redis.call('ZADD', KEYS[1], tonumber(v), v)
 redis.call('HSET', KEYS[2], v, ARGV[4])
 redis.call('HSET', KEYS[3], v, digest)
 redis.call('SADD', KEYS[5], ARGV[1])
-local extra = redis.call('ZCARD', KEYS[1]) - tonumber(ARGV[5])
-if extra > 0 then
-  for _, o in ipairs(redis.call('ZRANGE', KEYS[1], 0, extra - 1)) do
-    redis.call('ZREM', KEYS[1], o)
-    redis.call('HDEL', KEYS[2], o)
-    redis.call('HDEL', KEYS[3], o)
-    if o == v then return {'evicted'} end
-  end
+for _, o in ipairs(retain_newest(ARGV[5])) do
+  if o == v then return {'evicted'} end
 end
 return {'held'}
 """

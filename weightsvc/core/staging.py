@@ -280,13 +280,13 @@ class PushSession:
     def _run_all(self, jobs: list[tuple[Callable[..., None], _StagedTensor, int, bytes | memoryview]]) -> None:
         """Worker thread: a batch of jobs, in order. Its small bf16 chunks (rtn or sr) are exported
         first, in one kernel call: one call each would cost more than their export."""
-        runs: list[int] = []
-        if self.spec.format == "bf16" and self.spec.rounding != "ef":
-            runs = [i for i, (job, t, _, data) in enumerate(jobs)
-                    if job == self._export_chunk and t.fmt.name == "bf16" and len(data) < BATCH_BYTES]  # fmt: skip
-        if len(runs) > 1:
-            self._export_runs([jobs[i][1:] for i in runs])
-        fused = set(runs) if len(runs) > 1 else set()
+        small: list[int] = []
+        if self.spec.format == "bf16" and self.spec.rounding != "ef":  # (every tensor bf16, no residual)
+            small = [i for i, (job, _, _, data) in enumerate(jobs)
+                     if job == self._export_chunk and len(data) < BATCH_BYTES]  # fmt: skip
+        fused = set(small) if len(small) > 1 else set()
+        if fused:
+            self._export_runs([jobs[i][1:] for i in small])
         for i, (job, t, offset, data) in enumerate(jobs):
             if i not in fused:
                 job(t, offset, data)
@@ -315,7 +315,6 @@ class PushSession:
         sample = (master[starts[run_of] + within], rounding.decode(codes, rounding.FORMATS["bf16"]),
                   codes.astype(np.uint32))  # fmt: skip
         bounds = np.cumsum(taken).tolist()
-        data_view = self.data
         for j, (t, offset, data) in enumerate(runs):
             t.master_digest.update(offset, data)
             t.nonfinite += stats[j].nonfinite
@@ -325,7 +324,7 @@ class PushSession:
                 t.samples[int(firsts[j])] = (sample[0][a:b], sample[1][a:b], sample[2][a:b])
             t.exported += len(data)
             if t.exported == t.nbytes:
-                t.checksums[t.slot.name] = checksum(data_view[t.slot.offset : t.slot.offset + t.slot.nbytes])
+                t.checksums[t.slot.name] = checksum(self.data[t.slot.offset : t.slot.offset + t.slot.nbytes])
         self.export_seconds += time.perf_counter() - start
 
     def _export_chunk(self, t: _StagedTensor, byte_offset: int, data: bytes | memoryview) -> None:

@@ -292,7 +292,7 @@ def export_runs(
         raise ValueError("export_runs: master must be float32, with one start per run and one more")
     keys = np.array([spec.key(version, name) for name in names], np.uint32).reshape(-1, 2)
     counts = np.zeros((len(names), 2), np.int64)
-    _cpu.bf16_export_runs(master.view(np.uint32), served, starts.astype(np.int64), outs.astype(np.int64),
+    _cpu.bf16_export_runs(master.view(np.uint32), served, np.asarray(starts, np.int64), np.asarray(outs, np.int64),
                           np.array(offsets, np.uint64), keys[:, 0].copy(), keys[:, 1].copy(),
                           spec.stochastic, counts)  # fmt: skip
     return [ExportStats(int(nf), int(sat)) for nf, sat in counts.tolist()]
