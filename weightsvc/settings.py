@@ -137,6 +137,9 @@ class Settings(BaseSettings):
     )
     redis_prefix: str = Field("weightsvc", description="Key prefix in Redis (deployments sharing it keep apart).")
     replica_id: str = Field("", description="This replica's stable name, e.g. a pod name (default HOST-GRPCPORT).")
+    replication: int = Field(
+        2, ge=1, le=8, description="Replicas that hold each tensor (capped by their number): one may go down at a time."
+    )
     advertise_host: str = Field(
         "", description="The host clients reach this replica by (default: --host, or the hostname on 0.0.0.0)."
     )

@@ -20,7 +20,7 @@ from tests.conftest import REDIS_URL, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
 from weightsvc.core.topology import Replica
-from weightsvc.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
+from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
 from weightsvc.server.server import BackgroundServer
 
 
@@ -275,14 +275,20 @@ async def test_a_version_of_parts_commits_when_the_last_owner_has_its_part_in(re
     assert not await registry.withdraw_part("m", 7, "r0")  # too late: it committed
 
 
-async def test_parts_withdrawn_leave_nothing_and_owners_must_agree(registry: Registry) -> None:
+async def test_parts_withdrawn_leave_nothing_and_owner_sets_gather_apart(registry: Registry) -> None:
     assert await registry.commit_part("m", 3, "r0", ["r0", "r1"], "d0", "{}", retain=4) is None
-    with pytest.raises(InvalidArgument, match=r"replica 'r1' declares the owners \['r1', 'r2'\], the parts already "
-                                              r"in declare \['r0', 'r1'\]"):  # fmt: skip
-        await registry.commit_part("m", 3, "r1", ["r1", "r2"], "d1", "{}", retain=4)
-    assert await registry.withdraw_part("m", 3, "r0")  # r1 never came: r0 takes its part back
+    # A part declaring other owners (a push made again without a replica that went down) gathers
+    # with the parts of those owners only: r0's part above does not complete it.
+    assert await registry.commit_part("m", 3, "r1", ["r1", "r2"], "d1", "{}", retain=4) is None
+    assert await registry.withdraw_part("m", 3, "r0", ["r0", "r1"])  # r1 never came: r0 takes its part back
     # A new attempt starts from nothing: r0's old part does not complete it.
     assert await registry.commit_part("m", 3, "r1", ["r0", "r1"], "d1", "{}", retain=4) is None
+    assert await registry.versions("m") == []
+    # The owners of a group of tensors must hold the same bytes of it, or nothing commits.
+    assert await registry.withdraw_part("m", 3, "r1", ["r1", "r2"])
+    assert await registry.commit_part("m", 3, "r2", ["r1", "r2"], "d2", "{}", retain=4, groups={"r1,r2": "x"}) is None
+    with pytest.raises(DataLoss, match=r"the owners \['r1', 'r2'\] of a group of tensors exported different bytes"):
+        await registry.commit_part("m", 3, "r1", ["r1", "r2"], "d1", "{}", retain=4, groups={"r1,r2": "y"})
     assert await registry.versions("m") == []
     with pytest.raises(FailedPrecondition, match="step 2 is not above the latest version 5"):
         await registry.commit("m", 5, "d5", manifest(5), retain=4)

@@ -28,7 +28,7 @@ PANELS = {
                "push_min_bytes_per_s", "client_forget_s",
                "pull_stall_timeout_s", "push_rank_timeout_s"),
     "Auth and TLS": ("auth_file", "auth_open_paths", "tls_cert", "tls_key"),
-    "Scale-out": ("redis_url", "redis_prefix", "replica_id", "advertise_host", "relay_from"),
+    "Scale-out": ("redis_url", "redis_prefix", "replica_id", "replication", "advertise_host", "relay_from"),
 }  # fmt: skip
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 

@@ -31,7 +31,7 @@ from weightsvc.core.manifest import (
     verify,
 )
 from weightsvc.core.memory import alloc
-from weightsvc.core.selection import Select, by_owner, joined
+from weightsvc.core.selection import Select, by_part, joined
 from weightsvc.core.topology import Replica
 from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
 from weightsvc.transport.wire import lag_from_proto
@@ -294,9 +294,25 @@ class InferenceClient:
         with `select`, the selection's manifest and data section, from the replica `owner` if given."""
         raise NotImplementedError
 
-    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
-        """One try at the bytes `rx` still wants of `part`, from the part's owner."""
+    def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
+        """One try at the bytes `rx` still wants of a part, from the replica `source` that holds it."""
         raise NotImplementedError
+
+    def _from_holders(self, part: Part, attempt: Callable[[str], T], where: str) -> T:
+        """`attempt(replica)` on the replicas that hold `part`, one after the other while they cannot
+        answer (down, or yet to learn of the version); each is tried with the retry policy. Parts
+        start on different holders, so a fleet's pulls spread over them."""
+        sources = part.sources
+        first = part.offset % len(sources) if len(sources) > 1 else 0
+        failures: list[str] = []
+        for source in sources[first:] + sources[:first]:
+            try:
+                # NOT_FOUND too: a holder learns that the version committed a moment after the replica
+                # that took the last part (it reads the registry's events).
+                return self.retry.run(lambda s=source: attempt(s), also=(NotFound,))  # type: ignore[misc]
+            except (Unavailable, NotFound) as e:
+                failures.append(f"{source}: {e.message}")
+        raise Unavailable(f"{where}: no replica that holds it answered ({'; '.join(failures)})")
 
     def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
         """One watch stream: the versions above `after` (all when None), then each new one."""
@@ -437,16 +453,16 @@ class InferenceClient:
             whole = self.manifest(model, version)
             if not whole.parts:
                 raise
-            groups = by_owner(whole, select)
-            got: dict[str, tuple[Manifest, memoryview]] = {}
+            groups = by_part(whole, select)
+            got: dict[Part, tuple[Manifest, memoryview]] = {}
 
-            def pull(owner: str, group: Select) -> None:
-                # NOT_FOUND too: an owner learns of a commit a moment after the replica that made it.
-                got[owner] = self.retry.run(lambda: self._pull(model, str(whole.version), None, moved, select=group,
-                                                               owner=owner), also=(NotFound,))  # fmt: skip
+            def pull(part: Part, group: Select) -> None:
+                where = f"model {model!r} version {whole.version}, tensors of replicas {list(part.sources)}"
+                got[part] = self._from_holders(part, lambda source: self._pull(
+                    model, str(whole.version), None, moved, select=group, owner=source), where)  # fmt: skip
 
-            gather([lambda o=o, g=g: pull(o, g) for o, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
-            manifest, data = joined([got[o] for o in sorted(groups)])
+            gather([lambda p=p, g=g: pull(p, g) for p, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
+            manifest, data = joined([got[p] for p in sorted(groups, key=lambda p: p.offset)])
         sent = {t.name: t.slice for t in manifest.tensors}
         if sent != dict(select):
             raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
@@ -484,10 +500,9 @@ class InferenceClient:
 
         def pull(part: Part) -> None:
             end = part.offset + part.nbytes
-            rx = Receiver(data, max(part.offset, received), end, moved, f"{where}, part of replica {part.owner!r}")
-            # NOT_FOUND too: an owner learns that the version committed a moment after the replica
-            # that took the last part (it reads the registry's events).
-            self.retry.run(lambda: self._pull_part(manifest, part, rx), also=(NotFound,))
+            rx = Receiver(data, max(part.offset, received), end, moved,
+                          f"{where}, part [{part.offset}, {end}) of replicas {list(part.sources)}")  # fmt: skip
+            self._from_holders(part, lambda source: self._pull_part(manifest, source, rx), rx.where)
             if not rx.full:
                 raise DataLoss(f"{rx.where}: got bytes up to {rx.pos} of its part [{part.offset}, {end})")
 

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -20,8 +21,9 @@ from weightsvc.client._common import (
     VersionInfo,
     _is_http,
 )
-from weightsvc.core.manifest import Manifest, Part
+from weightsvc.core.manifest import Manifest
 from weightsvc.core.memory import alloc
+from weightsvc.core.registry import REPLICA_TTL_S
 from weightsvc.core.selection import Select
 from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
@@ -31,6 +33,7 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+PROBE_TIMEOUT_S = 1.0  # a replica left out of pushes that answers within this is back
 # What gRPC reports when the port speaks HTTP/1.1 (the service's HTTP port, a web proxy).
 _HTTP_PEER = ("Expected SETTINGS frame", "Trying to connect an http1.x server")
 
@@ -128,14 +131,52 @@ class Replicas:
         self._target, self._credentials, self._timeout = target, credentials, timeout
         self._known: dict[str, Replica] = {}
         self._lock = threading.Lock()
+        self.replication = 1  # how many replicas hold each tensor, as the deployment says
+        self.left_out: dict[str, float] = {}  # replicas a push could not reach -> until when to leave them out
 
     def topology(self) -> list[Replica]:
-        with errors_of(self._target):
-            reply = self._stub.GetTopology(pb.GetTopologyRequest(), timeout=self._timeout)
+        reply = self.ask(lambda stub: stub.GetTopology(pb.GetTopologyRequest(), timeout=self._timeout))
         replicas = [Replica(r.id, r.grpc, r.http) for r in reply.replicas]
         with self._lock:
             self._known = {r.id: r for r in replicas}
+            self.replication = max(1, reply.replication)
         return replicas
+
+    def live(self) -> list[Replica]:
+        """The replicas a push goes to: the topology, less those left out lately that still do not answer."""
+        now = time.monotonic()
+        self.left_out = {r: until for r, until in self.left_out.items() if until > now}
+        replicas = self.topology()
+        for r in replicas:
+            if r.id in self.left_out and self._answers(r):
+                del self.left_out[r.id]  # back already
+        return [r for r in replicas if r.id not in self.left_out]
+
+    def _answers(self, replica: Replica) -> bool:
+        stub = pb_grpc.WeightServiceStub(self.channel(replica.id, "probing a replica"))
+        try:
+            with errors_of(replica.grpc):
+                stub.GetTopology(pb.GetTopologyRequest(), timeout=PROBE_TIMEOUT_S)
+            return True
+        except WeightsvcError:
+            return False
+
+    def leave_out(self, replica_id: str) -> None:
+        """Leave a replica that could not be reached out of pushes until the registry forgets it (it
+        stays in the topology that long after it went down)."""
+        self.left_out[replica_id] = time.monotonic() + REPLICA_TTL_S
+
+    def ask(self, call: Callable[[pb_grpc.WeightServiceStub], T]) -> T:
+        """`call` on the first replica, or, if it cannot be reached, on each other known one in turn."""
+        try:
+            with errors_of(self._target):
+                return call(self._stub)
+        except Unavailable:
+            others = [r for r in self._known.values() if r.grpc != self._target]
+            for r in others:
+                with contextlib.suppress(Unavailable), errors_of(r.grpc):
+                    return call(pb_grpc.WeightServiceStub(self.channel(r.id, "asking the deployment")))
+            raise
 
     def channel(self, replica_id: str, what: str) -> grpc.Channel:
         """A channel to the replica `replica_id` (asked for again once, if it is not known yet)."""
@@ -257,8 +298,8 @@ class GrpcInferenceClient(InferenceClient):
         data = rx.data if rx else alloc(0)
         return (manifest, self._patched(manifest, held, data)) if delta and held else (manifest, data)
 
-    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
-        pull = _pull_method(self._replicas.channel(part.owner, rx.where))
+    def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
+        pull = _pull_method(self._replicas.channel(source, rx.where))
         request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
         with errors_of(self.target):
             stream = pull(request, timeout=self.timeout)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
-from weightsvc.core.manifest import MAX_HEADER_BYTES, Manifest, Part, manifest_from_header, read_safetensors_header
+from weightsvc.core.manifest import MAX_HEADER_BYTES, Manifest, manifest_from_header, read_safetensors_header
 from weightsvc.core.memory import alloc
 from weightsvc.core.selection import Select, selector
 from weightsvc.core.topology import Replica
@@ -251,13 +251,13 @@ class HttpInferenceClient(InferenceClient):
             raise Unavailable(f"{where}: replica {owner!r} is not in the topology (it is down or has left)")
         return self._owners[owner]
 
-    def _pull_part(self, manifest: Manifest, part: Part, rx: Receiver) -> None:
+    def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
         head, etag = self._head_of(manifest)
         with self._open(
             "GET",
             f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/safetensors",
             headers={"Range": f"bytes={head + rx.pos}-{head + rx.end - 1}", "If-Range": etag},
-            base=self._owner_url(part.owner, rx.where),
+            base=self._owner_url(source, rx.where),
         ) as resp:
             if resp.status != 206:
                 raise DataLoss(f"{rx.where}: the replica did not answer with its part")

@@ -18,7 +18,8 @@ import numpy as np
 from weightsvc.client._common import Credentials, InferenceClient, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.core.manifest import MASTER_DTYPE
-from weightsvc.core.topology import assign, owner
+from weightsvc.core.topology import Replica, groups
+from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.transport.names import PUSH
 from weightsvc.transport.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -45,6 +46,17 @@ class Shard:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+
+
+Stream = tuple[str, grpc.Channel, pb.PushHeader, dict[str, "Array | Shard"]]  # replica id ("": the target), ...
+
+
+class _ReplicaDown(Exception):
+    """A push stream failed because its replica could not be reached."""
+
+    def __init__(self, replica: str, error: WeightsvcError) -> None:
+        super().__init__(replica)
+        self.replica, self.error = replica, error
 
 
 def _is_torch(value: object) -> bool:
@@ -198,8 +210,11 @@ class LearnerClient:
         runs, for computing the loss on them (with `ef` and fp8 that includes the server's residual).
 
         When the deployment has several replicas (sharded, sharing a Redis registry), each tensor goes
-        to the replica that owns it by rendezvous hashing of its name, all replicas at once; the
-        version commits when every replica has its part, and nothing is visible if one fails.
+        to the replicas that own it by rendezvous hashing of its name (as many as the deployment's
+        replication), all replicas at once; the version commits when every replica has its part, and
+        nothing is visible if one fails. A replica that cannot be reached (down, or killed during the
+        push) is left out and the push is made again to the others, which still hold every tensor
+        while fewer replicas than the replication are down.
 
         Tied weights travel once: tensors that share memory, and the names `tied` declares tied
         (alias -> tensor, e.g. `{"lm_head.weight": "model.embed_tokens.weight"}`), are pushed as one
@@ -211,22 +226,29 @@ class LearnerClient:
             aliases = {a: t for a, t in aliases.items() if t in parts}
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
                                world_size=world_size)  # fmt: skip
-        replicas = self._replicas.topology()
-        if len(replicas) <= 1:
-            header.aliases.update(aliases)
-            streams = [(self._channel, header, dict(parts))]
-        else:
-            owned = assign(parts, replicas)
-            header.owners.extend(r.id for r in replicas)
-            where = f"model {model!r} step {step}"
-            streams = []
-            for r in replicas:
-                mine = {n: parts[n] for n in owned.get(r.id, [])}
-                own = pb.PushHeader()
-                own.CopyFrom(header)
-                own.aliases.update({a: t for a, t in aliases.items() if owner(t, replicas).id == r.id})  # its tensor's
-                streams.append((self._replicas.channel(r.id, where), own, mine))
-        resp = self._push_streams(streams, specs, progress)
+        where = f"model {model!r} step {step}"
+        while True:
+            replicas = self._replicas.live()
+            if not replicas and self._replicas.left_out:
+                raise Unavailable(f"{where}: no replica of the deployment can be reached (left out: "
+                                  f"{sorted(self._replicas.left_out)})")  # fmt: skip
+            if len(replicas) <= 1 and not self._replicas.left_out:
+                header.aliases.update(aliases)
+                streams: list[Stream] = [("", self._channel, header, dict(parts))]
+            else:
+                streams = self._sharded(header, parts, aliases, replicas, where)
+            try:
+                resp = self._push_streams(streams, specs, progress)
+                break
+            except _ReplicaDown as down:
+                # Committed all the same (the replica went down after the last part was in)?
+                committed = self._committed(model, step, [s[0] for s in streams])
+                if committed is not None:
+                    resp = committed
+                    break
+                self._replicas.leave_out(down.replica)
+                if len(replicas) <= 1:
+                    raise down.error from None
         info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:
             credentials = self.credentials
@@ -235,26 +257,61 @@ class LearnerClient:
                 info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
         return info
 
-    def _push_streams(
-        self, streams: list[tuple[grpc.Channel, pb.PushHeader, dict[str, Array | Shard]]],
-        specs: dict[str, pb.TensorSpec], progress: Progress | None,
-    ) -> pb.PushResponse:  # fmt: skip
-        """Run push streams at once (one per replica); the first to fail cancels the others."""
+    def _sharded(self, header: pb.PushHeader, parts: dict[str, Array | Shard], aliases: dict[str, str],
+                 replicas: list[Replica], where: str) -> list[Stream]:  # fmt: skip
+        """One stream per replica, each with the tensors it owns (and the aliases of those)."""
+        replication = min(self._replicas.replication, len(replicas))
+        of = groups([*parts, *aliases.values()], [r.id for r in replicas], replication)
+        header.ClearField("owners")
+        header.owners.extend(r.id for r in replicas)
+        header.replication = replication
+        streams: list[Stream] = []
+        for r in replicas:
+            mine = {n: v for n, v in parts.items() if r.id in of[n]}
+            own = pb.PushHeader()
+            own.CopyFrom(header)
+            own.aliases.update({a: t for a, t in aliases.items() if r.id in of[t]})  # (whichever rank holds t)
+            streams.append((r.id, self._replicas.channel(r.id, where), own, mine))
+        return streams
+
+    def _committed(self, model: str, step: int, owners: list[str]) -> pb.PushResponse | None:
+        """The version `step` if a push to `owners` committed it, asked of any replica that answers."""
+        try:
+            m = self._replicas.ask(lambda stub: stub.GetManifest(pb.GetManifestRequest(model=model, version=str(step)),
+                                                                 timeout=self.timeout))  # fmt: skip
+        except WeightsvcError:
+            return None
+        if not m.parts or not {h for p in m.parts for h in (p.holders or [p.owner])} <= set(owners):
+            return None
+        info = pb.VersionInfo(model=model, version=step, format=m.format, rounding=m.rounding, lag=m.lag,
+                              committed_unix=m.committed_unix, tensor_count=m.tensor_count, data_bytes=m.data_bytes)
+        return pb.PushResponse(version=info, created=True)
+
+    def _push_streams(self, streams: list[Stream], specs: dict[str, pb.TensorSpec],
+                      progress: Progress | None) -> pb.PushResponse:  # fmt: skip
+        """Run push streams at once (one per replica); the first to fail cancels the others. A replica
+        that cannot be reached raises `_ReplicaDown`."""
         senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
         done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
         calls = []
+        replica_of = {}
         try:
-            for ch, header, parts in streams:
+            for replica, ch, header, parts in streams:
                 # Chunks are pre-encoded by `transport.wire` (one copy); header and commit are plain messages.
                 push = ch.stream_unary(PUSH, request_serializer=encode_message,
                                        response_deserializer=pb.PushResponse.FromString)  # fmt: skip
                 call = push.future(self._messages(header, parts, specs, progress, senders), timeout=self.timeout)
                 call.add_done_callback(done.put)
                 calls.append(call)
+                replica_of[id(call)] = replica
             for _ in calls:
                 call = done.get()
-                if call.exception() is not None:
-                    raise error(call.exception(), self.target) from None
+                failure = call.exception()
+                if failure is not None:
+                    err = error(failure, self.target)
+                    if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE:
+                        raise _ReplicaDown(replica_of[id(call)], err) from None
+                    raise err from None
             return calls[0].result()
         finally:
             if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 
 from weightsvc._faults import crash_point
 from weightsvc.core.acks import Acks
@@ -22,13 +23,16 @@ from weightsvc.core.lag import LagTracker, Sample
 from weightsvc.core.manifest import Manifest, check_header_size
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
-from weightsvc.core.registry import CommitResult, Registry, check_commit
+from weightsvc.core.registry import CommitResult, Registry, check_commit, manifest_from_registry
+from weightsvc.core.selection import part_of
+from weightsvc.core.topology import Group
 from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
 
 log = logging.getLogger("weightsvc.store")
+FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
 
 
 class Committer:
@@ -63,14 +67,27 @@ class Committer:
                 reason="step_not_above_latest",
             )
 
-    def residual(self, model: str, format: str, scaling: str) -> Residual:
+    def residual(self, model: str, format: str, scaling: str, groups: Mapping[str, Group] | None = None) -> Residual:
         """The EF residual an `ef` push of `model` continues from: the one of the latest committed
-        version if that version was an `ef` export to the same format, else a fresh (zero) one."""
+        version if that version was an `ef` export to the same format, else a fresh (zero) one.
+
+        Sharded (`groups`: each pushed tensor's owners): a tensor's residual goes on only if the
+        latest version's holders of it are its owners now; else it starts afresh. Every owner of a
+        tensor decides the same from the same manifest, so the owners' residuals stay equal, also
+        when a replica was left out of a version or the replicas changed."""
         r = self._residuals.get(model)
         latest = self._index.latest(model)
-        if r is not None and latest is not None and r.version == latest and (r.format, r.scaling) == (format, scaling):
+        if r is None or latest is None or r.version != latest or (r.format, r.scaling) != (format, scaling):
+            return Residual(format=format, scaling=scaling)
+        if groups is None:
             return r
-        return Residual(format=format, scaling=scaling)
+        held = self._index.find(model, latest)
+        if held is None or not held.manifest.parts:
+            return Residual(format=format, scaling=scaling)
+        m = held.manifest
+        holders = {t.name: part_of(m, t).sources for t in m.tensors}
+        kept = {n: a for n, a in r.tensors.items() if n in groups and holders.get(n) == groups[n]}
+        return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
     async def commit(
         self,
@@ -191,6 +208,53 @@ class Committer:
     async def _register(self, m: Manifest, text: str | None = None) -> CommitResult:
         raw = text if text is not None else await asyncio.to_thread(m.json)
         return await self._registry.commit(m.model, m.version, m.master_digest, raw, self._index.retain)
+
+    async def follow(self) -> None:
+        """Sharded replicas: show every version the registry commits, also one this replica holds no
+        part of (it was down, or left out of the push): it serves its manifest, and clients fetch
+        the bytes from the replicas that hold them. A replica that returns thus catches up at once."""
+        following: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                try:
+                    for model in await self._registry.models():
+                        if model not in following or following[model].done():
+                            following[model] = asyncio.create_task(self._follow(model), name=f"follow-{model}")
+                except Unavailable:
+                    pass  # the registry is away: the models it knows are followed once it is back
+                await asyncio.sleep(FOLLOW_MODELS_S)  # (no event announces a new model)
+        finally:
+            for task in following.values():
+                task.cancel()
+
+    async def _follow(self, model: str) -> None:
+        while True:
+            try:
+                async for v in self._registry.events(model, -1):
+                    if self._index.find(model, v) is None:
+                        await self._learn(model, v)
+            except Unavailable:
+                await asyncio.sleep(1.0)
+
+    async def _learn(self, model: str, v: int) -> None:
+        """Show version `v`, which the registry committed, if this replica holds no part of it."""
+        raw = await self._registry.manifest(model, v)
+        if raw is None:
+            return
+        whole = await asyncio.to_thread(manifest_from_registry, raw, f"model {model!r} version {v}")
+        if not whole.parts or self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
+            return  # this replica holds a part: its own commit (or restore) shows the version
+        header = await asyncio.to_thread(whole.safetensors_header)
+        nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())
+        version = Version(whole, header, memoryview(b""), part=nothing)
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            if self._index.find(model, v) is not None or v < min(await self._registry.versions(model), default=v):
+                return
+            self._index.add(version)
+            self._acks.committed(model, v, whole.committed_unix)
+        log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
+                 model, v)  # fmt: skip
+        await self._index.announce()
 
     def _kept_residual(self, model: str) -> int | None:
         """The version whose residual file is the model's current ef state (the others go)."""

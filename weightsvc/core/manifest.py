@@ -14,7 +14,7 @@ import math
 import re
 import struct
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -208,10 +208,40 @@ class ServedTensor:
 
 @dataclass(frozen=True)
 class Part:
-    """The bytes [offset, offset + nbytes) of a version's data section that one replica holds."""
+    """The bytes [offset, offset + nbytes) of a version's data section that one replica holds.
+
+    With replication, a part is a group of tensors and `holders` are the replicas that hold it (any
+    of them serves it; `owner` is the first); in a replica's own file, `offset` is where the group
+    starts in that file and `tensors` how many of the file's tensors (in order) it holds."""
 
     owner: str
     offset: int
+    nbytes: int
+    holders: tuple[str, ...] = ()
+    tensors: int = 0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The replicas that serve this part."""
+        return self.holders or (self.owner,)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"owner": self.owner, "offset": self.offset, "nbytes": self.nbytes}
+        if self.holders:  # (so a version without replication reads as it did before it)
+            d |= {"holders": list(self.holders), "tensors": self.tensors}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Part:
+        return cls(d["owner"], d["offset"], d["nbytes"], tuple(d.get("holders", ())), d.get("tensors", 0))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes [start, start + nbytes) of a version's data section, held at `local` in a replica's data."""
+
+    start: int
+    local: int
     nbytes: int
 
 
@@ -233,6 +263,8 @@ class Manifest:
     parts: tuple[Part, ...] = ()
     # Tied weights: (alias, tensor) pairs, sorted; the alias serves the tensor's bytes under its name.
     aliases: tuple[tuple[str, str], ...] = ()
+    # A replica's own part: the owners of the push it is part of (its parts gather under them).
+    owners: tuple[str, ...] = ()
 
     def to_dict(self, tensors: bool = True) -> dict[str, Any]:
         """JSON form; `tensors=False` leaves their list empty."""
@@ -240,18 +272,21 @@ class Manifest:
              "seed": self.seed, "committed_unix": self.committed_unix, "data_bytes": self.data_bytes,
              "master_digest": self.master_digest, "tensors": [t.to_dict() for t in self.tensors] if tensors else [],
              "scaling": self.scaling, "lag": None if self.lag is None else self.lag.to_dict(),
-             "parts": [{"owner": p.owner, "offset": p.offset, "nbytes": p.nbytes} for p in self.parts]}  # fmt: skip
+             "parts": [p.to_dict() for p in self.parts]}  # fmt: skip
         if self.aliases:  # (so the header of a version without ties is what it was before them)
             d["aliases"] = dict(self.aliases)
+        if self.owners:
+            d["owners"] = list(self.owners)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Manifest:
         tensors = tuple(ServedTensor.from_dict(t) for t in d["tensors"])
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
-        parts = tuple(Part(**p) for p in d.get("parts", ()))
+        parts = tuple(Part.from_dict(p) for p in d.get("parts", ()))
         aliases = tuple(sorted(d.get("aliases", {}).items()))
-        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts, "aliases": aliases})
+        owners = tuple(d.get("owners", ()))
+        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts, "aliases": aliases, "owners": owners})
 
     def with_aliases(self, tensors: dict[str, T]) -> dict[str, T]:
         """`tensors` (by served name) with each alias added, as the very same object as its tensor."""
@@ -368,11 +403,10 @@ def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
     tensors: list[ServedTensor] = []
     placed: list[Part] = []
     offset = 0
-    for owner in owners:
-        m = parts[owner]
-        placed.append(Part(owner, offset, m.data_bytes))
-        tensors += [replace(t, offset=t.offset + offset) for t in m.tensors]
-        offset += m.data_bytes
+    for owner, m, group, held in _groups(parts):
+        placed.append(Part(owner, offset, group.nbytes if group else m.data_bytes, group.holders if group else ()))
+        tensors += [replace(t, offset=t.offset - (group.offset if group else 0) + offset) for t in held]
+        offset += placed[-1].nbytes
     return Manifest(
         model=first.model,
         version=first.version,
@@ -388,6 +422,25 @@ def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
         parts=tuple(placed),
         aliases=tuple(sorted({a for m in parts.values() for a in m.aliases})),
     )
+
+
+def _groups(parts: Mapping[str, Manifest]) -> Iterator[tuple[str, Manifest, Part | None, Sequence[ServedTensor]]]:
+    """What a version made of parts holds, in order: each owner's part (without replication), or each
+    group of tensors (with it: sorted by holders, taken from the first one), with its tensors."""
+    owners = sorted(parts)
+    if not any(p.holders for o in owners for p in parts[o].parts):
+        for o in owners:
+            yield o, parts[o], None, parts[o].tensors
+        return
+    first: dict[tuple[str, ...], tuple[str, Part, Sequence[ServedTensor]]] = {}
+    for o in owners:
+        m, at = parts[o], 0
+        for group in m.parts:
+            first.setdefault(group.holders, (o, group, m.tensors[at : at + group.tensors]))
+            at += group.tensors
+    for holders in sorted(first):
+        o, group, held = first[holders]
+        yield o, parts[o], group, held
 
 
 def layout(tensors: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[ServedTensor], int]:

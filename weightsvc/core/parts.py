@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from weightsvc.core.manifest import Part
+from weightsvc.core.manifest import Manifest, Part, Segment
 from weightsvc.core.registry import CommitResult, Registry, manifest_from_registry
 from weightsvc.core.versions import Version
 from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
@@ -54,9 +55,11 @@ class Parts:
             )
 
     def own(self, version: Version) -> Version:
-        """`version` as this replica's file holds it: the part alone, marked as this replica's."""
+        """`version` as this replica's file holds it: the part alone, marked as this replica's (with
+        replication, its groups of tensors are marked already)."""
         m = version.manifest
-        m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
+        if not m.parts:
+            m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
         return dataclasses.replace(version, manifest=m, header=b"")  # its header is made at commit
 
     async def commit(self, part: Version, part_of: PartOf, text: str | None = None) -> tuple[CommitResult, Version]:
@@ -80,14 +83,15 @@ class Parts:
                     m.master_digest,
                     mine,
                     self._retain,
+                    group_digests(m),
                 )
             except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it
-                if await self._withdraw(m.model, m.version):
+                if await self._withdraw(m.model, m.version, part_of.owners):
                     raise e from None
                 decided = CommitResult(created=True)
             if decided is None:
                 arrived = await self._other_parts(m.model, m.version, part_of)
-                if not arrived and await self._withdraw(m.model, m.version):
+                if not arrived and await self._withdraw(m.model, m.version, part_of.owners):
                     if part_of.abandoned.is_set():
                         raise Aborted(
                             f"{where}: the learner abandoned the push (another owner's part failed); this "
@@ -117,7 +121,7 @@ class Parts:
         not committed, it could still complete) and None."""
         m = part.manifest
         whole = await self._whole_of(part)
-        if whole is None and not await self._registry.withdraw_part(m.model, m.version, m.parts[0].owner):
+        if whole is None and not await self._registry.withdraw_part(m.model, m.version, m.parts[0].owner, m.owners):
             whole = await self._whole_of(part)  # the last part came in meanwhile
         return whole
 
@@ -125,9 +129,9 @@ class Parts:
         raw = await self._registry.manifest(part.manifest.model, part.manifest.version)
         return None if raw is None else _served(part, raw)
 
-    async def _withdraw(self, model: str, version: int) -> bool:
+    async def _withdraw(self, model: str, version: int, owners: tuple[str, ...]) -> bool:
         """Take this replica's part back: True, or False if the version committed first."""
-        return await _settled(lambda: self._registry.withdraw_part(model, version, self.replica_id),
+        return await _settled(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
                               f"withdrawing its part of model {model!r} version {version}")  # fmt: skip
 
     async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
@@ -152,16 +156,36 @@ class Parts:
         return waiting[0] in done and waiting[0].result() is True
 
 
+def group_digests(m: Manifest) -> dict[str, str]:
+    """A replicated part's groups of tensors (by their owners, comma-separated) and a digest of what
+    each holds: its tensors' names, places and checksums. The owners of a group must agree on it."""
+    out, at = {}, 0
+    for group in m.parts:
+        if not group.holders:
+            continue
+        lines = [f"{t.name}:{t.offset - group.offset}:{t.checksum}" for t in m.tensors[at : at + group.tensors]]
+        out[",".join(group.holders)] = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+        at += group.tensors
+    return out
+
+
 def _served(part: Version, raw: str) -> Version | None:
     """This replica's part (as in its file) served under the registry's manifest `raw` of the whole
     version, or None when that version holds no such part (another owner, size or digest)."""
     m = part.manifest
     owner = m.parts[0].owner
     whole = manifest_from_registry(raw, f"model {m.model!r} version {m.version}")
-    own = next((p for p in whole.parts if p.owner == owner and p.nbytes == m.data_bytes), None)
-    if own is None or json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
+    if json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
         return None
-    return dataclasses.replace(part, manifest=whole, header=whole.safetensors_header(), part=m, offset=own.offset)
+    segments = []
+    for mine in m.parts:
+        held = next((p for p in whole.parts if p.nbytes == mine.nbytes and
+                     (p.holders == mine.holders if mine.holders else p.owner == owner)), None)  # fmt: skip
+        if held is None:
+            return None
+        segments.append(Segment(held.offset, mine.offset, mine.nbytes))
+    return dataclasses.replace(part, manifest=whole, header=whole.safetensors_header(), part=m,
+                               segments=tuple(segments))  # fmt: skip
 
 
 async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:

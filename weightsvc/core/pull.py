@@ -61,7 +61,7 @@ class Pulls:
             if select is not None:
                 v = pull.version
                 pull.selection = await asyncio.to_thread(
-                    selection.gather, v.manifest, v.data, v.offset, select, self.service.store.replica_id
+                    selection.gather, v.manifest, v.data, v.spans, select, self.service.store.replica_id
                 )
             elif base is not None:
                 try:
@@ -149,8 +149,7 @@ class Pull:
         self.version = version
         self.transport = transport
         self.base: int | None = None
-        self.body = version.data
-        self.start = version.offset  # offset of body[0] in the data section
+        self.body = version.data  # (a delta's bytes, when `base` is set)
         self.selection: Selected | None = None
         self.closed = False
 
@@ -172,21 +171,25 @@ class Pull:
         return f"model {self.manifest.model!r} version {self.manifest.version}"
 
     def use_delta(self, base: int, delta: bytes) -> None:
-        self.base, self.body, self.start = base, memoryview(delta), 0
+        self.base, self.body = base, memoryview(delta)
 
     def chunks(self, offset: int, size: int) -> Iterator[tuple[int, memoryview]]:
         """(offset, bytes) pieces of at most `size` bytes of the body from `offset` on (a resumed
-        pull). A replica holding one part sends its part's bytes at or above `offset`, and nothing
-        when asked for an offset outside its part: the manifest tells the client who holds the rest."""
+        pull). A replica holding parts sends the bytes of the part that holds `offset`, from there to
+        its end, and nothing when it holds no part there: the manifest tells the client who does."""
         total = len(self.body) if self.base is not None else self.manifest.data_bytes
         if not 0 <= offset <= total:
             raise InvalidArgument(f"{self._where()}: resume offset {offset} is outside its {total}-byte "
                                   f"{'delta' if self.base is not None else 'data section'}")  # fmt: skip
         if self.selection is not None:
             return self.selection.chunks(offset, size)
-        start, end = self.start, self.start + len(self.body)
-        first = offset if start <= offset <= end else end
-        return ((at, self.body[at - start : at - start + size]) for at in range(first, end, size))
+        if self.base is not None:
+            return ((at, self.body[at : at + size]) for at in range(offset, total, size))
+        held = next((s for s in self.version.spans if s.start <= offset < s.start + s.nbytes), None)
+        if held is None:
+            return iter(())
+        end, skip = held.start + held.nbytes, held.start - held.local
+        return ((at, self.body[at - skip : min(end, at + size) - skip]) for at in range(offset, end, size))
 
     def file_pieces(self, start: int, end: int, size: int, zero_copy: bool = False) -> Iterator[memoryview | FileRange]:
         """Pieces of at most `size` bytes covering [start, end) of the version's safetensors file; with
@@ -198,8 +201,8 @@ class Pull:
             return self.selection.file_range(start, end, size)
         v = self.version
         head = len(v.header)
-        lo, hi = (head + b for b in v.held)
-        if v.part is not None and not (end <= head or (lo <= start and end <= hi) or (lo == head and end <= hi)):
+        held = v.span(max(start, head) - head, max(end, head) - head)
+        if v.part is not None and not (end <= head or (held is not None and (start >= head or held.start == 0))):
             owners = ", ".join(f"{p.owner} [{p.offset}, {p.offset + p.nbytes})" for p in self.manifest.parts)
             raise FailedPrecondition(
                 f"{self._where()} is sharded over replicas that each hold a part of its data section ({owners}); "

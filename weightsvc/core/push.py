@@ -69,6 +69,7 @@ class PushHeader:
     rank: int = 0  # this learner rank, of world_size ranks that push the version together
     world_size: int = 1
     owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
+    replication: int = 1  # sharded replicas: how many of the owners hold each tensor
     aliases: tuple[tuple[str, str], ...] = ()  # tied weights: (alias, tensor), sorted by alias
 
 
@@ -103,6 +104,7 @@ class Push:
         self.headers: dict[int, tuple[TensorSpec, ...]] = {}
         self.format = self.rounding = ""
         self.aliases: tuple[tuple[str, str], ...] = ()
+        self.owners: tuple[tuple[str, ...], int] = ((), 1)
         loop = asyncio.get_running_loop()
         self.joined: asyncio.Future[None] = loop.create_future()
         self.session: asyncio.Future[PushSession] = loop.create_future()
@@ -136,7 +138,14 @@ class Push:
                 f"{where}: aliases {dict(header.aliases)}, but the other ranks declared {dict(self.aliases)}",
                 reason="invalid_header",
             )
+        if self.headers and (header.owners, header.replication) != self.owners:
+            raise InvalidArgument(
+                f"{where}: owners {list(header.owners)} replication {header.replication}, but the other ranks "
+                f"declared owners {list(self.owners[0])} replication {self.owners[1]}",
+                reason="invalid_header",
+            )
         self.format, self.rounding, self.aliases = header.format, header.rounding, header.aliases
+        self.owners = (header.owners, header.replication)
         self.headers[rank] = header.tensors
         self.attached += 1
         if len(self.headers) == self.world_size:
@@ -506,6 +515,9 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
         if len(set(header.owners)) != len(header.owners) or not all(header.owners):
             raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
                                   reason="invalid_header")  # fmt: skip
+        if not 1 <= header.replication <= len(header.owners):
+            raise InvalidArgument(f"{where}: replication {header.replication} is not in [1, {len(header.owners)}] "
+                                  f"(the number of owners)", reason="invalid_header")  # fmt: skip
     elif not header.tensors:  # (a sharded replica may own none of a version's tensors)
         raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
     if len(header.tensors) > settings.max_tensors:

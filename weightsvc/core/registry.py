@@ -24,7 +24,7 @@ from typing import Any
 
 from weightsvc.core.manifest import Manifest, combine_parts
 from weightsvc.core.topology import Replica
-from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, InvalidArgument, Unavailable
+from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
@@ -67,11 +67,20 @@ def manifest_from_registry(raw: str, where: str) -> Manifest:
         raise DataLoss(f"{where}: the registry holds no readable manifest ({e})") from None
 
 
-def _owners_disagree(model: str, version: int, owner: str, owners: Sequence[str], declared: str) -> InvalidArgument:
-    return InvalidArgument(
-        f"model {model!r} version {version}: replica {owner!r} declares the owners {list(owners)}, the parts "
-        f"already in declare {json.loads(declared)}",
-        reason="invalid_header",
+def _diverged(parts: Mapping[str, Any]) -> str:
+    """A group of tensors whose owners' parts hold different bytes, or "" (parts: owner -> record)."""
+    seen: dict[str, str] = {}
+    for p in parts.values():
+        for group, digest in (p.get("groups") or {}).items():
+            if seen.setdefault(group, digest) != digest:
+                return str(group)
+    return ""
+
+
+def _diverged_error(model: str, version: int, group: str) -> DataLoss:
+    return DataLoss(
+        f"model {model!r} version {version}: the owners {group.split(',')} of a group of tensors exported "
+        "different bytes for it; nothing was committed"
     )
 
 
@@ -104,7 +113,7 @@ class MemoryRegistry:
         self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
         self._acks: dict[str, dict[str, tuple[int, float]]] = {}
         self._replicas: dict[str, Replica] = {}
-        self._pending: dict[tuple[str, int], dict[str, str]] = {}  # parts of versions not yet complete
+        self._pending: dict[tuple[str, int, str], dict[str, str]] = {}  # parts of versions not yet complete
         self._changed = asyncio.Condition()
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
@@ -131,10 +140,14 @@ class MemoryRegistry:
         return version not in _retain(vs, retain)
 
     async def commit_part(
-        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
-    ) -> CommitResult | None:
+        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
+        groups: Mapping[str, str] | None = None,
+    ) -> CommitResult | None:  # fmt: skip
         """Record `owner`'s part of a version made of the parts of `owners`; the last part commits the
-        version (its manifest: the parts by owner). None: recorded, other parts still missing."""
+        version (its manifest: the parts by owner). None: recorded, other parts still missing.
+        `groups`: with replication, the digest of each group of tensors the part holds (by its owners):
+        the owners of a group must hold the same bytes, or nothing commits. Parts gather per set of
+        owners, so a push tried again without an owner that went down starts afresh."""
         owners = sorted(owners)
         committed = self._manifests.get(model, {}).get(version)
         if committed is not None:
@@ -145,25 +158,28 @@ class MemoryRegistry:
         latest = max(self._manifests.get(model, {}), default=None)
         if latest is not None and version < latest:
             raise _not_above(model, version, latest)
-        pending = self._pending.setdefault((model, version), {"__owners": json.dumps(owners)})
-        if pending["__owners"] != json.dumps(owners):
-            raise _owners_disagree(model, version, owner, owners, pending["__owners"])
-        pending[owner] = json.dumps({"digest": digest, "manifest": manifest})
+        key = (model, version, json.dumps(owners))
+        pending = self._pending.setdefault(key, {})
+        pending[owner] = json.dumps({"digest": digest, "manifest": manifest, "groups": dict(groups or {})})
         if any(o not in pending for o in owners):
             return None
-        del self._pending[(model, version)]
+        del self._pending[key]
         parts = {o: json.loads(pending[o]) for o in owners}
+        diverged = _diverged(parts)
+        if diverged:
+            raise _diverged_error(model, version, diverged)
         combined = combined_digest(owners, {o: p["digest"] for o, p in parts.items()})
         return await self.commit(model, version, combined, json.dumps(parts), retain)
 
-    async def withdraw_part(self, model: str, version: int, owner: str) -> bool:
+    async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
         """Take back a part of a version that never completed; False: too late, it committed."""
         if version in self._manifests.get(model, {}):
             return False
-        pending = self._pending.get((model, version), {})
+        key = (model, version, json.dumps(sorted(owners)))
+        pending = self._pending.get(key, {})
         pending.pop(owner, None)
-        if len(pending) <= 1:
-            self._pending.pop((model, version), None)
+        if not pending:
+            self._pending.pop(key, None)
         return True
 
     async def versions(self, model: str) -> list[int]:
@@ -268,7 +284,9 @@ end
 return {'held'}
 """
 # ARGV: model, version, owner, owners (JSON list, sorted), part digest, part manifest, retain, events kept,
-# ms the pending parts live. The owners' parts are gathered; the last one commits the version.
+# ms the pending parts live, the digests of the part's groups (JSON object). The parts of one set of
+# owners are gathered (KEYS[6] is theirs); the last one commits the version if the owners of each group
+# agree on its bytes.
 _COMMIT_PART = (
     _FINISH
     + """
@@ -281,11 +299,10 @@ if committed then
 end
 local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
 if top[1] and tonumber(top[1]) > tonumber(v) then return {'not_above', top[1]} end
-local declared = redis.call('HGET', KEYS[6], '__owners')
-if declared and declared ~= ARGV[4] then return {'owners', declared} end
-redis.call('HSET', KEYS[6], '__owners', ARGV[4], owner, cjson.encode({digest = ARGV[5], manifest = ARGV[6]}))
+local record = {digest = ARGV[5], manifest = ARGV[6], groups = cjson.decode(ARGV[10])}
+redis.call('HSET', KEYS[6], owner, cjson.encode(record))
 redis.call('PEXPIRE', KEYS[6], ARGV[9])
-local owners, parts, lines = cjson.decode(ARGV[4]), {}, {}
+local owners, parts, lines, seen = cjson.decode(ARGV[4]), {}, {}, {}
 for _, o in ipairs(owners) do
   local raw = redis.call('HGET', KEYS[6], o)
   if not raw then return {'pending'} end
@@ -293,6 +310,12 @@ for _, o in ipairs(owners) do
   table.insert(lines, o .. ':' .. parts[o]['digest'])
 end
 redis.call('DEL', KEYS[6])
+for _, o in ipairs(owners) do
+  for group, digest in pairs(parts[o]['groups']) do
+    if seen[group] and seen[group] ~= digest then return {'diverged', group} end
+    seen[group] = digest
+  end
+end
 return finish(ARGV[1], v, 'sha1:' .. redis.sha1hex(table.concat(lines, '\\n')), cjson.encode(parts), ARGV[7], ARGV[8])
 """
 )
@@ -300,7 +323,6 @@ return finish(ARGV[1], v, 'sha1:' .. redis.sha1hex(table.concat(lines, '\\n')), 
 _WITHDRAW_PART = """
 if redis.call('HGET', KEYS[3], ARGV[1]) then return 0 end
 redis.call('HDEL', KEYS[6], ARGV[2])
-if redis.call('HLEN', KEYS[6]) <= 1 then redis.call('DEL', KEYS[6]) end
 return 1
 """
 
@@ -355,23 +377,28 @@ class RedisRegistry:
             raise _not_above(model, version, int(rest[0]))
         return CommitResult(created=True, evicted=tuple(int(v) for v in rest))
 
-    def _keys(self, model: str, version: int | None = None) -> list[str]:
+    def _keys(self, model: str, version: int | None = None, owners: Sequence[str] = ()) -> list[str]:
         keys = [self._key(model, k) for k in ("versions", "manifests", "digests", "events")] + [f"{self.prefix}:models"]
-        return keys if version is None else [*keys, self._key(model, f"pending:{version}")]
+        if version is None:
+            return keys
+        of = hashlib.sha1(json.dumps(sorted(owners)).encode()).hexdigest()[:16]
+        return [*keys, self._key(model, f"pending:{version}:{of}")]
 
     async def commit_part(
-        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int
-    ) -> CommitResult | None:
+        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
+        groups: Mapping[str, str] | None = None,
+    ) -> CommitResult | None:  # fmt: skip
         owners_json = json.dumps(sorted(owners))
         ttl_ms = int(PART_TTL_S * 1000)
-        args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms]
+        args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms,
+                                 json.dumps(dict(groups or {})) if groups else "{}"]  # fmt: skip
         out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
-                               self._commit_part(keys=self._keys(model, version), args=args))  # fmt: skip
+                               self._commit_part(keys=self._keys(model, version, owners), args=args))  # fmt: skip
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         if status == "pending":
             return None
-        if status == "owners":
-            raise _owners_disagree(model, version, owner, owners, rest[0])
+        if status == "diverged":
+            raise _diverged_error(model, version, rest[0])
         return self._decided(model, version, digest, status, rest)
 
     async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
@@ -383,9 +410,10 @@ class RedisRegistry:
             raise _conflict(model, version, rest[0], digest)
         return status == "held"
 
-    async def withdraw_part(self, model: str, version: int, owner: str) -> bool:
+    async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
         out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
-                               self._withdraw_part(keys=self._keys(model, version), args=[version, owner]))  # fmt: skip
+                               self._withdraw_part(keys=self._keys(model, version, owners),
+                                                   args=[version, owner]))  # fmt: skip
         return bool(int(out))
 
     async def versions(self, model: str) -> list[int]:

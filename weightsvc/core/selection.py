@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from weightsvc.core.manifest import DTYPE_SIZES, Manifest, ServedTensor, Slice, checksum, layout
+from weightsvc.core.manifest import DTYPE_SIZES, Manifest, Part, Segment, ServedTensor, Slice, checksum, layout
 from weightsvc.core.memory import alloc
 from weightsvc.errors import FailedPrecondition, InvalidArgument
 
@@ -83,16 +83,21 @@ def chosen(manifest: Manifest, select: Select) -> list[tuple[ServedTensor, Slice
     return out
 
 
+def part_of(manifest: Manifest, t: ServedTensor) -> Part:
+    """The part of a version of parts (sharded replicas) that holds tensor `t`."""
+    return next(p for p in manifest.parts if p.offset <= t.offset and t.offset + t.nbytes <= p.offset + p.nbytes)
+
+
 def owner_of(manifest: Manifest, t: ServedTensor) -> str:
-    """The replica that holds tensor `t` of a version of parts (sharded replicas)."""
-    return next(p.owner for p in manifest.parts if p.offset <= t.offset and t.offset + t.nbytes <= p.offset + p.nbytes)
+    """The replicas that hold tensor `t` of a version of parts, as text."""
+    return ", ".join(part_of(manifest, t).sources)
 
 
-def by_owner(manifest: Manifest, select: Select) -> dict[str, dict[str, Slice | None]]:
-    """A selection of a version of parts, split by the replica that holds each selected tensor."""
-    groups: dict[str, dict[str, Slice | None]] = {}
+def by_part(manifest: Manifest, select: Select) -> dict[Part, dict[str, Slice | None]]:
+    """A selection of a version of parts, split by the part that holds each selected tensor."""
+    groups: dict[Part, dict[str, Slice | None]] = {}
     for t, cut in chosen(manifest, select):
-        groups.setdefault(owner_of(manifest, t), {})[t.name] = cut
+        groups.setdefault(part_of(manifest, t), {})[t.name] = cut
     return groups
 
 
@@ -147,13 +152,19 @@ class Selected:
             yield piece[: stop - at]
 
 
-def gather(manifest: Manifest, data: memoryview, offset: int, select: Select, holder: str = "") -> Selected:
-    """The selection `select` of the version `manifest`, from the bytes [offset, offset + len(data)) of
-    its data section that this server holds (all of them, or a sharded replica's part, `holder`'s).
+def gather(manifest: Manifest, data: memoryview, spans: Sequence[Segment], select: Select,
+           holder: str = "") -> Selected:  # fmt: skip
+    """The selection `select` of the version `manifest`, from the ranges of its data section that this
+    server holds (`spans`: all of it, or a sharded replica's parts, `holder`'s) in `data`.
     FAILED_PRECONDITION names the selected tensors that other replicas hold. Blocking: it hashes and
     copies (run it off the event loop)."""
     picked = chosen(manifest, select)
-    elsewhere = [t for t, _ in picked if not (offset <= t.offset and t.offset + t.nbytes <= offset + len(data))]
+    skips: dict[str, int] = {}  # tensor -> its offset in the data section less its offset in `data`
+    for t, _ in picked:
+        held = next((s for s in spans if s.start <= t.offset and t.offset + t.nbytes <= s.start + s.nbytes), None)
+        if held is not None:
+            skips[t.name] = held.start - held.local
+    elsewhere = [t for t, _ in picked if t.name not in skips]
     if elsewhere:
         named = ", ".join(f"{t.name!r} ({owner_of(manifest, t)})" for t in elsewhere)
         raise FailedPrecondition(
@@ -166,7 +177,8 @@ def gather(manifest: Manifest, data: memoryview, offset: int, select: Select, ho
     tensors, segments = [], []
     for p in placed:
         t, cut = source[p.name]
-        piece = _bytes_of(t, cut, data[t.offset - offset : t.offset - offset + t.nbytes])
+        at = t.offset - skips[t.name]
+        piece = _bytes_of(t, cut, data[at : at + t.nbytes])
         tensors.append(replace(p, checksum=t.checksum if cut is None else checksum(piece), slice=cut))
         segments.append(piece)
     m = replace(manifest, tensors=tuple(tensors), data_bytes=data_bytes, parts=())

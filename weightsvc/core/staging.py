@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
+from weightsvc.core import topology
 from weightsvc.core.lag import Sample, sample_stride, sampled_indices
 from weightsvc.core.manifest import (
     BIG_MANIFEST,
@@ -29,6 +30,7 @@ from weightsvc.core.manifest import (
     MASTER_DTYPE,
     Manifest,
     MasterDigest,
+    Part,
     ServedTensor,
     TensorSpec,
     checksum,
@@ -37,6 +39,7 @@ from weightsvc.core.manifest import (
 )
 from weightsvc.core.memory import alloc
 from weightsvc.core.store import PartOf, Version
+from weightsvc.core.topology import Group
 from weightsvc.core.versions import VersionFile
 from weightsvc.errors import InvalidArgument
 
@@ -117,9 +120,11 @@ class PushSession:
         self.data_bytes = plan.data_bytes
         self.tensors = tensors
         self.parts = plan.parts
+        self.segments = plan.segments
         self.residual = (
-            service.store.residual(header.model, spec.format, spec.scaling) if spec.rounding == "ef" else None
-        )
+            service.store.residual(header.model, spec.format, spec.scaling, plan.groups if header.owners else None)
+            if spec.rounding == "ef" else None
+        )  # fmt: skip
         self.base_version = service.store.latest(header.model)  # an ef push continues from this one
         # Sharded replicas: this push is this replica's part of the version.
         timeout = service.settings.push_rank_timeout_s
@@ -148,7 +153,7 @@ class PushSession:
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
         big = len(header.tensors) >= BIG_MANIFEST
-        plan = await in_thread(big, _plan, header, spec, ranks, where)
+        plan = await in_thread(big, _plan, header, spec, ranks, where, service.store.replica_id)
         files, file, staged_residual = service.store.files, None, None
         if files is not None:
             # The header is known only at commit (checksums, lag): leave room for it before the data.
@@ -433,7 +438,7 @@ class PushSession:
         slots = [s for t in self.tensors.values() for s in (t.slot, t.scale) if s]
         scaled = any(t.scale for t in self.tensors.values())
         manifest = _manifest(self.header, self.spec, slots, self.data_bytes, scaled, checksums,
-                             "xxh3_128:" + h.hexdigest())  # fmt: skip
+                             "xxh3_128:" + h.hexdigest(), self.segments)  # fmt: skip
         version = Version(manifest, b"", self.data, file=self.file)  # its header is made at commit, with the lag
         residual = None
         if self.residual is not None:
@@ -478,7 +483,8 @@ class PushSession:
 
 
 def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[ServedTensor], data_bytes: int,
-              scaled: bool, checksums: Mapping[str, str], master_digest: str) -> Manifest:  # fmt: skip
+              scaled: bool, checksums: Mapping[str, str], master_digest: str,
+              segments: tuple[Part, ...] = ()) -> Manifest:  # fmt: skip
     """The manifest of the version a push stages, less its lag metrics (the commit adds them)."""
     ordered = sorted(slots, key=lambda s: s.offset)
     return Manifest(
@@ -492,7 +498,9 @@ def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[Ser
         master_digest=master_digest,
         tensors=tuple(ServedTensor(s.name, s.shape, s.dtype, s.offset, s.nbytes, checksums[s.name]) for s in ordered),
         scaling=spec.scaling if scaled else "",
+        parts=segments,
         aliases=header.aliases,
+        owners=tuple(sorted(header.owners)),
     )
 
 
@@ -516,10 +524,14 @@ class _Plan:
     slots: list[ServedTensor]
     numel: int  # elements of all the masters
     empty: list[_StagedTensor]  # the tensors without elements
+    # Replicated sharded replicas: the groups of tensors this replica holds, one after the other in
+    # the data section, each laid out as every other owner of the group lays it out.
+    segments: tuple[Part, ...] = ()
+    groups: dict[str, Group] = dataclasses.field(default_factory=dict)  # each tensor's owners
 
 
 def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[TensorSpec, ...]],
-          where: str) -> _Plan:  # fmt: skip
+          where: str, replica: str = "") -> _Plan:  # fmt: skip
     """The plan of a push (pure, linear in its tensors: run off the loop for a big header)."""
     declared = {t.name for t in header.tensors}
     aliases_of: dict[str, tuple[str, ...]] = {}
@@ -540,7 +552,14 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
             raise InvalidArgument(f"{where}: tensor {name!r} clashes with the scales of an fp8 tensor",
                                   reason="invalid_header")  # fmt: skip
         seen.add(name)
-    slots_list, data_bytes = layout(entries)
+    segments: tuple[Part, ...] = ()
+    of: dict[str, Group] = {}
+    if header.owners and header.replication > 1:
+        slots_list, data_bytes, segments, of = _grouped(header, entries, replica, where)
+    else:
+        slots_list, data_bytes = layout(entries)
+        if header.owners:
+            of = topology.groups([t.name for t in header.tensors], header.owners, 1)
     slots = {slot.name: slot for slot in slots_list}
     tensors = {
         t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
@@ -552,7 +571,32 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
         for rank, specs in ranks.items()
     }  # fmt: skip
     return _Plan(tensors, parts, data_bytes, slots_list, sum(t.spec.numel for t in tensors.values()),
-                 [t for t in tensors.values() if t.nbytes == 0])  # fmt: skip
+                 [t for t in tensors.values() if t.nbytes == 0], segments, of)  # fmt: skip
+
+
+def _grouped(header: PushHeader, entries: list[tuple[str, tuple[int, ...], str]], replica: str,
+             where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...], dict[str, Group]]:  # fmt: skip
+    """The layout of a replicated part: its tensors by group (sorted by owners), each group's by name,
+    so that every owner of a group places its bytes the same way."""
+    of = topology.groups([t.name for t in header.tensors], header.owners, header.replication)
+    by_group: dict[Group, list[tuple[str, tuple[int, ...], str]]] = {}
+    for entry in entries:
+        base = entry[0] if entry[0] in of else entry[0].removesuffix(rounding.SCALE_SUFFIX)  # (an fp8 scale)
+        group = of[base]
+        if replica and replica not in group:
+            raise InvalidArgument(f"{where}: tensor {base!r} belongs to replicas {list(group)}, not to this one "
+                                  f"({replica!r}); push each tensor to its owners (GetTopology)",
+                                  reason="invalid_header")  # fmt: skip
+        by_group.setdefault(group, []).append(entry)
+    slots: list[ServedTensor] = []
+    segments: list[Part] = []
+    offset = 0
+    for group in sorted(by_group):
+        placed, nbytes = layout(sorted(by_group[group]))
+        slots += [dataclasses.replace(s, offset=s.offset + offset) for s in placed]
+        segments.append(Part(replica, offset, nbytes, group, len(placed)))
+        offset += nbytes
+    return slots, offset, tuple(segments), of
 
 
 def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> int:
@@ -561,5 +605,5 @@ def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> 
     blank = checksum(b"")
     scaled = any(t.scale for t in plan.tensors.values())
     sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled, {s.name: blank for s in plan.slots},
-                      "xxh3_128:" + "0" * 32)  # fmt: skip
+                      "xxh3_128:" + "0" * 32, plan.segments)  # fmt: skip
     return len(sized.safetensors_header()) + HEADER_SLACK

@@ -1,8 +1,10 @@
-"""Which replica owns which tensor: rendezvous (highest random weight) hashing on tensor names.
+"""Which replicas own which tensor: rendezvous (highest random weight) hashing on tensor names.
 
-Every client and server computes the same owner from the same list of replicas, with no table to
-share. When a replica joins or leaves, only the tensors it comes to own or owned move; the others
-stay where they are (their residuals and caches with them).
+Every client and server computes the same owners from the same list of replicas, with no table to
+share. With replication R, a tensor's owners are the R replicas of highest weight for its name, so
+when a replica leaves, each of its tensors still has R - 1 owners and gains the next one; the others
+stay where they are (their residuals and caches with them). The tensors with the same owners form a
+group: every owner of a group holds its tensors in the same order, so any of them serves its bytes.
 """
 
 from __future__ import annotations
@@ -33,9 +35,25 @@ def owner(name: str, replicas: Sequence[Replica]) -> Replica:
     return max(replicas, key=lambda r: (_weight(r.id, name), [-ord(c) for c in r.id]))
 
 
-def assign(names: Iterable[str], replicas: Sequence[Replica]) -> dict[str, list[str]]:
+Group = tuple[str, ...]  # the ids of a tensor's owners, sorted
+
+
+def owners(name: str, replica_ids: Sequence[str], replication: int) -> Group:
+    """The ids of the `replication` replicas that own tensor `name` (all of them if there are fewer), sorted."""
+    top = sorted(replica_ids, key=lambda r: (-_weight(r, name), r))[: max(1, replication)]
+    return tuple(sorted(top))
+
+
+def groups(names: Iterable[str], replica_ids: Sequence[str], replication: int) -> dict[str, Group]:
+    """Each tensor's owners."""
+    ids = sorted(replica_ids)
+    return {name: owners(name, ids, replication) for name in names}
+
+
+def assign(names: Iterable[str], replicas: Sequence[Replica], replication: int = 1) -> dict[str, list[str]]:
     """Tensor names per owning replica id, in the order given; replicas that own nothing are absent."""
     out: dict[str, list[str]] = {}
-    for name in names:
-        out.setdefault(owner(name, replicas).id, []).append(name)
+    for name, group in groups(names, [r.id for r in replicas], replication).items():
+        for rid in group:
+            out.setdefault(rid, []).append(name)
     return out

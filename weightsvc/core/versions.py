@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from weightsvc.core.manifest import Manifest
+from weightsvc.core.manifest import Manifest, Segment
 from weightsvc.core.memory import BufferPool
 from weightsvc.errors import NotFound
 from weightsvc.metrics import Metrics
@@ -64,16 +64,20 @@ class Version:
     evicted: bool = False
     lent: bool = False  # views of `data` were handed to code we do not control: never recycle
     # Sharded replicas: this replica's part of the version (the manifest of its own file; `manifest`
-    # is then the whole version's) and where `data` starts in the version's data section.
+    # is then the whole version's) and which bytes of the version's data section `data` holds.
     part: Manifest | None = None
-    offset: int = 0
+    segments: tuple[Segment, ...] = ()
     # With a data dir: the file `data` maps (its data section is `data`, this replica's bytes).
     file: VersionFile | None = None
 
     @property
-    def held(self) -> tuple[int, int]:
-        """The byte range [start, end) of the version's data section that this server holds."""
-        return self.offset, self.offset + len(self.data)
+    def spans(self) -> tuple[Segment, ...]:
+        """The ranges of the version's data section that this server holds (all of it, or a part's)."""
+        return self.segments if self.part is not None else (Segment(0, 0, len(self.data)),)
+
+    def span(self, start: int, end: int) -> Segment | None:
+        """The held range that holds the bytes [start, end) of the data section, if one does."""
+        return next((s for s in self.spans if s.start <= start and end <= s.start + s.nbytes), None)
 
     @functools.cached_property
     def etag(self) -> str:
@@ -95,7 +99,8 @@ class Version:
         a range of the header and the bytes this replica holds). With `zero_copy`, the data section of
         a version in a file comes as ranges of that file, for the transport to send as they are."""
         head = memoryview(self.header)
-        skip = len(head) + self.offset  # offset of data[0] in the served file
+        at = self.span(max(start, len(head)) - len(head), max(end - len(head), 0))
+        skip = len(head) + (at.start - at.local if at is not None else 0)  # offset of data[0] in the served file
         while start < end:
             if start < len(head):
                 stop = min(end, len(head), start + piece)

@@ -66,6 +66,7 @@ class Server:
         self._relay: Relay | None = None
         self.replica: Replica | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._follow: asyncio.Task[None] | None = None
         self._loop_monitor: asyncio.Task[None] | None = None
 
     @property
@@ -124,6 +125,8 @@ class Server:
         self.service.store.replica_id = self.replica.id
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
+        if s.redis_url and not s.relay_from:
+            self._follow = asyncio.create_task(self.service.store.committer.follow(), name="follow")
         self.ready = True
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
@@ -158,7 +161,7 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
-        for task in (self._heartbeat, self._loop_monitor):
+        for task in (self._heartbeat, self._follow, self._loop_monitor):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):

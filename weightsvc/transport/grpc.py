@@ -127,7 +127,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def GetTopology(self, request: pb.GetTopologyRequest, context: Any) -> pb.Topology:
         replicas = await self.service.topology()
-        return pb.Topology(replicas=[pb.Replica(**dataclasses.asdict(r)) for r in replicas], hashing=HASHING)
+        return pb.Topology(replicas=[pb.Replica(**dataclasses.asdict(r)) for r in replicas], hashing=HASHING,
+                           replication=self.service.settings.replication)  # fmt: skip
 
     @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
@@ -226,6 +227,7 @@ def _header(h: pb.PushHeader, pieces: list[Any]) -> tuple[PushHeader, _RankLayou
         rank=h.rank,
         world_size=h.world_size or 1,
         owners=tuple(h.owners),
+        replication=max(1, h.replication),
         aliases=tuple(sorted(h.aliases.items())),
     ), _RankLayout(tensors)
 

@@ -317,7 +317,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:
         replicas = await service.topology()
-        return {"replicas": [dataclasses.asdict(r) for r in replicas], "hashing": HASHING}
+        return {"replicas": [dataclasses.asdict(r) for r in replicas], "hashing": HASHING,
+                "replication": service.settings.replication}  # fmt: skip
 
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:

@@ -150,7 +150,8 @@ def manifest_to_proto(m: Manifest, tensors: Iterable[ServedTensor] | None = None
     msg = pb.Manifest(model=m.model, version=m.version, format=m.format, rounding=m.rounding, seed=m.seed,
                       committed_unix=m.committed_unix, data_bytes=m.data_bytes, master_digest=m.master_digest,
                       scaling=m.scaling, lag=lag_to_proto(m.lag), aliases=dict(m.aliases),
-                      parts=[pb.ManifestPart(owner=p.owner, offset=p.offset, nbytes=p.nbytes) for p in m.parts],
+                      parts=[pb.ManifestPart(owner=p.owner, offset=p.offset, nbytes=p.nbytes, holders=p.holders)
+                             for p in m.parts],
                       tensor_count=len(m.tensors))  # fmt: skip
     msg.tensors.extend(_tensor_to_proto(t) for t in (m.tensors if tensors is None else tensors))
     return msg
@@ -242,7 +243,7 @@ def manifest_from_proto(m: pb.Manifest, more: Iterable[pb.ServedTensor] = ()) ->
     tensors = tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum,
                                  Slice(t.slice.dim, t.slice.start, t.slice.stop) if t.HasField("slice") else None)
                     for batch in (m.tensors, more) for t in batch)  # fmt: skip
-    parts = tuple(Part(p.owner, p.offset, p.nbytes) for p in m.parts)
+    parts = tuple(Part(p.owner, p.offset, p.nbytes, tuple(p.holders)) for p in m.parts)
     return Manifest(m.model, m.version, m.format, m.rounding, m.seed, m.committed_unix, m.data_bytes,
                     m.master_digest, tensors, m.scaling, lag_from_proto(m), parts,
                     tuple(sorted(m.aliases.items())))  # fmt: skip

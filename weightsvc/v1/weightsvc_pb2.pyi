@@ -27,7 +27,7 @@ class TensorPart(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases", "tensor_count")
+    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases", "tensor_count", "replication")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class PushHeader(_message.Message):
     OWNERS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -55,7 +56,8 @@ class PushHeader(_message.Message):
     owners: _containers.RepeatedScalarFieldContainer[str]
     aliases: _containers.ScalarMap[str, str]
     tensor_count: int
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ...) -> None: ...
+    replication: int
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
@@ -179,14 +181,16 @@ class ManifestTensors(_message.Message):
     def __init__(self, tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ...) -> None: ...
 
 class ManifestPart(_message.Message):
-    __slots__ = ("owner", "offset", "nbytes")
+    __slots__ = ("owner", "offset", "nbytes", "holders")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
     owner: str
     offset: int
     nbytes: int
-    def __init__(self, owner: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, owner: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., holders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LagMetrics(_message.Message):
     __slots__ = ("churn", "update_visibility", "lag_steps", "relative_error", "saturated_elements", "sampled_elements", "exact")
@@ -377,9 +381,11 @@ class Replica(_message.Message):
     def __init__(self, id: _Optional[str] = ..., grpc: _Optional[str] = ..., http: _Optional[str] = ...) -> None: ...
 
 class Topology(_message.Message):
-    __slots__ = ("replicas", "hashing")
+    __slots__ = ("replicas", "hashing", "replication")
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     HASHING_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     hashing: str
-    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., hashing: _Optional[str] = ...) -> None: ...
+    replication: int
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., hashing: _Optional[str] = ..., replication: _Optional[int] = ...) -> None: ...
