@@ -25,7 +25,7 @@ import numpy as np
 from weightsvc._faults import crash_point
 from weightsvc.core.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
 from weightsvc.core.versions import Version, VersionFile
-from weightsvc.errors import ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
 from weightsvc.rounding import Residual
 from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
 
@@ -62,7 +62,8 @@ class VersionFiles:
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as e:
-            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e) from None
+            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e,
+                           start + data_bytes, self.data_dir) from None  # fmt: skip
         return VersionFile(tmp, f, mapping, start)
 
     @staticmethod
@@ -103,7 +104,9 @@ class VersionFiles:
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e) from None
+            needed = len(version.header) + (0 if in_place else len(version.data))
+            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e, needed,
+                           self.data_dir) from None  # fmt: skip
         return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
 
     @staticmethod
@@ -137,7 +140,7 @@ class VersionFiles:
                 raise
         except OSError as e:
             raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
-                           e) from None  # fmt: skip
+                           e, 8 + len(raw) + end, self.data_dir) from None  # fmt: skip
         mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
         staged = VersionFile(tmp, f, mapping, 8 + len(raw))
         start = staged.data_start
@@ -163,7 +166,9 @@ class VersionFiles:
             finally:
                 os.close(dir_fd)
         except OSError as e:
-            raise _failure(f"model {model!r}: cannot persist the ef residual to {path.parent}", e) from None
+            needed = sum(r.nbytes for r in residual.tensors.values())
+            raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
+                           f"{path.parent}", e, needed, self.data_dir) from None  # fmt: skip
 
     def remove(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
@@ -171,6 +176,28 @@ class VersionFiles:
             self.path(model, version).unlink(missing_ok=True)
             if residual:
                 self.residual_path(model, version).unlink(missing_ok=True)
+
+    def free_bytes(self) -> int:
+        """Bytes free for this process on the data dir's filesystem."""
+        st = os.statvfs(self.data_dir)
+        return st.f_bavail * st.f_frsize
+
+    def allocated(self, model: str, version: int) -> int:
+        """Bytes the disk holds for a version's file (0 when it has none)."""
+        try:
+            return self.path(model, version).stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def evict(self, model: str, version: int) -> None:
+        """Delete a committed version's file to make room, durably: a restart does not bring it back."""
+        path = self.path(model, version)
+        path.unlink(missing_ok=True)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
         """Remove the files of `versions` (evicted, or not committed) and every residual file but the
@@ -298,7 +325,14 @@ def _padded(header: bytes, size: int) -> bytes:
     return struct.pack("<Q", size - 8) + header[8:].ljust(size - 8, b" ")
 
 
-def _failure(where: str, e: OSError) -> WeightsvcError:
+def _failure(where: str, e: OSError, needed: int, data_dir: Path) -> WeightsvcError:
+    """A write that failed: a full disk (or quota) is RESOURCE_EXHAUSTED with the bytes it needed and
+    those free (`DiskFull`, which the committer makes room for), anything else UNAVAILABLE."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceExhausted(f"{where}: {e.strerror}", reason="too_large")
+        try:
+            st = os.statvfs(data_dir)
+            free = f"{st.f_bavail * st.f_frsize:,}"
+        except OSError:
+            free = "an unknown number of"
+        return DiskFull(f"{where}: {e.strerror}: it needs {needed:,} bytes, {free} are free", needed=needed)
     return Unavailable(f"{where}: {e}", reason="other")
