@@ -33,10 +33,20 @@ log = logging.getLogger("weightsvc.store")
 _serial = itertools.count()
 
 
+@dataclasses.dataclass(frozen=True)
+class DamagedFile:
+    """A file restore found damaged: its model, where it is now (under `<data dir>/damaged/<model>/`,
+    unless it could not be moved) and why it was set aside."""
+
+    model: str
+    file: str
+    reason: str
+
+
 class VersionFiles:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.damaged: list[Path] = []  # files restore found damaged and moved aside, where they now are
+        self.damaged: list[DamagedFile] = []  # what restore set aside, for the metric, `status` and listings
 
     def path(self, model: str, version: int) -> Path:
         return self.data_dir / "models" / model / f"{version:020d}.safetensors"
@@ -238,29 +248,31 @@ class VersionFiles:
         in place it would be skipped again at every start, and a later commit of its number would
         replace the only evidence."""
         aside = self.data_dir / "damaged" / path.parent.name / path.name
+        reason = str(e) or type(e).__name__
         try:
             aside.parent.mkdir(parents=True, exist_ok=True)
             while aside.exists():
                 aside = aside.with_name(aside.name + ".again")
             path.rename(aside)
         except OSError as moved:
-            log.error("damaged version file %s (%s) could not be moved aside: %s", path, e, moved)
+            log.error("damaged file %s (%s) could not be moved aside: %s", path, reason, moved)
+            self.damaged.append(DamagedFile(path.parent.name, str(path), f"{reason} (not moved aside: {moved})"))
             return
-        log.error("damaged version file %s (%s): moved to %s", path, e, aside)
-        self.damaged.append(aside)
+        log.error("damaged file %s (%s): moved to %s", path, reason, aside)
+        self.damaged.append(DamagedFile(path.parent.name, str(aside), reason))
 
-    @staticmethod
-    def _residual(model_dir: Path, latest: int | None) -> Residual | None:
-        """The residual after the latest committed version, if its file is sound. Only that one
-        continues (as in a live process); one of a version that never committed (a crash between the
-        two writes) or of an older one is not used."""
+    def _residual(self, model_dir: Path, latest: int | None) -> Residual | None:
+        """The residual after the latest committed version, if its file is sound (a damaged one is set
+        aside: the next ef push starts from a zero residual). Only that one continues (as in a live
+        process); one of a version that never committed (a crash between the two writes) or of an
+        older one is not used."""
         path = model_dir / f"residual-{latest:020d}.safetensors" if latest is not None else None
         if path is None or not path.exists():
             return None
         try:
             return _map_residual(path)
         except Exception as e:
-            log.error("skipping %s: %s", path, e)
+            self._set_aside(path, e)
             return None
 
     @staticmethod
