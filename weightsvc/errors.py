@@ -45,6 +45,14 @@ class ResourceExhausted(WeightsvcError):
     http_status = 413
 
 
+class DiskFull(ResourceExhausted):
+    """The data dir's disk (or quota) has no room for a file of `needed` bytes."""
+
+    def __init__(self, message: str, *, needed: int, reason: str = "too_large") -> None:
+        super().__init__(message, reason=reason)
+        self.needed = needed
+
+
 class TooManyRequests(ResourceExhausted):
     """A limit on streams in progress: retry later."""
 

@@ -161,6 +161,64 @@ def test_status_gives_up_on_a_server_that_does_not_answer() -> None:
         assert line == f"error: UNAVAILABLE: http://{target}: timed out"
 
 
+def test_damaged_files_are_reported_by_status_and_the_version_listing(
+    checkpoint: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path
+) -> None:
+    """A version file damaged on disk is set aside at the restart: `status` warns of it (and says it in
+    --json), and the model's version listing carries it, over HTTP and gRPC."""
+    import urllib.request
+
+    import grpc
+
+    from weightsvc.errors import NotFound
+    from weightsvc.v1 import weightsvc_pb2 as pb
+    from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+    path, _ = checkpoint
+    data = tmp_path / "data"
+    srv = Serve("--data-dir", str(data))
+    for model, step in (("kept", "1"), ("kept", "2"), ("lost", "1")):
+        assert cli("push", str(path), "--model", model, "--step", step, "--target", srv.target).returncode == 0
+    assert srv.stop() == 0
+    for model, step in (("kept", 2), ("lost", 1)):
+        file = data / "models" / model / f"{step:020d}.safetensors"
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 0xFF  # one flipped bit in the last tensor
+        file.write_bytes(bytes(raw))
+
+    srv = Serve("--data-dir", str(data))
+    try:
+        aside = {m: str(data / "damaged" / m / f"{v:020d}.safetensors") for m, v in (("kept", 2), ("lost", 1))}
+        for target in (srv.target, srv.url):
+            status = json.loads(cli("status", "--target", target, "--json").stdout)
+            assert [m["model"] for m in status["models"]] == ["kept"]
+            assert [(d["model"], d["file"]) for d in status["damaged_files"]] == list(aside.items())
+            assert all("checksum mismatch" in d["reason"] for d in status["damaged_files"])
+            table = cli("status", "--target", target)
+            assert table.returncode == 0 and "1 (latest)" in table.stdout, table.stderr
+            warnings = table.stderr.splitlines()
+            assert len(warnings) == 2 and all(line.startswith("warning: model ") for line in warnings), warnings
+            assert f"damaged file set aside at start-up: {aside['lost']}: " in warnings[1]
+            only = cli("status", "--target", target, "--model", "kept")
+            assert only.stderr.splitlines() == warnings[:1]
+            line = one_error_line(cli("status", "--target", target, "--model", "lost"))
+            assert f"unknown model 'lost': nothing has been committed for it; damaged file set aside at start-up: " \
+                   f"{aside['lost']} (" in line  # fmt: skip
+
+        with urllib.request.urlopen(f"{srv.url}/v1/models/kept/versions", timeout=30) as resp:
+            listing = json.loads(resp.read())
+        assert [v["version"] for v in listing["versions"]] == [1]
+        assert [d["file"] for d in listing["damaged_files"]] == [aside["kept"]]
+        with grpc.insecure_channel(srv.target) as channel:
+            reply = pb_grpc.WeightServiceStub(channel).ListVersions(pb.ListVersionsRequest(model="kept"), timeout=30)
+        assert [v.version for v in reply.versions] == [1]
+        assert [(d.model, d.file) for d in reply.damaged_files] == [("kept", aside["kept"])]
+        with pytest.raises(NotFound, match=f"damaged file\\(s\\) of it were set aside at start-up: {aside['lost']}"):
+            InferenceClient(srv.url).versions("lost")
+    finally:
+        assert srv.stop() == 0
+
+
 def test_serve_rejects_bad_settings() -> None:
     line = one_error_line(cli("serve", "--rounding", "nearest", "--grpc-port", "0", "--http-port", "0"))
     assert "unknown rounding 'nearest'" in line and "'--rounding'" in line

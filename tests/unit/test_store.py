@@ -114,6 +114,26 @@ def test_restore_skips_a_damaged_file_and_continues_the_residual_of_the_latest_v
     assert not list(files.path("m", 0).parent.glob(".*.tmp"))
 
 
+def test_restore_sets_a_damaged_version_file_and_a_damaged_residual_aside_and_says_why(tmp_path: Path) -> None:
+    files = VersionFiles(tmp_path)
+    for v in (1, 2):
+        files.write(make_version("m", v))
+    files.write_residual("m", Residual(2, {"w": np.ones(4, np.float32)}, "bf16", ""))
+    files.path("m", 1).write_bytes(files.path("m", 1).read_bytes()[:-1])  # cut short
+    files.residual_path("m", 2).write_bytes(b"\xff" * 8)  # a header length beyond the file
+
+    [(_, versions, residual)] = list(files.restore())
+
+    assert [v.manifest.version for v in versions] == [2] and residual is None  # the next ef push starts from zero
+    aside = tmp_path / "damaged" / "m"
+    assert [(d.model, d.file) for d in files.damaged] == [
+        ("m", str(aside / files.path("m", 1).name)),
+        ("m", str(aside / files.residual_path("m", 2).name)),
+    ]
+    assert "data section is" in files.damaged[0].reason and files.damaged[1].reason
+    assert (aside / files.residual_path("m", 2).name).read_bytes() == b"\xff" * 8
+
+
 def test_the_residual_of_a_version_that_never_committed_is_not_continued(tmp_path: Path) -> None:
     files = VersionFiles(tmp_path)
     files.write(make_version("m", 1))

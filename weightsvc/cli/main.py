@@ -372,16 +372,18 @@ def export(
 
 def status_report(
     target: str, model: str | None, token: str | None, ca_cert: Path | None, timeout: float
-) -> list[dict[str, Any]]:
-    """Each model with its retained versions and its inference clients, as `status --json` prints
-    them. Fields that are the same on every version of a listing (its model, `created`, `served`)
-    are left out."""
+) -> dict[str, Any]:
+    """Each model with its retained versions and its inference clients, and the files the server
+    set aside as damaged at start-up, as `status --json` prints them. Fields that are the same on
+    every version of a listing (its model, `created`, `served`) are left out."""
     from weightsvc.client import InferenceClient
 
     with InferenceClient(target, token=token, ca_cert=ca_cert, timeout=timeout) as client:
+        damaged = [d for d in client.damaged_files() if model is None or d["model"] == model]
         models = [m for m in client.models() if model is None or m["model"] == model]
         if model is not None and not models:
-            fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it")
+            aside = "".join(f"; damaged file set aside at start-up: {d['file']} ({d['reason']})" for d in damaged)
+            fail(f"NOT_FOUND: unknown model {model!r}: nothing has been committed for it{aside}")
         report = []
         for m in models:
             versions = [
@@ -392,7 +394,7 @@ def status_report(
             report.append(
                 {"model": m["model"], "latest_version": m["latest_version"], "versions": versions, "clients": clients}
             )
-    return report
+    return {"models": report, "damaged_files": damaged}
 
 
 def _when(unix: float) -> str:
@@ -410,16 +412,20 @@ def status(
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
-    """Models, their retained versions with lag metrics, and the inference clients with their lag."""
+    """Models, their retained versions with lag metrics, the inference clients with their lag, and
+    the damaged files the server set aside at start-up (a warning line each)."""
     try:
-        report = status_report(target, model, token, ca_cert, timeout)
+        full = status_report(target, model, token, ca_cert, timeout)
     except DeadlineExceeded:  # a server that is up but stuck, or an address that drops packets
         fail(f"DEADLINE_EXCEEDED: {target} did not answer within {timeout:g} s")
     except WeightsvcError as e:
         fail(str(e))
     if json_out:
-        print(json.dumps({"models": report}, indent=2))
+        print(json.dumps(full, indent=2))
         return
+    for d in full["damaged_files"]:
+        note(f"warning: model {d['model']}: damaged file set aside at start-up: {d['file']}: {d['reason']}")
+    report = full["models"]
     if not report:
         say("no models committed yet")
         return

@@ -327,6 +327,11 @@ class InferenceClient:
     def models(self) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    def damaged_files(self) -> list[dict[str, str]]:
+        """The files the server found damaged at start-up and set aside: `model`, `file` (where it is
+        now) and `reason`, of every model."""
+        raise NotImplementedError
+
     def topology(self) -> list[Replica]:
         """The replicas of the deployment, as its registry knows them (sorted by id)."""
         raise NotImplementedError

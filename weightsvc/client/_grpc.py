@@ -336,6 +336,10 @@ class GrpcInferenceClient(InferenceClient):
             {"model": m.model, "latest_version": m.latest_version, "versions": list(m.versions)} for m in resp.models
         ]
 
+    def damaged_files(self) -> list[dict[str, str]]:
+        resp = self._call(self._stub.ListModels, pb.ListModelsRequest())
+        return [{"model": d.model, "file": d.file, "reason": d.reason} for d in resp.damaged_files]
+
     def topology(self) -> list[Replica]:
         return self._replicas.topology()
 

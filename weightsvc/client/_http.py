@@ -283,6 +283,9 @@ class HttpInferenceClient(InferenceClient):
     def models(self) -> list[dict[str, Any]]:
         return list(self._json("/v1/models")["models"])
 
+    def damaged_files(self) -> list[dict[str, str]]:
+        return list(self._json("/v1/models").get("damaged_files", []))
+
     def topology(self) -> list[Replica]:
         return [Replica(**r) for r in self._json("/v1/topology")["replicas"]]
 

@@ -12,10 +12,13 @@ the service serves anything; file I/O goes to a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 from weightsvc._faults import crash_point
 from weightsvc.core.acks import Acks
@@ -27,12 +30,13 @@ from weightsvc.core.registry import CommitResult, Registry, check_commit, manife
 from weightsvc.core.selection import part_of
 from weightsvc.core.topology import Group
 from weightsvc.core.versions import Version, VersionFile, VersionIndex
-from weightsvc.errors import AlreadyExists, FailedPrecondition, Unavailable
+from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
 from weightsvc.rounding import Residual
 
 log = logging.getLogger("weightsvc.store")
 FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
+T = TypeVar("T")
 
 
 class Committer:
@@ -152,9 +156,12 @@ class Committer:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.
                     if residual is not None:
-                        await asyncio.to_thread(self._files.write_residual, m.model, residual[1], residual[2])
+                        write = functools.partial(self._files.write_residual, m.model, residual[1], residual[2])
+                        await self.on_disk(m.model, m.version, write, locked=True)
                         crash_point("commit.residual-written")
-                    version = await asyncio.to_thread(self._files.write, version)  # served from its file now
+                    # Served from its file now.
+                    version = await self.on_disk(m.model, m.version, functools.partial(self._files.write, version),
+                                                 locked=True)  # fmt: skip
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:
@@ -255,6 +262,61 @@ class Committer:
         log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
                  model, v)  # fmt: skip
         await self._index.announce()
+    async def on_disk(self, model: str, step: int, write: Callable[[], T], *, locked: bool = False) -> T:
+        """Run `write` (blocking I/O putting a file of `step` in the data dir) in a worker thread. If the
+        disk is full, the model's oldest versions that nothing needs make room (`_make_room`), and it
+        runs once more. `locked`: the caller holds the model's lock (a commit)."""
+        try:
+            return await asyncio.to_thread(write)
+        except DiskFull as e:
+            full = e
+        async with contextlib.nullcontext() if locked else self._locks.setdefault(model, asyncio.Lock()):
+            evicted = await self._make_room(model, step, full)
+            try:
+                return await asyncio.to_thread(write)
+            except DiskFull as again:
+                raise DiskFull(f"{again.message}, after evicting {_named(evicted)} of model {model!r}",
+                               needed=again.needed) from None  # fmt: skip
+
+    async def _make_room(self, model: str, step: int, full: DiskFull) -> list[int]:
+        """Evict the model's oldest versions, deleting their files, until `full.needed` bytes are free
+        (or, under a quota the free space does not show, were freed). The latest version stays (an ef
+        push continues from it), and so does one that a pull holds (its blocks stay taken until the
+        pull ends). Nothing goes when all that may go would not make room. Returns the versions evicted."""
+        assert self._files is not None
+        files, latest = self._files, self._index.latest(model)
+        retained = self._index.versions(model) if latest is not None else []
+        victims = [v.manifest.version for v in retained if v.manifest.version not in (latest, step) and not v.readers]
+        kept = "the latest version and versions being pulled stay"
+        if not victims:
+            raise DiskFull(f"{full.message}; no version of model {model!r} may go to make room ({kept})",
+                           needed=full.needed)  # fmt: skip
+        sizes = await asyncio.to_thread(lambda: [files.allocated(model, v) for v in victims])
+        free = await asyncio.to_thread(files.free_bytes)
+        if free + sum(sizes) < full.needed:
+            raise DiskFull(f"{full.message}; evicting {_named(victims)} would free only {sum(sizes):,} bytes, "
+                           f"so none was evicted ({kept})", needed=full.needed)  # fmt: skip
+        evicted: list[int] = []
+        freed = 0
+        for v, size in zip(victims, sizes, strict=True):
+            if evicted and (free >= full.needed or freed >= full.needed):
+                break
+            version = self._index.find(model, v)
+            if version is None or version.readers:  # gone meanwhile, or a pull started
+                continue
+            try:  # the file first: from here on a restart does not bring the version back
+                await asyncio.to_thread(files.evict, model, v)
+            except OSError as e:
+                log.error("model %s version %d: cannot delete its file to make room: %s", model, v, e)
+                break
+            self._index.drop(model, [v])
+            evicted.append(v)
+            freed += size
+            free = await asyncio.to_thread(files.free_bytes)
+        if evicted:
+            log.warning("model %s: the data dir is full: evicted %s (%d bytes) to make room for version %d",
+                        model, _named(evicted), freed, step)  # fmt: skip
+        return evicted
 
     def _kept_residual(self, model: str) -> int | None:
         """The version whose residual file is the model's current ef state (the others go)."""
@@ -321,3 +383,7 @@ class Committer:
             self._index.drop(model, dropped)
             if dropped and self._files is not None:
                 await asyncio.to_thread(self._files.prune, model, dropped, self._kept_residual(model))
+
+
+def _named(versions: list[int]) -> str:
+    return f"version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}" if versions else "no version"

@@ -25,7 +25,7 @@ import numpy as np
 from weightsvc._faults import crash_point
 from weightsvc.core.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
 from weightsvc.core.versions import Version, VersionFile
-from weightsvc.errors import ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
 from weightsvc.rounding import Residual
 from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
 
@@ -33,10 +33,20 @@ log = logging.getLogger("weightsvc.store")
 _serial = itertools.count()
 
 
+@dataclasses.dataclass(frozen=True)
+class DamagedFile:
+    """A file restore found damaged: its model, where it is now (under `<data dir>/damaged/<model>/`,
+    unless it could not be moved) and why it was set aside."""
+
+    model: str
+    file: str
+    reason: str
+
+
 class VersionFiles:
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
-        self.damaged: list[Path] = []  # files restore found damaged and moved aside, where they now are
+        self.damaged: list[DamagedFile] = []  # what restore set aside, for the metric, `status` and listings
 
     def path(self, model: str, version: int) -> Path:
         return self.data_dir / "models" / model / f"{version:020d}.safetensors"
@@ -62,7 +72,8 @@ class VersionFiles:
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as e:
-            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e) from None
+            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e,
+                           start + data_bytes, self.data_dir) from None  # fmt: skip
         return VersionFile(tmp, f, mapping, start)
 
     @staticmethod
@@ -103,7 +114,9 @@ class VersionFiles:
         except OSError as e:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e) from None
+            needed = len(version.header) + (0 if in_place else len(version.data))
+            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e, needed,
+                           self.data_dir) from None  # fmt: skip
         return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
 
     @staticmethod
@@ -137,7 +150,7 @@ class VersionFiles:
                 raise
         except OSError as e:
             raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
-                           e) from None  # fmt: skip
+                           e, 8 + len(raw) + end, self.data_dir) from None  # fmt: skip
         mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
         staged = VersionFile(tmp, f, mapping, 8 + len(raw))
         start = staged.data_start
@@ -163,7 +176,9 @@ class VersionFiles:
             finally:
                 os.close(dir_fd)
         except OSError as e:
-            raise _failure(f"model {model!r}: cannot persist the ef residual to {path.parent}", e) from None
+            needed = sum(r.nbytes for r in residual.tensors.values())
+            raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
+                           f"{path.parent}", e, needed, self.data_dir) from None  # fmt: skip
 
     def remove(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
@@ -171,6 +186,28 @@ class VersionFiles:
             self.path(model, version).unlink(missing_ok=True)
             if residual:
                 self.residual_path(model, version).unlink(missing_ok=True)
+
+    def free_bytes(self) -> int:
+        """Bytes free for this process on the data dir's filesystem."""
+        st = os.statvfs(self.data_dir)
+        return st.f_bavail * st.f_frsize
+
+    def allocated(self, model: str, version: int) -> int:
+        """Bytes the disk holds for a version's file (0 when it has none)."""
+        try:
+            return self.path(model, version).stat().st_blocks * 512
+        except FileNotFoundError:
+            return 0
+
+    def evict(self, model: str, version: int) -> None:
+        """Delete a committed version's file to make room, durably: a restart does not bring it back."""
+        path = self.path(model, version)
+        path.unlink(missing_ok=True)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
         """Remove the files of `versions` (evicted, or not committed) and every residual file but the
@@ -211,29 +248,31 @@ class VersionFiles:
         in place it would be skipped again at every start, and a later commit of its number would
         replace the only evidence."""
         aside = self.data_dir / "damaged" / path.parent.name / path.name
+        reason = str(e) or type(e).__name__
         try:
             aside.parent.mkdir(parents=True, exist_ok=True)
             while aside.exists():
                 aside = aside.with_name(aside.name + ".again")
             path.rename(aside)
         except OSError as moved:
-            log.error("damaged version file %s (%s) could not be moved aside: %s", path, e, moved)
+            log.error("damaged file %s (%s) could not be moved aside: %s", path, reason, moved)
+            self.damaged.append(DamagedFile(path.parent.name, str(path), f"{reason} (not moved aside: {moved})"))
             return
-        log.error("damaged version file %s (%s): moved to %s", path, e, aside)
-        self.damaged.append(aside)
+        log.error("damaged file %s (%s): moved to %s", path, reason, aside)
+        self.damaged.append(DamagedFile(path.parent.name, str(aside), reason))
 
-    @staticmethod
-    def _residual(model_dir: Path, latest: int | None) -> Residual | None:
-        """The residual after the latest committed version, if its file is sound. Only that one
-        continues (as in a live process); one of a version that never committed (a crash between the
-        two writes) or of an older one is not used."""
+    def _residual(self, model_dir: Path, latest: int | None) -> Residual | None:
+        """The residual after the latest committed version, if its file is sound (a damaged one is set
+        aside: the next ef push starts from a zero residual). Only that one continues (as in a live
+        process); one of a version that never committed (a crash between the two writes) or of an
+        older one is not used."""
         path = model_dir / f"residual-{latest:020d}.safetensors" if latest is not None else None
         if path is None or not path.exists():
             return None
         try:
             return _map_residual(path)
         except Exception as e:
-            log.error("skipping %s: %s", path, e)
+            self._set_aside(path, e)
             return None
 
     @staticmethod
@@ -298,7 +337,14 @@ def _padded(header: bytes, size: int) -> bytes:
     return struct.pack("<Q", size - 8) + header[8:].ljust(size - 8, b" ")
 
 
-def _failure(where: str, e: OSError) -> WeightsvcError:
+def _failure(where: str, e: OSError, needed: int, data_dir: Path) -> WeightsvcError:
+    """A write that failed: a full disk (or quota) is RESOURCE_EXHAUSTED with the bytes it needed and
+    those free (`DiskFull`, which the committer makes room for), anything else UNAVAILABLE."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return ResourceExhausted(f"{where}: {e.strerror}", reason="too_large")
+        try:
+            st = os.statvfs(data_dir)
+            free = f"{st.f_bavail * st.f_frsize:,}"
+        except OSError:
+            free = "an unknown number of"
+        return DiskFull(f"{where}: {e.strerror}: it needs {needed:,} bytes, {free} are free", needed=needed)
     return Unavailable(f"{where}: {e}", reason="other")

@@ -20,6 +20,7 @@ from weightsvc.core.manifest import (
     Manifest,
     check_model_name,
 )
+from weightsvc.core.persist import DamagedFile
 from weightsvc.core.pull import Pull, Pulls, watching
 from weightsvc.core.push import Pushes, PushMessage
 from weightsvc.core.registry import MemoryRegistry, RedisRegistry
@@ -27,6 +28,7 @@ from weightsvc.core.selection import Select
 from weightsvc.core.store import ClientStatus, Version, VersionStore
 from weightsvc.core.topology import Replica
 from weightsvc.errors import (
+    NotFound,
     Unavailable,
 )
 from weightsvc.metrics import Metrics
@@ -121,7 +123,19 @@ class Service:
         return out
 
     def versions(self, model: str) -> list[Manifest]:
-        return [v.manifest for v in self.store.versions(model)]
+        try:
+            return [v.manifest for v in self.store.versions(model)]
+        except NotFound as e:
+            damaged = self.damaged_files(model)
+            if not damaged:
+                raise
+            raise NotFound(f"{e.message}; {len(damaged)} damaged file(s) of it were set aside at start-up: "
+                           + "; ".join(f"{d.file} ({d.reason})" for d in damaged)) from None  # fmt: skip
+
+    def damaged_files(self, model: str | None = None) -> list[DamagedFile]:
+        """The files of `model` (of every model: None) that restore found damaged and set aside."""
+        files = self.store.files
+        return [d for d in (files.damaged if files is not None else []) if model is None or d.model == model]
 
     def manifest(self, model: str, version: int | None) -> Manifest:
         return self.store.get(model, version).manifest

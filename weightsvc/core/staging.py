@@ -14,6 +14,7 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -158,16 +159,18 @@ class PushSession:
         if files is not None:
             # The header is known only at commit (checksums, lag): leave room for it before the data.
             room = await in_thread(big, _header_room, header, spec, plan)
-            file = await asyncio.to_thread(files.stage, header.model, header.step, room, plan.data_bytes)
-            data = file.data
+            # On a full disk the model's oldest versions make room (`Committer.on_disk`).
+            model, step, on_disk = header.model, header.step, service.store.on_disk
+            file = await on_disk(model, step, functools.partial(files.stage, model, step, room, plan.data_bytes))
             if spec.rounding == "ef":  # the new residual is staged in a file of its own
                 numels = {name: t.spec.numel for name, t in plan.tensors.items()}
                 try:
-                    staged_residual = await asyncio.to_thread(files.stage_residual, header.model, header.step,
-                                                              numels, spec.format, spec.scaling)  # fmt: skip
+                    stage = functools.partial(files.stage_residual, model, step, numels, spec.format, spec.scaling)
+                    staged_residual = await on_disk(model, step, stage)
                 except BaseException:
                     await asyncio.to_thread(files.discard, file)
                     raise
+            data = file.data  # (taken before, this view would keep a discarded file's blocks mapped)
         else:
             recycled = service.store.pool.take(plan.data_bytes)
             # Mapping fresh pages takes a while: off the loop.

@@ -58,6 +58,7 @@ class VersionStore:
         self.check_step = self.committer.check_step
         self.residual = self.committer.residual
         self.commit = self.committer.commit
+        self.on_disk = self.committer.on_disk
         self.restore = self.committer.restore
         self.sync_registry = self.committer.sync_registry
         self.ack = self.acks.ack

@@ -172,10 +172,11 @@ class VersionIndex:
         return evicted
 
     def drop(self, model: str, versions: list[int]) -> None:
-        """Forget versions that turned out not to be committed (restored, and unknown to the registry)."""
+        """Forget versions that turned out not to be committed (restored, and unknown to the registry),
+        or that went to make room on a full disk. A pull that holds one finishes from its bytes."""
         vs = self._versions.get(model, {})
         for v in versions:
-            vs.pop(v).evicted = True
+            self._retire(vs.pop(v))
         self._update_gauges(model)
 
     async def announce(self) -> None:
@@ -198,11 +199,13 @@ class VersionIndex:
         vs = self._versions[model]
         evicted = sorted(vs)[: max(0, len(vs) - self.retain)]
         for v in evicted:
-            version = vs.pop(v)
-            version.evicted = True
-            if version.readers == 0:  # else the last pull to end gives it back
-                self._recycle(version)
+            self._retire(vs.pop(v))
         return evicted
+
+    def _retire(self, version: Version) -> None:
+        version.evicted = True
+        if version.readers == 0:  # else the last pull to end gives it back
+            self._recycle(version)
 
     def _recycle(self, version: Version) -> None:
         if version.file is not None:

@@ -107,11 +107,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[pb.ModelSummary(**dataclasses.asdict(m)) for m in self.service.models()])
+        return pb.ListModelsResponse(models=[pb.ModelSummary(**dataclasses.asdict(m)) for m in self.service.models()],
+                                     damaged_files=self._damaged(None))  # fmt: skip
 
     @_abort_on_domain_error
     async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:
-        return pb.ListVersionsResponse(versions=[info_to_proto(m) for m in self.service.versions(request.model)])
+        return pb.ListVersionsResponse(versions=[info_to_proto(m) for m in self.service.versions(request.model)],
+                                       damaged_files=self._damaged(request.model))  # fmt: skip
+
+    def _damaged(self, model: str | None) -> list[pb.DamagedFile]:
+        return [pb.DamagedFile(**dataclasses.asdict(d)) for d in self.service.damaged_files(model)]
 
     @_abort_on_domain_error
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> pb.Manifest:

@@ -208,6 +208,10 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def _invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         return http_error(400, "INVALID_ARGUMENT", "; ".join(str(err.get("msg")) for err in e.errors()))
 
+    def _damaged(model: str | None) -> list[dict[str, str]]:
+        """The damaged files that restore set aside (of `model`, or of every model)."""
+        return [dataclasses.asdict(d) for d in service.damaged_files(model)]
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
@@ -224,11 +228,12 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"models": [dataclasses.asdict(m) for m in service.models()]}
+        return {"models": [dataclasses.asdict(m) for m in service.models()], "damaged_files": _damaged(None)}
 
     @app.get("/v1/models/{model}/versions")
     async def versions(model: str) -> dict[str, Any]:
-        return {"model": model, "versions": [m.info() for m in service.versions(model)]}
+        return {"model": model, "versions": [m.info() for m in service.versions(model)],
+                "damaged_files": _damaged(model)}  # fmt: skip
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:

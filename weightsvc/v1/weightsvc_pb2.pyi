@@ -278,11 +278,23 @@ class ModelSummary(_message.Message):
     versions: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, model: _Optional[str] = ..., latest_version: _Optional[int] = ..., versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DamagedFile(_message.Message):
+    __slots__ = ("model", "file", "reason")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    file: str
+    reason: str
+    def __init__(self, model: _Optional[str] = ..., file: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models",)
+    __slots__ = ("models", "damaged_files")
     MODELS_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FILES_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelSummary]
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ...) -> None: ...
+    damaged_files: _containers.RepeatedCompositeFieldContainer[DamagedFile]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelSummary, _Mapping]]] = ..., damaged_files: _Optional[_Iterable[_Union[DamagedFile, _Mapping]]] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ("model",)
@@ -291,10 +303,12 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
-    __slots__ = ("versions",)
+    __slots__ = ("versions", "damaged_files")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FILES_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
-    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+    damaged_files: _containers.RepeatedCompositeFieldContainer[DamagedFile]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ..., damaged_files: _Optional[_Iterable[_Union[DamagedFile, _Mapping]]] = ...) -> None: ...
 
 class GetManifestRequest(_message.Message):
     __slots__ = ("model", "version", "tensors_from")

@@ -1,0 +1,163 @@
+"""--data-dir on a disk that fills: a push makes room by evicting the model's oldest versions that
+nothing needs, and a file that still does not fit (a version's or an ef residual's) is
+RESOURCE_EXHAUSTED with the bytes it needs and those free, leaving nothing behind.
+
+The disk is a tmpfs of its own, resized between pushes (mounting one needs root on Linux)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import serving
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import NotFound, ResourceExhausted
+from weightsvc.rounding import ExportSpec, Residual, export_state_dict
+
+MIB = 1 << 20
+
+
+class Disk:
+    """A filesystem of its own (tmpfs), whose size the test sets."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _mount(self, *options: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["mount", *options, str(self.path)], capture_output=True, text=True)
+
+    def resize(self, size: int) -> None:
+        done = self._mount("-o", f"remount,size={size}")
+        assert done.returncode == 0, done.stderr
+
+    def used(self) -> int:
+        st = os.statvfs(self.path)
+        return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+    def free(self) -> int:
+        st = os.statvfs(self.path)
+        return st.f_bavail * st.f_frsize
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Disk]:
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("a disk that fills is a tmpfs of its own: mounting one needs root on Linux")
+    d = Disk(tmp_path / "disk")
+    d.path.mkdir()
+    done = d._mount("-t", "tmpfs", "-o", f"size={64 * MIB},mode=0700", "weightsvc-test")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "--lazy", str(d.path)], check=False)
+
+
+def masters(mib: int) -> dict[str, torch.Tensor]:
+    """`mib` MiB of fp32 masters (half of it served as bf16)."""
+    gen = torch.Generator().manual_seed(mib)
+    return {f"layers.{i}.weight": torch.randn(256, 1024, generator=gen) * 0.02 for i in range(mib)}
+
+
+def allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def files(data: Path) -> list[str]:
+    return sorted(p.name for p in (data / "models" / "m").iterdir())
+
+
+def named(*versions: int, residual: int | None = None) -> list[str]:
+    names = [f"{v:020d}.safetensors" for v in versions]
+    return sorted(names + ([f"residual-{residual:020d}.safetensors"] if residual is not None else []))
+
+
+def test_a_full_data_dir_evicts_the_oldest_versions_to_make_room(disk: Disk) -> None:
+    """--retain 3 on a disk where two versions fit: every push commits, in place of the oldest."""
+    data, weights = disk.path / "data", masters(2)
+    with serving(data_dir=data, retain=3) as srv:
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, weights, model="m")
+        one = allocated(data / "models" / "m" / named(1)[0])
+        disk.resize(disk.used() + one + one // 2)
+        learner.push(2, weights, model="m")
+        for step in (3, 4):
+            assert learner.push(step, weights, model="m").created
+        puller = InferenceClient(srv.grpc_target)
+        assert [v.version for v in puller.versions("m")] == [3, 4]
+        with pytest.raises(NotFound, match="retained: 3, 4"):
+            puller.pull("m", 2)
+        assert files(data) == named(3, 4)
+    with serving(data_dir=data, retain=3) as srv:  # what was evicted stays gone
+        assert [v.version for v in InferenceClient(srv.grpc_target).versions("m")] == [3, 4]
+
+
+def test_the_latest_version_and_one_being_pulled_stay_and_nothing_goes_for_a_file_that_cannot_fit(
+    disk: Disk,
+) -> None:
+    data, weights = disk.path / "data", masters(2)
+    with serving(data_dir=data, retain=3) as srv:
+        learner, puller = LearnerClient(srv.grpc_target), InferenceClient(srv.grpc_target)
+        learner.push(1, weights, model="m")
+        one = allocated(data / "models" / "m" / named(1)[0])
+        disk.resize(disk.used() + one + one // 2)
+        learner.push(2, weights, model="m")
+        pull = srv.call(srv.service.pull("m", 1, "grpc"))  # holds version 1
+        full = r"model 'm' version 3: .*No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"
+        with pytest.raises(ResourceExhausted, match=full + r".*no version of model 'm' may go"):
+            learner.push(3, weights, model="m")
+        srv.loop.call_soon_threadsafe(pull.close)
+        # Evicting version 1 could not make room for this one: it stays.
+        with pytest.raises(ResourceExhausted, match=full + r".*evicting version 1 would free only"):
+            learner.push(3, masters(6), model="m")
+        assert [v.version for v in puller.versions("m")] == [1, 2]
+        assert files(data) == named(1, 2)  # nothing half-written left behind
+        assert learner.push(3, weights, model="m").created
+        assert [v.version for v in puller.versions("m")] == [2, 3]
+
+
+def test_an_ef_residual_that_does_not_fit_is_resource_exhausted_like_a_version_file(disk: Disk) -> None:
+    data, weights = disk.path / "data", masters(2)
+    with serving(data_dir=data, retain=3, rounding="ef") as srv:
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, weights, model="m")
+        # Room for the next version's file (1 MiB), not for its residual (2 MiB); version 1 is the latest.
+        disk.resize(disk.used() + 3 * MIB // 2)
+        free = disk.free()
+        with pytest.raises(ResourceExhausted, match=r"model 'm' version 2: cannot persist the ef residual to .*"
+                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):  # fmt: skip
+            learner.push(2, weights, model="m")
+        with pytest.raises(ResourceExhausted, match=r"model 'm' version 2: cannot persist to .*"
+                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):  # fmt: skip
+            learner.push(2, masters(4), model="m")  # its version file does not fit either
+        assert srv.service.metrics.pushes_rejected.labels("too_large")._value.get() == 2
+        assert files(data) == named(1, residual=1)
+        assert disk.free() == free  # nothing half-written, nothing still holding its blocks
+
+
+def test_an_ef_push_makes_room_for_its_residual_and_the_chain_goes_on(disk: Disk) -> None:
+    data, weights = disk.path / "data", masters(2)
+    spec = ExportSpec("bf16", "ef")
+    with serving(data_dir=data, retain=3, rounding="ef") as srv:
+        learner = LearnerClient(srv.grpc_target)
+        learner.push(1, weights, model="m")
+        one, residual = allocated(data / "models" / "m" / named(1)[0]), allocated(data / "models" / "m" / named(
+            residual=1)[0])  # fmt: skip
+        # Two versions and two residuals (the latest's and the next push's): a third version does not fit.
+        disk.resize(disk.used() + one + residual + one // 2)
+        for step in (2, 3, 4):
+            assert learner.push(step, weights, model="m").created
+        assert [v.version for v in InferenceClient(srv.grpc_target).versions("m")] == [3, 4]
+        assert files(data) == named(3, 4, residual=4)
+        served = InferenceClient(srv.grpc_target).pull("m", 4)
+    own = Residual()  # the learner's own chain: evictions never touched the residual it continues
+    for step in (1, 2, 3, 4):
+        want = export_state_dict(weights, spec, version=step, residual=own)
+    assert all(want[n].view(torch.int16).equal(served[n].view(torch.int16)) for n in weights)
