@@ -7,6 +7,7 @@ client id or a tensor name.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -86,7 +87,8 @@ class Metrics:
         )  # fmt: skip
         self.update_visibility = Gauge(
             "weightsvc_update_visibility_ratio",
-            "Share of the learner's last step that reached the served copy",
+            "Share of the learner's recent update that reached the served copy, over the shortest window of "
+            "versions that tells it from rounding noise (NaN while none does)",
             lag_labels, registry=r,
         )  # fmt: skip
         self.served_churn = Gauge(
@@ -134,8 +136,10 @@ class Metrics:
                     series.remove(*before)
         self._lag_labels[model] = labels
         self.served_lag_steps.labels(*labels).set(lag.lag_steps)
-        if lag.update_visibility is not None:
-            self.update_visibility.labels(*labels).set(lag.update_visibility)
+        # NaN while the update cannot be told from rounding noise: no alert compares true against it,
+        # and the series does not keep a figure of an earlier version.
+        visibility = lag.update_visibility
+        self.update_visibility.labels(*labels).set(math.nan if visibility is None else visibility)
         self.served_churn.labels(*labels).set(lag.churn)
         self.served_relative_error.labels(*labels).set(lag.relative_error)
         self.saturated_elements.labels(*labels).inc(lag.saturated_elements)
