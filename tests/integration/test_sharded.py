@@ -56,8 +56,12 @@ def _steps(masters: dict[str, torch.Tensor], count: int) -> Iterator[dict[str, t
         yield masters
 
 
-def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, model: str, tmp_path: Path) -> None:
-    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "rounding": "ef", "replication": 1}
+@pytest.mark.parametrize("replication", [1, 2])
+def test_sharded_push_and_pull_equal_one_server_bit_for_bit(
+    redis_prefix: str, model: str, tmp_path: Path, replication: int
+) -> None:
+    """Each tensor on one replica, or on two (each group of tensors then pulled from either holder)."""
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "rounding": "ef", "replication": replication}
     gen = torch.Generator().manual_seed(5)
     masters = make_masters() | {f"layers.{i}.mlp.down.weight": torch.randn(64, 40, generator=gen) for i in range(1, 5)}
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
@@ -65,7 +69,7 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, m
         replicas = (r0, r1, r2)
         topology = InferenceClient(r0.grpc_target).topology()
         assert [r.id for r in topology] == list(REPLICAS)
-        owned = assign(masters, topology)
+        owned = assign(masters, topology, replication)
         assert len(owned) == 3, owned  # every replica owns some of these tensors
         with LearnerClient(r1.grpc_target) as learner, LearnerClient(alone.grpc_target) as single:
             # ef across steps: each owner keeps the residual of its own tensors.
@@ -73,14 +77,19 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, m
                 info = learner.push(step, state, model)
                 plain = single.push(step, state, model)
                 assert (info.version, info.data_bytes >= plain.data_bytes) == (step, True)
-        for srv in replicas:  # each replica holds its own part, and the same manifest
+        for srv in replicas:  # each replica holds its own part(s), and the same manifest
             held = srv.service.store.get(model, 2)
             whole = held.manifest
-            assert [p.owner for p in whole.parts] == list(REPLICAS)
-            mine = next(p for p in whole.parts if p.owner == srv.service.store.replica_id)
-            assert [(s.start, s.nbytes) for s in held.spans] == [(mine.offset, mine.nbytes)]
-            assert {t.name for t in whole.tensors if mine.offset <= t.offset < mine.offset + mine.nbytes} == set(
-                owned[srv.service.store.replica_id]
+            me = srv.service.store.replica_id
+            if replication == 1:
+                assert [p.owner for p in whole.parts] == list(REPLICAS)
+            else:  # a part per group of tensors with the same two owners
+                assert all(len(p.holders) == 2 for p in whole.parts)
+                assert [p.holders for p in whole.parts] == sorted(p.holders for p in whole.parts)
+            mine = [p for p in whole.parts if me in p.sources]
+            assert [(s.start, s.nbytes) for s in held.spans] == [(p.offset, p.nbytes) for p in mine]
+            assert {t.name for t in whole.tensors for p in mine if p.offset <= t.offset < p.offset + p.nbytes} == set(
+                owned[me]
             )
         manifests = {json.dumps(InferenceClient(s.grpc_target).manifest(model, 2).to_dict()) for s in replicas}
         assert len(manifests) == 1
@@ -128,7 +137,8 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(redis_prefix: str, m
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(url)
         assert err.value.code == 409
-        assert f"sharded over replicas that each hold a part of its data section (r0 [0, {whole.parts[0].nbytes})" in (
+        first = "/".join(whole.parts[0].sources)
+        assert f"sharded over replicas that each hold a part of its data section ({first} [0, {whole.parts[0].nbytes})" in (
             err.value.read().decode()
         )
         # No delta of a version of parts: the client pulls the parts from their owners.
