@@ -203,7 +203,8 @@ class Pull:
         head = len(v.header)
         held = v.span(max(start, head) - head, max(end, head) - head)
         if v.part is not None and not (end <= head or (held is not None and (start >= head or held.start == 0))):
-            owners = ", ".join(f"{'/'.join(p.sources)} [{p.offset}, {p.offset + p.nbytes})" for p in self.manifest.parts)
+            owners = ", ".join(f"{'/'.join(p.sources)} [{p.offset}, {p.offset + p.nbytes})"
+                               for p in self.manifest.parts)  # fmt: skip
             raise FailedPrecondition(
                 f"{self._where()} is sharded over replicas that each hold a part of its data section ({owners}); "
                 f"this one serves its header ({head} bytes) and its own part by Range. The InferenceClient "
