@@ -12,6 +12,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -196,22 +197,30 @@ def test_a_waiting_part_holds_back_its_model_until_the_learner_gives_up(redis_pr
 
 
 def _replica(prefix: str, replica_id: str, data_dir: Path, env: dict[str, str] | None = None,
-             replication: int = 1) -> ServeProcess:  # fmt: skip
+             replication: int = 1, rounding: str = "sr") -> ServeProcess:  # fmt: skip
     return ServeProcess("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--replica-id", replica_id,
                         "--data-dir", str(data_dir / replica_id), "--push-rank-timeout-s", "30",
-                        "--replication", str(replication), "--retain", "8", env=env)  # fmt: skip
+                        "--replication", str(replication), "--retain", "8", "--rounding", rounding,
+                        env=env)  # fmt: skip
 
 
-def test_replication_two_survives_any_one_replica_killed(redis_prefix: str, model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rounding", ["sr", "ef"])
+def test_replication_two_survives_any_one_replica_killed(
+    redis_prefix: str, model: str, tmp_path: Path, rounding: str
+) -> None:
     """Three replica processes, each tensor on two of them. One replica at a time is SIGKILLed: before
     a push, while the learner streams to it, after a push (the learner's own way in), and while a
     puller reads from it. Every push goes on (the learner leaves the dead replica out and pushes
     again), every committed version stays pullable bit for bit from every live replica, and a
-    replica that returns catches up with what was committed while it was down."""
+    replica that returns catches up with what was committed while it was down, before it takes
+    part in a push (with ef, its owners decide from the same latest version which residuals go on).
+    sr serves one server's bits; ef's residuals of the tensors that move start afresh, so its
+    versions are checked the same on every replica."""
     prefix = redis_prefix
-    procs = {r: _replica(prefix, r, tmp_path, replication=2) for r in REPLICAS}
+    procs = {r: _replica(prefix, r, tmp_path, replication=2, rounding=rounding) for r in REPLICAS}
     states = list(_steps(make_masters(scale=0.05), 5))
-    versions = []
+    versions: list[int] = []
+    expected: dict[int, dict[str, torch.Tensor]] = {}
 
     def same_bits(proc: ServeProcess, version: int) -> None:
         with InferenceClient(proc.target) as puller:
@@ -223,31 +232,36 @@ def test_replication_two_survives_any_one_replica_killed(redis_prefix: str, mode
     def live() -> list[ServeProcess]:
         return [p for p in procs.values() if p.proc.poll() is None]
 
+    def restart(replica_id: str) -> ServeProcess:
+        return _replica(prefix, replica_id, tmp_path, replication=2, rounding=rounding)
+
+    def pushed(learner: LearnerClient, step: int, **kwargs: Any) -> None:
+        assert learner.push(step, states[step - 1], model, **kwargs).version == step
+        versions.append(step)
+        if rounding == "ef":  # the bits as the first replica that answers serves them
+            expected[step] = InferenceClient(live()[0].target).pull(model, step)
+
     try:
-        with serving(retain=8) as alone, LearnerClient(alone.grpc_target) as single:
-            for step, state in enumerate(states, 1):  # the bits one server serves, the reference
-                single.push(step, state, model)
-            expected = {v: InferenceClient(alone.grpc_target).pull(model, v) for v in range(1, 6)}
+        if rounding == "sr":
+            with serving(retain=8) as alone, LearnerClient(alone.grpc_target) as single:
+                for step, state in enumerate(states, 1):  # the bits one server serves, the reference
+                    single.push(step, state, model)
+                expected.update({v: InferenceClient(alone.grpc_target).pull(model, v) for v in range(1, 6)})
         with LearnerClient(procs["r0"].target) as learner:
-            learner.push(1, states[0], model)
+            pushed(learner, 1)
             whole = InferenceClient(procs["r1"].target).manifest(model, 1)
             assert all(len(p.holders) == 2 for p in whole.parts)
             assert {h for p in whole.parts for h in p.holders} == set(REPLICAS)
-            versions.append(1)
 
             procs["r1"].kill()  # before a push: its registration is still there; the learner leaves it out
-            assert learner.push(2, states[1], model).version == 2
-            versions.append(2)
+            pushed(learner, 2)
             for proc in live():
                 for v in versions:
                     same_bits(proc, v)
 
-            procs["r1"] = _replica(prefix, "r1", tmp_path, replication=2)  # back: catches up at once
-            with InferenceClient(procs["r1"].target) as watcher:
-                assert next(iter(watcher.watch(model, after=1))).version == 2
-            for v in versions:
-                same_bits(procs["r1"], v)
-
+            # Back, r1 catches up before it takes part in a push: the next one, at once, with r2
+            # killed while the learner streams to it.
+            procs["r1"] = restart("r1")
             sent = 0
 
             def kill_r2_midway(n: int) -> None:
@@ -256,26 +270,25 @@ def test_replication_two_survives_any_one_replica_killed(redis_prefix: str, mode
                 if sent > 100_000 and procs["r2"].proc.poll() is None:
                     procs["r2"].proc.kill()
 
-            assert learner.push(3, states[2], model, progress=kill_r2_midway).version == 3  # during a push
+            pushed(learner, 3, progress=kill_r2_midway)
             procs["r2"].died()
-            versions.append(3)
+            with InferenceClient(procs["r1"].target) as watcher:
+                assert next(iter(watcher.watch(model, after=1))).version == 2
             for proc in live():
                 for v in versions:
                     same_bits(proc, v)
 
-            procs["r2"] = _replica(prefix, "r2", tmp_path, replication=2)
+            procs["r2"] = restart("r2")
             procs["r0"].kill()  # after a push: the learner's way in is gone; it asks the others
-            assert learner.push(4, states[3], model).version == 4
-            versions.append(4)
+            pushed(learner, 4)
             for proc in live():
                 for v in versions:
                     same_bits(proc, v)
 
         # While a puller reads from it: the parts it held come from their other holder.
-        procs["r0"] = _replica(prefix, "r0", tmp_path, replication=2)
+        procs["r0"] = restart("r0")
         with LearnerClient(procs["r2"].target) as learner:
-            assert learner.push(5, states[4], model).version == 5
-        versions.append(5)
+            pushed(learner, 5)
         got = 0
 
         def kill_r1_midway(n: int) -> None:
@@ -289,7 +302,7 @@ def test_replication_two_survives_any_one_replica_killed(redis_prefix: str, mode
         assert procs["r1"].died() != 0
         assert all(torch.equal(pulled[n].view(torch.int16), t.view(torch.int16)) for n, t in expected[5].items())
 
-        procs["r1"] = _replica(prefix, "r1", tmp_path, replication=2)
+        procs["r1"] = restart("r1")
         for proc in procs.values():  # all back: every version, bit for bit, from each
             for v in versions:
                 same_bits(proc, v)

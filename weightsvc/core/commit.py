@@ -234,6 +234,16 @@ class Committer:
             for task in following.values():
                 task.cancel()
 
+    async def catch_up(self, model: str | None = None) -> None:
+        """Show now every version the registry committed above what this replica shows (of `model`,
+        or of every model): before it joins the topology, and before a sharded push exports, so that
+        it decides from the latest version (which ef residuals go on) as the other owners do."""
+        for m in [model] if model is not None else await self._registry.models():
+            latest = self._index.latest(m)
+            for v in await self._registry.versions(m):
+                if (latest is None or v > latest) and self._index.find(m, v) is None:
+                    await self._learn(m, v, held_too=True)
+
     async def _follow(self, model: str) -> None:
         while True:
             try:
@@ -243,13 +253,16 @@ class Committer:
             except Unavailable:
                 await asyncio.sleep(1.0)
 
-    async def _learn(self, model: str, v: int) -> None:
-        """Show version `v`, which the registry committed, if this replica holds no part of it."""
+    async def _learn(self, model: str, v: int, held_too: bool = False) -> None:
+        """Show version `v`, which the registry committed, if this replica holds no part of it (or,
+        `held_too`, if it shows nothing of it: its part's file was lost)."""
         raw = await self._registry.manifest(model, v)
         if raw is None:
             return
         whole = await asyncio.to_thread(manifest_from_registry, raw, f"model {model!r} version {v}")
-        if not whole.parts or self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
+        if not whole.parts:
+            return  # one server holds it whole: clients pull it there
+        if not held_too and self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
             return  # this replica holds a part: its own commit (or restore) shows the version
         header = await asyncio.to_thread(whole.safetensors_header)
         nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())

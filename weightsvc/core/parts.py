@@ -8,6 +8,7 @@ Loop-owned: every method runs on the service's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ from weightsvc.core.versions import Version
 from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
 
 log = logging.getLogger("weightsvc.store")
+SETTLE_S = 5.0  # how long a push waits for the part a cancelled push left waiting to be settled
 T = TypeVar("T")
 
 
@@ -43,6 +45,17 @@ class Parts:
         self._registry = registry
         self._retain = retain
         self._waiting: dict[str, int] = {}  # model -> the version whose part waits for the other owners'
+        self._settled: dict[str, asyncio.Event] = {}  # model -> set once its waiting part is settled
+
+    async def settled(self, model: str) -> None:
+        """Wait a little for a part of `model` that waits for the other owners to be settled (committed
+        or withdrawn): a push made again after its learner left out a replica arrives while the
+        replicas still take back the parts of the push it cancelled."""
+        event = self._settled.get(model)
+        if event is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SETTLE_S):
+                    await event.wait()
 
     def check_not_waiting(self, model: str, step: int) -> None:
         """One part of a model waits for the other owners at a time: what follows builds on it."""
@@ -73,6 +86,7 @@ class Parts:
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         mine = text if text is not None else await asyncio.to_thread(m.json)
         self._waiting[m.model] = m.version
+        self._settled[m.model] = settled = asyncio.Event()
         try:
             try:
                 decided = await self._registry.commit_part(
@@ -107,6 +121,9 @@ class Parts:
                 decided = CommitResult(created=True)  # (a withdraw too late: the last part came in meanwhile)
         finally:
             self._waiting.pop(m.model, None)
+            if self._settled.get(m.model) is settled:
+                del self._settled[m.model]
+            settled.set()
         raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
             raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")

@@ -123,6 +123,8 @@ class Server:
             self._relay.start()
         self.replica = self._describe()
         self.service.store.replica_id = self.replica.id
+        if s.redis_url and not s.relay_from:
+            await self.service.store.committer.catch_up()  # before it takes part in pushes
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         if s.redis_url and not s.relay_from:
