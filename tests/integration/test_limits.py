@@ -8,6 +8,7 @@ import contextlib
 import socket
 import threading
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -146,6 +147,24 @@ def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(mode
                 assert sorted(InferenceClient(target).pull(model)) == sorted(make_masters())
         finally:
             for s in [*idle, half]:
+                s.close()
+
+
+def test_at_the_connection_limit_a_request_takes_the_place_of_an_idle_connection() -> None:
+    """Idle sockets held open (well within --connect-timeout-s) cannot keep a request out: at
+    --max-connections the connection idle longest makes room, and /healthz answers at once."""
+    with serving(max_connections=20, connect_timeout_s=60.0) as srv:
+        url = urllib.parse.urlsplit(srv.http_url)
+        idle = [socket.create_connection(("127.0.0.1", url.port), timeout=5) for _ in range(20)]
+        try:
+            connections = srv.server._http.server_state.connections  # type: ignore[union-attr]
+            for _ in range(3):
+                with urllib.request.urlopen(f"{srv.http_url}/healthz", timeout=5) as resp:
+                    assert resp.status == 200
+            assert len(connections) <= 20
+            assert _closed_by_server(idle[0])  # the oldest idle one made room
+        finally:
+            for s in idle:
                 s.close()
 
 

@@ -4,8 +4,9 @@ uvicorn holds a connection that sends nothing for as long as the client likes, a
 head of any size: a thousand idle sockets took the descriptors of the whole process, and four
 64 MiB heads 300 MiB of memory, before any token was checked. Here each connection must send a
 whole request head (request line and headers, at most MAX_HEAD_BYTES) within a time of its opening
-or of its previous response, and at most a number of connections are held at once: more are closed
-as they arrive.
+or of its previous response, and at most a number of connections are held at once. At that number,
+a new connection takes the place of the one that has waited longest without sending a byte of its
+next request (so idle sockets cannot keep others out); if every one is sending, it is closed.
 """
 
 from __future__ import annotations
@@ -31,20 +32,30 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_head = True  # waiting for (the rest of) a request head
         self._head_bytes = 0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # when it last waited for a request and has sent nothing since
+        self._made = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
-            transport.abort()  # not added to the connections: nothing else to undo
-            return
+            idle = [c for c in self.connections if isinstance(c, LimitedHttpProtocol) and c._idle_since is not None]
+            if not idle:
+                transport.abort()  # not added to the connections: nothing else to undo
+                return
+            oldest = min(idle, key=lambda c: c._idle_since or 0.0)
+            self.connections.discard(oldest)  # counted out now: its connection_lost comes later
+            oldest._idle_since = None
+            oldest.transport.abort()
         super().connection_made(transport)
+        self._made = True
         self._await_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
-        if self in self.connections:
+        if self._made:  # (a connection refused at the limit was never set up)
             super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        self._idle_since = None
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -64,6 +75,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _await_head(self) -> None:
         self._in_head, self._head_bytes = True, 0
+        self._idle_since = self.loop.time()
         self._stop_timer()
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
