@@ -60,6 +60,7 @@ class Committer:
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
+        self._following = False
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
@@ -221,8 +222,9 @@ class Committer:
         part of (it was down, or left out of the push): it serves its manifest, and clients fetch
         the bytes from the replicas that hold them. A replica that returns thus catches up at once."""
         following: dict[str, asyncio.Task[None]] = {}
+        self._following = True
         try:
-            while True:
+            while self._following:
                 try:
                     for model in await self._registry.models():
                         if model not in following or following[model].done():
@@ -244,8 +246,12 @@ class Committer:
                 if (latest is None or v > latest) and self._index.find(m, v) is None:
                     await self._learn(m, v, held_too=True)
 
+    def stop_following(self) -> None:
+        """End `follow` and its tasks at their next turn (a cancel alone may be lost in redis-py)."""
+        self._following = False
+
     async def _follow(self, model: str) -> None:
-        while True:
+        while self._following:
             try:
                 async for v in self._registry.events(model, -1):
                     if self._index.find(model, v) is None:

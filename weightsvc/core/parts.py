@@ -46,12 +46,16 @@ class Parts:
         self._retain = retain
         self._waiting: dict[str, int] = {}  # model -> the version whose part waits for the other owners'
         self._settled: dict[str, asyncio.Event] = {}  # model -> set once its waiting part is settled
+        self._waiting_of: dict[str, PartOf] = {}  # model -> the waiting part's push
 
-    async def settled(self, model: str) -> None:
+    async def settled(self, model: str, step: int, owners: tuple[str, ...]) -> None:
         """Wait a little for a part of `model` that waits for the other owners to be settled (committed
-        or withdrawn): a push made again after its learner left out a replica arrives while the
-        replicas still take back the parts of the push it cancelled."""
+        or withdrawn). A push of the same step to other owners is its learner's push made again
+        without a replica it could not reach: the waiting part is given up at once."""
         event = self._settled.get(model)
+        part_of = self._waiting_of.get(model)
+        if part_of is not None and self._waiting.get(model) == step and sorted(part_of.owners) != sorted(owners):
+            part_of.abandoned.set()
         if event is not None:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(SETTLE_S):
@@ -86,6 +90,7 @@ class Parts:
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         mine = text if text is not None else await asyncio.to_thread(m.json)
         self._waiting[m.model] = m.version
+        self._waiting_of[m.model] = part_of
         self._settled[m.model] = settled = asyncio.Event()
         try:
             try:
@@ -123,6 +128,7 @@ class Parts:
             self._waiting.pop(m.model, None)
             if self._settled.get(m.model) is settled:
                 del self._settled[m.model]
+                del self._waiting_of[m.model]
             settled.set()
         raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
@@ -155,18 +161,24 @@ class Parts:
         """Wait until the registry commits `version` (True), or until the timeout or the learner
         abandons the push (False)."""
 
+        over = False
+
         async def committed() -> bool:
-            while True:
+            # Stops once the wait is over, also if redis-py turns the cancel of its blocking read
+            # into a connection error (as it did mid-XREAD): retrying would never end.
+            while not over:
                 try:
                     async for v in self._registry.events(model, version - 1):
                         return v == version  # a later version first: this one can no longer commit
                 except Unavailable:
                     await asyncio.sleep(0.5)  # the deadline still holds
+            return False
 
         waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(part_of.abandoned.wait())]
         try:
             done, _ = await asyncio.wait(waiting, timeout=part_of.timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            over = True
             for w in waiting:
                 w.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)

@@ -346,7 +346,7 @@ class Pushes:
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
             await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
             if header.owners:
-                await self.service.store.parts.settled(header.model)
+                await self.service.store.parts.settled(header.model, header.step, header.owners)
             self._check(header)
             self.pushing[header.model] += 1
             try:

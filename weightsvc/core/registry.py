@@ -440,6 +440,11 @@ class RedisRegistry:
                 yield v
                 last = v
         while True:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Cancelled during the last read, and redis-py let the read end as if it had not
+                # been (seen mid-XREAD BLOCK): honour the cancel, or this loop never ends.
+                raise asyncio.CancelledError
             read = self._redis.xread({stream: cursor}, block=self._block_ms)
             got = await self._call(f"watching model {model!r}", read)
             for _, entries in got or []:  # type: ignore[attr-defined]

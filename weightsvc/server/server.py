@@ -163,6 +163,8 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
+        if self.service is not None:
+            self.service.store.committer.stop_following()
         for task in (self._heartbeat, self._follow, self._loop_monitor):
             if task is not None:
                 task.cancel()
