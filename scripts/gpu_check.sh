@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# On a CUDA machine with the project installed: the Triton kernels compiled for the GPU against the
-# CPU kernels, bit for bit (tests/gpu); their speed there (K1/K2 on CUDA); and scale_3v1 with as many
-# cores as the machine has (starts redis-server when none answers on 127.0.0.1:6379).
+# The device check, on a CUDA machine with the project installed (scripts/setup.sh with a CUDA torch):
+# the Triton kernels compiled for the GPU against the CPU kernels, bit for bit (tests/gpu), the
+# service with --device cuda against --device cpu (tests/integration/test_device.py, on the GPU this
+# time), the kernels' speed (K1/K2/K3 on CUDA, fp8 included), and a push of a 4 GiB model with
+# --device cuda vs cpu vs raw TCP. Prints one JSON object of figures. Runs in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-python_json() { "$PY" -c "import json, sys; from weightsvc import _bench; print(json.dumps($1))"; }
-TRITON_INTERPRET=0 "$PY" -m pytest -q -p no:cacheprovider tests/gpu
-python_json "_bench.cuda_kernel_bench()"
-if ! "$PY" -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; then
-  redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
-  until "$PY" -c "import redis; redis.Redis(socket_connect_timeout=1).ping()" 2>/dev/null; do sleep 0.2; done
-fi
-python_json "_bench.scale_bench(size_mib=${SCALE_MIB:-1024}, log=lambda m: print(m, file=sys.stderr))"
+PY=${PYTHON:-.venv/bin/python}
+export TRITON_INTERPRET=0
+log=$(mktemp)
+if "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/integration/test_device.py >"$log" 2>&1; then tests=passed; else tests=failed; fi
+summary=$(tail -n 1 "$log")
+"$PY" - "$tests" "$summary" <<'PYEOF'
+import json, sys
+from weightsvc.cli import bench
+out = {"tests": sys.argv[1], "tests_summary": sys.argv[2]}
+out.update(bench.cuda_kernel_bench())
+out.update(bench.device_push_bench(size_mib=int(__import__("os").environ.get("PUSH_MIB", "4096"))))
+print(json.dumps(out))
+PYEOF
+[ "$tests" = passed ] || { cat "$log" >&2; exit 1; }

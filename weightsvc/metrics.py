@@ -71,6 +71,9 @@ class Metrics:
         )
         self.pushes_in_flight = Gauge("weightsvc_pushes_in_flight", "Pushes being received or exported", registry=r)
         self.staged_bytes = Gauge("weightsvc_staged_bytes", "Bytes held by pushes that have not committed", registry=r)
+        self.gpu_staged_bytes = Gauge(
+            "weightsvc_gpu_staged_bytes", "Bytes the GPU holds for exports in progress (--device cuda)", registry=r
+        )
         self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
         self.export_seconds = Histogram(
             "weightsvc_export_seconds",

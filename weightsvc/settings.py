@@ -18,15 +18,13 @@ if TYPE_CHECKING:
     from weightsvc.transport.auth import Auth
 
 # The choices a deployment may set. They name what weightsvc.rounding implements (FORMATS,
-# ROUNDINGS, SCALINGS, DEFAULT_FP8_PATTERN; tests/unit/test_settings.py holds them equal); they are
+# ROUNDINGS, SCALINGS, DEVICES, DEFAULT_FP8_PATTERN; tests/unit/test_settings.py holds them equal); they are
 # spelled out here so that checking a flag does not load the numba kernels.
 FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
 ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
 SCALINGS = ("tensor", "channel", "block")
 DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
-# The service exports on the CPU; 'auto' picks it. The Triton kernels match the CPU kernels bit for bit
-# (tests/gpu), but the service does not drive them yet, so 'cuda' is refused rather than ignored.
-DEVICES = ("auto", "cpu")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 def _physical_memory() -> int:
@@ -71,7 +69,10 @@ class Settings(BaseSettings):
         json_schema_extra={"choices": list(SCALINGS)},
     )
     fp8_pattern: str = Field(DEFAULT_FP8_PATTERN, description="Regex of the 2-D tensor names served in fp8.")
-    device: str = Field("auto", description="Export device.", json_schema_extra={"choices": list(DEVICES)})
+    device: str = Field(
+        "auto", description="Export device: auto (the GPU when one is visible), cpu or cuda (Triton kernels).",
+        json_schema_extra={"choices": list(DEVICES)},
+    )
     retain: int = Field(4, ge=1, description="Versions kept per model (besides pinned ones).")
     allow_nonfinite: bool = Field(False, description="Accept masters with NaN/Inf (rejected by default).")
     # ---- limits. gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB
@@ -158,9 +159,6 @@ class Settings(BaseSettings):
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:
         """One of the field's `choices`."""
-        if info.field_name == "device" and v == "cuda":
-            raise ValueError("cuda: this server exports on the CPU only (GPU export in the service is not built "
-                             "yet); use --device cpu or auto")  # fmt: skip
         assert info.field_name is not None
         extra = cls.model_fields[info.field_name].json_schema_extra
         assert isinstance(extra, dict) and isinstance(extra["choices"], list)

@@ -167,6 +167,7 @@ def test_gpu_overlay_puts_the_server_on_a_gpu_and_leaves_relays_on_cpu() -> None
     server = by_kind(docs, "StatefulSet")["weightsvc"]["spec"]["template"]["spec"]
     relay = by_kind(docs, "Deployment")["weightsvc-relay"]["spec"]["template"]["spec"]
     assert server["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "WEIGHTSVC_DEVICE", "value": "cuda"} in server["containers"][0]["env"]
     assert server["containers"][0]["image"].endswith("-cuda")
     assert any(t["key"] == "nvidia.com/gpu" for t in server["tolerations"])
     assert "nvidia.com/gpu" not in relay["containers"][0]["resources"].get("limits", {})

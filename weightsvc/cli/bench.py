@@ -384,16 +384,49 @@ def cuda_kernel_bench(*, size_mib: int = 1024, repeat: int = 10) -> dict[str, fl
     ef_s = timed(lambda: _triton.bf16_export(x, out, k0, k1, 0, spec_ef.stochastic, res_in, res_out))
     api_sr_s = timed(lambda: rounding.export(x, spec_sr, version=1, name="w"))
     api_ef_s = timed(lambda: rounding.export(x, spec_ef, version=1, name="w", residual=residual))
+    # fp8 with 128x128 blocks, scales computed on the GPU, as the service exports a weight
+    grid = x.view(-1, 2048)
+    spec_fp8 = rounding.ExportSpec("fp8_e4m3", "sr", scaling="block", fp8_pattern=".*")
+    fp8_s = timed(lambda: rounding.export(grid, spec_fp8, version=1, name="w"))
     gbps = {k: round(x.numel() * 4 / v / 1e9, 1) for k, v in
-            {"cast": cast_s, "sr": sr_s, "ef": ef_s, "export_sr": api_sr_s, "export_ef": api_ef_s}.items()}  # fmt: skip
+            {"cast": cast_s, "sr": sr_s, "ef": ef_s, "export_sr": api_sr_s, "export_ef": api_ef_s,
+             "fp8_block_sr": fp8_s}.items()}  # fmt: skip
     return {
         "K1_cuda": round(cast_s / sr_s, 3),
         "K2_cuda": round(cast_s / ef_s, 3),
+        "K3_cuda_fp8_block_sr": round(cast_s / fp8_s, 3),
         "K1_cuda_export_api": round(cast_s / api_sr_s, 3),
         "K2_cuda_export_api": round(cast_s / api_ef_s, 3),
         **{f"kernel_cuda_{k}_gbps": v for k, v in gbps.items()},
         "device": torch.cuda.get_device_name(),  # type: ignore[dict-item]
     }
+
+
+def device_push_bench(*, size_mib: int = 4096, repeat: int = 2, rounding: str = "sr") -> dict[str, Any]:
+    """K3's service side: a push of a `size_mib` fp32 model to a server with `--device cuda` and to
+    one with `--device cpu`, against raw TCP moving the same bytes (the network alone). Export
+    hidden behind receipt: K3_push_cuda_vs_tcp near 1."""
+    model = _model(size_mib)
+    nbytes = sum(t.numel() * 4 for t in model.values())
+    out: dict[str, Any] = {"K3_push_mib": size_mib, "K3_push_rounding": rounding}
+    tcp = _best(lambda: raw_tcp_seconds(nbytes, download=False), repeat)
+    out["K3_push_tcp_s"] = round(tcp, 3)
+    for device in ("cuda", "cpu"):
+        server = _ServerProcess(2, "--device", device, "--rounding", rounding)
+        try:
+            with LearnerClient(server.grpc) as learner:
+                learner.push(0, model, "bench")  # warm: buffers mapped, kernels compiled
+                seconds = []
+                for step in range(1, 1 + repeat):
+                    start = time.perf_counter()
+                    learner.push(step, model, "bench")
+                    seconds.append(time.perf_counter() - start)
+                out[f"K3_push_{device}_s"] = round(min(seconds), 3)
+        finally:
+            server.close()
+    out["K3_push_cuda_vs_tcp"] = round(out["K3_push_tcp_s"] / out["K3_push_cuda_s"], 3)
+    out["K3_push_cpu_vs_tcp"] = round(out["K3_push_tcp_s"] / out["K3_push_cpu_s"], 3)
+    return out
 
 
 def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:

@@ -135,7 +135,8 @@ def serve(settings: Settings) -> None:
         gc.freeze()
         gc.set_threshold(700, 10, 1000)
         # One machine-readable line on stdout, for scripts that started us with port 0.
-        print(f"weightsvc ready grpc={server.grpc_target} http={server.http_url}", flush=True)
+        print(f"weightsvc ready grpc={server.grpc_target} http={server.http_url} "
+              f"device={server.device}", flush=True)  # fmt: skip
         await stop.wait()
         logging.getLogger("weightsvc").info("shutting down")
         await server.stop()
@@ -144,6 +145,8 @@ def serve(settings: Settings) -> None:
         asyncio.run(run())
     except OSError as e:
         fail(str(e))
+    except WeightsvcError as e:  # a setting that cannot be had here (--device cuda without a GPU)
+        fail(e.message)
 
 
 def _serve_command() -> Any:

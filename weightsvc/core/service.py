@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from weightsvc import rounding
+from weightsvc.core.device import Kernels, kernels_for
 from weightsvc.core.manifest import (
     Manifest,
     check_model_name,
@@ -79,6 +80,8 @@ class Service:
         )
         self.store.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
         self.store.acks.forget_s = settings.client_forget_s
+        # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
+        self.kernels = kernels_for(settings.device, self.metrics.gpu_staged_bytes.inc)
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
@@ -181,6 +184,13 @@ class Service:
 
     def ack(self, model: str, version: int, client_id: str) -> int:
         return self.store.ack(model, version, client_id)
+
+    def export_kernels(self) -> Kernels:
+        """The kernels a new push exports with: after a GPU error, the CPU's from then on."""
+        if self.kernels.failed:
+            log.warning("the export on %s failed: pushes export on the CPU from now on", self.kernels.name)
+            self.kernels = Kernels("cpu", "", self.kernels.staged)
+        return self.kernels
 
     async def topology(self) -> list[Replica]:
         """The replicas as the registry knows them; while it is unreachable, as it last knew them

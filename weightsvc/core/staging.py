@@ -122,6 +122,7 @@ class PushSession:
         self.tensors = tensors
         self.parts = plan.parts
         self.segments = plan.segments
+        self.kernels = service.export_kernels()
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling, plan.groups if header.owners else None)
             if spec.rounding == "ef" else None
@@ -313,7 +314,7 @@ class PushSession:
         outs = np.fromiter((t.slot.offset for t, _, _ in runs), np.int64, len(runs)) // 2 + firsts
         served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
         names = [t.spec.name for t, _, _ in runs]
-        stats = rounding.export_runs(master, starts, served, self.spec, version=self.header.step, names=names,
+        stats = self.kernels.export_runs(master, starts, served, self.spec, version=self.header.step, names=names,
                                      offsets=firsts.tolist(), outs=outs)  # fmt: skip
         # The sampled elements of every run: those whose flat index in their tensor is a multiple of
         # the stride (as `_export_chunk` takes them), gathered with one index array.
@@ -344,7 +345,7 @@ class PushSession:
         served = self._slot_bytes(t.slot)
         first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
         res_in, res_out = self._residuals(t)
-        stats = rounding.export_array(
+        stats = self.kernels.export_array(
             master, served[first * size : (first + count) * size], self.spec, version=self.header.step,
             name=t.spec.name, fmt=t.fmt, offset=first,
             residual=None if res_in is None else res_in[first : first + count],
@@ -379,7 +380,7 @@ class PushSession:
         values = master if res_in is None else master + res_in  # EF quantizes m + e
         scales = rounding.fp8_scales(values.reshape(t.spec.shape), t.fmt, self.spec.scaling)
         served = self._slot_bytes(t.slot)
-        stats = rounding.export_array(
+        stats = self.kernels.export_array(
             master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, scales=scales,
             residual=res_in, new_residual=res_out,
         )  # fmt: skip

@@ -70,6 +70,11 @@ class Server:
         self._loop_monitor: asyncio.Task[None] | None = None
 
     @property
+    def device(self) -> str:
+        """Where pushes export (`Kernels.name`)."""
+        return self.service.kernels.name if self.service is not None else ""
+
+    @property
     def grpc_target(self) -> str:
         scheme = "grpcs://" if self.settings.tls_cert else ""
         return f"{scheme}{self.settings.host}:{self.grpc_port}"

@@ -1,0 +1,128 @@
+"""`--device`: the service's export on the GPU (Triton) gives the CPU's bits. Here Triton's
+interpreter runs the device code on the CPU (TRITON_INTERPRET=1, set in conftest): the same code
+a GPU runs, the same bits; the GPU's own check is scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters, serving
+from tests.integration.test_ranks import push_ranks
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import Shard
+from weightsvc.errors import NotFound, Unavailable
+from weightsvc.server.server import BackgroundServer
+
+pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
+
+CASES = [("bf16", "sr", "tensor"), ("bf16", "ef", "tensor"), ("fp16", "rtn", "tensor"),
+         ("fp8_e4m3", "sr", "block"), ("fp8_e4m3", "ef", "channel")]  # fmt: skip
+
+
+def _steps(count: int) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    state = make_masters(scale=0.05)
+    out = []
+    for _ in range(count):
+        state = {n: t + 1e-3 * torch.randn(t.shape, generator=gen) for n, t in state.items()}
+        out.append(state)
+    return out
+
+
+def _bits(srv: BackgroundServer, model: str, version: int) -> dict[str, bytes]:
+    pulled = InferenceClient(srv.grpc_target).pull(model, version)
+    return {n: t.reshape(-1).view(torch.uint8).numpy().tobytes() for n, t in pulled.items()}
+
+
+@pytest.mark.parametrize(("fmt", "rnd", "scaling"), CASES)
+def test_device_cuda_serves_the_cpu_bits(fmt: str, rnd: str, scaling: str, model: str, tmp_path: Path) -> None:
+    """An ef chain over three versions (the second pushed by two ranks): served bytes, checksums,
+    lag metrics and residuals are the same on `--device cuda` as on `--device cpu`; a server
+    restarted on the other device goes on with the chain bit for bit."""
+    common = {"format": fmt, "rounding": rnd, "scaling": scaling, "fp8_pattern": ".*"}
+    states = _steps(4)
+    with serving(device="cpu", **common) as cpu, serving(device="cuda", data_dir=tmp_path / "gpu", **common) as gpu:
+        assert gpu.server.device.startswith("cuda") and cpu.server.device == "cpu"
+        for step, state in enumerate(states[:3], 1):
+            for srv in (cpu, gpu):
+                if step == 2:
+                    names = list(state)
+                    flat = state[names[2]].reshape(-1)
+                    half = flat.numel() // 2
+                    ranks: list[dict[str, torch.Tensor | Shard]] = [
+                        {n: state[n] for n in names[:2]} | {names[2]: Shard(flat[:half], 0, state[names[2]].shape)},
+                        {n: state[n] for n in names[3:]} | {names[2]: Shard(flat[half:], half, state[names[2]].shape)},
+                    ]
+                    for f in push_ranks(srv.grpc_target, step, ranks, model):
+                        f.result()
+                else:
+                    with LearnerClient(srv.grpc_target) as learner:
+                        learner.push(step, state, model)
+            assert _bits(gpu, model, step) == _bits(cpu, model, step)
+            on_cpu, on_gpu = (InferenceClient(s.grpc_target).manifest(model, step) for s in (cpu, gpu))
+            assert [t.checksum for t in on_gpu.tensors] == [t.checksum for t in on_cpu.tensors]
+            assert on_gpu.master_digest == on_cpu.master_digest and on_gpu.lag == on_cpu.lag
+        if rnd == "ef":
+            r_cpu = cpu.service.store.committer._residuals[model]
+            r_gpu = gpu.service.store.committer._residuals[model]
+            assert r_cpu.tensors.keys() == r_gpu.tensors.keys()
+            for name, r in r_cpu.tensors.items():
+                assert (r.view("uint32") == r_gpu.tensors[name].view("uint32")).all(), name
+        with LearnerClient(cpu.grpc_target) as learner:
+            learner.push(4, states[3], model)
+        expected = _bits(cpu, model, 4)
+    # The GPU server's data dir, restarted on the CPU: the chain goes on with the residual it kept.
+    with serving(device="cpu", data_dir=tmp_path / "gpu", **common) as again:
+        with LearnerClient(again.grpc_target) as learner:
+            learner.push(4, states[3], model)
+        assert _bits(again, model, 4) == expected
+
+
+def test_a_device_error_fails_that_push_and_the_next_go_to_the_cpu(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A GPU error mid-push (here a kernel that raises, as a CUDA fault would) refuses that push,
+    leaves nothing visible, and the service exports on the CPU from then on."""
+    from weightsvc.rounding import _triton
+
+    def fault(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    state = make_masters()
+    with serving(device="cuda") as gpu, serving(device="cpu") as cpu:
+        monkeypatch.setattr(_triton, "bf16_export", fault)
+        with LearnerClient(gpu.grpc_target) as learner, pytest.raises(Unavailable, match=(
+            r"the export on cuda[-:\w]* failed \(RuntimeError: CUDA error: an illegal memory access"
+        )):  # fmt: skip
+            learner.push(1, state, model)
+        with pytest.raises(NotFound):
+            InferenceClient(gpu.grpc_target).versions(model)
+        with LearnerClient(gpu.grpc_target) as learner, LearnerClient(cpu.grpc_target) as reference:
+            learner.push(1, state, model)
+            reference.push(1, state, model)
+        assert gpu.server.device == "cpu"
+        with urllib.request.urlopen(f"{gpu.http_url}/readyz") as resp:
+            assert json.loads(resp.read())["device"] == "cpu"
+        assert _bits(gpu, model, 1) == _bits(cpu, model, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
+def test_device_cuda_without_a_gpu_refuses_to_start_and_auto_takes_the_cpu() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([*WEIGHTSVC_CMD, "serve", "--device", "cuda", "--grpc-port", "0", "--http-port", "0"],
+                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 1
+    assert "--device cuda: torch sees no CUDA device (use --device cpu or auto)" in out.stderr
+    srv = ServeProcess("--device", "auto", env={"TRITON_INTERPRET": "0"})
+    try:
+        with urllib.request.urlopen(f"{srv.url}/readyz") as resp:
+            assert json.loads(resp.read()) == {"status": "ready", "device": "cpu"}
+    finally:
+        srv.kill()
