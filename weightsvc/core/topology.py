@@ -28,18 +28,12 @@ def _weight(replica_id: str, name: str) -> int:
     return xxhash.xxh64_intdigest(f"{replica_id}\0{name}".encode())
 
 
-def owner(name: str, replicas: Sequence[Replica]) -> Replica:
-    """The replica that owns tensor `name` (ties, vanishingly rare, go to the smaller id)."""
-    if not replicas:
-        raise ValueError("no replicas to own tensors")
-    return max(replicas, key=lambda r: (_weight(r.id, name), [-ord(c) for c in r.id]))
-
-
 Group = tuple[str, ...]  # the ids of a tensor's owners, sorted
 
 
 def owners(name: str, replica_ids: Sequence[str], replication: int) -> Group:
-    """The ids of the `replication` replicas that own tensor `name` (all of them if there are fewer), sorted."""
+    """The ids of the `replication` replicas that own tensor `name` (all of them if there are fewer),
+    sorted. Ties of weight, vanishingly rare, go to the smaller id."""
     top = sorted(replica_ids, key=lambda r: (-_weight(r, name), r))[: max(1, replication)]
     return tuple(sorted(top))
 
