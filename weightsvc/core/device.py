@@ -82,19 +82,44 @@ class Kernels:
     def export_runs(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec, *,
                     version: int, names: list[str], offsets: list[int],
                     outs: np.ndarray) -> list[rounding.ExportStats]:  # fmt: skip
-        """`rounding.export_runs` on this device (on a GPU, one call per run: the runs are small)."""
+        """`rounding.export_runs` on this device. On a GPU the runs (small tensors) go in with one
+        copy and come back with one; each is exported by its own kernel launch, with its own keys."""
         if not self.on_gpu:
             return rounding.export_runs(master, starts, served, spec, version=version, names=names, offsets=offsets,
                                         outs=outs)  # fmt: skip
-        fmt = rounding.FORMATS["bf16"]
-        served8 = served.view(np.uint8)
-        out = []
-        for j, run_name in enumerate(names):
-            a, b = int(starts[j]), int(starts[j + 1])
-            at = int(outs[j]) * 2
-            out.append(self.export_array(master[a:b], served8[at : at + (b - a) * 2], spec, version=version,
-                                         name=run_name, fmt=fmt, offset=offsets[j]))  # fmt: skip
-        return out
+        try:
+            return self._runs_on_device(master, starts, served, spec, version, names, offsets, outs)
+        except Exception as e:
+            self.failed = True
+            raise Unavailable(f"tensors {names[0]!r} and {len(names) - 1} more: the export on {self.name} failed "
+                              f"({type(e).__name__}: {e}); this push is refused, the next ones export on the CPU"
+                              ) from e  # fmt: skip
+
+    def _runs_on_device(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec,
+                        version: int, names: list[str], offsets: list[int],
+                        outs: np.ndarray) -> list[rounding.ExportStats]:  # fmt: skip
+        import torch
+
+        from weightsvc.rounding import _triton
+
+        nbytes = master.nbytes * 3 // 2
+        self.staged(nbytes)
+        try:
+            m = torch.from_numpy(np.ascontiguousarray(master)).to(self.torch_device)
+            bits = torch.empty(master.size, dtype=torch.int16, device=m.device)
+            stats = []
+            for j, run_name in enumerate(names):
+                a, b = int(starts[j]), int(starts[j + 1])
+                k0, k1 = spec.key(version, run_name)
+                counts = _triton.bf16_export(m[a:b], bits[a:b], k0, k1, offsets[j], spec.stochastic)
+                stats.append(rounding.ExportStats(*counts))
+            codes = bits.cpu().numpy().view(np.uint16)
+            for j in range(len(names)):
+                a, b = int(starts[j]), int(starts[j + 1])
+                served[int(outs[j]) : int(outs[j]) + b - a] = codes[a:b]
+            return stats
+        finally:
+            self.staged(-nbytes)
 
     def _on_device(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, *, version: int, name: str,
                    fmt: rounding.Format, offset: int, scales: rounding.Scales | None, residual: np.ndarray | None,
