@@ -34,6 +34,8 @@ Group = tuple[str, ...]  # the ids of a tensor's owners, sorted
 def owners(name: str, replica_ids: Sequence[str], replication: int) -> Group:
     """The ids of the `replication` replicas that own tensor `name` (all of them if there are fewer),
     sorted. Ties of weight, vanishingly rare, go to the smaller id."""
+    if not replica_ids:
+        raise ValueError("no replicas to own tensors")
     top = sorted(replica_ids, key=lambda r: (-_weight(r, name), r))[: max(1, replication)]
     return tuple(sorted(top))
 
