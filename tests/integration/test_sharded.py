@@ -10,7 +10,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +232,23 @@ def test_replication_two_survives_any_one_replica_killed(
     def live() -> list[ServeProcess]:
         return [p for p in procs.values() if p.proc.poll() is None]
 
+    def every_version_from(replicas: list[ServeProcess]) -> None:
+        for proc in replicas:
+            for v in versions:
+                same_bits(proc, v)
+
+    def kill_after(replica_id: str, nbytes: int) -> Callable[[int], None]:
+        """A progress callback that SIGKILLs the replica once `nbytes` have moved."""
+        moved = 0
+
+        def progress(n: int) -> None:
+            nonlocal moved
+            moved += n
+            if moved > nbytes and procs[replica_id].proc.poll() is None:
+                procs[replica_id].proc.kill()
+
+        return progress
+
     def restart(replica_id: str) -> ServeProcess:
         return _replica(prefix, replica_id, tmp_path, replication=2, rounding=rounding)
 
@@ -255,57 +272,33 @@ def test_replication_two_survives_any_one_replica_killed(
 
             procs["r1"].kill()  # before a push: its registration is still there; the learner leaves it out
             pushed(learner, 2)
-            for proc in live():
-                for v in versions:
-                    same_bits(proc, v)
+            every_version_from(live())
 
             # Back, r1 catches up before it takes part in a push: the next one, at once, with r2
             # killed while the learner streams to it.
             procs["r1"] = restart("r1")
-            sent = 0
-
-            def kill_r2_midway(n: int) -> None:
-                nonlocal sent
-                sent += n
-                if sent > 100_000 and procs["r2"].proc.poll() is None:
-                    procs["r2"].proc.kill()
-
-            pushed(learner, 3, progress=kill_r2_midway)
+            pushed(learner, 3, progress=kill_after("r2", 100_000))
             procs["r2"].died()
             with InferenceClient(procs["r1"].target) as watcher:
                 assert next(iter(watcher.watch(model, after=1))).version == 2
-            for proc in live():
-                for v in versions:
-                    same_bits(proc, v)
+            every_version_from(live())
 
             procs["r2"] = restart("r2")
             procs["r0"].kill()  # after a push: the learner's way in is gone; it asks the others
             pushed(learner, 4)
-            for proc in live():
-                for v in versions:
-                    same_bits(proc, v)
+            every_version_from(live())
 
         # While a puller reads from it: the parts it held come from their other holder.
         procs["r0"] = restart("r0")
         with LearnerClient(procs["r2"].target) as learner:
             pushed(learner, 5)
-        got = 0
-
-        def kill_r1_midway(n: int) -> None:
-            nonlocal got
-            got += n
-            if got > 50_000 and procs["r1"].proc.poll() is None:
-                procs["r1"].proc.kill()
-
         with InferenceClient(procs["r2"].target) as puller:
-            pulled = puller.pull(model, 5, progress=kill_r1_midway)
+            pulled = puller.pull(model, 5, progress=kill_after("r1", 50_000))
         assert procs["r1"].died() != 0
         assert all(torch.equal(pulled[n].view(torch.int16), t.view(torch.int16)) for n, t in expected[5].items())
 
         procs["r1"] = restart("r1")
-        for proc in procs.values():  # all back: every version, bit for bit, from each
-            for v in versions:
-                same_bits(proc, v)
+        every_version_from(list(procs.values()))  # all back: every version, bit for bit, from each
     finally:
         for proc in procs.values():
             if proc.proc.poll() is None:

@@ -27,7 +27,7 @@ from weightsvc.core.manifest import Manifest, check_header_size
 from weightsvc.core.parts import PartOf, Parts
 from weightsvc.core.persist import VersionFiles
 from weightsvc.core.registry import CommitResult, Registry, check_commit, manifest_from_registry
-from weightsvc.core.selection import part_of
+from weightsvc.core.selection import holders_by_tensor
 from weightsvc.core.topology import Group
 from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
@@ -60,7 +60,6 @@ class Committer:
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
-        self._following = False
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
@@ -89,8 +88,7 @@ class Committer:
         held = self._index.find(model, latest)
         if held is None or not held.manifest.parts:
             return Residual(format=format, scaling=scaling)
-        m = held.manifest
-        holders = {t.name: part_of(m, t).sources for t in m.tensors}
+        holders = holders_by_tensor(held.manifest)
         kept = {n: a for n, a in r.tensors.items() if n in groups and holders.get(n) == groups[n]}
         return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
@@ -222,9 +220,8 @@ class Committer:
         part of (it was down, or left out of the push): it serves its manifest, and clients fetch
         the bytes from the replicas that hold them. A replica that returns thus catches up at once."""
         following: dict[str, asyncio.Task[None]] = {}
-        self._following = True
         try:
-            while self._following:
+            while True:
                 try:
                     for model in await self._registry.models():
                         if model not in following or following[model].done():
@@ -246,12 +243,8 @@ class Committer:
                 if (latest is None or v > latest) and self._index.find(m, v) is None:
                     await self._learn(m, v, held_too=True)
 
-    def stop_following(self) -> None:
-        """End `follow` and its tasks at their next turn (a cancel alone may be lost in redis-py)."""
-        self._following = False
-
     async def _follow(self, model: str) -> None:
-        while self._following:
+        while True:
             try:
                 async for v in self._registry.events(model, -1):
                     if self._index.find(model, v) is None:
@@ -274,13 +267,14 @@ class Committer:
         nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())
         version = Version(whole, header, memoryview(b""), part=nothing)
         async with self._locks.setdefault(model, asyncio.Lock()):
-            if self._index.find(model, v) is not None or v < min(await self._registry.versions(model), default=v):
-                return
+            if self._index.find(model, v) is not None:
+                return  # its own commit showed it meanwhile
             self._index.add(version)
             self._acks.committed(model, v, whole.committed_unix)
         log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
                  model, v)  # fmt: skip
         await self._index.announce()
+
     async def on_disk(self, model: str, step: int, write: Callable[[], T], *, locked: bool = False) -> T:
         """Run `write` (blocking I/O putting a file of `step` in the data dir) in a worker thread. If the
         disk is full, the model's oldest versions that nothing needs make room (`_make_room`), and it

@@ -12,11 +12,11 @@ CPU tensors: that is how it is tested on a machine without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,7 +57,6 @@ class Kernels:
     torch_device: str = ""  # "" for the CPU kernels; "cuda" (or "cpu" under the interpreter) for Triton
     staged: Callable[[int], None] = lambda n: None  # bytes the device holds for exports in progress
     failed: bool = False  # a GPU error happened: the service goes back to the CPU kernels
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def on_gpu(self) -> bool:
@@ -71,13 +70,32 @@ class Kernels:
         if not self.on_gpu:
             return rounding.export_array(master, out, spec, version=version, name=name, fmt=fmt, offset=offset,
                                          scales=scales, residual=residual, new_residual=new_residual)  # fmt: skip
-        try:
-            return self._on_device(master, out, spec, version=version, name=name, fmt=fmt, offset=offset,
-                                   scales=scales, residual=residual, new_residual=new_residual)  # fmt: skip
-        except Exception as e:
-            self.failed = True
-            raise Unavailable(f"tensor {name!r}: the export on {self.name} failed ({type(e).__name__}: {e}); "
-                              "this push is refused, the next ones export on the CPU") from e  # fmt: skip
+        import torch
+
+        from weightsvc.rounding import _triton
+
+        ef = spec.rounding == "ef" and residual is not None
+        with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes):
+            dev = torch.device(self.torch_device)
+            m = torch.from_numpy(master).to(dev)
+            bits = torch.empty(master.size, dtype=torch.int16 if fmt.width == 16 else torch.uint8, device=dev)
+            res_in = torch.from_numpy(residual).to(dev) if ef else None
+            res_out = torch.empty_like(m) if ef else None
+            k0, k1 = spec.key(version, name)
+            if fmt.name == "bf16":
+                counts = _triton.bf16_export(m, bits, k0, k1, offset, spec.stochastic, res_in, res_out)
+            else:
+                sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
+                counts = _triton.float_export(
+                    m, bits, k0, k1, offset, spec.stochastic, fmt, torch.from_numpy(sc.inverse.reshape(-1)).to(dev),
+                    torch.from_numpy(np.ascontiguousarray(sc.scale_inv.reshape(-1))).to(dev), sc.mode, sc.cols,
+                    sc.block_cols, res_in, res_out,
+                )  # fmt: skip
+            # Straight into the version's slot (and the residual the service keeps): one copy each.
+            torch.from_numpy(out.view(np.uint8)).copy_(bits.view(torch.uint8))
+            if res_out is not None and new_residual is not None:
+                torch.from_numpy(new_residual).copy_(res_out)
+            return rounding.ExportStats(*counts)
 
     def export_runs(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec, *,
                     version: int, names: list[str], offsets: list[int],
@@ -87,25 +105,12 @@ class Kernels:
         if not self.on_gpu:
             return rounding.export_runs(master, starts, served, spec, version=version, names=names, offsets=offsets,
                                         outs=outs)  # fmt: skip
-        try:
-            return self._runs_on_device(master, starts, served, spec, version, names, offsets, outs)
-        except Exception as e:
-            self.failed = True
-            raise Unavailable(f"tensors {names[0]!r} and {len(names) - 1} more: the export on {self.name} failed "
-                              f"({type(e).__name__}: {e}); this push is refused, the next ones export on the CPU"
-                              ) from e  # fmt: skip
-
-    def _runs_on_device(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec,
-                        version: int, names: list[str], offsets: list[int],
-                        outs: np.ndarray) -> list[rounding.ExportStats]:  # fmt: skip
         import torch
 
         from weightsvc.rounding import _triton
 
-        nbytes = master.nbytes * 3 // 2
-        self.staged(nbytes)
-        try:
-            m = torch.from_numpy(np.ascontiguousarray(master)).to(self.torch_device)
+        with self._on_device(f"tensors {names[0]!r} and {len(names) - 1} more", master.nbytes * 3 // 2):
+            m = torch.from_numpy(master).to(self.torch_device)
             bits = torch.empty(master.size, dtype=torch.int16, device=m.device)
             stats = []
             for j, run_name in enumerate(names):
@@ -118,39 +123,18 @@ class Kernels:
                 a, b = int(starts[j]), int(starts[j + 1])
                 served[int(outs[j]) : int(outs[j]) + b - a] = codes[a:b]
             return stats
-        finally:
-            self.staged(-nbytes)
 
-    def _on_device(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, *, version: int, name: str,
-                   fmt: rounding.Format, offset: int, scales: rounding.Scales | None, residual: np.ndarray | None,
-                   new_residual: np.ndarray | None) -> rounding.ExportStats:  # fmt: skip
-        import torch
-
-        from weightsvc.rounding import _triton
-
-        dev = torch.device(self.torch_device)
-        ef = spec.rounding == "ef"
-        nbytes = master.nbytes * (3 if ef else 1) + out.nbytes
+    @contextlib.contextmanager
+    def _on_device(self, what: str, nbytes: int) -> Iterator[None]:
+        """An export on the GPU holding `nbytes` there meanwhile; any error in it refuses the push and
+        sends the next ones to the CPU."""
         self.staged(nbytes)
         try:
-            m = torch.from_numpy(np.ascontiguousarray(master)).to(dev)
-            bits = torch.empty(master.size, dtype=torch.int16 if fmt.width == 16 else torch.uint8, device=dev)
-            res_in = torch.from_numpy(np.ascontiguousarray(residual)).to(dev) if ef and residual is not None else None
-            res_out = torch.empty_like(m) if res_in is not None else None
-            k0, k1 = spec.key(version, name)
-            if fmt.name == "bf16":
-                counts = _triton.bf16_export(m, bits, k0, k1, offset, spec.stochastic, res_in, res_out)
-            else:
-                sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
-                counts = _triton.float_export(
-                    m, bits, k0, k1, offset, spec.stochastic, fmt, torch.from_numpy(sc.inverse.reshape(-1)).to(dev),
-                    torch.from_numpy(np.ascontiguousarray(sc.scale_inv.reshape(-1))).to(dev), sc.mode, sc.cols,
-                    sc.block_cols, res_in, res_out,
-                )  # fmt: skip
-            out.view(np.uint8)[:] = bits.cpu().numpy().view(np.uint8)
-            if res_out is not None and new_residual is not None:
-                new_residual[:] = res_out.cpu().numpy()
-            return rounding.ExportStats(*counts)
+            yield
+        except Exception as e:
+            self.failed = True
+            raise Unavailable(f"{what}: the export on {self.name} failed ({type(e).__name__}: {e}); this push is "
+                              "refused, the next ones export on the CPU") from e  # fmt: skip
         finally:
             self.staged(-nbytes)
 

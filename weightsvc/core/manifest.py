@@ -245,6 +245,11 @@ class Segment:
     nbytes: int
 
 
+def held_span(spans: Sequence[Segment], start: int, end: int) -> Segment | None:
+    """The one of `spans` that holds the bytes [start, end) of the data section, if one does."""
+    return next((s for s in spans if s.start <= start and end <= s.start + s.nbytes), None)
+
+
 @dataclass(frozen=True)
 class Manifest:
     model: str
@@ -443,11 +448,12 @@ def _groups(parts: Mapping[str, Manifest]) -> Iterator[tuple[str, Manifest, Part
         yield o, parts[o], group, held
 
 
-def layout(tensors: list[tuple[str, tuple[int, ...], str]]) -> tuple[list[ServedTensor], int]:
-    """Place served tensors (name, shape, safetensors dtype) back to back; returns them and the data
-    size. Wider dtypes go first (stable within a dtype) so every tensor is naturally aligned."""
+def layout(tensors: list[tuple[str, tuple[int, ...], str]], start: int = 0) -> tuple[list[ServedTensor], int]:
+    """Place served tensors (name, shape, safetensors dtype) back to back from byte `start`; returns
+    them and where they end. Wider dtypes go first (stable within a dtype) so every tensor is
+    naturally aligned (from an aligned `start`)."""
     ordered = sorted(tensors, key=lambda t: -DTYPE_SIZES[t[2]])
-    out, offset = [], 0
+    out, offset = [], start
     for name, shape, dtype in ordered:
         nbytes = math.prod(shape) * DTYPE_SIZES[dtype]
         out.append(ServedTensor(name, shape, dtype, offset, nbytes))

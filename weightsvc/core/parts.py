@@ -37,6 +37,16 @@ class PartOf:
     abandoned: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+@dataclass
+class _Waiting:
+    """A part of a model that waits for the other owners': its version, its push, and an event set
+    once it is settled (committed or withdrawn)."""
+
+    version: int
+    part_of: PartOf
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Parts:
     """This replica's parts, as one of the owners of a model's tensors."""
 
@@ -44,30 +54,28 @@ class Parts:
         self.replica_id = ""  # this server's id in the topology (set when it registers)
         self._registry = registry
         self._retain = retain
-        self._waiting: dict[str, int] = {}  # model -> the version whose part waits for the other owners'
-        self._settled: dict[str, asyncio.Event] = {}  # model -> set once its waiting part is settled
-        self._waiting_of: dict[str, PartOf] = {}  # model -> the waiting part's push
+        self._waiting: dict[str, _Waiting] = {}  # model -> its part that waits for the other owners'
 
     async def settled(self, model: str, step: int, owners: tuple[str, ...]) -> None:
         """Wait a little for a part of `model` that waits for the other owners to be settled (committed
         or withdrawn). A push of the same step to other owners is its learner's push made again
         without a replica it could not reach: the waiting part is given up at once."""
-        event = self._settled.get(model)
-        part_of = self._waiting_of.get(model)
-        if part_of is not None and self._waiting.get(model) == step and sorted(part_of.owners) != sorted(owners):
-            part_of.abandoned.set()
-        if event is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(SETTLE_S):
-                    await event.wait()
+        waiting = self._waiting.get(model)
+        if waiting is None:
+            return
+        if waiting.version == step and sorted(waiting.part_of.owners) != sorted(owners):
+            waiting.part_of.abandoned.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(SETTLE_S):
+                await waiting.settled.wait()
 
     def check_not_waiting(self, model: str, step: int) -> None:
         """One part of a model waits for the other owners at a time: what follows builds on it."""
         waiting = self._waiting.get(model)
         if waiting is not None:
             raise FailedPrecondition(
-                f"model {model!r} step {step}: this replica's part of version {waiting} is waiting for the other "
-                "owners' parts; push again once it commits or is withdrawn",
+                f"model {model!r} step {step}: this replica's part of version {waiting.version} is waiting for the "
+                "other owners' parts; push again once it commits or is withdrawn",
                 reason="step_not_above_latest",
             )
 
@@ -89,9 +97,7 @@ class Parts:
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         mine = text if text is not None else await asyncio.to_thread(m.json)
-        self._waiting[m.model] = m.version
-        self._waiting_of[m.model] = part_of
-        self._settled[m.model] = settled = asyncio.Event()
+        self._waiting[m.model] = waiting = _Waiting(m.version, part_of)
         try:
             try:
                 decided = await self._registry.commit_part(
@@ -125,11 +131,9 @@ class Parts:
                     )
                 decided = CommitResult(created=True)  # (a withdraw too late: the last part came in meanwhile)
         finally:
-            self._waiting.pop(m.model, None)
-            if self._settled.get(m.model) is settled:
-                del self._settled[m.model]
-                del self._waiting_of[m.model]
-            settled.set()
+            if self._waiting.get(m.model) is waiting:
+                del self._waiting[m.model]
+            waiting.settled.set()
         raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
             raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
@@ -161,24 +165,18 @@ class Parts:
         """Wait until the registry commits `version` (True), or until the timeout or the learner
         abandons the push (False)."""
 
-        over = False
-
         async def committed() -> bool:
-            # Stops once the wait is over, also if redis-py turns the cancel of its blocking read
-            # into a connection error (as it did mid-XREAD): retrying would never end.
-            while not over:
+            while True:
                 try:
                     async for v in self._registry.events(model, version - 1):
                         return v == version  # a later version first: this one can no longer commit
                 except Unavailable:
                     await asyncio.sleep(0.5)  # the deadline still holds
-            return False
 
         waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(part_of.abandoned.wait())]
         try:
             done, _ = await asyncio.wait(waiting, timeout=part_of.timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            over = True
             for w in waiting:
                 w.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)

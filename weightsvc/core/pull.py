@@ -185,7 +185,7 @@ class Pull:
             return self.selection.chunks(offset, size)
         if self.base is not None:
             return ((at, self.body[at : at + size]) for at in range(offset, total, size))
-        held = next((s for s in self.version.spans if s.start <= offset < s.start + s.nbytes), None)
+        held = self.version.span(offset, offset + 1)
         if held is None:
             return iter(())
         end, skip = held.start + held.nbytes, held.start - held.local

@@ -327,6 +327,15 @@ return 1
 """
 
 
+def _honour_cancel() -> None:
+    """Raise the cancel of the running task if a redis-py call let it pass: cancelled mid-XREAD BLOCK,
+    the read ended as if it had not been (or as a lost connection), and a loop that reads again, or
+    retries on UNAVAILABLE, would never end."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 class RedisRegistry:
     """The registry shared by replicas, in Redis. Losing Redis raises UNAVAILABLE; redis-py
     reconnects by itself on the next call."""
@@ -356,9 +365,12 @@ class RedisRegistry:
         from redis.exceptions import ConnectionError, TimeoutError
 
         try:
-            return await coro
+            result = await coro
         except (ConnectionError, TimeoutError, OSError) as e:
+            _honour_cancel()
             raise self._unavailable(what, e) from None
+        _honour_cancel()
+        return result
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
         args: list[str | int] = [model, version, digest, manifest, retain, EVENTS_KEPT]
@@ -391,7 +403,7 @@ class RedisRegistry:
         owners_json = json.dumps(sorted(owners))
         ttl_ms = int(PART_TTL_S * 1000)
         args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms,
-                                 json.dumps(dict(groups or {})) if groups else "{}"]  # fmt: skip
+                                 json.dumps(dict(groups or {}))]  # fmt: skip
         out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
                                self._commit_part(keys=self._keys(model, version, owners), args=args))  # fmt: skip
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
@@ -440,11 +452,6 @@ class RedisRegistry:
                 yield v
                 last = v
         while True:
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():
-                # Cancelled during the last read, and redis-py let the read end as if it had not
-                # been (seen mid-XREAD BLOCK): honour the cancel, or this loop never ends.
-                raise asyncio.CancelledError
             read = self._redis.xread({stream: cursor}, block=self._block_ms)
             got = await self._call(f"watching model {model!r}", read)
             for _, entries in got or []:  # type: ignore[attr-defined]

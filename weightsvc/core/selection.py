@@ -18,7 +18,17 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from weightsvc.core.manifest import DTYPE_SIZES, Manifest, Part, Segment, ServedTensor, Slice, checksum, layout
+from weightsvc.core.manifest import (
+    DTYPE_SIZES,
+    Manifest,
+    Part,
+    Segment,
+    ServedTensor,
+    Slice,
+    checksum,
+    held_span,
+    layout,
+)
 from weightsvc.core.memory import alloc
 from weightsvc.errors import FailedPrecondition, InvalidArgument
 
@@ -86,6 +96,21 @@ def chosen(manifest: Manifest, select: Select) -> list[tuple[ServedTensor, Slice
 def part_of(manifest: Manifest, t: ServedTensor) -> Part:
     """The part of a version of parts (sharded replicas) that holds tensor `t`."""
     return next(p for p in manifest.parts if p.offset <= t.offset and t.offset + t.nbytes <= p.offset + p.nbytes)
+
+
+def holders_by_tensor(manifest: Manifest) -> dict[str, tuple[str, ...]]:
+    """The replicas that hold each tensor of a version of parts, in one pass: its tensors and its
+    parts both follow the order of the data section (an ef push reads it as it opens)."""
+    out: dict[str, tuple[str, ...]] = {}
+    parts = iter(manifest.parts)
+    p = next(parts, None)
+    for t in manifest.tensors:
+        while p is not None and t.offset + t.nbytes > p.offset + p.nbytes:
+            p = next(parts, None)
+        if p is None:
+            break
+        out[t.name] = p.sources
+    return out
 
 
 def owner_of(manifest: Manifest, t: ServedTensor) -> str:
@@ -161,7 +186,7 @@ def gather(manifest: Manifest, data: memoryview, spans: Sequence[Segment], selec
     picked = chosen(manifest, select)
     skips: dict[str, int] = {}  # tensor -> its offset in the data section less its offset in `data`
     for t, _ in picked:
-        held = next((s for s in spans if s.start <= t.offset and t.offset + t.nbytes <= s.start + s.nbytes), None)
+        held = held_span(spans, t.offset, t.offset + t.nbytes)
         if held is not None:
             skips[t.name] = held.start - held.local
     elsewhere = [t for t, _ in picked if t.name not in skips]

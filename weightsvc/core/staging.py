@@ -559,13 +559,11 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
                                   reason="invalid_header")  # fmt: skip
         seen.add(name)
     segments: tuple[Part, ...] = ()
-    of: dict[str, Group] = {}
+    of = topology.groups([t.name for t in header.tensors], header.owners, header.replication) if header.owners else {}
     if header.owners and header.replication > 1:
-        slots_list, data_bytes, segments, of = _grouped(header, entries, replica, where)
+        slots_list, data_bytes, segments = _grouped(entries, of, replica, where)
     else:
         slots_list, data_bytes = layout(entries)
-        if header.owners:
-            of = topology.groups([t.name for t in header.tensors], header.owners, 1)
     slots = {slot.name: slot for slot in slots_list}
     tensors = {
         t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
@@ -580,11 +578,10 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
                  [t for t in tensors.values() if t.nbytes == 0], segments, of)  # fmt: skip
 
 
-def _grouped(header: PushHeader, entries: list[tuple[str, tuple[int, ...], str]], replica: str,
-             where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...], dict[str, Group]]:  # fmt: skip
-    """The layout of a replicated part: its tensors by group (sorted by owners), each group's by name,
-    so that every owner of a group places its bytes the same way."""
-    of = topology.groups([t.name for t in header.tensors], header.owners, header.replication)
+def _grouped(entries: list[tuple[str, tuple[int, ...], str]], of: dict[str, Group], replica: str,
+             where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...]]:  # fmt: skip
+    """The layout of a replicated part (`of`: each tensor's owners): its tensors by group (sorted by
+    owners), each group's by name, so that every owner of a group places its bytes the same way."""
     by_group: dict[Group, list[tuple[str, tuple[int, ...], str]]] = {}
     for entry in entries:
         base = entry[0] if entry[0] in of else entry[0].removesuffix(rounding.SCALE_SUFFIX)  # (an fp8 scale)
@@ -598,11 +595,11 @@ def _grouped(header: PushHeader, entries: list[tuple[str, tuple[int, ...], str]]
     segments: list[Part] = []
     offset = 0
     for group in sorted(by_group):
-        placed, nbytes = layout(sorted(by_group[group]))
-        slots += [dataclasses.replace(s, offset=s.offset + offset) for s in placed]
-        segments.append(Part(replica, offset, nbytes, group, len(placed)))
-        offset += nbytes
-    return slots, offset, tuple(segments), of
+        placed, end = layout(sorted(by_group[group]), offset)
+        slots += placed
+        segments.append(Part(replica, offset, end - offset, group, len(placed)))
+        offset = end
+    return slots, offset, tuple(segments)
 
 
 def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> int:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from weightsvc.core.manifest import Manifest, Segment
+from weightsvc.core.manifest import Manifest, Segment, held_span
 from weightsvc.core.memory import BufferPool
 from weightsvc.errors import NotFound
 from weightsvc.metrics import Metrics
@@ -77,7 +77,7 @@ class Version:
 
     def span(self, start: int, end: int) -> Segment | None:
         """The held range that holds the bytes [start, end) of the data section, if one does."""
-        return next((s for s in self.spans if s.start <= start and end <= s.start + s.nbytes), None)
+        return held_span(self.spans, start, end)
 
     @functools.cached_property
     def etag(self) -> str:

@@ -128,11 +128,12 @@ class Server:
             self._relay.start()
         self.replica = self._describe()
         self.service.store.replica_id = self.replica.id
-        if s.redis_url and not s.relay_from:
+        sharded = bool(s.redis_url) and not s.relay_from  # (a relay keeps a registry of its own)
+        if sharded:
             await self.service.store.committer.catch_up()  # before it takes part in pushes
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
-        if s.redis_url and not s.relay_from:
+        if sharded:
             self._follow = asyncio.create_task(self.service.store.committer.follow(), name="follow")
         self.ready = True
         log.info(
@@ -168,8 +169,6 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
-        if self.service is not None:
-            self.service.store.committer.stop_following()
         for task in (self._heartbeat, self._follow, self._loop_monitor):
             if task is not None:
                 task.cancel()
