@@ -74,6 +74,11 @@ class Metrics:
         self.gpu_staged_bytes = Gauge(
             "weightsvc_gpu_staged_bytes", "Bytes the GPU holds for exports in progress (--device cuda)", registry=r
         )
+        self.gpu_residual_bytes = Gauge(
+            "weightsvc_gpu_residual_bytes",
+            "Bytes of ef residuals kept on the GPU between versions (--device cuda, --gpu-residual-bytes)",
+            registry=r,
+        )
         self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
         self.export_seconds = Histogram(
             "weightsvc_export_seconds",

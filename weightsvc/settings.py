@@ -73,6 +73,10 @@ class Settings(BaseSettings):
         "auto", description="Export device: auto (the GPU when one is visible), cpu or cuda (Triton kernels).",
         json_schema_extra={"choices": list(DEVICES)},
     )
+    gpu_residual_bytes: int = Field(
+        16 << 30, ge=0,
+        description="ef residuals kept on the GPU between versions (they are on the host too); 0 keeps none.",
+    )
     retain: int = Field(4, ge=1, description="Versions kept per model (besides pinned ones).")
     allow_nonfinite: bool = Field(False, description="Accept masters with NaN/Inf (rejected by default).")
     # ---- limits. gRPC messages are sized to chunks, never to tensors: 1 MiB chunks, up to 4 MiB

@@ -10,6 +10,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,8 @@ from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters, serving
 from tests.integration.test_ranks import push_ranks
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
-from weightsvc.errors import NotFound, Unavailable
+from weightsvc.core.device import HostBuffers, Kernels
+from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
 
 pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
@@ -111,6 +113,72 @@ def test_a_device_error_fails_that_push_and_the_next_go_to_the_cpu(
         with urllib.request.urlopen(f"{gpu.http_url}/readyz") as resp:
             assert json.loads(resp.read())["device"] == "cpu"
         assert _bits(gpu, model, 1) == _bits(cpu, model, 1)
+
+
+@pytest.mark.parametrize(("fmt", "scaling"), [("bf16", "tensor"), ("fp8_e4m3", "block")])
+def test_ef_residuals_stay_on_the_device_between_versions(
+    fmt: str, scaling: str, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ef on the GPU, a committed version's residual stays there and the next push exports from
+    it, not from a copy of the host's; a push that does not commit leaves the resident one as it was;
+    the bits stay the CPU's throughout, and the gauge counts what is kept."""
+    hits: list[int] = []
+    looked_up = Kernels._resident
+
+    def counted(self: Kernels, model_: str, residual: np.ndarray) -> torch.Tensor | None:
+        found = looked_up(self, model_, residual)
+        hits.append(found is not None)
+        return found
+
+    monkeypatch.setattr(Kernels, "_resident", counted)
+    common = {"format": fmt, "rounding": "ef", "scaling": scaling, "fp8_pattern": ".*"}
+    states = _steps(3)
+    bad = {n: t.clone() for n, t in states[1].items()}
+    next(iter(bad.values())).reshape(-1)[0] = float("nan")
+    with serving(device="cuda", **common) as gpu, serving(device="cpu", **common) as cpu:
+        for step, state in enumerate(states, 1):
+            hits.clear()
+            with LearnerClient(gpu.grpc_target) as learner, LearnerClient(cpu.grpc_target) as reference:
+                if step == 2:  # refused (NaN): the resident residual stays version 1's
+                    with pytest.raises(InvalidArgument, match="non-finite"):
+                        learner.push(step, bad, model)
+                learner.push(step, state, model)
+                reference.push(step, state, model)
+            assert _bits(gpu, model, step) == _bits(cpu, model, step)
+            # Version 1 starts from zeros; after it every chunk's residual is found on the device.
+            assert hits and all(hits) == (step > 1) and any(hits) == (step > 1)
+            kept = gpu.service.kernels.resident[model]
+            residual = gpu.service.store.committer._residuals[model]
+            assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
+            for host, on_device in kept.values():
+                assert (on_device.numpy().view(np.uint32) == host.view(np.uint32)).all()
+            assert _gauge(gpu, "weightsvc_gpu_residual_bytes") == residual.nbytes
+    with serving(device="cuda", gpu_residual_bytes=0, **common) as gpu:
+        with LearnerClient(gpu.grpc_target) as learner:
+            learner.push(1, states[0], model)
+            learner.push(2, states[1], model)
+        assert not gpu.service.kernels.resident and _gauge(gpu, "weightsvc_gpu_residual_bytes") == 0
+
+
+def _gauge(srv: BackgroundServer, name: str) -> float:
+    with urllib.request.urlopen(f"{srv.http_url}/metrics") as resp:
+        line = next(x for x in resp.read().decode().splitlines() if x.startswith(name + " "))
+    return float(line.split()[1])
+
+
+def test_host_buffers_are_reused_and_bounded() -> None:
+    """The buffers chunks pass through to and from the device: one per power-of-two size, reused by
+    the next chunk, and no more than the bound kept."""
+    buffers = HostBuffers(pin=False, max_bytes=3 << 20)
+    a = buffers.take((1 << 20) - 5)
+    assert a.numel() == (1 << 20) - 5
+    buffers.give(a)
+    b = buffers.take(1 << 20)
+    assert b.data_ptr() == a.data_ptr() and buffers.kept == 0  # the same buffer, taken again
+    c, d, e = (buffers.take(1 << 20) for _ in range(3))
+    for buf in (b, c, d, e):
+        buffers.give(buf)
+    assert buffers.kept == 3 << 20  # the fourth was let go
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")

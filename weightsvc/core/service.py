@@ -82,6 +82,8 @@ class Service:
         self.store.acks.forget_s = settings.client_forget_s
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
         self.kernels = kernels_for(settings.device, self.metrics.gpu_staged_bytes.inc)
+        self.kernels.resident_max = settings.gpu_residual_bytes
+        self.kernels.resident_bytes = self.metrics.gpu_residual_bytes.inc
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
@@ -189,7 +191,8 @@ class Service:
         """The kernels a new push exports with: after a GPU error, the CPU's from then on."""
         if self.kernels.failed:
             log.warning("the export on %s failed: pushes export on the CPU from now on", self.kernels.name)
-            self.kernels = Kernels("cpu", "", self.kernels.staged)
+            self.kernels = Kernels("cpu", "", self.kernels.staged)  # (its resident residuals go with the old)
+            self.metrics.gpu_residual_bytes.set(0)
         return self.kernels
 
     async def topology(self) -> list[Replica]:

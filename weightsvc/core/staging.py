@@ -24,6 +24,7 @@ import xxhash
 
 from weightsvc import rounding
 from weightsvc.core import topology
+from weightsvc.core.device import Resident
 from weightsvc.core.lag import Sample, sample_stride, sampled_indices
 from weightsvc.core.manifest import (
     BIG_MANIFEST,
@@ -123,6 +124,8 @@ class PushSession:
         self.parts = plan.parts
         self.segments = plan.segments
         self.kernels = service.export_kernels()
+        # ef on a GPU: the new residual's chunks there, kept for the next push if this one commits.
+        self.device_residuals: Resident = {}
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling, plan.groups if header.owners else None)
             if spec.rounding == "ef" else None
@@ -350,6 +353,7 @@ class PushSession:
             name=t.spec.name, fmt=t.fmt, offset=first,
             residual=None if res_in is None else res_in[first : first + count],
             new_residual=None if res_out is None else res_out[first : first + count],
+            model=self.header.model, keep=self.device_residuals,
         )  # fmt: skip
         t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
@@ -377,12 +381,10 @@ class PushSession:
         start = time.perf_counter()
         master = t.master if t.master is not None else np.empty(0, np.float32)
         res_in, res_out = self._residuals(t)
-        values = master if res_in is None else master + res_in  # EF quantizes m + e
-        scales = rounding.fp8_scales(values.reshape(t.spec.shape), t.fmt, self.spec.scaling)
         served = self._slot_bytes(t.slot)
-        stats = self.kernels.export_array(
-            master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, scales=scales,
-            residual=res_in, new_residual=res_out,
+        stats, scales = self.kernels.export_whole(
+            master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, shape=t.spec.shape,
+            residual=res_in, new_residual=res_out, model=self.header.model, keep=self.device_residuals,
         )  # fmt: skip
         assert t.scale is not None
         scale_bytes = self._slot_bytes(t.scale)
@@ -427,6 +429,8 @@ class PushSession:
         version, residual, lag_input = await in_thread(len(self.tensors) >= BIG_MANIFEST, self._prepared)
         committed, created = await self.service.store.commit(version, residual, lag_input, self.part_of)
         self.committed = created
+        if created and self.device_residuals:
+            self.kernels.keep_resident(self.header.model, self.device_residuals)
         return committed, created
 
     def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,

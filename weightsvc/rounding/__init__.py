@@ -58,6 +58,7 @@ __all__ = [
     "export_state_dict",
     "fair_cast",
     "fp8_scales",
+    "fp8_scales_torch",
     "tensor_key",
     "use_threads",
 ]
@@ -159,7 +160,7 @@ def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> 
     return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))
 
 
-def _fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
+def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
     """fp8_scales for a torch tensor on any device: the maxima where the values are (exact, so equal
     to the numpy path's), the small rest on the host."""
     import torch
@@ -340,7 +341,7 @@ def export(
         res_out = torch.empty_like(res_in)
     scales = None
     if fmt.scaled:
-        scales = _fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling)
+        scales = fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling)
     out = torch.empty(m.shape, dtype=_torch_dtype(fmt), device=m.device)
     if m.is_cuda:
         _export_triton(m, out, spec, fmt, version=version, name=name, scales=scales, residual=res_in,
