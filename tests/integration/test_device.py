@@ -151,7 +151,7 @@ def test_ef_residuals_stay_on_the_device_between_versions(
             residual = gpu.service.store.committer._residuals[model]
             assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
             for host, on_device in kept.values():
-                assert (on_device.numpy().view(np.uint32) == host.view(np.uint32)).all()
+                assert (on_device.cpu().numpy().view(np.uint32) == host.view(np.uint32)).all()
             assert _gauge(gpu, "weightsvc_gpu_residual_bytes") == residual.nbytes
     with serving(device="cuda", gpu_residual_bytes=0, **common) as gpu:
         with LearnerClient(gpu.grpc_target) as learner:
