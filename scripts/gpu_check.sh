@@ -3,7 +3,8 @@
 # the Triton kernels compiled for the GPU against the CPU kernels, bit for bit (tests/gpu), the
 # service with --device cuda against --device cpu (tests/integration/test_device.py, on the GPU this
 # time), the kernels' speed (K1/K2/K3 on CUDA, fp8 included), and a push of a 4 GiB model with
-# --device cuda vs cpu vs raw TCP. Prints one JSON object of figures. Runs in a few minutes.
+# --device cuda vs cpu vs raw TCP, and where the kernels' time goes (hash, counters, launch shape).
+# Prints one JSON object of figures. Runs in a few minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -16,6 +17,7 @@ import json, sys
 from weightsvc.cli import bench
 out = {"tests": sys.argv[1], "tests_summary": sys.argv[2]}
 out.update(bench.cuda_kernel_bench())
+out.update(bench.cuda_kernel_profile())
 out.update(bench.device_push_bench(size_mib=int(__import__("os").environ.get("PUSH_MIB", "4096"))))
 print(json.dumps(out))
 PYEOF

@@ -194,3 +194,20 @@ def test_device_cuda_without_a_gpu_refuses_to_start_and_auto_takes_the_cpu() -> 
             assert json.loads(resp.read()) == {"status": "ready", "device": "cpu"}
     finally:
         srv.kill()
+
+
+def test_the_device_benches_run_under_the_interpreter() -> None:
+    """scripts/gpu_check.sh's kernel figures, run tiny on Triton's interpreter: the device time of a
+    GPU session is scarce, so a bench that fails there must fail here first. The profile puts the
+    launch in use back."""
+    from weightsvc.cli import bench
+    from weightsvc.rounding import _triton
+
+    in_use = dict(_triton.LAUNCH)
+    figures = bench.cuda_kernel_bench(size_mib=0.25, repeat=1, device="cpu")
+    assert {"K1_cuda", "K2_cuda", "K3_cuda_fp8_block_sr"} <= figures.keys()
+    assert all(v > 0 for k, v in figures.items() if k.startswith("K"))
+    profile = bench.cuda_kernel_profile(size_mib=1 / 64, repeat=1, device="cpu")
+    assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in bench.LAUNCHES}
+    assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(bench.LAUNCHES)
+    assert _triton.LAUNCH == in_use

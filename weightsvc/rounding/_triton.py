@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_SIZE = 1024
+# How the elementwise kernels are launched: elements per program and warps per program. The bits do
+# not depend on them; `weightsvc.cli.bench.cuda_kernel_profile` measures the choices on a GPU.
+LAUNCH = {"block": 1024, "num_warps": 4}
 
 
 @triton.jit
@@ -36,9 +38,12 @@ def _random_bits(k0, k1, g):
 
 
 @triton.jit
-def _count(counts, special, saturated):
+def _count(counts, special, saturated, COUNT: tl.constexpr):
     """Add a block's non-finite and saturated elements to the counters. Most blocks have none and
-    skip the atomics: thousands of blocks adding zeros to one address would serialize on it."""
+    skip the atomics: thousands of blocks adding zeros to one address would serialize on it.
+    (COUNT=False only to measure what counting costs.)"""
+    if not COUNT:
+        return
     n_special = tl.sum(special.to(tl.int64))
     n_saturated = tl.sum(saturated.to(tl.int64))
     if n_special + n_saturated > 0:
@@ -61,7 +66,7 @@ def _load_master(src, residual, i, mask, EF: tl.constexpr):
 
 @triton.jit
 def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
-                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     m, mbits, special, u = _load_master(src, residual, i, mask, EF)
@@ -84,7 +89,7 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
         served = (out << 16).to(tl.float32, bitcast=True)
         r = u - served
         tl.store(new_residual + i, tl.where(special | sat | (r == 0), 0.0, r), mask=mask)
-    _count(counts, special & mask, sat & ~special & mask)
+    _count(counts, special & mask, sat & ~special & mask, COUNT)
 
 
 @triton.jit
@@ -92,7 +97,7 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
                   cols, block_cols, MANT: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
                   MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr, WIDTH: tl.constexpr,
                   SCALE_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, EF: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
+                  BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < n
     g = offset + i
@@ -160,11 +165,11 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         value = tl.where(sign == 1, -value, value)
         r = u - value * scale
         tl.store(new_residual + i, tl.where(special | sat | overflow | (r == 0), 0.0, r), mask=mask)
-    _count(counts, special & mask, sat & ~special & mask)
+    _count(counts, special & mask, sat & ~special & mask, COUNT)
 
 
 def _grid(n: int) -> tuple[int]:
-    return (max(1, triton.cdiv(n, BLOCK_SIZE)),)
+    return (max(1, triton.cdiv(n, LAUNCH["block"])),)
 
 
 def bf16_export(
@@ -176,6 +181,7 @@ def bf16_export(
     stochastic: bool,
     residual: torch.Tensor | None = None,
     new_residual: torch.Tensor | None = None,
+    count: bool = True,
 ) -> tuple[int, int]:
     """master float32 (1-D), served int16 view (1-D); ef when residuals are given (rtn)."""
     n = master.numel()
@@ -184,7 +190,8 @@ def bf16_export(
     dummy = master if not ef else residual
     _bf16_kernel[_grid(n)](
         master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
-        STOCHASTIC=stochastic and not ef, EF=ef, BLOCK=BLOCK_SIZE, enable_fp_fusion=False,
+        STOCHASTIC=stochastic and not ef, EF=ef, BLOCK=LAUNCH["block"], COUNT=count,
+        num_warps=LAUNCH["num_warps"], enable_fp_fusion=False,
     )  # fmt: skip
     return int(counts[0]), int(counts[1])
 
@@ -202,6 +209,7 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
         master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
         cols, block_cols, MANT=fmt.mantissa, BIAS=fmt.bias, EMIN=fmt.emin, MAX_BITS=fmt.max_bits,  # type: ignore[attr-defined]
         NAN_BITS=fmt.nan_bits, INF_BITS=fmt.inf_bits, WIDTH=fmt.width, SCALE_MODE=scale_mode,  # type: ignore[attr-defined]
-        STOCHASTIC=stochastic, EF=ef, BLOCK=BLOCK_SIZE, enable_fp_fusion=False,
+        STOCHASTIC=stochastic, EF=ef, BLOCK=LAUNCH["block"], COUNT=True, num_warps=LAUNCH["num_warps"],
+        enable_fp_fusion=False,
     )  # fmt: skip
     return int(counts[0]), int(counts[1])
