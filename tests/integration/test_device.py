@@ -210,4 +210,4 @@ def test_the_device_benches_run_under_the_interpreter() -> None:
     profile = bench.cuda_kernel_profile(size_mib=1 / 64, repeat=1, device="cpu")
     assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in bench.LAUNCHES}
     assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(bench.LAUNCHES)
-    assert _triton.LAUNCH == in_use
+    assert in_use == _triton.LAUNCH
