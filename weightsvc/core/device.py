@@ -76,7 +76,9 @@ class HostBuffers:
         if free:
             self.kept -= size
             return free.pop()[:nbytes]
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)[:nbytes]
+        # One larger than all the kept buffers together (a whole fp8 tensor) is not pinned: pinning
+        # costs more than it saves on a buffer used once.
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin and size <= self.max_bytes)[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
         whole = buf._base if buf._base is not None else buf
