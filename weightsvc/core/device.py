@@ -66,7 +66,7 @@ class Kernels:
                      fmt: rounding.Format, offset: int = 0, scales: rounding.Scales | None = None,
                      residual: np.ndarray | None = None,
                      new_residual: np.ndarray | None = None) -> rounding.ExportStats:  # fmt: skip
-        """`rounding.export_array` on this device: the same bits."""
+        """`rounding.export_array` on this device: the same bits, the same rules (`check_export`)."""
         if not self.on_gpu:
             return rounding.export_array(master, out, spec, version=version, name=name, fmt=fmt, offset=offset,
                                          scales=scales, residual=residual, new_residual=new_residual)  # fmt: skip
@@ -74,6 +74,8 @@ class Kernels:
 
         from weightsvc.rounding import _triton
 
+        rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales, residual=residual,
+                              new_residual=new_residual)  # fmt: skip
         ef = spec.rounding == "ef" and residual is not None
         with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes):
             dev = torch.device(self.torch_device)
@@ -91,6 +93,8 @@ class Kernels:
                     torch.from_numpy(np.ascontiguousarray(sc.scale_inv.reshape(-1))).to(dev), sc.mode, sc.cols,
                     sc.block_cols, res_in, res_out,
                 )  # fmt: skip
+            if fmt.packed:  # the kernel writes one FP4 code per byte
+                bits = rounding.pack(bits)
             # Straight into the version's slot (and the residual the service keeps): one copy each.
             torch.from_numpy(out.view(np.uint8)).copy_(bits.view(torch.uint8))
             if res_out is not None and new_residual is not None:
