@@ -20,6 +20,7 @@ from weightsvc.rounding import (
     Scales,
     block_scale_values,
     block_scales,
+    block_scales_torch,
     decode,
     dequantize,
     element_scales,
@@ -450,3 +451,75 @@ def test_format_selection() -> None:
     assert ExportSpec("mxfp4").format_for("a.weight", (8, 48)).name == "bf16"  # not a multiple of 32
     assert ExportSpec("mxfp8").format_for("a.weight", (8, 64)).name == "mxfp8"
     assert ExportSpec("fp8_e4m3").format_for("a.weight", (8, 40)).name == "fp8_e4m3"  # unchanged
+
+
+def special_masters(fmt: str, rows: int = 16, blocks: int = 8) -> np.ndarray:
+    """Normal values with NaN, +-Inf, +-0, fp32 subnormals, a zero block, huge and tiny blocks."""
+    f = FORMATS[fmt]
+    gen = np.random.default_rng(9)
+    master = gen.normal(0, 0.02, (rows, blocks * f.block)).astype(np.float32)
+    flat = master.reshape(-1)
+    flat[gen.integers(0, flat.size, 40)] = gen.choice(np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-40,
+                                                                -1e-45, 3.4e38, 448.0, 6.0, -5.0], np.float32), 40)
+    master[1, : f.block] = 0
+    with np.errstate(over="ignore"):  # a huge block, where some values overflow to Inf
+        master[2, f.block : 2 * f.block] *= np.float32(1e38)
+    master[3, : f.block] *= np.float32(1e-38)
+    return master
+
+
+@pytest.mark.parametrize("fmt", MICRO)
+def test_torch_scales_are_the_numpy_scales(fmt: str) -> None:
+    f = FORMATS[fmt]
+    master = special_masters(fmt)
+    ours, theirs = block_scales(master, f), block_scales_torch(torch.from_numpy(master), f)
+    assert ours.codes is not None and theirs.codes is not None
+    for a, b in [(ours.codes, theirs.codes), (ours.scale_inv, theirs.scale_inv), (ours.inverse, theirs.inverse)]:
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+    assert (ours.global_scale is None) == (theirs.global_scale is None) and (
+        ours.global_scale is None or np.array_equal(ours.global_scale, theirs.global_scale))  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", MICRO)
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
+def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> None:
+    pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
+    from weightsvc.core.device import Kernels
+    from weightsvc.rounding import _export_triton
+
+    f = FORMATS[fmt]
+    spec = ExportSpec(fmt, rounding, seed=3)
+    master = special_masters(fmt)
+    ef = rounding == "ef"
+    residual = np.random.default_rng(2).normal(0, 1e-3, master.size).astype(np.float32)
+    values = master + residual.reshape(master.shape) if ef else master
+    scales = block_scales(values, f)
+    flat = master.reshape(-1)
+    cpu = np.empty(f.nbytes(flat.size), np.uint8)
+    cpu_res = np.empty_like(residual)
+    stats = export_array(flat, cpu, spec, version=4, name="x.weight", fmt=f, scales=scales, residual=residual,
+                         new_residual=cpu_res)  # fmt: skip
+    assert stats.nonfinite > 0
+    # The whole tensor, as `export` runs it on CUDA (the interpreter runs it on CPU tensors here).
+    shape = served_tensors("x.weight", master.shape, f)[0][1]
+    out = torch.empty(shape, dtype=torch.float8_e4m3fn if f.width == 8 else torch.uint8)
+    gpu_res = torch.empty(flat.size, dtype=torch.float32)
+    _export_triton(torch.from_numpy(master), out, spec, f, version=4, name="x.weight", scales=scales,
+                   residual=torch.from_numpy(residual) if ef else None,
+                   new_residual=gpu_res if ef else None)  # fmt: skip
+    assert np.array_equal(out.view(torch.uint8).numpy().reshape(-1), cpu)
+    if ef:
+        assert np.array_equal(gpu_res.numpy().view(np.uint32), cpu_res.view(np.uint32))
+    # In chunks, through the service's device kernels (FP4 packed on the device).
+    kernels = Kernels("cuda-interpreted", "cpu")
+    chunked = np.empty_like(cpu)
+    chunked_res = np.empty_like(residual)
+    piece = 6 * f.block + 2  # not a multiple of the block: the scale index is the element's own
+    for o in range(0, flat.size, piece):
+        end = min(o + piece, flat.size)
+        kernels.export_array(flat[o:end], chunked[f.nbytes(o) : f.nbytes(end)], spec, version=4, name="x.weight",
+                             fmt=f, offset=o, scales=scales, residual=residual[o:end],
+                             new_residual=chunked_res[o:end])  # fmt: skip
+    assert np.array_equal(chunked, cpu)
+    if ef:
+        assert np.array_equal(chunked_res.view(np.uint32), cpu_res.view(np.uint32))

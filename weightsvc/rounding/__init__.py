@@ -168,7 +168,10 @@ def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
 
 
 def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> Scales:
-    """The scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA paths."""
+    """The fp8 scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA
+    paths (microscaled formats: `scales_from_block_amax`)."""
+    if fmt.block:
+        raise ValueError(f"{fmt.name} has block scales: use scales_from_block_amax")
     scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
     # A zero group gets 1; a tiny one at least the smallest normal, so its reciprocal stays finite.
     scale_inv[scale_inv == 0] = 1
