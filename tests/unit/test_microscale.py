@@ -523,3 +523,16 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
     assert np.array_equal(chunked, cpu)
     if ef:
         assert np.array_equal(chunked_res.view(np.uint32), cpu_res.view(np.uint32))
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "channel", "block"])
+def test_dequantize_reads_the_other_formats_too(scaling: str) -> None:
+    master = torch.from_numpy(np.random.default_rng(10).normal(0, 0.02, (130, 200)).astype(np.float32))
+    out = export_state_dict({"x.weight": master, "b": master[0]}, ExportSpec("fp8_e4m3", "sr", scaling=scaling),
+                            version=1)  # fmt: skip
+    scale = out["x.weight_scale_inv"].numpy()
+    if scaling == "block":
+        scale = np.kron(scale, np.ones((128, 128), np.float32))[:130, :200]
+    expected = out["x.weight"].float().numpy() * scale
+    assert np.array_equal(dequantize(out, "x.weight", FORMATS["fp8_e4m3"], (130, 200), scaling), expected)
+    assert np.array_equal(dequantize(out, "b", FORMATS["bf16"], (200,)), out["b"].float().numpy())

@@ -99,8 +99,8 @@ def _ue8m0_exponents(amax: np.ndarray, elem_max: float) -> np.ndarray:
     """The smallest e with amax <= elem_max * 2^e, exactly (in float64, where elem_max * 2^e and
     the comparison are exact), clamped to [-127, 127]; 0 for a zero block."""
     a = amax.astype(np.float64)
-    _, e = np.frexp(a / elem_max)  # a / elem_max <= 2^e up to the rounding of the division
-    e = e.astype(np.int32)
+    _, e = np.frexp(a / elem_max)  # a / elem_max <= 2^e, up to the rounding of the division:
+    e = e.astype(np.int32)  # the exact checks below settle it either way
     e = np.where(np.ldexp(elem_max, e - 1) >= a, e - 1, e)
     e = np.where(np.ldexp(elem_max, e) < a, e + 1, e)
     return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, _UE8M0_BIAS)
