@@ -154,6 +154,9 @@ class Kernels:
 
         from weightsvc.rounding import _triton
 
+        if shape is None:  # (a whole tensor's scales are computed below)
+            rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales,
+                                  residual=residual, new_residual=new_residual)  # fmt: skip
         ef = spec.rounding == "ef" and residual is not None
         with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes) as dev:
             m = self._upload(master, dev).view(torch.float32)
@@ -176,6 +179,8 @@ class Kernels:
                     m, bits, k0, k1, offset, spec.stochastic, fmt, self._constant(sc.inverse, dev),
                     self._constant(sc.scale_inv, dev), sc.mode, sc.cols, sc.block_cols, res_in, res_out,
                 )  # fmt: skip
+            if fmt.packed:  # the kernel writes one FP4 code per byte
+                bits = rounding.pack(bits)
             # Into the version's slot (and the residual the service persists).
             self._download(bits, out)
             if res_out is not None and new_residual is not None:

@@ -14,18 +14,26 @@ pay torch's ~200 MiB of resident memory.
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Collection
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numba
 import numpy as np
 
 from weightsvc.rounding import _cpu
-from weightsvc.rounding._formats import BLOCK, FORMATS, SCALINGS, Format
+from weightsvc.rounding._codes import decode, pack, unpack
+from weightsvc.rounding._formats import BLOCK, FORMATS, MICROSCALED, SCALINGS, Format, Scales
 from weightsvc.rounding._keys import tensor_key
+from weightsvc.rounding._microscale import (
+    block_scale_values,
+    block_scales,
+    block_scales_torch,
+    check_block_shape,
+    nvfp4_global_scale,
+    scales_from_block_amax,
+)
 from weightsvc.rounding._residual import Residual
 
 if TYPE_CHECKING:
@@ -34,14 +42,19 @@ if TYPE_CHECKING:
 ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
 # fp8 goes to 2-D weights; embeddings and norms stay in bf16 (their rows are looked up, not multiplied).
 DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
-SCALE_SUFFIX = "_scale_inv"
+SCALE_SUFFIX = "_scale_inv"  # fp8
+BLOCK_SCALE_SUFFIX = "_scale"  # microscaled formats: the block scale codes
+GLOBAL_SCALE_SUFFIX = "_global_scale"  # NVFP4
 DEVICES = ("auto", "cpu", "cuda")
 
 __all__ = [
     "BLOCK",
+    "BLOCK_SCALE_SUFFIX",
     "DEFAULT_FP8_PATTERN",
     "DEVICES",
     "FORMATS",
+    "GLOBAL_SCALE_SUFFIX",
+    "MICROSCALED",
     "ROUNDINGS",
     "SCALE_SUFFIX",
     "SCALINGS",
@@ -49,8 +62,14 @@ __all__ = [
     "ExportStats",
     "Format",
     "Residual",
+    "Scales",
+    "block_scale_values",
+    "block_scales",
+    "block_scales_torch",
     "check_choice",
+    "check_export",
     "decode",
+    "dequantize",
     "element_scales",
     "export",
     "export_array",
@@ -59,7 +78,12 @@ __all__ = [
     "fair_cast",
     "fp8_scales",
     "fp8_scales_torch",
+    "nvfp4_global_scale",
+    "pack",
+    "scales_from_block_amax",
+    "served_tensors",
     "tensor_key",
+    "unpack",
     "use_threads",
 ]
 
@@ -92,11 +116,14 @@ class ExportSpec:
             raise ValueError(f"fp8 pattern {self.fp8_pattern!r} is not a regular expression: {e}") from None
 
     def format_for(self, name: str, shape: tuple[int, ...], aliases: tuple[str, ...] = ()) -> Format:
-        """The format tensor `name` is served in: fp8 for selected 2-D weights, else bf16. A tensor
-        with tied aliases is fp8 only if every one of its names selects it (a head tied to the
-        embeddings stays bf16, as the embeddings do)."""
+        """The format tensor `name` is served in: a scaled format (fp8, MX, NVFP4) for selected 2-D
+        weights, else bf16. A tensor with tied aliases is scaled only if every one of its names
+        selects it (a head tied to the embeddings stays bf16, as the embeddings do). Microscaled
+        formats also need rows whose length is a multiple of their block (32 MX, 16 NVFP4)."""
         fmt = FORMATS[self.format]
         if fmt.scaled and not (len(shape) == 2 and all(re.search(self.fp8_pattern, n) for n in (name, *aliases))):
+            return FORMATS["bf16"]
+        if fmt.block and shape[1] % fmt.block:
             return FORMATS["bf16"]
         return fmt
 
@@ -119,22 +146,14 @@ class ExportStats:
         self.saturated += other.saturated
 
 
-@dataclass(frozen=True)
-class Scales:
-    """fp8 scales of one 2-D tensor: the dequant multipliers (served) and their fp32 reciprocals."""
-
-    scale_inv: np.ndarray  # DeepSeek-V3 layout: (), (N, 1) or (ceil(N/128), ceil(K/128)); fp32
-    inverse: np.ndarray = field(repr=False)  # 1 / scale_inv, flat, fp32: what the kernels multiply by
-    mode: int = _cpu.SCALE_NONE
-    cols: int = 1
-    block_cols: int = 1
-
-
 def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
     """Scales of a 2-D float32 array: amax / format max per tensor, row or 128x128 block.
 
     An all-zero group (and a non-finite amax) gets scale 1, never a division by zero.
+    Microscaled formats get their block scales (`block_scales`; `scaling` does not apply).
     """
+    if fmt.block:
+        return block_scales(values, fmt)
     n, k = values.shape
     magnitude = np.abs(np.where(np.isfinite(values), values, np.float32(0)))
     if scaling == "tensor":
@@ -150,7 +169,10 @@ def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
 
 
 def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> Scales:
-    """The scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA paths."""
+    """The fp8 scales of groups with these (exact) maxima of |value|; shared by the CPU and CUDA
+    paths (microscaled formats: `scales_from_block_amax`)."""
+    if fmt.block:
+        raise ValueError(f"{fmt.name} has block scales: use scales_from_block_amax")
     scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
     # A zero group gets 1; a tiny one at least the smallest normal, so its reciprocal stays finite.
     scale_inv[scale_inv == 0] = 1
@@ -165,6 +187,8 @@ def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
     to the numpy path's), the small rest on the host."""
     import torch
 
+    if fmt.block:
+        return block_scales_torch(values, fmt)
     n, k = values.shape
     magnitude = torch.where(torch.isfinite(values), values, 0).abs()
     if scaling == "tensor":
@@ -179,36 +203,9 @@ def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
     return scales_from_amax(amax.float().cpu().numpy(), fmt, scaling, k)
 
 
-_DECODE_TABLES: dict[str, np.ndarray] = {}
-
-
-def decode(codes: np.ndarray, fmt: Format) -> np.ndarray:
-    """The float32 values of served codes (before any fp8 scale): for metrics, not the hot path."""
-    if fmt.name == "bf16":
-        return (codes.astype(np.uint32) << 16).view(np.float32)
-    if fmt.name == "fp16":
-        return codes.astype(np.uint16).view(np.float16).astype(np.float32)
-    table = _DECODE_TABLES.get(fmt.name)
-    if table is None:
-        table = np.empty(256, np.float32)
-        for code in range(256):
-            mag, exp = code & 0x7F, (code & 0x7F) >> fmt.mantissa
-            mant = mag & ((1 << fmt.mantissa) - 1)
-            if mag == fmt.inf_bits:
-                value = math.inf
-            elif mag > fmt.max_bits:
-                value = math.nan
-            elif exp == 0:
-                value = math.ldexp(mant, fmt.emin - fmt.mantissa)
-            else:
-                value = math.ldexp(mant | 1 << fmt.mantissa, exp - fmt.bias - fmt.mantissa)
-            table[code] = -value if code & 0x80 else value
-        _DECODE_TABLES[fmt.name] = table
-    return table[codes.astype(np.uint8)]
-
-
 def element_scales(scales: Scales, indices: np.ndarray) -> np.ndarray:
-    """The dequant multiplier of each flat element index of a scaled tensor."""
+    """The dequant multiplier of each flat element index of a scaled tensor (any scaled format:
+    a microscaling block is a "row" of `block` elements)."""
     flat = scales.scale_inv.reshape(-1)
     if scales.mode == _cpu.SCALE_TENSOR:
         return np.broadcast_to(flat[0], indices.shape)
@@ -245,20 +242,17 @@ def export_array(
     new_residual: np.ndarray | None = None,
 ) -> ExportStats:
     """The kernel entry point: export `master` (1-D float32, read-only is fine) into `out` (the
-    served bytes, uint8). `offset` is the flat index of master[0] within tensor `name`, so a chunk
-    or a shard exports to exactly the bits of the whole tensor. `ef` reads `residual` and writes
-    `new_residual` (both 1-D float32 like master; they may be the same array)."""
+    served bytes, uint8; `fmt.nbytes(master.size)` of them). `offset` is the flat index of
+    master[0] within tensor `name`, so a chunk or a shard exports to exactly the bits of the whole
+    tensor. `ef` reads `residual` and writes `new_residual` (both 1-D float32 like master; they may
+    be the same array). Scaled formats take the whole tensor's `scales` (`fp8_scales`); packed
+    (FP4) ones an even offset and size, so that a chunk starts and ends on a byte."""
     fmt = fmt or FORMATS[spec.format]
-    if master.dtype != np.float32 or master.ndim != 1:
-        raise TypeError(f"tensor {name!r}: master must be a 1-D float32 array, got {master.dtype}")
-    served = out.view(np.uint16 if fmt.width == 16 else np.uint8)
-    if served.size != master.size:
-        raise ValueError(f"tensor {name!r}: out holds {served.size} elements, master has {master.size}")
-    if fmt.scaled and scales is None:
-        raise ValueError(f"tensor {name!r}: {fmt.name} needs scales (fp8_scales)")
+    check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales, residual=residual,
+                 new_residual=new_residual)  # fmt: skip
+    # Packed formats: one code per byte from the kernel, packed two per byte below.
+    served = np.empty(master.size, np.uint8) if fmt.packed else out.view(np.uint16 if fmt.width == 16 else np.uint8)
     ef = spec.rounding == "ef"
-    if ef and (residual is None or new_residual is None):
-        raise ValueError(f"tensor {name!r}: rounding 'ef' needs the residual")
     if ef and fmt.name == "bf16":
         nonfinite, saturated = _cpu.bf16_export_ef(master, served, residual, new_residual)
         return ExportStats(int(nonfinite), int(saturated))
@@ -275,7 +269,30 @@ def export_array(
         sc.inverse, sc.scale_inv.reshape(-1), sc.mode, sc.cols, sc.block_cols,
         residual if ef else _NO_RESIDUAL, new_residual if ef else _NO_RESIDUAL, ef,
     )  # fmt: skip
+    if fmt.packed:
+        out.reshape(-1).view(np.uint8)[:] = pack(served)
     return ExportStats(int(nonfinite), int(saturated))
+
+
+def check_export(
+    master: np.ndarray, out: np.ndarray, spec: ExportSpec, fmt: Format, *, name: str, offset: int = 0,
+    scales: Scales | None = None, residual: np.ndarray | None = None, new_residual: np.ndarray | None = None,
+) -> None:  # fmt: skip
+    """The rules of `export_array`'s arguments, on any device."""
+    if master.dtype != np.float32 or master.ndim != 1:
+        raise TypeError(f"tensor {name!r}: master must be a 1-D float32 array, got {master.dtype}")
+    if out.nbytes != fmt.nbytes(master.size):
+        raise ValueError(f"tensor {name!r}: out holds {out.nbytes} bytes, {master.size} elements of {fmt.name} "
+                         f"take {fmt.nbytes(master.size)}")  # fmt: skip
+    if fmt.packed and (offset % 2 or master.size % 2):
+        raise ValueError(f"tensor {name!r}: {fmt.name} packs two elements per byte: offset {offset} and size "
+                         f"{master.size} must be even")  # fmt: skip
+    if fmt.scaled and scales is None:
+        raise ValueError(f"tensor {name!r}: {fmt.name} needs scales (fp8_scales)")
+    if fmt.scaled and scales is not None and (scales.codes is not None) != bool(fmt.block):
+        raise ValueError(f"tensor {name!r}: {fmt.name} needs its own scales (fp8_scales with this format)")
+    if spec.rounding == "ef" and (residual is None or new_residual is None):
+        raise ValueError(f"tensor {name!r}: rounding 'ef' needs the residual")
 
 
 def export_runs(
@@ -323,8 +340,10 @@ def export(
     residual: Residual | None = None,
     device: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """The served tensors of one whole master tensor: `{name: served}`, plus `{name}_scale_inv`
-    for fp8. With `ef`, `residual` is read and updated for this tensor (after the whole export).
+    """The served tensors of one whole master tensor, named and shaped as `served_tensors` says:
+    `{name: served}`, plus `{name}_scale_inv` for fp8, `{name}_scale` (and `{name}_global_scale`)
+    for the microscaled formats. With `ef`, `residual` is read and updated for this tensor (after
+    the whole export).
 
     `device`: "auto" exports where the master lives (Triton on CUDA, numba on the CPU), "cpu" or
     "cuda" force one; both give the same bits. The residual stays on the host, as the service keeps it."""
@@ -342,7 +361,8 @@ def export(
     scales = None
     if fmt.scaled:
         scales = fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling)
-    out = torch.empty(m.shape, dtype=_torch_dtype(fmt), device=m.device)
+    layout = served_tensors(name, tuple(m.shape), fmt, spec.scaling)
+    out = torch.empty(layout[0][1], dtype=_torch_dtype(fmt), device=m.device)
     if m.is_cuda:
         _export_triton(m, out, spec, fmt, version=version, name=name, scales=scales, residual=res_in,
                        new_residual=res_out)  # fmt: skip
@@ -356,8 +376,69 @@ def export(
         residual.tensors[name] = res_out.cpu().numpy()
     served = {name: out}
     if scales is not None:
-        served[name + SCALE_SUFFIX] = torch.from_numpy(scales.scale_inv.copy()).to(m.device)
+        arrays = [scales.scale_inv] if not fmt.block else [scales.codes, scales.global_scale][: len(layout) - 1]
+        for (scale_name, shape, _), array in zip(layout[1:], arrays, strict=True):
+            assert array is not None
+            served[scale_name] = torch.from_numpy(array.reshape(shape).copy()).to(m.device)
     return served
+
+
+def served_tensors(
+    name: str, shape: tuple[int, ...], fmt: Format, scaling: str = "block"
+) -> list[tuple[str, tuple[int, ...], str]]:
+    """The served tensors of master `name` of this shape in `fmt`, in order: (served name, shape,
+    safetensors dtype). The one place that names them (the service, `export` and the loaders ask here):
+    - unscaled: the tensor itself;
+    - fp8: `{name}` and `{name}_scale_inv` (fp32 dequant multipliers, `scaling`'s layout);
+    - mxfp8, mxfp4, nvfp4: `{name}` (e4m3 (N, K), or FP4 packed two per byte as uint8 (N, K / 2)),
+      `{name}_scale` (uint8 codes, UE8M0 or e4m3 bit patterns, (N, K / block)), and for NVFP4
+      `{name}_global_scale` (fp32, (1,))."""
+    if not fmt.scaled:
+        return [(name, shape, fmt.safetensors_dtype)]
+    if not fmt.block:
+        n, k = shape
+        scale_shape = {"tensor": (), "channel": (n, 1)}.get(scaling, (-(-n // BLOCK), -(-k // BLOCK)))
+        return [(name, shape, fmt.safetensors_dtype), (name + SCALE_SUFFIX, scale_shape, "F32")]
+    n, k = check_block_shape(shape, fmt)
+    out: list[tuple[str, tuple[int, ...], str]] = [(name, (n, k // 2) if fmt.packed else (n, k), fmt.safetensors_dtype),
+           (name + BLOCK_SCALE_SUFFIX, (n, k // fmt.block), "U8")]  # fmt: skip
+    if fmt.global_scale:
+        out.append((name + GLOBAL_SCALE_SUFFIX, (1,), "F32"))
+    return out
+
+
+def dequantize(
+    served: Mapping[str, np.ndarray | torch.Tensor], name: str, fmt: Format, shape: tuple[int, ...],
+    scaling: str = "block",
+) -> np.ndarray:  # fmt: skip
+    """The fp32 values of master `name` (of `shape`) served in `fmt`, from its served tensors as
+    `served_tensors` names them: numpy arrays of any dtype (their bytes are read, as the service
+    keeps them) or torch tensors on any device. Exactly the values the kernels' ef residual is
+    taken against: element value times its block's fp32 multiplier, in fp32."""
+    layout = served_tensors(name, shape, fmt, scaling)
+    raw = [_bytes(served[entry[0]]) for entry in layout]
+    codes = unpack(raw[0]) if fmt.packed else raw[0].view(np.uint16 if fmt.width == 16 else np.uint8)
+    values = decode(codes, fmt)
+    if not fmt.scaled:
+        return values.reshape(shape)
+    if not fmt.block:
+        scale = raw[1].view(np.float32).reshape(layout[1][1])
+        if scaling == "block":
+            scale = np.repeat(np.repeat(scale, BLOCK, 0), BLOCK, 1)[: shape[0], : shape[1]]
+        return (values.reshape(shape) * scale).astype(np.float32)
+    n, k = shape
+    gs = raw[2].view(np.float32) if fmt.global_scale else None
+    scale = block_scale_values(raw[1].reshape(n, k // fmt.block), fmt, gs)
+    return (values.reshape(n, k // fmt.block, fmt.block) * scale[..., None]).reshape(shape)
+
+
+def _bytes(t: np.ndarray | torch.Tensor) -> np.ndarray:
+    """The bytes of a numpy array or a torch tensor (any dtype, any device), flat uint8."""
+    if isinstance(t, np.ndarray):
+        return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+    import torch
+
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def _export_triton(
@@ -376,13 +457,16 @@ def _export_triton(
         _triton.bf16_export(flat, served_bits, k0, k1, 0, spec.stochastic, residual, new_residual)
         return
     one = torch.ones(1, device=m.device)
+    codes = torch.empty(flat.numel(), dtype=torch.uint8, device=m.device) if fmt.packed else served_bits
     _triton.float_export(
-        flat, served_bits, k0, k1, 0, spec.stochastic, fmt,
+        flat, codes, k0, k1, 0, spec.stochastic, fmt,
         torch.from_numpy(scales.inverse).to(m.device) if scales else one,
         torch.from_numpy(scales.scale_inv.reshape(-1).copy()).to(m.device) if scales else one,
         scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
         residual, new_residual,
     )  # fmt: skip
+    if fmt.packed:
+        served_bits.copy_(pack(codes))
 
 
 def export_state_dict(
@@ -393,7 +477,7 @@ def export_state_dict(
     residual: Residual | None = None,
     device: str = "auto",
 ) -> dict[str, torch.Tensor]:
-    """Exactly what the service serves for these masters at `version` (fp8 scales included).
+    """Exactly what the service serves for these masters at `version` (scales included).
 
     With `ef`, `residual` advances to `version` (pass the one of the previous version).
     """

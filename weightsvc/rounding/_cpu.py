@@ -11,7 +11,10 @@ same on any machine (the Triton kernels in `_triton.py` follow the same recipes 
   beyond that the bias is below 2**-32 of a target ulp), RTN rounds half to even. The result is
   re-encoded in the target and saturated to its largest finite value.
 - fp8 values are first multiplied by the fp32 reciprocal of their scale (tensor, row or 128x128
-  block); `ef` adds the fp32 residual first and keeps `u - served` as the new residual.
+  block; a microscaling block of a row is a "row" of `block` elements); `ef` adds the fp32
+  residual first and keeps `u - served` as the new residual.
+- 4-bit formats (E2M1) are written one code per byte (`width` 4: the sign is bit 3); the caller
+  packs two per byte. E2M1 has no NaN/Inf: `nan_bits` 0 and `inf_bits` 7 serve them as +-0, +-6.
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from weightsvc.rounding._formats import SCALE_BLOCK, SCALE_NONE, SCALE_ROW, SCALE_TENSOR
+
 _EXP_MASK = np.uint32(0x7F800000)
 _MANT_MASK = np.uint32(0x007FFFFF)
 _BF16_QNAN_BIT = np.uint32(0x0040)
 _BF16_INF_MAG = np.uint32(0x7F80)
 _BF16_MAG_MASK = np.uint32(0x7FFF)
 
-SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
+__all__ = ["SCALE_BLOCK", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "bf16_export", "bf16_export_ef",
+           "bf16_export_runs", "float_export", "random_bits"]  # fmt: skip
 
 
 @njit(inline="always")

@@ -1,0 +1,153 @@
+"""Block scales of the microscaled formats: OCP MX (mxfp8, mxfp4) and NVFP4.
+
+A block is `fmt.block` consecutive elements of a row; the formats apply only to rows whose length K
+is a multiple of it (`ExportSpec.format_for`), so the block of flat element g is g // block.
+
+Scales come from the exact max of |finite value| of each block (NaN/Inf ignored), computed where
+the values are (numpy, or torch on any device) and turned into scales here on the host, so every
+path gets the same scales. They are rounded UP, so that no element of a block clips: clipping at
+the format max would bias `sr` and `ef`.
+
+- MX (UE8M0): scale 2^e with the smallest e such that amax <= elem_max * 2^e (elem_max 448 for
+  e4m3, 6 for e2m1), e in [-127, 127]; an all-zero block gets e = 0. Served code: e + 127.
+- NVFP4: a global scale per tensor (see the convention below) and a float8_e4m3fn scale per block
+  of 16, the smallest e4m3 at or above block_amax / 6 * gs, capped at 448; a zero block gets 0.
+
+The kernels get per block `scale`, the effective fp32 dequant multiplier (2^e, or e4m3 / gs in
+fp32), and `inverse` = 1 / scale (0 where scale is 0). Where the fp32 rounding of 1 / scale would
+let the block max land just above elem_max, `inverse` is stepped down an ulp (a 2^-24 relative
+change, the size of the rounding of 1 / scale itself), so no element clips.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from weightsvc.rounding._codes import decode
+from weightsvc.rounding._formats import FORMATS, SCALE_ROW, Format, Scales
+
+if TYPE_CHECKING:
+    import torch
+
+_E4M3 = FORMATS["fp8_e4m3"]
+_E4M3_VALUES = decode(np.arange(_E4M3.max_bits + 1, dtype=np.uint8), _E4M3)  # codes 0..448, increasing
+_UE8M0_BIAS = 127
+_UE8M0_NAN = 0xFF
+
+
+def check_block_shape(shape: tuple[int, ...], fmt: Format) -> tuple[int, int]:
+    if len(shape) != 2 or shape[1] % fmt.block:
+        raise ValueError(f"{fmt.name} takes 2-D tensors whose rows are a multiple of {fmt.block} long, not {shape}")
+    return shape[0], shape[1]
+
+
+def block_amax(values: np.ndarray, fmt: Format) -> np.ndarray:
+    """Max of |finite value| of each block of a 2-D float32 array: (N, K / block), float32."""
+    n, k = check_block_shape(values.shape, fmt)
+    magnitude = np.abs(np.where(np.isfinite(values), values, np.float32(0)))
+    return magnitude.reshape(n, k // fmt.block, fmt.block).max(axis=2, initial=np.float32(0))
+
+
+def block_scales(values: np.ndarray, fmt: Format) -> Scales:
+    """The block scales of a 2-D float32 array (the master, or m + e for ef) in a microscaled format."""
+    return scales_from_block_amax(block_amax(values, fmt), fmt)
+
+
+def block_scales_torch(values: torch.Tensor, fmt: Format) -> Scales:
+    """`block_scales` of a float32 tensor on any device: the maxima where the values are (exact, so
+    equal to numpy's), the scales on the host."""
+    import torch
+
+    n, k = check_block_shape(tuple(values.shape), fmt)
+    if values.numel() == 0:
+        return scales_from_block_amax(np.zeros((n, k // fmt.block), np.float32), fmt)
+    magnitude = torch.where(torch.isfinite(values), values, 0).abs()
+    amax = magnitude.reshape(n, k // fmt.block, fmt.block).amax(dim=2)
+    return scales_from_block_amax(amax.float().cpu().numpy(), fmt)
+
+
+def scales_from_block_amax(amax: np.ndarray, fmt: Format) -> Scales:
+    """The scales of blocks with these (exact) maxima of |value|, shape (N, K / block)."""
+    amax = np.asarray(amax, np.float32)
+    global_scale = None
+    if fmt.scale_encoding == "ue8m0":
+        codes = (_ue8m0_exponents(amax, fmt.max_value) + _UE8M0_BIAS).astype(np.uint8)
+    else:
+        gs = nvfp4_global_scale(amax.max(initial=np.float32(0)))
+        global_scale = np.array([gs], np.float32)
+        codes = _e4m3_at_or_above(_nvfp4_block_target(amax, gs, fmt.max_value))
+    scale = block_scale_values(codes, fmt, global_scale)
+    inverse = _inverse_without_clipping(amax, scale, fmt.max_value)
+    return Scales(scale, inverse.reshape(-1), SCALE_ROW, fmt.block, 1, codes, global_scale)
+
+
+def block_scale_values(codes: np.ndarray, fmt: Format, global_scale: np.ndarray | None = None) -> np.ndarray:
+    """The fp32 dequant multiplier of each block from its served code (and NVFP4's global scale):
+    what the kernels multiply element values by, and what loaders should."""
+    codes = np.asarray(codes, np.uint8)
+    if fmt.scale_encoding == "ue8m0":
+        power = np.ldexp(np.float32(1), codes.astype(np.int32) - _UE8M0_BIAS)  # 2^-127 is an fp32 subnormal
+        return np.where(codes == _UE8M0_NAN, np.float32(np.nan), power).astype(np.float32)
+    if global_scale is None:
+        raise ValueError(f"{fmt.name} block scales need the global scale")
+    return _nvfp4_dequant(decode(codes, _E4M3), np.float32(np.asarray(global_scale, np.float32).reshape(-1)[0]))
+
+
+def _ue8m0_exponents(amax: np.ndarray, elem_max: float) -> np.ndarray:
+    """The smallest e with amax <= elem_max * 2^e, exactly (in float64, where elem_max * 2^e and
+    the comparison are exact), clamped to [-127, 127]; 0 for a zero block."""
+    a = amax.astype(np.float64)
+    _, e = np.frexp(a / elem_max)  # a / elem_max <= 2^e, up to the rounding of the division:
+    e = e.astype(np.int32)  # the exact checks below settle it either way
+    e = np.where(np.ldexp(elem_max, e - 1) >= a, e - 1, e)
+    e = np.where(np.ldexp(elem_max, e) < a, e + 1, e)
+    return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, _UE8M0_BIAS)
+
+
+def _e4m3_at_or_above(target: np.ndarray) -> np.ndarray:
+    """The float8_e4m3fn codes of the smallest values >= target (target >= 0), capped at 448."""
+    codes = np.searchsorted(_E4M3_VALUES, np.asarray(target, np.float64), side="left")
+    return np.minimum(codes, _E4M3.max_bits).astype(np.uint8)
+
+
+# NVFP4's global scale: compressed-tensors' convention. The served global scale is
+# gs = 448 * 6 / tensor_amax, block scales are encoded as block_amax / 6 * gs, and a value is
+# fp4 * block_scale / gs. The direction (encode or decode multiplier) differs between toolchains:
+# to flip it, change these three functions only.
+_NVFP4_GS_MAX = np.float32(2.0**117)  # keeps the smallest block scale, 2^-9 / gs, a normal fp32
+
+
+def nvfp4_global_scale(tensor_amax: float | np.floating) -> np.float32:
+    """gs = 448 * 6 / amax in fp32 (1 for an all-zero tensor), at most 2^117 (amax below ~1.6e-32),
+    so that every block's dequant multiplier and its reciprocal stay finite."""
+    amax = np.float32(tensor_amax)
+    if amax == 0:
+        return np.float32(1)
+    with np.errstate(over="ignore"):
+        gs = np.float32(448 * 6) / amax
+    return np.float32(min(gs, _NVFP4_GS_MAX))
+
+
+def _nvfp4_block_target(block_amax: np.ndarray, gs: np.float32, elem_max: float) -> np.ndarray:
+    """The block scale before its e4m3 encoding (float64; rounded up by the caller)."""
+    return block_amax.astype(np.float64) / elem_max * np.float64(gs)
+
+
+def _nvfp4_dequant(block_scale: np.ndarray, gs: np.float32) -> np.ndarray:
+    """The effective dequant multiplier of each block: e4m3 value / gs, one fp32 division."""
+    return (np.asarray(block_scale, np.float32) / gs).astype(np.float32)
+
+
+def _inverse_without_clipping(amax: np.ndarray, scale: np.ndarray, elem_max: float) -> np.ndarray:
+    """fp32 1 / scale (0 where scale is 0), stepped down where amax * inverse > elem_max. The
+    product of two fp32 values is exact in float64, and fp32 rounding is monotone, so every
+    |u| <= amax then gives fp32 u * inverse <= elem_max."""
+    with np.errstate(divide="ignore"):
+        inverse = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
+    while True:
+        over = amax.astype(np.float64) * inverse.astype(np.float64) > elem_max
+        if not over.any():
+            return inverse
+        inverse[over] = np.nextafter(inverse[over], np.float32(0))
