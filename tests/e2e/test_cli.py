@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters
 from weightsvc.client import InferenceClient
-from weightsvc.rounding import fair_cast
+from weightsvc.rounding import FORMATS, fair_cast
 
 CMD = WEIGHTSVC_CMD
 Serve = ServeProcess
@@ -329,16 +329,42 @@ def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> N
         srv.stop()
 
 
+DEMO_KEYS = {"first_change_step", "lag_max", "lag_mean", "visibility_mean", "churn_mean", "final_reward",
+             "steps_to_reward", "reward_threshold", "reward_auc"}  # fmt: skip
+
+
 def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
     result = cli("demo", "--steps", "40", "--json", "--png", str(tmp_path / "demo.png"), timeout=300)
     assert result.returncode == 0, result.stderr
     table = json.loads(result.stdout)
     assert set(table) == {"rtn", "sr", "sr-sticky", "ef"}
     for row in table.values():
-        assert set(row) == {"first_change_step", "lag_max", "lag_mean", "visibility_mean", "churn_mean",
-                            "final_reward"}  # fmt: skip
-    assert table["rtn"]["lag_mean"] > 2 * max(table[m]["lag_mean"] for m in ("sr", "sr-sticky", "ef"))
+        assert set(row) == DEMO_KEYS
+        assert 0 <= row["reward_auc"] <= 1 and row["reward_threshold"] == 0.5
+    # 40 Adam steps of 1e-5 stay below half a bf16 ulp of the checkpoint's weights (|w| >= 0.5):
+    # round to nearest serves the checkpoint, whose logits are 0, all along (lag t - 1 at step t)
+    rtn = table["rtn"]
+    assert (rtn["first_change_step"], rtn["churn_mean"], rtn["steps_to_reward"]) == (None, 0, None)
+    assert rtn["lag_mean"] == 19.5
+    assert 2 * max(table[m]["lag_mean"] for m in ("sr", "sr-sticky")) < rtn["lag_mean"]
+    assert table["ef"]["lag_mean"] < rtn["lag_mean"]  # ef's residual needs ~15 steps to reach half an ulp
+    assert rtn["reward_auc"] < 0.2  # chance is 1/8
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_in_fp8_learns_only_with_unbiased_rounding() -> None:
+    # Steps of 1e-4 for 40 steps: the sr modes earn the reward, while they move the masters less than
+    # half an fp8_e4m3 ulp (~1/30 of a weight), so round to nearest never changes a served bit.
+    result = cli("demo", "--steps", "40", "--lr", "1e-4", "--format", "fp8_e4m3", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    table = json.loads(result.stdout)
+    rtn = table["rtn"]
+    assert (rtn["first_change_step"], rtn["churn_mean"], rtn["steps_to_reward"]) == (None, 0, None)
+    assert rtn["reward_auc"] < 0.2
+    for mode in ("sr", "sr-sticky"):
+        assert table[mode]["steps_to_reward"] is not None, table[mode]
+        assert table[mode]["reward_auc"] > rtn["reward_auc"] + 0.3, table[mode]
+    assert table["ef"]["reward_auc"] > rtn["reward_auc"] + 0.1, table["ef"]
 
 
 def test_demo_writes_a_png_only_when_asked(tmp_path: Path) -> None:
@@ -346,6 +372,12 @@ def test_demo_writes_a_png_only_when_asked(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert set(json.loads(result.stdout)) == {"rtn", "sr", "sr-sticky", "ef"}
     assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_names_the_formats_it_accepts() -> None:
+    line = one_error_line(cli("demo", "--format", "fp4"))
+    assert "unknown format 'fp4'; choose one of " in line
+    assert all(name in line for name in FORMATS)
 
 
 def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) -> None:

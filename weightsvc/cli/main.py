@@ -469,26 +469,34 @@ def status(
 @app.command()
 def demo(
     steps: Annotated[int, typer.Option(help="RL steps per rounding mode.")] = 300,
-    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 3e-6,
+    lr: Annotated[float, typer.Option(help="Adam learning rate.")] = 1e-5,
+    format: Annotated[
+        str, typer.Option("--format", help="Served format: a name in weightsvc.rounding.FORMATS (bf16, fp8_e4m3, ...).")
+    ] = "bf16",
     png: Annotated[Path | None, typer.Option(help="Also plot lag and reward per step into this PNG.")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the table as JSON keyed by mode.")] = False,
 ) -> None:
     """The paper's experiment: RL fine-tuning per rounding mode through the service; lag and reward."""
+    from weightsvc import rounding
     from weightsvc._log import configure_logging
-    from weightsvc.cli.demo import as_rows, run_demo
+    from weightsvc.cli.demo import COLUMNS, REWARD_THRESHOLD, REWARD_WINDOW, as_rows, run_demo
 
+    if format not in rounding.FORMATS:
+        raise typer.BadParameter(f"unknown format {format!r}; choose one of {', '.join(rounding.FORMATS)}",
+                                 param_hint="--format")  # fmt: skip
     configure_logging("warning")
-    results = run_demo(steps=steps, lr=lr, png=png, log=None if json_out else note)
+    results = run_demo(steps=steps, lr=lr, format=format, png=png, log=None if json_out else note)
     if json_out:
         print(json.dumps(results, indent=2))
         return
     from rich.table import Table
 
-    table = Table("mode", "first change (step)", "lag max", "lag mean", "visibility mean", "churn mean",
-                  "final reward")  # fmt: skip
+    table = Table("mode", *COLUMNS.values(), title=f"{format}, Adam lr {lr:g}, {steps} steps")
     for row in as_rows(results):
         table.add_row(*row)
     print_table(table)
+    note(f"steps to reward: the first step whose mean reward over the last {REWARD_WINDOW} steps reaches "
+         f"{REWARD_THRESHOLD:g} (chance 1/8); reward AUC: the mean reward over all steps")  # fmt: skip
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
