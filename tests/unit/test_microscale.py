@@ -326,10 +326,11 @@ def test_ef_running_mean_tracks_the_master(fmt: str) -> None:
     assert np.allclose(gap, last, rtol=0, atol=tol)
     # ... at most half an element ulp times the block's scale: the running mean is within that over
     # the number of versions.
-    served_bytes = out[name].view(torch.uint8).numpy()
+    layout = [entry[0] for entry in served_tensors(name, tuple(master.shape), f)]
+    served_bytes = out[layout[0]].view(torch.uint8).numpy()
     y = decode(unpack(served_bytes) if f.packed else served_bytes, f).astype(np.float64).reshape(master.shape)
-    global_scale = out[name + "_global_scale"].numpy() if f.global_scale else None
-    scale = np.repeat(block_scale_values(out[name + "_scale"].numpy(), f, global_scale), f.block, axis=1)
+    global_scale = out[layout[2]].numpy() if f.global_scale else None
+    scale = np.repeat(block_scale_values(out[layout[1]].view(torch.uint8).numpy(), f, global_scale), f.block, axis=1)
     grid = signed_grid(fmt)
     at = np.searchsorted(grid, y)
     assert np.array_equal(grid[at], y)
@@ -407,7 +408,7 @@ def test_packing_order() -> None:
     master = np.zeros((1, 32), np.float32)
     master[0, :2] = [1.0, -6.0]
     out = export_state_dict({"x.weight": torch.from_numpy(master)}, ExportSpec("mxfp4", "rtn"), version=1)
-    byte = int(out["x.weight"][0, 0])
+    byte = int(out["x.weight_packed"][0, 0])
     assert np.array([byte & 0xF, byte >> 4], np.uint8).view(ml_dtypes.float4_e2m1fn).astype(float).tolist() == [
         1.0, -6.0]  # fmt: skip
 
@@ -434,7 +435,12 @@ def test_served_tensors_and_dequantize_round_trip(fmt: str) -> None:
     assert [(name, tuple(out[name].shape)) for name, _, _ in layout] == [(name, shape) for name, shape, _ in layout]
     assert set(out) == {name for name, _, _ in layout} | {"x.norm.weight"}
     assert out["x.norm.weight"].dtype == torch.bfloat16
-    assert out["x.weight"].dtype == (torch.float8_e4m3fn if fmt == "mxfp8" else torch.uint8)
+    assert out[layout[0][0]].dtype == (torch.float8_e4m3fn if fmt == "mxfp8" else torch.uint8)
+    # compressed-tensors' names, which vLLM loads
+    assert [name for name, _, _ in layout] == {"mxfp8": ["x.weight", "x.weight_scale"],
+                                               "mxfp4": ["x.weight_packed", "x.weight_scale"],
+                                               "nvfp4": ["x.weight_packed", "x.weight_scale",
+                                                         "x.weight_global_scale"]}[fmt]  # fmt: skip
     back = dequantize(out, "x.weight", f, (n, k))
     assert back.dtype == np.float32 and np.array_equal(back, master)
     # The same from the served bytes as the service holds them.

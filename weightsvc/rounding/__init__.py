@@ -15,7 +15,7 @@ pay torch's ~200 MiB of resident memory.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -45,6 +45,7 @@ DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
 SCALE_SUFFIX = "_scale_inv"  # fp8
 BLOCK_SCALE_SUFFIX = "_scale"  # microscaled formats: the block scale codes
 GLOBAL_SCALE_SUFFIX = "_global_scale"  # NVFP4
+PACKED_SUFFIX = "_packed"  # FP4: two elements per byte
 DEVICES = ("auto", "cpu", "cuda")
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "FORMATS",
     "GLOBAL_SCALE_SUFFIX",
     "MICROSCALED",
+    "PACKED_SUFFIX",
     "ROUNDINGS",
     "SCALE_SUFFIX",
     "SCALINGS",
@@ -78,9 +80,12 @@ __all__ = [
     "fair_cast",
     "fp8_scales",
     "fp8_scales_torch",
+    "fused_group",
+    "group_amax",
     "nvfp4_global_scale",
     "pack",
     "scales_from_block_amax",
+    "served_scales",
     "served_tensors",
     "tensor_key",
     "unpack",
@@ -146,14 +151,15 @@ class ExportStats:
         self.saturated += other.saturated
 
 
-def fp8_scales(values: np.ndarray, fmt: Format, scaling: str) -> Scales:
+def fp8_scales(values: np.ndarray, fmt: Format, scaling: str, group_amax: float | None = None) -> Scales:
     """Scales of a 2-D float32 array: amax / format max per tensor, row or 128x128 block.
 
     An all-zero group (and a non-finite amax) gets scale 1, never a division by zero.
-    Microscaled formats get their block scales (`block_scales`; `scaling` does not apply).
+    Microscaled formats get their block scales (`block_scales`; `scaling` does not apply; NVFP4's
+    global scale from `group_amax` when given).
     """
     if fmt.block:
-        return block_scales(values, fmt)
+        return block_scales(values, fmt, group_amax)
     n, k = values.shape
     magnitude = np.abs(np.where(np.isfinite(values), values, np.float32(0)))
     if scaling == "tensor":
@@ -182,13 +188,13 @@ def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> 
     return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))
 
 
-def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str) -> Scales:
+def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str, group_amax: float | None = None) -> Scales:
     """fp8_scales for a torch tensor on any device: the maxima where the values are (exact, so equal
     to the numpy path's), the small rest on the host."""
     import torch
 
     if fmt.block:
-        return block_scales_torch(values, fmt)
+        return block_scales_torch(values, fmt, group_amax)
     n, k = values.shape
     magnitude = torch.where(torch.isfinite(values), values, 0).abs()
     if scaling == "tensor":
@@ -339,6 +345,7 @@ def export(
     name: str,
     residual: Residual | None = None,
     device: str = "auto",
+    group_amax: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """The served tensors of one whole master tensor, named and shaped as `served_tensors` says:
     `{name: served}`, plus `{name}_scale_inv` for fp8, `{name}_scale` (and `{name}_global_scale`)
@@ -360,7 +367,8 @@ def export(
         res_out = torch.empty_like(res_in)
     scales = None
     if fmt.scaled:
-        scales = fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling)
+        scales = fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling,
+                                  group_amax)  # fmt: skip
     layout = served_tensors(name, tuple(m.shape), fmt, spec.scaling)
     out = torch.empty(layout[0][1], dtype=_torch_dtype(fmt), device=m.device)
     if m.is_cuda:
@@ -374,12 +382,11 @@ def export(
         )  # fmt: skip
     if residual is not None and res_out is not None:
         residual.tensors[name] = res_out.cpu().numpy()
-    served = {name: out}
+    served = {layout[0][0]: out}
     if scales is not None:
-        arrays = [scales.scale_inv] if not fmt.block else [scales.codes, scales.global_scale][: len(layout) - 1]
-        for (scale_name, shape, _), array in zip(layout[1:], arrays, strict=True):
-            assert array is not None
-            served[scale_name] = torch.from_numpy(array.reshape(shape).copy()).to(m.device)
+        for (scale_name, shape, dtype), array in zip(layout[1:], served_scales(scales, fmt), strict=True):
+            t = torch.from_numpy(array.reshape(shape).copy())
+            served[scale_name] = (t.view(torch.float8_e4m3fn) if dtype == "F8_E4M3" else t).to(m.device)
     return served
 
 
@@ -389,10 +396,14 @@ def served_tensors(
     """The served tensors of master `name` of this shape in `fmt`, in order: (served name, shape,
     safetensors dtype). The one place that names them (the service, `export` and the loaders ask here):
     - unscaled: the tensor itself;
-    - fp8: `{name}` and `{name}_scale_inv` (fp32 dequant multipliers, `scaling`'s layout);
-    - mxfp8, mxfp4, nvfp4: `{name}` (e4m3 (N, K), or FP4 packed two per byte as uint8 (N, K / 2)),
-      `{name}_scale` (uint8 codes, UE8M0 or e4m3 bit patterns, (N, K / block)), and for NVFP4
-      `{name}_global_scale` (fp32, (1,))."""
+    - fp8: `{name}` and `{name}_scale_inv` (fp32 dequant multipliers, `scaling`'s layout: DeepSeek-V3's);
+    - the microscaled formats, in the layout of compressed-tensors checkpoints, which vLLM loads
+      (for `x.weight`: `x.weight_packed`, `x.weight_scale`, `x.weight_global_scale`):
+      - mxfp8: `{name}` (float8_e4m3fn (N, K)) and `{name}_scale` (UE8M0 codes, uint8 (N, K / 32));
+      - mxfp4: `{name}_packed` (E2M1 codes two per byte, element 2i in the low nibble: uint8
+        (N, K / 2)) and `{name}_scale` (UE8M0, uint8 (N, K / 32));
+      - nvfp4: `{name}_packed` (as mxfp4), `{name}_scale` (float8_e4m3fn (N, K / 16)) and
+        `{name}_global_scale` (fp32 (1,); values are fp4 * scale / global scale)."""
     if not fmt.scaled:
         return [(name, shape, fmt.safetensors_dtype)]
     if not fmt.block:
@@ -400,11 +411,51 @@ def served_tensors(
         scale_shape = {"tensor": (), "channel": (n, 1)}.get(scaling, (-(-n // BLOCK), -(-k // BLOCK)))
         return [(name, shape, fmt.safetensors_dtype), (name + SCALE_SUFFIX, scale_shape, "F32")]
     n, k = check_block_shape(shape, fmt)
-    out: list[tuple[str, tuple[int, ...], str]] = [(name, (n, k // 2) if fmt.packed else (n, k), fmt.safetensors_dtype),
-           (name + BLOCK_SCALE_SUFFIX, (n, k // fmt.block), "U8")]  # fmt: skip
+    elements = (name + PACKED_SUFFIX, (n, k // 2)) if fmt.packed else (name, (n, k))
+    scale_dtype = "F8_E4M3" if fmt.scale_encoding == "e4m3" else "U8"
+    out: list[tuple[str, tuple[int, ...], str]] = [
+        (*elements, fmt.safetensors_dtype),
+        (name + BLOCK_SCALE_SUFFIX, (n, k // fmt.block), scale_dtype),
+    ]
     if fmt.global_scale:
         out.append((name + GLOBAL_SCALE_SUFFIX, (1,), "F32"))
     return out
+
+
+def served_scales(scales: Scales, fmt: Format) -> list[np.ndarray]:
+    """The arrays of a scaled tensor's served scale tensors, in `served_tensors`' order (flat)."""
+    if not fmt.block:
+        return [scales.scale_inv.reshape(-1)]
+    assert scales.codes is not None
+    arrays = [scales.codes.reshape(-1)]
+    if fmt.global_scale:
+        assert scales.global_scale is not None
+        arrays.append(scales.global_scale.reshape(-1))
+    return arrays
+
+
+# The tensors an engine fuses into one layer (vLLM's packed modules: q, k and v projections into
+# qkv_proj, gate and up into gate_up_proj) must share NVFP4's global scale: an engine keeps one per
+# fused layer (vLLM keeps the largest, and another shard's values would be read wrongly).
+_FUSED = re.compile(r"^(.*\.)(?:(q|k|v)_proj|(gate|up)_proj)(\.[^.]+)$")
+
+
+def fused_group(name: str) -> str:
+    """The name of the layer an engine fuses tensor `name` into (`...qkv_proj.weight`,
+    `...gate_up_proj.weight`); the name itself for any other tensor."""
+    m = _FUSED.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1)}{'qkv_proj' if m.group(2) else 'gate_up_proj'}{m.group(4)}"
+
+
+def group_amax(values: Iterable[np.ndarray]) -> float:
+    """The max |finite value| over arrays (the masters, or m + e, of a fused group): exact."""
+    top = np.float32(0)
+    for v in values:
+        finite = np.abs(v[np.isfinite(v)]) if v.size else v
+        top = max(top, np.float32(finite.max(initial=np.float32(0))))
+    return float(top)
 
 
 def dequantize(
@@ -482,10 +533,32 @@ def export_state_dict(
     With `ef`, `residual` advances to `version` (pass the one of the previous version).
     """
     out: dict[str, torch.Tensor] = {}
+    shared = _group_amaxes(state_dict, spec, residual)
     for name, master in state_dict.items():
-        out.update(export(master, spec, version=version, name=name, residual=residual, device=device))
+        out.update(export(master, spec, version=version, name=name, residual=residual, device=device,
+                          group_amax=shared.get(name)))  # fmt: skip
     if residual is not None:
         residual.version = version
+    return out
+
+
+def _group_amaxes(state_dict: Mapping[str, torch.Tensor], spec: ExportSpec,
+                  residual: Residual | None) -> dict[str, float]:  # fmt: skip
+    """NVFP4: the max |value| of each tensor's fused group (`fused_group`), which sets the group's
+    shared global scale; of m + e with ef, as the export quantizes."""
+    groups: dict[str, list[str]] = {}
+    for name, master in state_dict.items():
+        if spec.format_for(name, tuple(master.shape)).global_scale:
+            groups.setdefault(fused_group(name), []).append(name)
+
+    def values(name: str) -> np.ndarray:
+        m = _master(state_dict[name], name).reshape(-1).numpy()
+        return m if residual is None or spec.rounding != "ef" else m + residual.tensor(name, m.size)
+
+    out = {}
+    for members in groups.values():
+        top = group_amax(values(n) for n in members)
+        out.update(dict.fromkeys(members, top))
     return out
 
 

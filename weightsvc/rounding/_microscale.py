@@ -50,32 +50,38 @@ def block_amax(values: np.ndarray, fmt: Format) -> np.ndarray:
     return magnitude.reshape(n, k // fmt.block, fmt.block).max(axis=2, initial=np.float32(0))
 
 
-def block_scales(values: np.ndarray, fmt: Format) -> Scales:
-    """The block scales of a 2-D float32 array (the master, or m + e for ef) in a microscaled format."""
-    return scales_from_block_amax(block_amax(values, fmt), fmt)
+def block_scales(values: np.ndarray, fmt: Format, group_amax: float | None = None) -> Scales:
+    """The block scales of a 2-D float32 array (the master, or m + e for ef) in a microscaled format.
+    `group_amax`: NVFP4's global scale from this max |value| (of the tensors that share it:
+    `fused_group`) rather than from the tensor's own."""
+    return scales_from_block_amax(block_amax(values, fmt), fmt, group_amax)
 
 
-def block_scales_torch(values: torch.Tensor, fmt: Format) -> Scales:
+def block_scales_torch(values: torch.Tensor, fmt: Format, group_amax: float | None = None) -> Scales:
     """`block_scales` of a float32 tensor on any device: the maxima where the values are (exact, so
     equal to numpy's), the scales on the host."""
     import torch
 
     n, k = check_block_shape(tuple(values.shape), fmt)
     if values.numel() == 0:
-        return scales_from_block_amax(np.zeros((n, k // fmt.block), np.float32), fmt)
+        return scales_from_block_amax(np.zeros((n, k // fmt.block), np.float32), fmt, group_amax)
     magnitude = torch.where(torch.isfinite(values), values, 0).abs()
     amax = magnitude.reshape(n, k // fmt.block, fmt.block).amax(dim=2)
-    return scales_from_block_amax(amax.float().cpu().numpy(), fmt)
+    return scales_from_block_amax(amax.float().cpu().numpy(), fmt, group_amax)
 
 
-def scales_from_block_amax(amax: np.ndarray, fmt: Format) -> Scales:
-    """The scales of blocks with these (exact) maxima of |value|, shape (N, K / block)."""
+def scales_from_block_amax(amax: np.ndarray, fmt: Format, group_amax: float | None = None) -> Scales:
+    """The scales of blocks with these (exact) maxima of |value|, shape (N, K / block); NVFP4's
+    global scale from `group_amax` when given (at least the tensor's own max), else the tensor's."""
     amax = np.asarray(amax, np.float32)
     global_scale = None
     if fmt.scale_encoding == "ue8m0":
         codes = (_ue8m0_exponents(amax, fmt.max_value) + _UE8M0_BIAS).astype(np.uint8)
     else:
-        gs = nvfp4_global_scale(amax.max(initial=np.float32(0)))
+        own = amax.max(initial=np.float32(0))
+        if group_amax is not None and np.float32(group_amax) < own:
+            raise ValueError(f"group max {group_amax} is below the tensor's own max {own}")
+        gs = nvfp4_global_scale(own if group_amax is None else group_amax)
         global_scale = np.array([gs], np.float32)
         codes = _e4m3_at_or_above(_nvfp4_block_target(amax, gs, fmt.max_value))
     scale = block_scale_values(codes, fmt, global_scale)
