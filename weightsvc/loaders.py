@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from weightsvc.client import InferenceClient, Slice, dequantized
+from weightsvc.client import InferenceClient, Slice, dequantize
 from weightsvc.core.manifest import Manifest, read_safetensors_header
 
 __all__ = [
@@ -61,16 +61,6 @@ class Mismatch(ValueError):
 class LoadResult(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The served tensors as values a module can load: fp8 tensors times their scales (fp32), the
-    `<name>_scale_inv` tensors dropped, everything else as served."""
-    return {
-        name: dequantized(served, name) if name + SCALE_SUFFIX in served else t
-        for name, t in served.items()
-        if not (name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in served)
-    }
 
 
 def _memory(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

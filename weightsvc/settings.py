@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 # The choices a deployment may set. They name what weightsvc.rounding implements (FORMATS,
 # ROUNDINGS, SCALINGS, DEVICES, DEFAULT_FP8_PATTERN; tests/unit/test_settings.py holds them equal); they are
 # spelled out here so that checking a flag does not load the numba kernels.
-FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2")
+FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxfp4")
 ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
 SCALINGS = ("tensor", "channel", "block")
 DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"

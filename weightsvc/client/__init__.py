@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient
     from weightsvc.client._http import HttpInferenceClient
     from weightsvc.client._learner import LearnerClient, Shard
-    from weightsvc.client._tensors import dequantized, served_weights, tensors_from_data
+    from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
 
 __all__ = [
     "ClientInfo",
@@ -46,6 +46,7 @@ __all__ = [
     "Shard",
     "Slice",
     "VersionInfo",
+    "dequantize",
     "dequantized",
     "read_version_file",
     "served_weights",
@@ -60,6 +61,7 @@ _LAZY = {
     "HttpInferenceClient": "_http",
     "LearnerClient": "_learner",
     "Shard": "_learner",
+    "dequantize": "_tensors",
     "dequantized": "_tensors",
     "served_weights": "_tensors",
     "tensors_from_data": "_tensors",

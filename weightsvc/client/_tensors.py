@@ -18,6 +18,7 @@ TORCH_DTYPES = {
     "F32": torch.float32,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    "U8": torch.uint8,
 }
 
 
@@ -67,17 +68,18 @@ def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor]) 
             loss.backward()          # gradients at the served weights, on the master parameters
         optimizer.step()             # updates the masters
 
-    fp8 tensors are dequantized with their `<name>_scale_inv` block, row or tensor scales.
+    Scaled formats are dequantized with their scales (`dequantize`).
     """
     params = dict(module.named_parameters())
+    values = dequantize(served)
     saved = {}
     try:
         with torch.no_grad():
             for name, p in params.items():
-                if name not in served:
+                if name not in values:
                     raise KeyError(f"the served copy has no tensor {name!r}")
                 saved[name] = p.data.clone()
-                p.data.copy_(dequantized(served, name).to(p.dtype).reshape(p.shape))
+                p.data.copy_(values[name].to(p.dtype).reshape(p.shape))
         yield module
     finally:
         with torch.no_grad():
@@ -85,14 +87,59 @@ def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor]) 
                 params[name].data.copy_(master)
 
 
+def _format_of(served: Mapping[str, torch.Tensor], name: str) -> str:
+    """The format master `name` is served in, from the served tensors' names and dtypes
+    (`rounding.served_tensors`): fp4 comes packed, mxfp8's e4m3 has UE8M0 block scales, fp8's fp32
+    ones; "" for a tensor served as it is (bf16, fp16, fp32)."""
+    from weightsvc import rounding
+
+    if name + rounding.PACKED_SUFFIX in served:
+        return "nvfp4" if name + rounding.GLOBAL_SCALE_SUFFIX in served else "mxfp4"
+    if name + rounding.BLOCK_SCALE_SUFFIX in served and name in served and served[name].dtype == torch.float8_e4m3fn:
+        return "mxfp8"
+    if name + rounding.SCALE_SUFFIX in served:
+        return "fp8"
+    return ""
+
+
 def dequantized(served: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
-    """The values of the served tensor `name`: fp8 codes times their `<name>_scale_inv` scales
-    (128 x 128 blocks, rows or the whole tensor), as fp32; other tensors widened to fp32."""
+    """The values of master tensor `name` of a served copy, as fp32: fp8 codes times their
+    `<name>_scale_inv` scales (128 x 128 blocks, rows or the whole tensor); mxfp8, mxfp4 and nvfp4
+    element values times their block scales (and NVFP4's global scale), fp4 unpacked; other
+    tensors widened."""
+    from weightsvc import rounding
+
+    kind = _format_of(served, name)
+    if kind in rounding.MICROSCALED:
+        fmt = rounding.FORMATS[kind]
+        elements = served[name + rounding.PACKED_SUFFIX] if fmt.packed else served[name]
+        n, k = elements.shape
+        shape = (n, 2 * k) if fmt.packed else (n, k)
+        return torch.from_numpy(rounding.dequantize(served, name, fmt, shape)).to(elements.device)
     values = served[name].float()
-    scale = served.get(name + "_scale_inv")
-    if scale is None:
+    if kind != "fp8":
         return values
+    scale = served[name + rounding.SCALE_SUFFIX]
     if scale.dim() == 2 and scale.shape != (values.shape[0], 1):  # 128 x 128 blocks
         n, k = values.shape
         scale = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]
     return values * scale
+
+
+def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The values of every master tensor of a served copy, by master name (`dequantized`): the
+    scale tensors dropped, packed fp4 elements under their master's name."""
+    from weightsvc import rounding
+
+    masters = []
+    for name in served:
+        base = name.removesuffix(rounding.PACKED_SUFFIX)
+        if base != name and _format_of(served, base):
+            masters.append(base)
+            continue
+        owner = next((name.removesuffix(suffix) for suffix in
+                      (rounding.SCALE_SUFFIX, rounding.BLOCK_SCALE_SUFFIX, rounding.GLOBAL_SCALE_SUFFIX)
+                      if name.endswith(suffix) and _format_of(served, name.removesuffix(suffix))), None)  # fmt: skip
+        if owner is None:
+            masters.append(name)
+    return {name: dequantized(served, name) if _format_of(served, name) else served[name] for name in masters}

@@ -133,28 +133,32 @@ class Kernels:
 
     def export_whole(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, *, version: int,
                      name: str, fmt: rounding.Format, shape: tuple[int, ...], residual: np.ndarray | None = None,
-                     new_residual: np.ndarray | None = None, model: str = "",
-                     keep: Resident | None = None) -> tuple[rounding.ExportStats, rounding.Scales]:  # fmt: skip
-        """A whole scaled (fp8) tensor of this `shape`: its scales from the master (plus the ef residual:
-        ef quantizes m + e), computed where the export runs, then its export. Returns the scales too."""
+                     new_residual: np.ndarray | None = None, model: str = "", keep: Resident | None = None,
+                     group_amax: float | None = None) -> tuple[rounding.ExportStats, rounding.Scales]:  # fmt: skip
+        """A whole scaled tensor of this `shape`: its scales from the master (plus the ef residual: ef
+        quantizes m + e), computed where the export runs, then its export. Returns the scales too.
+        `group_amax`: NVFP4's global scale from the max |value| of the tensors that share it."""
         if not self.on_gpu:
             values = master if residual is None else master + residual
-            scales = rounding.fp8_scales(values.reshape(shape), fmt, spec.scaling)
+            scales = rounding.fp8_scales(values.reshape(shape), fmt, spec.scaling, group_amax)
             stats = rounding.export_array(master, out, spec, version=version, name=name, fmt=fmt, scales=scales,
                                           residual=residual, new_residual=new_residual)  # fmt: skip
             return stats, scales
-        return self._export(master, out, spec, version, name, fmt, 0, None, shape, residual, new_residual, model, keep)
+        return self._export(master, out, spec, version, name, fmt, 0, None, (shape, group_amax), residual,
+                            new_residual, model, keep)  # fmt: skip
 
     def _export(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, version: int, name: str,
-                fmt: rounding.Format, offset: int, scales: rounding.Scales | None, shape: tuple[int, ...] | None,
+                fmt: rounding.Format, offset: int, scales: rounding.Scales | None,
+                whole: tuple[tuple[int, ...], float | None] | None,
                 residual: np.ndarray | None, new_residual: np.ndarray | None, model: str,
                 keep: Resident | None) -> tuple[rounding.ExportStats, rounding.Scales]:  # fmt: skip
-        """The GPU side of `export_array` and `export_whole` (with `shape`: the scales computed here)."""
+        """The GPU side of `export_array` and `export_whole` (with `whole`, the tensor's shape and group max:
+        the scales computed here)."""
         import torch
 
         from weightsvc.rounding import _triton
 
-        if shape is None:  # (a whole tensor's scales are computed below)
+        if whole is None:  # (a whole tensor's scales are computed below)
             rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales,
                                   residual=residual, new_residual=new_residual)  # fmt: skip
         ef = spec.rounding == "ef" and residual is not None
@@ -167,9 +171,10 @@ class Kernels:
                 if res_in is None:
                     res_in = self._upload(residual, dev).view(torch.float32)
                 res_out = torch.empty_like(m)
-            if shape is not None:  # the maxima on the GPU, exact, so the scales are the CPU's
+            if whole is not None:  # the maxima on the GPU, exact, so the scales are the CPU's
+                shape, group_amax = whole
                 scales = rounding.fp8_scales_torch((m if res_in is None else m + res_in).reshape(shape), fmt,
-                                                   spec.scaling)  # fmt: skip
+                                                   spec.scaling, group_amax)  # fmt: skip
             sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
             k0, k1 = spec.key(version, name)
             if fmt.name == "bf16":

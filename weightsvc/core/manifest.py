@@ -23,7 +23,7 @@ import xxhash
 from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
-DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+DTYPE_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1}
 MASTER_DTYPE = "F32"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Steps, so versions, are 0 ... MAX_STEP: each one can be asked for by number (18 digits), and a

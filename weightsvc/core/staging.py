@@ -63,16 +63,19 @@ HEADER_SLACK = 4096
 
 
 class _StagedTensor:
-    def __init__(self, spec: TensorSpec, fmt: rounding.Format, slot: ServedTensor, scale: ServedTensor | None):
+    def __init__(self, spec: TensorSpec, fmt: rounding.Format, slots: Sequence[ServedTensor]):
         self.spec = spec
         self.fmt = fmt
-        self.slot = slot
-        self.scale = scale  # the `<name>_scale_inv` slot of an fp8 tensor
+        self.slot = slots[0]  # the served elements
+        self.scales = tuple(slots[1:])  # a scaled format's scale tensors (`rounding.served_tensors`)
+        # NVFP4: the tensors an engine fuses with this one (itself included), which share its global
+        # scale: exported together, once all of them are here.
+        self.fused: _Fused | None = None
         self.nbytes = spec.numel * DTYPE_SIZES[spec.dtype]
         self.received = 0  # bytes accepted on the loop, from all ranks
         # Filled by the export worker, chunk by chunk, in arrival order:
-        self.exported = 0  # bytes exported (bf16/fp16) or gathered (fp8)
-        self.master: np.ndarray | None = None  # fp8 only: scales need the whole tensor first
+        self.exported = 0  # bytes exported (bf16/fp16) or gathered (scaled formats)
+        self.master: np.ndarray | None = None  # scaled formats: scales need the whole tensor first
         self.new_residual: np.ndarray | None = None  # ef: this version's residual
         self.master_digest = MasterDigest(self.nbytes)
         self.nonfinite = 0
@@ -80,6 +83,17 @@ class _StagedTensor:
         self.checksums: dict[str, str] = {}
         # first element of a chunk -> its sampled (master, served, bits)
         self.samples: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+class _Fused:
+    """The tensors of a push that share NVFP4's global scale (`rounding.fused_group`)."""
+
+    def __init__(self) -> None:
+        self.members: list[_StagedTensor] = []
+        self.started = False
+
+    def ready(self) -> bool:
+        return not self.started and all(t.received == t.nbytes for t in self.members)
 
 
 class _Part:
@@ -145,7 +159,10 @@ class PushSession:
         self.reserved = 0  # of the service's staging budget, returned when the session closes
         self.export_seconds = 0.0
         for t in plan.empty:  # no chunk comes for them
-            self._start(self._export_whole if t.fmt.scaled else self._export_chunk, t, 0, b"")
+            if t.fmt.scaled:
+                self._whole(t)
+            else:
+                self._start(self._export_chunk, t, 0, b"")
 
     @classmethod
     async def open(cls, service: Service, header: PushHeader, ranks: dict[int, tuple[TensorSpec, ...]]) -> PushSession:
@@ -251,10 +268,19 @@ class PushSession:
                 self._stage(t.nbytes)  # the gathered master
             self._start(self._gather_chunk, t, chunk.offset, chunk.data)
             if t.received == t.nbytes:
-                self._start(self._export_whole, t, 0, b"")
+                self._whole(t)
         else:
             self._start(self._export_chunk, t, chunk.offset, chunk.data)
         return n
+
+    def _whole(self, t: _StagedTensor) -> None:
+        """A scaled tensor is all here: export it, or, when it shares a global scale with others, the
+        group once they all are."""
+        if t.fused is None:
+            self._start(self._export_whole, t, 0, b"")
+        elif t.fused.ready():
+            t.fused.started = True
+            self._start(self._export_fused, t, 0, b"")
 
     def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
                byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
@@ -376,7 +402,21 @@ class PushSession:
         t.master.view(np.uint8)[byte_offset : byte_offset + len(data)] = np.frombuffer(data, np.uint8)
         t.master_digest.update(byte_offset, data)
 
-    def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview) -> None:
+    def _export_fused(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview) -> None:
+        """Worker thread: the tensors that share t's global scale, from the max |value| over all of
+        them (of m + e with ef, as the export quantizes)."""
+        assert t.fused is not None
+        values = []
+        for member in t.fused.members:
+            res_in, _ = self._residuals(member)
+            master = member.master if member.master is not None else np.empty(0, np.float32)
+            values.append(master if res_in is None else master + res_in)
+        top = rounding.group_amax(values)
+        for member in t.fused.members:
+            self._export_whole(member, 0, b"", top)
+
+    def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview,
+                      group_amax: float | None = None) -> None:  # fmt: skip
         """Worker thread: scales from the whole tensor, then Fair Cast it and serve the scales."""
         start = time.perf_counter()
         master = t.master if t.master is not None else np.empty(0, np.float32)
@@ -385,16 +425,18 @@ class PushSession:
         stats, scales = self.kernels.export_whole(
             master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, shape=t.spec.shape,
             residual=res_in, new_residual=res_out, model=self.header.model, keep=self.device_residuals,
+            group_amax=group_amax,
         )  # fmt: skip
-        assert t.scale is not None
-        scale_bytes = self._slot_bytes(t.scale)
-        scale_bytes[:] = scales.scale_inv.reshape(-1).view(np.uint8)
         t.checksums[t.slot.name] = checksum(served)
-        t.checksums[t.scale.name] = checksum(scale_bytes)
+        for slot, array in zip(t.scales, rounding.served_scales(scales, t.fmt), strict=True):
+            scale_bytes = self._slot_bytes(slot)
+            scale_bytes[:] = array.view(np.uint8)
+            t.checksums[slot.name] = checksum(scale_bytes)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
         idx = sampled_indices(0, master.size, self.stride)
-        codes = served[idx]
+        # An element's code: its byte, or its nibble of a packed byte (element 2i in the low one).
+        codes = (served[idx >> 1] >> ((idx & 1) << 2).astype(np.uint8)) & 0xF if t.fmt.packed else served[idx]
         served_values = rounding.decode(codes, t.fmt) * rounding.element_scales(scales, idx)
         t.samples[0] = (master[idx], served_values.astype(np.float32), codes.astype(np.uint32))
         t.master = None
@@ -445,8 +487,8 @@ class PushSession:
         for alias, target in self.header.aliases:
             h.update(f"{alias}\x00={target}\n".encode())
         checksums = {n: c for t in self.tensors.values() for n, c in t.checksums.items()}
-        slots = [s for t in self.tensors.values() for s in (t.slot, t.scale) if s]
-        scaled = any(t.scale for t in self.tensors.values())
+        slots = [s for t in self.tensors.values() for s in (t.slot, *t.scales)]
+        scaled = any(t.scales for t in self.tensors.values())
         manifest = _manifest(self.header, self.spec, slots, self.data_bytes, scaled, checksums,
                              "xxh3_128:" + h.hexdigest(), self.segments)  # fmt: skip
         version = Version(manifest, b"", self.data, file=self.file)  # its header is made at commit, with the lag
@@ -550,29 +592,33 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
             raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
                                   "not declare", reason="invalid_header")  # fmt: skip
         aliases_of[target] = (*aliases_of.get(target, ()), alias)
-    entries, fmts = [], {}
+    entries, fmts, base_of = [], {}, {}
     for t in header.tensors:
         fmt = fmts[t.name] = spec.format_for(t.name, t.shape, aliases_of.get(t.name, ()))
-        entries.append((t.name, t.shape, fmt.safetensors_dtype))
-        if fmt.scaled:
-            entries.append((t.name + rounding.SCALE_SUFFIX, scale_shape(t.shape, spec.scaling), "F32"))
-    seen: set[str] = set()
-    for name, _, _ in entries:
-        if name in seen:
-            raise InvalidArgument(f"{where}: tensor {name!r} clashes with the scales of an fp8 tensor",
-                                  reason="invalid_header")  # fmt: skip
-        seen.add(name)
+        for served in rounding.served_tensors(t.name, t.shape, fmt, spec.scaling):
+            entries.append(served)
+            base_of[served[0]] = t.name
+    if len(base_of) < len(entries):
+        names = collections.Counter(name for name, _, _ in entries)
+        clash = next(name for name, count in names.items() if count > 1)
+        raise InvalidArgument(f"{where}: tensor {clash!r} clashes with a served tensor of another (its scales "
+                              "or packed elements)", reason="invalid_header")  # fmt: skip
     segments: tuple[Part, ...] = ()
     of = topology.groups([t.name for t in header.tensors], header.owners, header.replication) if header.owners else {}
     if header.owners and header.replication > 1:
-        slots_list, data_bytes, segments = _grouped(entries, of, replica, where)
+        slots_list, data_bytes, segments = _grouped(entries, base_of, of, replica, where)
     else:
         slots_list, data_bytes = layout(entries)
-    slots = {slot.name: slot for slot in slots_list}
-    tensors = {
-        t.name: _StagedTensor(t, fmts[t.name], slots[t.name], slots.get(t.name + rounding.SCALE_SUFFIX))
-        for t in header.tensors
-    }
+    slots: dict[str, list[ServedTensor]] = {}
+    for slot in slots_list:
+        slots.setdefault(base_of[slot.name], []).append(slot)
+    tensors = {t.name: _StagedTensor(t, fmts[t.name], sorted(slots[t.name], key=_served_order(t.name)))
+               for t in header.tensors}  # fmt: skip
+    fused: dict[str, _Fused] = {}
+    for staged in tensors.values():
+        if staged.fmt.global_scale:
+            staged.fused = fused.setdefault(rounding.fused_group(staged.spec.name), _Fused())
+            staged.fused.members.append(staged)
     parts = {
         rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
                for p in specs}
@@ -582,13 +628,20 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
                  [t for t in tensors.values() if t.nbytes == 0], segments, of)  # fmt: skip
 
 
-def _grouped(entries: list[tuple[str, tuple[int, ...], str]], of: dict[str, Group], replica: str,
-             where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...]]:  # fmt: skip
+def _served_order(name: str) -> Callable[[ServedTensor], int]:
+    """Sorts a tensor's slots as `rounding.served_tensors` lists them: elements first, then scales."""
+    suffixes = ("", rounding.PACKED_SUFFIX, rounding.SCALE_SUFFIX, rounding.BLOCK_SCALE_SUFFIX,
+                rounding.GLOBAL_SCALE_SUFFIX)  # fmt: skip
+    return lambda slot: suffixes.index(slot.name[len(name) :])
+
+
+def _grouped(entries: list[tuple[str, tuple[int, ...], str]], base_of: Mapping[str, str], of: dict[str, Group],
+             replica: str, where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...]]:  # fmt: skip
     """The layout of a replicated part (`of`: each tensor's owners): its tensors by group (sorted by
     owners), each group's by name, so that every owner of a group places its bytes the same way."""
     by_group: dict[Group, list[tuple[str, tuple[int, ...], str]]] = {}
     for entry in entries:
-        base = entry[0] if entry[0] in of else entry[0].removesuffix(rounding.SCALE_SUFFIX)  # (an fp8 scale)
+        base = base_of[entry[0]]  # (the master tensor of a scale or of packed elements)
         group = of[base]
         if replica and replica not in group:
             raise InvalidArgument(f"{where}: tensor {base!r} belongs to replicas {list(group)}, not to this one "
@@ -610,7 +663,7 @@ def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> 
     """Bytes to leave for the file header in front of a staged version's data: that of the manifest
     as far as it is known (every checksum as long as a real one), and room for what the commit adds."""
     blank = checksum(b"")
-    scaled = any(t.scale for t in plan.tensors.values())
+    scaled = any(t.scales for t in plan.tensors.values())
     sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled, {s.name: blank for s in plan.slots},
                       "xxh3_128:" + "0" * 32, plan.segments)  # fmt: skip
     return len(sized.safetensors_header()) + HEADER_SLACK
