@@ -32,7 +32,7 @@ from weightsvc.core.topology import Group
 from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
-from weightsvc.rounding import Residual
+from weightsvc.rounding import PACKED_SUFFIX, Residual
 
 log = logging.getLogger("weightsvc.store")
 FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
@@ -89,7 +89,9 @@ class Committer:
         if held is None or not held.manifest.parts:
             return Residual(format=format, scaling=scaling)
         holders = holders_by_tensor(held.manifest)
-        kept = {n: a for n, a in r.tensors.items() if n in groups and holders.get(n) == groups[n]}
+        # (a tensor served packed is held under its elements' name)
+        kept = {n: a for n, a in r.tensors.items()
+                if n in groups and holders.get(n, holders.get(n + PACKED_SUFFIX)) == groups[n]}  # fmt: skip
         return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
     async def commit(

@@ -1,4 +1,5 @@
-"""Which replicas own which tensor: rendezvous (highest random weight) hashing on tensor names.
+"""Which replicas own which tensor: rendezvous (highest random weight) hashing on tensor names
+(on the fused layer's name for the tensors an engine fuses: `fused_group`).
 
 Every client and server computes the same owners from the same list of replicas, with no table to
 share. With replication R, a tensor's owners are the R replicas of highest weight for its name, so
@@ -9,6 +10,7 @@ group: every owner of a group holds its tensors in the same order, so any of the
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,22 @@ class Replica:
     http: str
 
 
+# The tensors an engine fuses into one layer (vLLM's packed modules: q, k and v projections into
+# qkv_proj, gate and up into gate_up_proj). They share NVFP4's global scale (an engine keeps one per
+# fused layer: vLLM keeps the largest, and the other shards' values would be read wrongly), so they
+# are placed together: one replica computes that scale from all of them.
+_FUSED = re.compile(r"^(.*\.)(?:(q|k|v)_proj|(gate|up)_proj)(\.[^.]+)$")
+
+
+def fused_group(name: str) -> str:
+    """The name of the layer an engine fuses tensor `name` into (`...qkv_proj.weight`,
+    `...gate_up_proj.weight`); the name itself for any other tensor."""
+    m = _FUSED.match(name)
+    if m is None:
+        return name
+    return f"{m.group(1)}{'qkv_proj' if m.group(2) else 'gate_up_proj'}{m.group(4)}"
+
+
 def _weight(replica_id: str, name: str) -> int:
     return xxhash.xxh64_intdigest(f"{replica_id}\0{name}".encode())
 
@@ -36,7 +54,8 @@ def owners(name: str, replica_ids: Sequence[str], replication: int) -> Group:
     sorted. Ties of weight, vanishingly rare, go to the smaller id."""
     if not replica_ids:
         raise ValueError("no replicas to own tensors")
-    top = sorted(replica_ids, key=lambda r: (-_weight(r, name), r))[: max(1, replication)]
+    key = fused_group(name)  # (a fused layer's tensors together)
+    top = sorted(replica_ids, key=lambda r: (-_weight(r, key), r))[: max(1, replication)]
     return tuple(sorted(top))
 
 

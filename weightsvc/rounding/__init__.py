@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
+from weightsvc.core.topology import fused_group
 from weightsvc.rounding import _cpu
 from weightsvc.rounding._codes import decode, pack, unpack
 from weightsvc.rounding._formats import BLOCK, FORMATS, MICROSCALED, SCALINGS, Format, Scales
@@ -432,21 +433,6 @@ def served_scales(scales: Scales, fmt: Format) -> list[np.ndarray]:
         assert scales.global_scale is not None
         arrays.append(scales.global_scale.reshape(-1))
     return arrays
-
-
-# The tensors an engine fuses into one layer (vLLM's packed modules: q, k and v projections into
-# qkv_proj, gate and up into gate_up_proj) must share NVFP4's global scale: an engine keeps one per
-# fused layer (vLLM keeps the largest, and another shard's values would be read wrongly).
-_FUSED = re.compile(r"^(.*\.)(?:(q|k|v)_proj|(gate|up)_proj)(\.[^.]+)$")
-
-
-def fused_group(name: str) -> str:
-    """The name of the layer an engine fuses tensor `name` into (`...qkv_proj.weight`,
-    `...gate_up_proj.weight`); the name itself for any other tensor."""
-    m = _FUSED.match(name)
-    if m is None:
-        return name
-    return f"{m.group(1)}{'qkv_proj' if m.group(2) else 'gate_up_proj'}{m.group(4)}"
 
 
 def group_amax(values: Iterable[np.ndarray]) -> float:
