@@ -67,10 +67,9 @@ def test_microscaled_push_pull_delta_and_load(fmt: str, rnd: str, model: str, tm
     spec = rounding.ExportSpec(fmt, rnd)
     f = rounding.FORMATS[fmt]
     states = steps(llama_layer(), 4)
-    residual = rounding.Residual()
-    expected = []
-    for step, state in enumerate(states, 1):
-        expected.append(rounding.export_state_dict(state, spec, version=step, residual=residual if rnd == "ef" else None))
+    residual = rounding.Residual() if rnd == "ef" else None
+    expected = [rounding.export_state_dict(state, spec, version=step, residual=residual)
+                for step, state in enumerate(states, 1)]  # fmt: skip
     settings = {"format": fmt, "rounding": rnd, "data_dir": tmp_path / "data"}
     with serving(**settings) as srv:
         for step, state in enumerate(states[:3], 1):
