@@ -25,7 +25,8 @@ from weightsvc.server.server import BackgroundServer
 pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
 
 CASES = [("bf16", "sr", "tensor"), ("bf16", "ef", "tensor"), ("fp16", "rtn", "tensor"),
-         ("fp8_e4m3", "sr", "block"), ("fp8_e4m3", "ef", "channel")]  # fmt: skip
+         ("fp8_e4m3", "sr", "block"), ("fp8_e4m3", "ef", "channel"), ("mxfp8", "sr", "block"),
+         ("nvfp4", "ef", "block"), ("mxfp4", "sr-sticky", "block")]  # fmt: skip
 
 
 def _steps(count: int) -> list[dict[str, torch.Tensor]]:
