@@ -400,13 +400,19 @@ def cuda_kernel_bench(*, size_mib: float = 1024, repeat: int = 10, device: str =
     grid = x.view(-1, 2048)
     spec_fp8 = rounding.ExportSpec("fp8_e4m3", "sr", scaling="block", fp8_pattern=".*")
     fp8_s = timed(lambda: rounding.export(grid, spec_fp8, version=1, name="w", device=on))
+    # the microscaled formats the same way: block scales on the GPU, FP4 packed there
+    micro_s = {}
+    for fmt in rounding.MICROSCALED:
+        spec = rounding.ExportSpec(fmt, "sr", fp8_pattern=".*")
+        micro_s[fmt] = timed(functools.partial(rounding.export, grid, spec, version=1, name="w", device=on))
     gbps = {k: round(x.numel() * 4 / v / 1e9, 1) for k, v in
             {"cast": cast_s, "sr": sr_s, "ef": ef_s, "export_sr": api_sr_s, "export_ef": api_ef_s,
-             "fp8_block_sr": fp8_s}.items()}  # fmt: skip
+             "fp8_block_sr": fp8_s, **{f"{fmt}_sr": v for fmt, v in micro_s.items()}}.items()}  # fmt: skip
     return {
         "K1_cuda": round(cast_s / sr_s, 3),
         "K2_cuda": round(cast_s / ef_s, 3),
         "K3_cuda_fp8_block_sr": round(cast_s / fp8_s, 3),
+        **{f"K3_cuda_{fmt}_sr": round(cast_s / v, 3) for fmt, v in micro_s.items()},
         "K1_cuda_export_api": round(cast_s / api_sr_s, 3),
         "K2_cuda_export_api": round(cast_s / api_ef_s, 3),
         **{f"kernel_cuda_{k}_gbps": v for k, v in gbps.items()},
