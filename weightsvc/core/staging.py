@@ -556,15 +556,6 @@ def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[Ser
     )
 
 
-def scale_shape(shape: tuple[int, ...], scaling: str) -> tuple[int, ...]:
-    n, k = shape
-    if scaling == "tensor":
-        return ()
-    if scaling == "channel":
-        return (n, 1)
-    return (-(-n // rounding.BLOCK), -(-k // rounding.BLOCK))
-
-
 @dataclasses.dataclass
 class _Plan:
     """Where each tensor of a push is served: its format, its slot in the data section, and the part
@@ -592,12 +583,14 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
             raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
                                   "not declare", reason="invalid_header")  # fmt: skip
         aliases_of[target] = (*aliases_of.get(target, ()), alias)
-    entries, fmts, base_of = [], {}, {}
+    entries, fmts = [], {}
+    base_of: dict[str, str] = {}  # each served tensor's master
+    place: dict[str, int] = {}  # its place among its master's served tensors (elements, then scales)
     for t in header.tensors:
         fmt = fmts[t.name] = spec.format_for(t.name, t.shape, aliases_of.get(t.name, ()))
-        for served in rounding.served_tensors(t.name, t.shape, fmt, spec.scaling):
+        for i, served in enumerate(rounding.served_tensors(t.name, t.shape, fmt, spec.scaling)):
             entries.append(served)
-            base_of[served[0]] = t.name
+            base_of[served[0]], place[served[0]] = t.name, i
     if len(base_of) < len(entries):
         names = collections.Counter(name for name, _, _ in entries)
         clash = next(name for name, count in names.items() if count > 1)
@@ -612,7 +605,7 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
     slots: dict[str, list[ServedTensor]] = {}
     for slot in slots_list:
         slots.setdefault(base_of[slot.name], []).append(slot)
-    tensors = {t.name: _StagedTensor(t, fmts[t.name], sorted(slots[t.name], key=_served_order(t.name)))
+    tensors = {t.name: _StagedTensor(t, fmts[t.name], sorted(slots[t.name], key=lambda slot: place[slot.name]))
                for t in header.tensors}  # fmt: skip
     fused: dict[str, _Fused] = {}
     for staged in tensors.values():
@@ -626,13 +619,6 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
     }  # fmt: skip
     return _Plan(tensors, parts, data_bytes, slots_list, sum(t.spec.numel for t in tensors.values()),
                  [t for t in tensors.values() if t.nbytes == 0], segments, of)  # fmt: skip
-
-
-def _served_order(name: str) -> Callable[[ServedTensor], int]:
-    """Sorts a tensor's slots as `rounding.served_tensors` lists them: elements first, then scales."""
-    suffixes = ("", rounding.PACKED_SUFFIX, rounding.SCALE_SUFFIX, rounding.BLOCK_SCALE_SUFFIX,
-                rounding.GLOBAL_SCALE_SUFFIX)  # fmt: skip
-    return lambda slot: suffixes.index(slot.name[len(name) :])
 
 
 def _grouped(entries: list[tuple[str, tuple[int, ...], str]], base_of: Mapping[str, str], of: dict[str, Group],
