@@ -12,6 +12,11 @@ vLLM (`LLM` with any tensor-parallel size; each worker pulls its own slice):
     llm = LLM(model=..., worker_extension_cls="weightsvc.loaders.VllmWorkerExtension")
     update_vllm(llm, "weightsvc:50051", "policy")
 
+An engine started from a checkpoint in a served microscaled format (`compressed_tensors_config`)
+loads its versions as they are; on vLLM's CPU backend use
+`worker_extension_cls="weightsvc.loaders.VllmCpuEmulationExtension"`, which gives the CPU vLLM's own
+emulation kernels for MXFP8 and NVFP4 (that one class imports vLLM, in the worker).
+
 SGLang (`sglang.Engine`):
 
     update_sglang(engine, "weightsvc:50051", "policy")
@@ -41,6 +46,7 @@ from weightsvc.core.manifest import Manifest, read_safetensors_header
 __all__ = [
     "Mismatch",
     "VllmWorkerExtension",
+    "compressed_tensors_config",
     "dequantize",
     "load_into",
     "tp_select",
@@ -49,8 +55,13 @@ __all__ = [
     "update_vllm",
 ]
 
-SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E5M2")
+# Codes and block scales are loaded bit for bit: served and engine dtypes must be the same. Any other
+# dtype is values, which an engine casts to its own precision.
+CODE_DTYPES = (*FP8_DTYPES, "U8")
+# Activation calibration of a checkpoint (NVFP4 W4A4's per-layer input scale): not trained, so never
+# in a version; the engine keeps its checkpoint's (`VllmWorkerExtension` reloads them with each version).
+CALIBRATION = (".input_global_scale",)
 ALIVE_TIMEOUT_S = 10.0  # for the workers of a live engine to answer after a failed update
 
 
@@ -179,6 +190,9 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of this before splitting it
+# A weight's served tensors that are split as it is: its elements (packed two per byte in fp4) and
+# its per-row block scales (microscaled formats; `rounding.served_tensors`).
+WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale")
 
 
 def tp_select(manifest: Manifest, rank: int, size: int, *, num_kv_heads: int | None = None,
@@ -187,15 +201,18 @@ def tp_select(manifest: Manifest, rank: int, size: int, *, num_kv_heads: int | N
     parallel tensor that vLLM's layers keep on that rank, and the other tensors whole.
 
     k/v projections with fewer KV heads than ranks are replicated, one head per group of ranks
-    (`num_kv_heads` and `head_dim` from the model's config). fp8 scales come whole."""
+    (`num_kv_heads` and `head_dim` from the model's config). fp8 scales come whole (a 128 x 128
+    block spans the rows of several ranks). The microscaled formats' packed elements and block
+    scales (one per row and block of 16 or 32) are split as their weight is, which keeps a rank's
+    part on block boundaries wherever vLLM can split the layer at all; NVFP4's global scales come whole."""
     select: dict[str, Slice | None] = {}
     for t in manifest.tensors:
         module, _, param = t.name.rpartition(".")
         layer = module.rpartition(".")[2]
         select[t.name] = None
-        if size == 1 or param not in ("weight", "bias") or not t.shape:
+        if size == 1 or param not in (*WEIGHT_PARTS, "bias") or not t.shape:
             continue
-        if layer in VOCAB_PARALLEL and param == "weight":
+        if layer in VOCAB_PARALLEL and param in WEIGHT_PARTS:
             per_rank = -(-t.shape[0] // VOCAB_PADDING) * VOCAB_PADDING // size
             start, stop = rank * per_rank, min((rank + 1) * per_rank, t.shape[0])
             if start < stop:
@@ -206,7 +223,7 @@ def tp_select(manifest: Manifest, rank: int, size: int, *, num_kv_heads: int | N
         elif layer in COLUMN_PARALLEL and t.shape[0] % size == 0:
             rows = t.shape[0] // size
             select[t.name] = Slice(0, rank * rows, (rank + 1) * rows)
-        elif layer in ROW_PARALLEL and param == "weight" and len(t.shape) == 2 and t.shape[1] % size == 0:
+        elif layer in ROW_PARALLEL and param in WEIGHT_PARTS and len(t.shape) == 2 and t.shape[1] % size == 0:
             cols = t.shape[1] // size
             select[t.name] = Slice(1, rank * cols, (rank + 1) * cols)
     return select
@@ -219,6 +236,48 @@ def _placed(sliced: torch.Tensor, shape: tuple[int, ...], part: Slice) -> torch.
     whole = torch.empty(shape, dtype=sliced.dtype)
     whole.narrow(part.dim, part.start, part.stop - part.start).copy_(sliced)
     return whole
+
+
+# compressed-tensors' quantization arguments of each microscaled format's weights (its presets
+# MXFP8A16, NVFP4 and MXFP4A16), which vLLM maps to its schemes: W8A8Mxfp8, W4A4Fp4, W4A4Mxfp4.
+_CT_WEIGHTS: dict[str, dict[str, Any]] = {
+    "mxfp8": {"num_bits": 8, "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+    "nvfp4": {"num_bits": 4, "group_size": 16, "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn"},
+    "mxfp4": {"num_bits": 4, "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+}
+_CT_FORMAT = {"mxfp8": "mxfp8-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+
+
+def compressed_tensors_config(format: str, *, ignore: Iterable[str] = ("lm_head",)) -> dict[str, Any]:
+    """The `quantization_config` of a model's config.json for a checkpoint of served copies in a
+    microscaled `format` (mxfp8, nvfp4, mxfp4), as vLLM reads compressed-tensors checkpoints: every
+    linear layer not in `ignore` holds the served tensors; embeddings are not linear layers. Serve the
+    ignored layers unscaled (the server's `fp8_pattern`): vLLM's output head takes no scales.
+
+    NVFP4 gets the W4A4 scheme (activations quantized too, with each layer's `input_global_scale`
+    from the checkpoint): vLLM's weight-only NVFP4 needs its Marlin kernel (GPUs). mxfp8 and mxfp4
+    are weight-only."""
+    if format not in _CT_WEIGHTS:
+        raise ValueError(f"format {format!r} has no compressed-tensors layout; choose one of {', '.join(_CT_WEIGHTS)}")
+    args = {"type": "float", "symmetric": True, "dynamic": False, "observer": "minmax", **_CT_WEIGHTS[format]}
+    args["zp_dtype"] = args["scale_dtype"]
+    # NVFP4 activations: block scales computed on the fly, under the layer's static input_global_scale
+    inputs = {**args, "dynamic": "local", "observer": "static_minmax"} if format == "nvfp4" else None
+    group = {"targets": ["Linear"], "weights": args, "input_activations": inputs, "output_activations": None,
+             "format": _CT_FORMAT[format]}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": _CT_FORMAT[format], "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": list(ignore)}  # fmt: skip
+
+
+def _calibration(model_dir: str) -> dict[str, torch.Tensor]:
+    """The activation calibration tensors (`CALIBRATION`) of the checkpoint an engine started from."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else []:
+        with safe_open(str(path), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if k.endswith(CALIBRATION)})  # noqa: SIM118
+    return out
 
 
 @functools.cache  # (an engine's checkpoint does not change under it: read once per process)
@@ -237,31 +296,66 @@ def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     return out
 
 
+def _served_masters(manifest: Manifest) -> dict[str, tuple[tuple[int, ...], list[str]]]:
+    """Master name -> (its shape, the served tensors that carry it) of a version, by the names
+    `rounding.served_tensors` gives them: fp8's `_scale_inv`, the microscaled formats' `_packed`
+    elements (two per byte), `_scale` block scales and NVFP4's `_global_scale`."""
+    from weightsvc.rounding import BLOCK_SCALE_SUFFIX, GLOBAL_SCALE_SUFFIX, PACKED_SUFFIX
+    from weightsvc.rounding import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+
+    shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
+
+    def owner(name: str) -> str | None:  # the master of a scale tensor
+        for suffix in (FP8_SCALE_SUFFIX, BLOCK_SCALE_SUFFIX, GLOBAL_SCALE_SUFFIX):
+            master = name.removesuffix(suffix)
+            if name.endswith(suffix) and (master in shapes or master + PACKED_SUFFIX in shapes):
+                return master
+        return None
+
+    out: dict[str, tuple[tuple[int, ...], list[str]]] = {}
+    for name, shape in shapes.items():
+        if name.endswith(PACKED_SUFFIX):
+            out[name.removesuffix(PACKED_SUFFIX)] = ((shape[0], 2 * shape[1]), [name])
+        elif owner(name) is None:
+            out[name] = (shape, [name])
+    for name in shapes:
+        master = owner(name)
+        if master is not None:
+            out[master][1].append(name)
+    return out
+
+
 def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]], *, dequantize: bool = False,
                tied: Iterable[str] = ()) -> None:  # fmt: skip
-    """Raise `Mismatch` unless the version has the names, shapes and kind of dtype (fp8 or not) of
-    the checkpoint the engine runs; names the engine ties (`tied`) may be absent from either."""
+    """Raise `Mismatch` unless the version has the names, shapes and kind of dtype of the checkpoint
+    the engine runs: codes and block scales (fp8, uint8) in the same dtype, values in any float
+    dtype. With `dequantize` its masters are compared, as values. Names the engine ties (`tied`)
+    may be absent from either, and so may the engine's activation calibration (`CALIBRATION`)."""
     where = f"model {manifest.model!r} version {manifest.version}"
-    served = {t.name: t for t in manifest.tensors}
+    if dequantize:
+        served = {m: (list(shape), "values (dequantize=True)") for m, (shape, _) in _served_masters(manifest).items()}
+    else:
+        served = {t.name: (list(t.shape), t.dtype) for t in manifest.tensors}
     served_names = set(served) | {a for a, _ in manifest.aliases}
-    for t in manifest.tensors:  # the kind of each weight first: it explains its scales
-        if t.name in expected and (t.dtype in FP8_DTYPES and not dequantize) != (expected[t.name][1] in FP8_DTYPES):
-            dtype = expected[t.name][1]
-            hint = "" if dtype in FP8_DTYPES else " (update with dequantize=True to load it as values)"
-            raise Mismatch(f"{where}: tensor {t.name!r} is served as {t.dtype}; the engine runs {dtype}{hint}")
-    for t in manifest.tensors:
-        if dequantize and t.name.endswith(SCALE_SUFFIX) and t.name.removesuffix(SCALE_SUFFIX) in served:
-            continue
-        if t.name not in expected:
-            raise Mismatch(f"{where}: tensor {t.name!r} (shape {list(t.shape)}) is not in the engine's checkpoint")
-        shape = expected[t.name][0]
-        if list(t.shape) != list(shape):
-            raise Mismatch(f"{where}: tensor {t.name!r} has shape {list(t.shape)}; the engine expects {shape}")
-    absent = [n for n in expected if n not in served_names and n not in tied]
+    for name, (_, dtype) in served.items():  # the kind of each weight first: it explains its scales
+        engine = expected[name][1] if name in expected else None
+        if engine is not None and _kind(dtype) != _kind(engine):
+            hint = " (update with dequantize=True to load it as values)" if _kind(engine) == "values" else ""
+            raise Mismatch(f"{where}: tensor {name!r} is served as {dtype}; the engine runs {engine}{hint}")
+    for name, (shape, _) in served.items():
+        if name not in expected:
+            raise Mismatch(f"{where}: tensor {name!r} (shape {shape}) is not in the engine's checkpoint")
+        if shape != list(expected[name][0]):
+            raise Mismatch(f"{where}: tensor {name!r} has shape {shape}; the engine expects {expected[name][0]}")
+    absent = [n for n in expected if n not in served_names and n not in tied and not n.endswith(CALIBRATION)]
     if absent:
         more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
         raise Mismatch(f"{where}: the version lacks tensor {absent[0]!r} (shape {expected[absent[0]][0]}) of the "
                        f"engine's checkpoint{more}")  # fmt: skip
+
+
+def _kind(dtype: str) -> str:
+    return dtype if dtype in CODE_DTYPES else "values"
 
 
 def check_engine_fits(manifest: Manifest, model_config: Any, *, dequantize: bool = False) -> None:
@@ -295,8 +389,9 @@ class VllmWorkerExtension:
             head_dim = getattr(hf, "head_dim", None) or getattr(hf, "hidden_size", 0) // heads
             select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
                                head_dim=head_dim)  # fmt: skip
-            if dequantize_fp8:  # a block's scale spans the rows of several ranks: dequantized whole
-                select.update({n.removesuffix(SCALE_SUFFIX): None for n in select if n.endswith(SCALE_SUFFIX)})
+            if dequantize_fp8:  # a scaled master is dequantized whole (an fp8 block spans several ranks' rows)
+                select.update({n: None for _, parts in _served_masters(manifest).values() if len(parts) > 1
+                               for n in parts})  # fmt: skip
             sliced = {n: s for n, s in select.items() if s is not None}
             weights = client.pull(model, version, select=select) if sliced else client.pull(model, version)
             pulled = client.last_pull_bytes
@@ -312,6 +407,8 @@ class VllmWorkerExtension:
             embed = next((n for n in weights if n.endswith("embed_tokens.weight")), None)
             if embed is not None:
                 weights["lm_head.weight"] = weights[embed]
+        # vLLM's in-place reload rebuilds a layer from what it is given: the checkpoint's calibration too.
+        weights.update({n: t for n, t in _calibration(str(config.model)).items() if n not in weights})
         reload = getattr(self, "reload_weights", None)
         if reload is not None:
             reload(weights_iterator=iter(weights.items()), is_checkpoint_format=True)
@@ -326,6 +423,16 @@ class VllmWorkerExtension:
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def __getattr__(name: str) -> type[VllmWorkerExtension]:
+    # `weightsvc.loaders.VllmCpuEmulationExtension` (a `worker_extension_cls`) is resolved only in vLLM's
+    # workers: its module imports vLLM, which weightsvc itself never does.
+    if name == "VllmCpuEmulationExtension":
+        from weightsvc._vllm_cpu import VllmCpuEmulationExtension
+
+        return VllmCpuEmulationExtension
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _alive(llm: Any) -> bool:

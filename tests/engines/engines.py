@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from weightsvc import InferenceClient
+from weightsvc import InferenceClient, rounding
+from weightsvc.loaders import compressed_tensors_config
 
 VOCAB = 512
 PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 7], [1, 300, 301, 302, 450, 12, 77]]
@@ -51,13 +53,43 @@ def checkpoint(module: torch.nn.Module, path: Path) -> Path:
     return path
 
 
+# The tensors a microscaled engine runs quantized: its linear layers. The head stays bf16 (vLLM's
+# output head takes no scales; it is in the config's `ignore`), as do embeddings and norms.
+LINEARS = r"^(?!.*(?:embed|norm|lm_head)).*\.weight$"
+
+
+# NVFP4 (W4A4) activation calibration: compressed-tensors' 2688 / amax(inputs), here 1. vLLM quantizes a
+# layer's input in blocks of 16 with the e4m3 scale gs * amax(block) / 6: with gs = 1 every block whose
+# max is above 6 * 2**-6 (0.094) gets a normal e4m3 scale, and the inputs here are RMS-normalized (of
+# order 1). A deployment keeps what its calibration gave; weightsvc never changes it.
+INPUT_GLOBAL_SCALE = torch.ones(1)
+
+
+def quantized_checkpoint(module: torch.nn.Module, path: Path, format: str) -> Path:
+    """The engine's starting checkpoint in a microscaled `format`: the module's served copy rounded
+    to nearest, with the compressed-tensors `quantization_config` vLLM reads it by (and, for NVFP4,
+    the activation calibration in a file of its own)."""
+    checkpoint(module, path)
+    spec = rounding.ExportSpec(format, "rtn", fp8_pattern=LINEARS)
+    served = rounding.export_state_dict(dict(module.state_dict()), spec, version=0)
+    save_file({n: t.contiguous() for n, t in served.items()}, str(path / "model.safetensors"))
+    if format == "nvfp4":  # its W4A4 scheme quantizes each linear layer's input under a calibrated scale
+        calibration = {n.removesuffix("weight_global_scale") + "input_global_scale": INPUT_GLOBAL_SCALE.clone()
+                       for n in served if n.endswith(".weight_global_scale")}  # fmt: skip
+        save_file(calibration, str(path / "calibration.safetensors"))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = compressed_tensors_config(format)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def served_checkpoint(start: Path, target: str, model: str, version: int, path: Path,
                       quantization: dict[str, Any] | None = None) -> Path:  # fmt: skip
-    """A checkpoint made of a pulled served copy: the config and tokenizer of `start`, and the
-    version's safetensors file as the weights."""
+    """A checkpoint made of a pulled served copy: the config, tokenizer and activation calibration of
+    `start`, and the version's safetensors file as the weights."""
     path.mkdir(parents=True)
     for f in start.iterdir():
-        if f.suffix != ".safetensors":
+        if f.name != "model.safetensors":
             shutil.copy(f, path / f.name)
     if quantization is not None:
         config = json.loads((path / "config.json").read_text())

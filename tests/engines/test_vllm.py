@@ -15,12 +15,22 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.engines.engines import checkpoint, engine, generate, masters, served_checkpoint
+from tests.conftest import serving
+from tests.engines.engines import (
+    LINEARS,
+    checkpoint,
+    engine,
+    generate,
+    masters,
+    quantized_checkpoint,
+    served_checkpoint,
+)
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.loaders import Mismatch, dequantize, tp_select, update_vllm
+from weightsvc.loaders import Mismatch, compressed_tensors_config, dequantize, tp_select, update_vllm
 from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
+CPU_EMULATION = "weightsvc.loaders.VllmCpuEmulationExtension"  # vLLM's MXFP8 and NVFP4 kernels on the CPU
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
 
 
@@ -188,3 +198,46 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
             pytest.raises(RuntimeError, match=died):  # fmt: skip
         update_vllm(llm, server.grpc_target, "llama-dies", client_id="dies")
     assert acked(server, "llama-dies") == {}
+
+
+def test_an_mxfp8_engine_loads_mxfp8_versions_as_they_are_served(tmp_path: Path) -> None:
+    # The engine runs compressed-tensors' MXFP8 (e4m3 elements, a UE8M0 scale per 32) on the CPU through
+    # vLLM's emulation kernel; the version, rounded stochastically, replaces its weights in place.
+    module, _ = masters("llama", seed=19)
+    start = quantized_checkpoint(module, tmp_path / "v0", "mxfp8")
+    with serving(format="mxfp8", rounding="sr", fp8_pattern=LINEARS) as server, \
+            LearnerClient(server.grpc_target) as learner:  # fmt: skip
+        learner.push(1, step(module, 1), model="llama-mxfp8")
+        with engine(start, worker_extension_cls=CPU_EMULATION) as llm:
+            before = generate(llm)
+            assert update_vllm(llm, server.grpc_target, "llama-mxfp8", client_id="mx") == 1
+            got = generate(llm)
+        assert acked(server, "llama-mxfp8") == {"mx": 1}
+        served = served_checkpoint(start, server.grpc_target, "llama-mxfp8", 1, tmp_path / "v1",
+                                   quantization=compressed_tensors_config("mxfp8"))  # fmt: skip
+    with engine(served, worker_extension_cls=CPU_EMULATION) as fresh:
+        assert got == generate(fresh)
+    assert [g[0] for g in got] != [b[0] for b in before]
+
+
+def test_an_nvfp4_engine_loads_nvfp4_versions_in_place(tmp_path: Path) -> None:
+    # On the CPU vLLM runs NVFP4 only as W4A4 (its emulation kernel quantizes each layer's input too,
+    # under the checkpoint's input_global_scale, which every reload keeps). One engine, started from
+    # version 1's served copy, loads version 2 and then version 1 again in place: what it generates
+    # then is what it generated fresh.
+    module, _ = masters("llama", seed=23)
+    start = quantized_checkpoint(module, tmp_path / "v0", "nvfp4")
+    with serving(format="nvfp4", rounding="sr", fp8_pattern=LINEARS) as server, \
+            LearnerClient(server.grpc_target) as learner:  # fmt: skip
+        for version in (1, 2):
+            learner.push(version, step(module, version), model="llama-nvfp4")
+        v1 = served_checkpoint(start, server.grpc_target, "llama-nvfp4", 1, tmp_path / "v1",
+                               quantization=compressed_tensors_config("nvfp4"))  # fmt: skip
+        with engine(v1, worker_extension_cls=CPU_EMULATION) as llm:
+            fresh = generate(llm)
+            assert update_vllm(llm, server.grpc_target, "llama-nvfp4", 2, client_id="nv") == 2
+            other = generate(llm)
+            assert update_vllm(llm, server.grpc_target, "llama-nvfp4", 1, client_id="nv") == 1
+            again = generate(llm)
+    assert again == fresh
+    assert [g[0] for g in other] != [f[0] for f in fresh]  # version 2 did change the policy

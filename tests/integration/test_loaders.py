@@ -25,17 +25,20 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.loaders import (
     Mismatch,
     VllmWorkerExtension,
+    check_engine_fits,
     dequantize,
     load_into,
     update_module,
     update_sglang,
     update_vllm,
 )
+from weightsvc.rounding import ExportSpec, export_state_dict
 from weightsvc.server.server import BackgroundServer
 from weightsvc.transport.names import PUSH
 from weightsvc.transport.wire import encode_message
@@ -214,6 +217,8 @@ def vllm_part(name: str, whole: torch.Tensor, rank: int, tp: int) -> torch.Tenso
     layers (one KV head per group of ranks when there are fewer KV heads than ranks), columns of
     the row-parallel ones, every other tensor whole."""
     layer = name.rsplit(".", 2)[-2]
+    if name.endswith("_global_scale"):  # NVFP4's: one per tensor, whole on every rank
+        return whole
     if layer in ("embed_tokens", "lm_head"):
         per = -(-whole.shape[0] // 64) * 64 // tp
         return whole[rank * per : min((rank + 1) * per, whole.shape[0])]
@@ -271,11 +276,14 @@ class FakeLLM:
         return True
 
 
+@pytest.mark.parametrize("format", ["bf16", "mxfp8", "nvfp4"])
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_each_tensor_parallel_worker_pulls_only_its_slice(
-    server: BackgroundServer, learner: LearnerClient, model: str, tp: int
+    server: BackgroundServer, learner: LearnerClient, model: str, tp: int, format: str
 ) -> None:
-    learner.push(3, llama_masters(), model=model)
+    # Microscaled formats: packed elements and block scales are split as their weight (on block
+    # boundaries: 128 and 256 columns split 4 ways are whole blocks), NVFP4's global scales whole.
+    learner.push(3, llama_masters(), model=model, format=format)
     llm = FakeLLM(tp)
     assert update_vllm(llm, server.grpc_target, model, client_id="vllm-0") == 3
     whole = InferenceClient(server.grpc_target).pull(model, 3)
@@ -289,16 +297,17 @@ def test_each_tensor_parallel_worker_pulls_only_its_slice(
     manifest = InferenceClient(server.grpc_target).manifest(model, 3)
     results = llm.collective_rpc("weightsvc_load", args=(server.grpc_target, model, 3, False))
     pulled = [r["pulled_bytes"] for r in results]
-    parts = [sum(vllm_part(n, whole[n], r, tp).numel() * 2 for n in whole) for r in range(tp)]
+    parts = [sum(vllm_part(n, whole[n], r, tp).nbytes for n in whole) for r in range(tp)]
     for got, part in zip(pulled, parts, strict=True):
         assert part <= got <= part + 16 * 1024, (got, part)  # the tensors' bytes, and the manifest
     assert max(parts) <= manifest.data_bytes / tp * 1.1 + (tp > 2) * manifest.data_bytes * 0.1
 
 
-def test_tensor_parallel_workers_load_an_fp8_version_as_values(
-    server: BackgroundServer, learner: LearnerClient, model: str
+@pytest.mark.parametrize("format", ["fp8_e4m3", "mxfp8", "nvfp4", "mxfp4"])
+def test_tensor_parallel_workers_load_a_scaled_version_as_values(
+    server: BackgroundServer, learner: LearnerClient, model: str, format: str
 ) -> None:
-    learner.push(1, llama_masters(), model=model, format="fp8_e4m3")
+    learner.push(1, llama_masters(), model=model, format=format)
     llm = FakeLLM(2)
     update_vllm(llm, server.grpc_target, model, client_id="vllm-fp8", dequantize=True)
     served = InferenceClient(server.grpc_target).pull(model, 1)
@@ -307,6 +316,45 @@ def test_tensor_parallel_workers_load_an_fp8_version_as_values(
         assert sorted(worker.kept) == sorted(values)
         for name, kept in worker.kept.items():
             assert np.array_equal(bits(kept), bits(vllm_part(name, values[name], rank, 2))), (rank, name)
+
+
+def engine_config(path: Path, checkpoint: dict[str, torch.Tensor]) -> SimpleNamespace:
+    """The model config of a vLLM engine started from a directory holding `checkpoint`."""
+    path.mkdir()
+    save_file({n: t.contiguous() for n, t in checkpoint.items()}, str(path / "model.safetensors"))
+    return SimpleNamespace(model=str(path), hf_config=LLAMA)
+
+
+def test_a_microscaled_version_fits_an_engine_of_its_own_format_only(
+    server: BackgroundServer, learner: LearnerClient, model: str, tmp_path: Path
+) -> None:
+    masters = llama_masters()
+    for version, format in ((1, "mxfp8"), (2, "nvfp4")):
+        learner.push(version, masters, model=model, format=format)
+    mxfp8, nvfp4 = (InferenceClient(server.grpc_target).manifest(model, v) for v in (1, 2))
+
+    def start(format: str) -> dict[str, torch.Tensor]:
+        return export_state_dict(masters, ExportSpec(format, "rtn"), version=0)
+
+    # An NVFP4 (W4A4) checkpoint also holds each layer's activation calibration, which no version does.
+    calibration = {n.replace("weight_global_scale", "input_global_scale"): torch.ones(1)
+                   for n in start("nvfp4") if n.endswith("weight_global_scale")}  # fmt: skip
+    engines = {f: engine_config(tmp_path / f, start(f)) for f in ("bf16", "mxfp8")}
+    engines["nvfp4"] = engine_config(tmp_path / "nvfp4", start("nvfp4") | calibration)
+    check_engine_fits(mxfp8, engines["mxfp8"])  # e4m3 elements and uint8 scales, as the engine's
+    check_engine_fits(nvfp4, engines["nvfp4"])
+    with pytest.raises(Mismatch, match=r"model '.*' version 1: tensor 'lm_head.weight' is served "
+                                       r"as F8_E4M3; the engine runs BF16 \(update with dequantize=True"):  # fmt: skip
+        check_engine_fits(mxfp8, engines["bf16"])
+    for manifest in (mxfp8, nvfp4):  # as values: the masters' names and shapes
+        check_engine_fits(manifest, engines["bf16"], dequantize=True)
+    # Codes and scales load bit for bit: the same shapes in another dtype do not fit.
+    with pytest.raises(Mismatch, match=r"tensor '\S+\.weight_scale' is served as U8; the engine runs F8_E4M3$"):
+        check_engine_fits(mxfp8, engines["nvfp4"])
+    with pytest.raises(Mismatch, match=r"tensor '\S+\.weight_scale' is served as F8_E4M3; the engine runs U8$"):
+        check_engine_fits(nvfp4, engines["mxfp8"])
+    with pytest.raises(Mismatch, match=r"tensor 'lm_head\.weight_\w+' \(shape \[[\d, ]+\]\) is not in the engine's"):
+        check_engine_fits(nvfp4, engines["bf16"])
 
 
 def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
