@@ -207,7 +207,8 @@ def test_the_device_benches_run_under_the_interpreter() -> None:
     in_use = dict(_triton.LAUNCH)
     figures = bench.cuda_kernel_bench(size_mib=0.25, repeat=1, device="cpu")
     assert {"K1_cuda", "K2_cuda", "K3_cuda_fp8_block_sr", "K3_cuda_nvfp4_sr"} <= figures.keys()
-    assert all(v > 0 for k, v in figures.items() if k.startswith("K"))
+    # (ratios of the interpreter's speed to torch's cast: tiny, and rounded to 3 digits they may read 0)
+    assert all(isinstance(v, float) and v >= 0 for k, v in figures.items() if k.startswith("K"))
     profile = bench.cuda_kernel_profile(size_mib=1 / 64, repeat=1, device="cpu")
     assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in bench.LAUNCHES}
     assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(bench.LAUNCHES)
