@@ -19,10 +19,9 @@ same on any machine (the Triton kernels in `_triton.py` follow the same recipes 
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from weightsvc.rounding._formats import SCALE_BLOCK, SCALE_NONE, SCALE_ROW, SCALE_TENSOR
 
@@ -133,7 +132,7 @@ def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-u
             continue
         # u = m + e; with e == 0, u is m itself, so -0 keeps its sign.
         u = master[i] if residual[i] == 0 else master[i] + residual[i]
-        bits = _f32_bits(u)
+        bits = _f32_bits(np.float32(u))
         if (bits & _EXP_MASK) == _EXP_MASK:  # m + e overflowed: serve the saturated master
             bits = mbits[i]
             u = master[i]
@@ -141,23 +140,33 @@ def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-u
         saturated += sat
         served[i] = np.uint16(out)
         # A saturated element keeps no residual: the error beyond the range would only wind up.
-        res = u - _f32_from_bits(out << np.uint32(16))
+        res = u - _f32_from_bits(np.uint32(out << np.uint32(16)))
         new_residual[i] = np.float32(0.0) if sat or res == 0 else res  # +0, whatever the sign of a zero
     return nonfinite, saturated
 
 
-@njit(inline="always")
-def _f32_bits(x):  # type: ignore[no-untyped-def]
-    a = np.empty(1, np.float32)
-    a[0] = x
-    return a.view(np.uint32)[0]
+@intrinsic
+def _f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    """The bits of a float32 as a uint32: one register move (a bitcast), no memory."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(types.uint32))
+
+    return types.uint32(types.float32), codegen
 
 
-@njit(inline="always")
-def _f32_from_bits(b):  # type: ignore[no-untyped-def]
-    a = np.empty(1, np.uint32)
-    a[0] = b
-    return a.view(np.float32)[0]
+@intrinsic
+def _f32_from_bits(typingctx, b):  # type: ignore[no-untyped-def]
+    """The float32 of these uint32 bits (a bitcast)."""
+    if b != types.uint32:
+        return None
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], context.get_value_type(types.float32))
+
+    return types.float32(types.uint32), codegen
 
 
 @njit(inline="always")
@@ -174,9 +183,8 @@ def _scale_index(g, mode, cols, block_cols):  # type: ignore[no-untyped-def]
 def _round_to_format(bits, r, stochastic, mantissa, bias, emin, max_bits):  # type: ignore[no-untyped-def]
     """Round a finite fp32 pattern to the target format.
 
-    Returns (magnitude bits, saturated, the served number as a float64 with its sign, exact).
+    Returns (magnitude bits, saturated).
     """
-    sign = bits >> np.uint32(31)
     expf = np.int64((bits >> np.uint32(23)) & np.uint32(0xFF))
     mant = np.int64(bits & _MANT_MASK)
     if expf == 0:
@@ -216,16 +224,24 @@ def _round_to_format(bits, r, stochastic, mantissa, bias, emin, max_bits):  # ty
         if mag > max_bits:
             mag = np.int64(max_bits)
             saturated = 1
-    if mag == 0:
-        value = 0.0
-    elif (mag >> mantissa) == 0:
-        value = math.ldexp(float(mag), emin - mantissa)
+    return mag, saturated
+
+
+# 2^e for the exponents of every format's served values (fp32's range and beyond): a table lookup
+# where `math.ldexp`, a call per element, cost most of the export.
+_POW2_MIN = -160
+_POW2 = np.ldexp(1.0, np.arange(_POW2_MIN, 160))
+
+
+@njit(inline="always")
+def _served_value(mag, negative, mantissa, bias, emin):  # type: ignore[no-untyped-def]
+    """The number that magnitude bits `mag` of the target format encode, with its sign: float64, exact."""
+    if (mag >> mantissa) == 0:  # zero or subnormal
+        value = float(mag) * _POW2[emin - mantissa - _POW2_MIN]
     else:
         significand = (mag & ((1 << mantissa) - 1)) | (1 << mantissa)
-        value = math.ldexp(float(significand), (mag >> mantissa) - bias - mantissa)
-    if sign:
-        value = -value
-    return mag, saturated, value
+        value = float(significand) * _POW2[(mag >> mantissa) - bias - mantissa - _POW2_MIN]
+    return -value if negative else value
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -280,16 +296,17 @@ def float_export(  # type: ignore[no-untyped-def]
             scale = scales[k]
         else:
             y = u
-        ybits = _f32_bits(y)
+        ybits = _f32_bits(np.float32(y))
         overflow = (ybits & _EXP_MASK) == _EXP_MASK
         if overflow:  # overflowed while scaling or adding the residual
             ybits = (ybits & np.uint32(0x80000000)) | np.uint32(0x7F7FFFFF)
         r = random_bits(k0, k1, g) if stochastic else np.uint32(0)
-        mag, sat, value = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
+        mag, sat = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
         saturated += sat
         served[i] = (np.int64(ybits >> np.uint32(31)) << sign_shift) | mag
         if use_residual:
             # A saturated element keeps no residual: the error beyond the range would only wind up.
+            value = _served_value(mag, ybits >> np.uint32(31), mantissa, bias, emin)
             res = u - np.float32(value) * scale
             new_residual[i] = np.float32(0.0) if (sat or overflow or res == 0) else res  # +0 for any zero
     return nonfinite, saturated
