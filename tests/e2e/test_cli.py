@@ -268,6 +268,8 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
     ):
         assert isinstance(figures[key], float) and figures[key] > 0, key
     assert figures["details"]["master_mib"] == 32
+    for fmt in ("fp8_e4m3", "mxfp8", "nvfp4", "mxfp4"):  # the scaled formats' kernel, in GB/s of fp32
+        assert figures["details"][f"kernel_{fmt}_sr_gbps"] > 0, fmt
     assert figures["details"]["fanout_pullers"] == 8
     assert "E1_1" not in figures and "S1" not in figures  # --only
 

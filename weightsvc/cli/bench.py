@@ -343,7 +343,20 @@ def kernel_bench(*, size_mib: int = 256, repeat: int = 5) -> dict[str, float]:
     ef_s = timed(lambda: rounding.export_array(flat, out_bytes, spec_ef, version=1, name="w", residual=res_in,
                                                new_residual=res_out))  # fmt: skip
     torch_sr_s = timed(lambda: _torch_ops_sr(x))
+    # The scaled formats' kernel (the generic one: fp8, mxfp8, nvfp4, mxfp4), sr, on a 4096-wide
+    # matrix cut from the same tensor (at most 64 MiB: it is slower), its scales computed beforehand.
+    grid = flat[: min(flat.size, 16 << 20) // 4096 * 4096].reshape(-1, 4096)
+    scaled_gbps = {}
+    for fmt in ("fp8_e4m3", *rounding.MICROSCALED):
+        f = rounding.FORMATS[fmt]
+        scales = rounding.fp8_scales(grid, f, "block")
+        served = np.empty(f.nbytes(grid.size), np.uint8)
+        spec = rounding.ExportSpec(fmt, "sr", fp8_pattern=".*")
+        seconds = timed(functools.partial(rounding.export_array, grid.reshape(-1), served, spec, version=1, name="w",
+                                          fmt=f, scales=scales))  # fmt: skip
+        scaled_gbps[f"kernel_{fmt}_sr_gbps"] = round(grid.nbytes / seconds / 1e9, 2)
     return {
+        **scaled_gbps,
         "K1": round(cast_s / sr_s, 3),
         "K2": round(cast_s / ef_s, 3),
         "K1_vs_torch_ops_sr": round(torch_sr_s / sr_s, 2),
