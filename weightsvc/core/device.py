@@ -93,6 +93,10 @@ class HostBuffers:
 Resident = dict[int, tuple[np.ndarray, "torch.Tensor"]]
 
 
+def _nbytes(resident: Resident) -> int:
+    return sum(host.nbytes for host, _ in resident.values())
+
+
 def _address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
@@ -225,9 +229,8 @@ class Kernels:
     def keep_resident(self, model: str, keep: Resident) -> None:
         """A push of `model` committed: its new residuals, recorded by `export_array`, replace the
         model's resident ones (those beyond `resident_max` bytes are dropped: read from the host)."""
-        old = self.resident.pop(model, {})
-        self.resident_bytes(-sum(host.nbytes for host, _ in old.values()))
-        room = self.resident_max - sum(host.nbytes for r in self.resident.values() for host, _ in r.values())
+        self.resident_bytes(-_nbytes(self.resident.pop(model, {})))
+        room = self.resident_max - sum(_nbytes(r) for r in self.resident.values())
         kept: Resident = {}
         for address, (host, on_gpu) in keep.items():
             if host.nbytes <= room:
@@ -235,10 +238,7 @@ class Kernels:
                 room -= host.nbytes
         if kept:
             self.resident[model] = kept
-            self.resident_bytes(sum(host.nbytes for host, _ in kept.values()))
-
-    def forget_resident(self, model: str) -> None:
-        self.resident_bytes(-sum(host.nbytes for host, _ in self.resident.pop(model, {}).values()))
+            self.resident_bytes(_nbytes(kept))
 
     def _resident(self, model: str, residual: np.ndarray) -> torch.Tensor | None:
         """The GPU copy of this residual chunk, if `model`'s resident residual holds exactly it."""
