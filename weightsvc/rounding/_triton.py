@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from weightsvc.rounding._formats import Format
+
 # How the elementwise kernels are launched: elements per program and warps per program. The bits do
 # not depend on them; `weightsvc.cli.bench.cuda_kernel_profile` measures the choices on a GPU.
 LAUNCH = {"block": 1024, "num_warps": 4}
@@ -172,6 +174,25 @@ def _grid(n: int) -> tuple[int]:
     return (max(1, triton.cdiv(n, LAUNCH["block"])),)
 
 
+def launch_options() -> dict[str, object]:
+    # No FMA: see the module's docstring.
+    return {"num_warps": LAUNCH["num_warps"], "enable_fp_fusion": False}
+
+
+def bf16_constexprs(stochastic: bool, ef: bool, count: bool = True) -> dict[str, object]:
+    """The compile-time arguments of `_bf16_kernel` for one export (ef rounds to nearest)."""
+    return {"STOCHASTIC": stochastic and not ef, "EF": ef, "BLOCK": LAUNCH["block"], "COUNT": count}
+
+
+def float_constexprs(fmt: Format, scale_mode: int, stochastic: bool, ef: bool) -> dict[str, object]:
+    """The compile-time arguments of `_float_kernel` for one format, scale mode and rounding."""
+    return {
+        "MANT": fmt.mantissa, "BIAS": fmt.bias, "EMIN": fmt.emin, "MAX_BITS": fmt.max_bits, "NAN_BITS": fmt.nan_bits,
+        "INF_BITS": fmt.inf_bits, "WIDTH": fmt.width, "SCALE_MODE": scale_mode, "STOCHASTIC": stochastic, "EF": ef,
+        "BLOCK": LAUNCH["block"], "COUNT": True,
+    }  # fmt: skip
+
+
 def bf16_export(
     master: torch.Tensor,
     served: torch.Tensor,
@@ -188,16 +209,13 @@ def bf16_export(
     counts = torch.zeros(2, dtype=torch.int64, device=master.device)
     ef = residual is not None
     dummy = master if not ef else residual
-    _bf16_kernel[_grid(n)](
-        master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
-        STOCHASTIC=stochastic and not ef, EF=ef, BLOCK=LAUNCH["block"], COUNT=count,
-        num_warps=LAUNCH["num_warps"], enable_fp_fusion=False,
-    )  # fmt: skip
+    _bf16_kernel[_grid(n)](master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
+                           **bf16_constexprs(stochastic, ef, count), **launch_options())  # fmt: skip
     return int(counts[0]), int(counts[1])
 
 
 def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
-                 fmt: object, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
+                 fmt: Format, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
                  block_cols: int, residual: torch.Tensor | None = None,
                  new_residual: torch.Tensor | None = None) -> tuple[int, int]:  # fmt: skip
     """Any format; served is an int16 (16-bit formats) or uint8 view."""
@@ -207,9 +225,6 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
     dummy = master if not ef else residual
     _float_kernel[_grid(n)](
         master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
-        cols, block_cols, MANT=fmt.mantissa, BIAS=fmt.bias, EMIN=fmt.emin, MAX_BITS=fmt.max_bits,  # type: ignore[attr-defined]
-        NAN_BITS=fmt.nan_bits, INF_BITS=fmt.inf_bits, WIDTH=fmt.width, SCALE_MODE=scale_mode,  # type: ignore[attr-defined]
-        STOCHASTIC=stochastic, EF=ef, BLOCK=LAUNCH["block"], COUNT=True, num_warps=LAUNCH["num_warps"],
-        enable_fp_fusion=False,
+        cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef), **launch_options(),
     )  # fmt: skip
     return int(counts[0]), int(counts[1])

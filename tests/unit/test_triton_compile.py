@@ -1,0 +1,95 @@
+"""Every Triton kernel the service launches compiles for an H200 (sm_90), down to the cubin, without a GPU.
+
+The interpreter that stands in for the GPU elsewhere runs the kernels as numpy: it accepts code that
+the compiler rejects (mixed types in `tl.where`, a shift by a tensor of the wrong width) and says
+nothing of the machine code. Compiled here, a kernel that breaks the compiler breaks in CI, not in a
+GPU session; and the PTX shows what only a GPU could otherwise show: memory accesses 16 bytes wide
+(the launch's pointers and sizes are 16-aligned, as the CUDA caching allocator's are) and no FMA in
+the ef residual, whose last bit would then differ from the CPU's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from weightsvc.rounding import _triton  # noqa: E402
+from weightsvc.rounding._formats import FORMATS, SCALE_BLOCK, SCALE_NONE, SCALE_ROW, SCALE_TENSOR  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+POINTERS = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_scales": "*fp32",
+            "scales": "*fp32", "counts": "*i64"}  # fmt: skip
+ALIGNED = ("src", "dst", "residual", "new_residual", "n")
+CASES = [
+    (name, mode, rounding)
+    for name, fmt in FORMATS.items()
+    for mode in (
+        [SCALE_ROW] if fmt.block else [SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK] if fmt.width == 8 else [SCALE_NONE]
+    )
+    for rounding in ("sr", "ef")
+]
+
+
+def case_id(name: str, mode: int, rounding: str) -> str:
+    return f"{name}-{mode}-{rounding}"
+
+
+def compile_ptx(name: str, mode: int, rounding: str) -> str:
+    """The PTX of the kernel for one case, as a launch specializes it: 16-aligned pointers and size."""
+    fmt, stochastic, ef = FORMATS[name], rounding == "sr", rounding == "ef"
+    if name == "bf16":
+        kernel, constexprs = _triton._bf16_kernel, _triton.bf16_constexprs(stochastic, ef)
+    else:
+        kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef)
+    dst = "*i16" if fmt.width == 16 else "*u8"
+    names = kernel.arg_names
+    signature = {
+        a: "constexpr" if a in constexprs else dst if a == "dst" else POINTERS.get(a, "i32" if a == "n" else "i64")
+        for a in names
+    }
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+    binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H200,
+                            options=_triton.launch_options())  # fmt: skip
+    assert binary.asm["cubin"], "no machine code"
+    return str(binary.asm["ptx"])
+
+
+@pytest.fixture(scope="module")
+def ptx() -> dict[str, str]:
+    # The tests run the kernels under the interpreter, whose kernels do not compile: compile in a
+    # process of its own.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return dict(json.loads(done.stdout))
+
+
+def memory_ops(ptx: str) -> set[str]:
+    return set(re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx))
+
+
+@pytest.mark.parametrize(("name", "mode", "rounding"), CASES, ids=[case_id(*c) for c in CASES])
+def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str], name: str, mode: int,
+                                                             rounding: str) -> None:  # fmt: skip
+    code = ptx[case_id(name, mode, rounding)]
+    ops = memory_ops(code)
+    assert "ld.global.v4.b32" in ops, ops  # the master, 4 fp32 a load
+    if name == "bf16":
+        assert "st.global.v4.b32" in ops, ops  # 8 bf16 a store
+    if rounding == "ef":
+        assert "st.global.v4.b32" in ops, ops  # the new residual
+    assert "fma" not in code
+
+
+if __name__ == "__main__":
+    json.dump({case_id(*c): compile_ptx(*c) for c in CASES}, sys.stdout)
