@@ -100,7 +100,8 @@ def test_a_device_error_fails_that_push_and_the_next_go_to_the_cpu(
 
     state = make_masters()
     with serving(device="cuda") as gpu, serving(device="cpu") as cpu:
-        monkeypatch.setattr(_triton, "bf16_export", fault)
+        for kernel in ("bf16_export", "bf16_runs_export"):  # big tensors' chunks, and small tensors
+            monkeypatch.setattr(_triton, kernel, fault)
         with LearnerClient(gpu.grpc_target) as learner, pytest.raises(Unavailable, match=(
             r"the export on cuda[-:\w]* failed \(RuntimeError: CUDA error: an illegal memory access"
         )):  # fmt: skip
@@ -213,3 +214,7 @@ def test_the_device_benches_run_under_the_interpreter() -> None:
     assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in bench.LAUNCHES}
     assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(bench.LAUNCHES)
     assert in_use == _triton.LAUNCH
+    # The service side: servers started with --device cuda (the interpreter's) and cpu, a push of each.
+    pushes = bench.device_push_bench(size_mib=1, repeat=1, small=16)
+    for device in ("cuda", "cpu"):
+        assert pushes[f"K3_push_{device}_s"] > 0 and pushes[f"K3_small_push_{device}_us_per_tensor"] > 0

@@ -60,6 +60,30 @@ def test_bf16_kernel(rounding: str) -> None:
         assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
 
 
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky"])
+def test_many_small_runs_in_one_launch(rounding: str) -> None:
+    """`Kernels.export_runs` on the device (one launch for all the runs) gives `rounding.export_runs`'
+    bits and per-run counts: runs of one element, of a block, of a block and one, empty ones, runs
+    starting mid-tensor, NaN/Inf and saturating values in some of them."""
+    from weightsvc.core.device import Kernels
+    from weightsvc.rounding import export_runs
+
+    m = masters()
+    lengths = [1, 1024, 1025, 0, 3000, 7, 2048, 0, 1]
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    m = np.concatenate([m[8000 : 8000 + starts[-1] - 4000], m[:4000]])  # raw bit patterns in the last runs
+    names = [f"t{j}" for j in range(len(lengths))]
+    offsets = [0, 5, 1 << 33, 0, 17, 0, 4096, 3, 1]
+    outs = starts[-1] - starts[1:]  # the runs in reverse order in the data section
+    spec = ExportSpec("bf16", rounding, seed=4)
+    cpu, gpu = (np.zeros(starts[-1] + 8, np.uint16) for _ in range(2))
+    expected = export_runs(m, starts, cpu, spec, version=3, names=names, offsets=offsets, outs=outs)
+    got = Kernels("cuda-interpreted", "cpu").export_runs(m, starts, gpu, spec, version=3, names=names,
+                                                       offsets=offsets, outs=outs)  # fmt: skip
+    assert np.array_equal(cpu, gpu)
+    assert got == expected and sum(s.nonfinite for s in got) > 0 and sum(s.saturated for s in got) > 0
+
+
 @pytest.mark.parametrize("fmt, scaling", [("fp16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "block"),
                                           ("fp8_e5m2", "channel")])  # fmt: skip
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "ef"])

@@ -28,7 +28,7 @@ from weightsvc.rounding._formats import FORMATS, SCALE_BLOCK, SCALE_NONE, SCALE_
 
 H200 = GPUTarget("cuda", 90, 32)
 POINTERS = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_scales": "*fp32",
-            "scales": "*fp32", "counts": "*i64"}  # fmt: skip
+            "scales": "*fp32", "counts": "*i64", "blocks": "*i64", "keys": "*i64"}  # fmt: skip
 ALIGNED = ("src", "dst", "residual", "new_residual", "n")
 CASES = [
     (name, mode, rounding)
@@ -44,10 +44,16 @@ def case_id(name: str, mode: int, rounding: str) -> str:
     return f"{name}-{mode}-{rounding}"
 
 
+RUNS = "bf16-runs"  # many small tensors in one launch
+
+
 def compile_ptx(name: str, mode: int, rounding: str) -> str:
     """The PTX of the kernel for one case, as a launch specializes it: 16-aligned pointers and size."""
     fmt, stochastic, ef = FORMATS[name], rounding == "sr", rounding == "ef"
-    if name == "bf16":
+    if rounding == "runs":
+        kernel, constexprs = _triton._bf16_runs_kernel, _triton.bf16_constexprs(True, False)
+        constexprs = {k: v for k, v in constexprs.items() if k in kernel.arg_names}
+    elif name == "bf16":
         kernel, constexprs = _triton._bf16_kernel, _triton.bf16_constexprs(stochastic, ef)
     else:
         kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef)
@@ -57,7 +63,7 @@ def compile_ptx(name: str, mode: int, rounding: str) -> str:
         a: "constexpr" if a in constexprs else dst if a == "dst" else POINTERS.get(a, "i32" if a == "n" else "i64")
         for a in names
     }
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED if a in names}
     binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H200,
                             options=_triton.launch_options())  # fmt: skip
     assert binary.asm["cubin"], "no machine code"
@@ -91,5 +97,10 @@ def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str]
     assert "fma" not in code
 
 
+def test_the_runs_kernel_compiles(ptx: dict[str, str]) -> None:
+    # Its blocks start wherever a small tensor starts: no alignment to widen its accesses with.
+    assert {"ld.global.b32", "st.global.b16"} <= memory_ops(ptx[RUNS])
+
+
 if __name__ == "__main__":
-    json.dump({case_id(*c): compile_ptx(*c) for c in CASES}, sys.stdout)
+    json.dump({case_id(*c): compile_ptx(*c) for c in CASES} | {RUNS: compile_ptx("bf16", 0, "runs")}, sys.stdout)

@@ -165,8 +165,9 @@ def fanout_pull_seconds(target: str, pullers: int) -> float:
 
 def _model(size_mib: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    n = max(1, size_mib // TENSOR_MIB)
-    side = int((TENSOR_MIB << 20) // 4) // 2048
+    tensor_mib = max(1, min(TENSOR_MIB, size_mib))
+    n = max(1, size_mib // tensor_mib)
+    side = max(1, ((tensor_mib << 20) // 4) // 2048)
     return {f"layers.{i}.weight": torch.randn(side, 2048, generator=gen) * 0.02 for i in range(n)}
 
 
@@ -477,12 +478,15 @@ def cuda_kernel_profile(*, size_mib: float = 1024, repeat: int = 5, device: str 
     return result
 
 
-def device_push_bench(*, size_mib: int = 4096, repeat: int = 2, rounding: str = "sr") -> dict[str, Any]:
+def device_push_bench(*, size_mib: int = 4096, repeat: int = 2, rounding: str = "sr",
+                      small: int = 20_000) -> dict[str, Any]:  # fmt: skip
     """K3's service side: a push of a `size_mib` fp32 model to a server with `--device cuda` and to
     one with `--device cpu`, against raw TCP moving the same bytes (the network alone). Export
-    hidden behind receipt: K3_push_cuda_vs_tcp near 1."""
+    hidden behind receipt: K3_push_cuda_vs_tcp near 1. Also the push of `small` tensors of 1024
+    elements each (norms, biases: exported many to a launch), in µs per tensor."""
     model = _model(size_mib)
     nbytes = sum(t.numel() * 4 for t in model.values())
+    many_model = {f"t.{i}": t for i, t in enumerate((torch.randn(small, 1024) * 0.02).unbind(0))}
     out: dict[str, Any] = {"K3_push_mib": size_mib, "K3_push_rounding": rounding}
     tcp = _best(lambda: raw_tcp_seconds(nbytes, download=False), repeat)
     out["K3_push_tcp_s"] = round(tcp, 3)
@@ -497,6 +501,10 @@ def device_push_bench(*, size_mib: int = 4096, repeat: int = 2, rounding: str = 
                     learner.push(step, model, "bench")
                     seconds.append(time.perf_counter() - start)
                 out[f"K3_push_{device}_s"] = round(min(seconds), 3)
+                learner.push(0, many_model, "small")
+                start = time.perf_counter()
+                learner.push(1, many_model, "small")
+                out[f"K3_small_push_{device}_us_per_tensor"] = round((time.perf_counter() - start) / small * 1e6, 1)
         finally:
             server.close()
     out["K3_push_cuda_vs_tcp"] = round(out["K3_push_tcp_s"] / out["K3_push_cuda_s"], 3)

@@ -202,7 +202,8 @@ class Kernels:
                     version: int, names: list[str], offsets: list[int],
                     outs: np.ndarray) -> list[rounding.ExportStats]:  # fmt: skip
         """`rounding.export_runs` on this device. On a GPU the runs (small tensors) go in with one
-        copy and come back with one; each is exported by its own kernel launch, with its own keys."""
+        copy, are exported by one kernel launch (each run with its own keys) and come back with one
+        copy: a launch and a wait per small tensor would cost more than its export."""
         if not self.on_gpu:
             return rounding.export_runs(master, starts, served, spec, version=version, names=names, offsets=offsets,
                                         outs=outs)  # fmt: skip
@@ -210,21 +211,23 @@ class Kernels:
 
         from weightsvc.rounding import _triton
 
+        rounding.check_runs(master, starts, spec, names, outs)
+        keys = np.array([spec.key(version, run_name) for run_name in names], np.int64).reshape(-1, 2)
+        blocks = _triton.bf16_runs_blocks(starts, np.asarray(offsets, np.int64))
+        counts = np.zeros((len(names), 2), np.int64)
+        codes = np.empty(master.size, np.uint16)
         with self._on_device(f"tensors {names[0]!r} and {len(names) - 1} more", master.nbytes * 3 // 2) as dev:
             m = self._upload(master, dev).view(torch.float32)
             bits = torch.empty(master.size, dtype=torch.int16, device=dev)
-            stats = []
-            for j, run_name in enumerate(names):
-                a, b = int(starts[j]), int(starts[j + 1])
-                k0, k1 = spec.key(version, run_name)
-                counts = _triton.bf16_export(m[a:b], bits[a:b], k0, k1, offsets[j], spec.stochastic)
-                stats.append(rounding.ExportStats(*counts))
-            codes = np.empty(master.size, np.uint16)
+            on_gpu = torch.zeros((len(names), 2), dtype=torch.int64, device=dev)
+            _triton.bf16_runs_export(m, bits, self._constant(blocks, dev), self._constant(keys, dev), on_gpu,
+                                     spec.stochastic)  # fmt: skip
             self._download(bits, codes)
+            self._download(on_gpu, counts)
         for j in range(len(names)):
             a, b = int(starts[j]), int(starts[j + 1])
             served[int(outs[j]) : int(outs[j]) + b - a] = codes[a:b]
-        return stats
+        return [rounding.ExportStats(int(nf), int(sat)) for nf, sat in counts.tolist()]
 
     def keep_resident(self, model: str, keep: Resident) -> None:
         """A push of `model` committed: its new residuals, recorded by `export_array`, replace the

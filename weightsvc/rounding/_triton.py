@@ -8,6 +8,7 @@ does not keep the IEEE sign of `-0 - -0` (seen on an H200).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -67,10 +68,9 @@ def _load_master(src, residual, i, mask, EF: tl.constexpr):
 
 
 @triton.jit
-def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
-                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
+def _bf16_block(src, dst, residual, new_residual, i, mask, g, k0, k1, STOCHASTIC: tl.constexpr, EF: tl.constexpr):
+    """Export elements `i` (where `mask`) to bf16; `g`: their flat indices in their tensor (the
+    random bits' counter). Returns which were non-finite and which saturated."""
     m, mbits, special, u = _load_master(src, residual, i, mask, EF)
     bits = u.to(tl.uint32, bitcast=True)
     if EF:  # m + e overflowed: serve the saturated master
@@ -78,7 +78,7 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
         bits = tl.where(over, mbits, bits)
         u = tl.where(over, m, u)
     if STOCHASTIC:
-        add = _random_bits(k0, k1, offset + i) & 0xFFFF
+        add = _random_bits(k0, k1, g) & 0xFFFF
     else:
         add = 0x7FFF + ((bits >> 16) & 1)
     out = (bits + add) >> 16
@@ -91,7 +91,35 @@ def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
         served = (out << 16).to(tl.float32, bitcast=True)
         r = u - served
         tl.store(new_residual + i, tl.where(special | sat | (r == 0), 0.0, r), mask=mask)
-    _count(counts, special & mask, sat & ~special & mask, COUNT)
+    return special & mask, sat & ~special & mask
+
+
+@triton.jit
+def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
+                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < n
+    special, sat = _bf16_block(src, dst, residual, new_residual, i, mask, offset + i, k0, k1, STOCHASTIC, EF)
+    _count(counts, special, sat, COUNT)
+
+
+@triton.jit
+def _bf16_runs_kernel(src, dst, blocks, keys, counts, STOCHASTIC: tl.constexpr, BLOCK: tl.constexpr):
+    """Many small runs (tensors, or pieces of them) in one launch, each element exactly as
+    `_bf16_kernel` exports it. Program b exports one block of one run: `blocks[b]` = (its first
+    element in src, the end of its run, the flat index of that first element in its tensor, the
+    run); `keys[run]` = (k0, k1); the run's counters are counts[2 * run : 2 * run + 2]."""
+    b = tl.program_id(0).to(tl.int64) * 4
+    start = tl.load(blocks + b)
+    end = tl.load(blocks + b + 1)
+    first = tl.load(blocks + b + 2)
+    run = tl.load(blocks + b + 3)
+    i = start + tl.arange(0, BLOCK)
+    mask = i < end
+    k0 = tl.load(keys + 2 * run)
+    k1 = tl.load(keys + 2 * run + 1)
+    special, sat = _bf16_block(src, dst, src, src, i, mask, first + (i - start), k0, k1, STOCHASTIC, False)
+    _count(counts + 2 * run, special, sat, True)
 
 
 @triton.jit
@@ -212,6 +240,27 @@ def bf16_export(
     _bf16_kernel[_grid(n)](master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
                            **bf16_constexprs(stochastic, ef, count), **launch_options())  # fmt: skip
     return int(counts[0]), int(counts[1])
+
+
+def bf16_runs_blocks(starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The programs of `_bf16_runs_kernel` for runs starts[j]:starts[j + 1] whose first elements
+    are elements offsets[j] of their tensors: one row (start, end, first, run) per block of a run."""
+    block = LAUNCH["block"]
+    starts, offsets = np.asarray(starts, np.int64), np.asarray(offsets, np.int64)
+    per_run = -(-np.diff(starts) // block)
+    run = np.repeat(np.arange(per_run.size), per_run)
+    within = (np.arange(run.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)) * block
+    return np.stack([starts[run] + within, starts[run + 1], offsets[run] + within, run], axis=1)
+
+
+def bf16_runs_export(master: torch.Tensor, served: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor,
+                     counts: torch.Tensor, stochastic: bool) -> None:  # fmt: skip
+    """`_bf16_runs_kernel` over `blocks` (the rows of `bf16_runs_blocks`, int64 on the device, any
+    shape): keys and counts are (runs, 2) int64 on the device; counts are added to, not read (no
+    wait here)."""
+    if n := blocks.numel() // 4:
+        _bf16_runs_kernel[(n,)](master, served, blocks, keys, counts, STOCHASTIC=stochastic, BLOCK=LAUNCH["block"],
+                                **launch_options())  # fmt: skip
 
 
 def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
