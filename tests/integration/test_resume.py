@@ -23,18 +23,34 @@ HELD_BACK = max(1 << 20, READ_BYTES) + (1 << 20)
 
 
 class CuttingProxy:
-    """Forwards 127.0.0.1:port to `upstream`. The first connection stops after CUT_AFTER bytes down,
-    waits until the client has read them (`read` is set), then dies: a cut of the bytes the client
-    already has, not of what the transport buffered, so the resume offset is known."""
+    """Forwards 127.0.0.1:port to `upstream`. The first connection stops after `cut_after` bytes
+    down, waits until the client has read them (counted by `progress`, the pull's progress
+    callback), then dies: a cut of the bytes the client already has, not of what the transport
+    buffered (gRPC drops the messages it holds when its connection dies), so a resume can be told
+    from a restart by the bytes after the cut (`assert_resumed`)."""
 
-    def __init__(self, upstream: tuple[str, int], read: threading.Event) -> None:
+    def __init__(self, upstream: tuple[str, int], cut_after: int = CUT_AFTER) -> None:
+        assert cut_after > HELD_BACK
         self.upstream = upstream
-        self.read = read
+        self.cut_after = cut_after
+        self.received = 0  # by the client
+        self.read = threading.Event()
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.down: list[int] = []  # bytes forwarded to the client, per connection
         self.cut = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def progress(self, n: int) -> None:
+        self.received += n
+        if self.received >= self.cut_after - HELD_BACK:
+            self.read.set()
+
+    def assert_resumed(self, data_bytes: int) -> None:
+        """The pull was cut once, and after the cut the wire carried the rest of its `data_bytes`
+        from about where the client had got to, not all of them again."""
+        assert self.cut.is_set() and self.read.is_set() and len(self.down) >= 2
+        assert sum(self.down[1:]) < data_bytes - self.cut_after + HELD_BACK, (self.down, data_bytes)
 
     def _accept(self) -> None:
         while True:
@@ -54,7 +70,7 @@ class CuttingProxy:
         self._hang_up(src, dst)
 
     def _down(self, src: socket.socket, dst: socket.socket, i: int) -> None:
-        limit = CUT_AFTER if i == 0 else None
+        limit = self.cut_after if i == 0 else None
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16 if limit is None else min(1 << 16, limit - self.down[i])):
                 dst.sendall(data)
@@ -90,24 +106,12 @@ def test_a_broken_pull_resumes_from_its_offset(served: tuple[BackgroundServer, d
                                                transport: str) -> None:  # fmt: skip
     srv, masters = served
     port = int((srv.grpc_target if transport == "grpc" else srv.http_url).rsplit(":", 1)[1])
-    received = [0]
-    read = threading.Event()
-
-    def progress(n: int) -> None:
-        received[0] += n
-        if received[0] >= CUT_AFTER - HELD_BACK:
-            read.set()
-
-    proxy = CuttingProxy(("127.0.0.1", port), read)
+    proxy = CuttingProxy(("127.0.0.1", port))
     try:
         target = f"127.0.0.1:{proxy.port}" if transport == "grpc" else f"http://127.0.0.1:{proxy.port}"
-        pulled = InferenceClient(target).pull(progress=progress)
-        assert proxy.cut.is_set() and read.is_set() and len(proxy.down) >= 2
+        pulled = InferenceClient(target).pull(progress=proxy.progress)
         assert_served(pulled, masters, 1)
-        data_bytes = srv.service.manifest("default", 1).data_bytes
-        # Resumed, not restarted: after the cut, the wire carried the rest of the version from about
-        # where the client had got to, not all of it again.
-        assert sum(proxy.down[1:]) < data_bytes - CUT_AFTER + HELD_BACK
+        proxy.assert_resumed(srv.service.manifest("default", 1).data_bytes)
     finally:
         proxy.close()
 
