@@ -166,6 +166,7 @@ class Kernels:
             rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales,
                                   residual=residual, new_residual=new_residual)  # fmt: skip
         ef = spec.rounding == "ef" and residual is not None
+        counted = np.zeros(2, np.int64)
         with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes) as dev:
             m = self._upload(master, dev).view(torch.float32)
             bits = torch.empty(master.size, dtype=torch.int16 if fmt.width == 16 else torch.uint8, device=dev)
@@ -190,13 +191,14 @@ class Kernels:
                 )  # fmt: skip
             if fmt.packed:  # the kernel writes one FP4 code per byte
                 bits = rounding.pack(bits)
-            # Into the version's slot (and the residual the service persists).
+            # Into the version's slot (and the residual the service persists), with the counters.
             self._download(bits, out)
+            self._download(counts, counted)
             if res_out is not None and new_residual is not None:
                 self._download(res_out, new_residual)
                 if keep is not None:
                     keep[_address(new_residual)] = (new_residual, res_out)
-            return rounding.ExportStats(*counts), sc
+        return rounding.ExportStats(int(counted[0]), int(counted[1])), sc
 
     def export_runs(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec, *,
                     version: int, names: list[str], offsets: list[int],

@@ -231,15 +231,16 @@ def bf16_export(
     residual: torch.Tensor | None = None,
     new_residual: torch.Tensor | None = None,
     count: bool = True,
-) -> tuple[int, int]:
-    """master float32 (1-D), served int16 view (1-D); ef when residuals are given (rtn)."""
+) -> torch.Tensor:
+    """master float32 (1-D), served int16 view (1-D); ef when residuals are given (rtn). Returns the
+    counters (non-finite, saturated) on the device: reading them waits for the kernel."""
     n = master.numel()
     counts = torch.zeros(2, dtype=torch.int64, device=master.device)
     ef = residual is not None
     dummy = master if not ef else residual
     _bf16_kernel[_grid(n)](master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
                            **bf16_constexprs(stochastic, ef, count), **launch_options())  # fmt: skip
-    return int(counts[0]), int(counts[1])
+    return counts
 
 
 def bf16_runs_blocks(starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
@@ -266,8 +267,9 @@ def bf16_runs_export(master: torch.Tensor, served: torch.Tensor, blocks: torch.T
 def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
                  fmt: Format, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
                  block_cols: int, residual: torch.Tensor | None = None,
-                 new_residual: torch.Tensor | None = None) -> tuple[int, int]:  # fmt: skip
-    """Any format; served is an int16 (16-bit formats) or uint8 view."""
+                 new_residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Any format; served is an int16 (16-bit formats) or uint8 view. Returns the counters, as
+    `bf16_export` does."""
     n = master.numel()
     counts = torch.zeros(2, dtype=torch.int64, device=master.device)
     ef = residual is not None
@@ -276,4 +278,4 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
         master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
         cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef), **launch_options(),
     )  # fmt: skip
-    return int(counts[0]), int(counts[1])
+    return counts
