@@ -87,17 +87,21 @@ def test_many_small_runs_in_one_launch(rounding: str) -> None:
 @pytest.mark.parametrize("fmt, scaling", [("fp16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "block"),
                                           ("fp8_e5m2", "channel")])  # fmt: skip
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "ef"])
-def test_float_kernel(fmt: str, scaling: str | None, rounding: str) -> None:
+@pytest.mark.parametrize("cols", [N_COLS, 256])  # rows of a power-of-two length: shifts, not divisions
+def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -> None:
+    """A chunk from mid-row to the end of a tensor (offset 300: not a multiple of a row)."""
     f = FORMATS[fmt]
-    m = masters()
+    m = masters()[: N_ROWS * cols]
     if f.scaled:
         m[:2100] = np.nan_to_num(m[:2100], nan=0.0, posinf=1.0, neginf=-1.0).clip(-1, 1)
     spec = ExportSpec(fmt, rounding, seed=3, scaling=scaling or "block")
     res = np.random.default_rng(2).normal(0, 1e-3, m.size).astype(np.float32)
-    scales = fp8_scales((m + res).reshape(N_ROWS, N_COLS), f, spec.scaling) if f.scaled else None
+    scales = fp8_scales((m + res).reshape(N_ROWS, cols), f, spec.scaling) if f.scaled else None
+    at = 300
+    m, res = m[at:], res[at:]
     cpu = np.empty(m.size * f.itemsize, np.uint8)
     cpu_res = np.empty_like(res)
-    export_array(m, cpu, spec, version=2, name="x.weight", fmt=f, scales=scales, residual=res,
+    export_array(m, cpu, spec, version=2, name="x.weight", fmt=f, offset=at, scales=scales, residual=res,
                  new_residual=cpu_res)  # fmt: skip
     ef = rounding == "ef"
     k0, k1 = spec.key(2, "x.weight")
@@ -105,7 +109,7 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str) -> None:
     gpu_res = torch.empty(m.size, dtype=torch.float32)
     one = torch.ones(1)
     triton_kernels.float_export(
-        torch.from_numpy(m.copy()), gpu, k0, k1, 0, spec.stochastic, f,
+        torch.from_numpy(m.copy()), gpu, k0, k1, at, spec.stochastic, f,
         torch.from_numpy(scales.inverse) if scales else one,
         torch.from_numpy(scales.scale_inv.reshape(-1).copy()) if scales else one,
         scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,

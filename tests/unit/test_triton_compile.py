@@ -31,23 +31,27 @@ POINTERS = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_s
             "scales": "*fp32", "counts": "*i64", "blocks": "*i64", "keys": "*i64"}  # fmt: skip
 ALIGNED = ("src", "dst", "residual", "new_residual", "n")
 CASES = [
-    (name, mode, rounding)
+    (name, mode, cols, rounding)
     for name, fmt in FORMATS.items()
-    for mode in (
-        [SCALE_ROW] if fmt.block else [SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK] if fmt.width == 8 else [SCALE_NONE]
+    for mode, cols in (
+        [(SCALE_ROW, fmt.block)]
+        if fmt.block
+        else [(SCALE_TENSOR, 1), (SCALE_ROW, 4096), (SCALE_ROW, 1000), (SCALE_BLOCK, 4096), (SCALE_BLOCK, 1000)]
+        if fmt.width == 8
+        else [(SCALE_NONE, 1)]
     )
     for rounding in ("sr", "ef")
-]
+]  # rows of a power-of-two length take shifts, the others divisions
 
 
-def case_id(name: str, mode: int, rounding: str) -> str:
-    return f"{name}-{mode}-{rounding}"
+def case_id(name: str, mode: int, cols: int, rounding: str) -> str:
+    return f"{name}-{mode}-{cols}-{rounding}"
 
 
 RUNS = "bf16-runs"  # many small tensors in one launch
 
 
-def compile_ptx(name: str, mode: int, rounding: str) -> str:
+def compile_ptx(name: str, mode: int, cols: int, rounding: str) -> str:
     """The PTX of the kernel for one case, as a launch specializes it: 16-aligned pointers and size."""
     fmt, stochastic, ef = FORMATS[name], rounding == "sr", rounding == "ef"
     if rounding == "runs":
@@ -56,7 +60,7 @@ def compile_ptx(name: str, mode: int, rounding: str) -> str:
     elif name == "bf16":
         kernel, constexprs = _triton._bf16_kernel, _triton.bf16_constexprs(stochastic, ef)
     else:
-        kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef)
+        kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef, cols)
     dst = "*i16" if fmt.width == 16 else "*u8"
     names = kernel.arg_names
     signature = {
@@ -84,10 +88,10 @@ def memory_ops(ptx: str) -> set[str]:
     return set(re.findall(r"\b(?:ld|st)\.global[.\w]*", ptx))
 
 
-@pytest.mark.parametrize(("name", "mode", "rounding"), CASES, ids=[case_id(*c) for c in CASES])
-def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str], name: str, mode: int,
+@pytest.mark.parametrize(("name", "mode", "cols", "rounding"), CASES, ids=[case_id(*c) for c in CASES])
+def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str], name: str, mode: int, cols: int,
                                                              rounding: str) -> None:  # fmt: skip
-    code = ptx[case_id(name, mode, rounding)]
+    code = ptx[case_id(name, mode, cols, rounding)]
     ops = memory_ops(code)
     assert "ld.global.v4.b32" in ops, ops  # the master, 4 fp32 a load
     if name == "bf16":
@@ -103,4 +107,4 @@ def test_the_runs_kernel_compiles(ptx: dict[str, str]) -> None:
 
 
 if __name__ == "__main__":
-    json.dump({case_id(*c): compile_ptx(*c) for c in CASES} | {RUNS: compile_ptx("bf16", 0, "runs")}, sys.stdout)
+    json.dump({case_id(*c): compile_ptx(*c) for c in CASES} | {RUNS: compile_ptx("bf16", 0, 1, "runs")}, sys.stdout)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from weightsvc.rounding._formats import Format
+from weightsvc.rounding._formats import SCALE_BLOCK, SCALE_ROW, Format
 
 # How the elementwise kernels are launched: elements per program and warps per program. The bits do
 # not depend on them; `weightsvc.cli.bench.cuda_kernel_profile` measures the choices on a GPU.
@@ -35,9 +35,7 @@ def _mix32(x):
 def _random_bits(k0, k1, g):
     lo = (g & 0xFFFFFFFF).to(tl.uint32)
     hi = (g >> 32).to(tl.uint32)
-    k0 = k0.to(tl.uint32)
-    k1 = k1.to(tl.uint32)
-    return _mix32(_mix32(lo ^ k0) ^ (hi + k1).to(tl.uint32))
+    return _mix32(_mix32(lo ^ k0.to(tl.uint32)) ^ (hi + k1.to(tl.uint32)).to(tl.uint32))
 
 
 @triton.jit
@@ -47,11 +45,12 @@ def _count(counts, special, saturated, COUNT: tl.constexpr):
     (COUNT=False only to measure what counting costs.)"""
     if not COUNT:
         return
-    n_special = tl.sum(special.to(tl.int64))
-    n_saturated = tl.sum(saturated.to(tl.int64))
-    if n_special + n_saturated > 0:
-        tl.atomic_add(counts + 0, n_special)
-        tl.atomic_add(counts + 1, n_saturated)
+    # One 32-bit reduction for both (a block holds < 2**16 elements): a reduction costs instructions
+    # and barriers in every block, most of which have nothing to count.
+    both = tl.sum(special.to(tl.int32) | (saturated.to(tl.int32) << 16))
+    if both != 0:
+        tl.atomic_add(counts + 0, (both & 0xFFFF).to(tl.int64))
+        tl.atomic_add(counts + 1, (both >> 16).to(tl.int64))
 
 
 @triton.jit
@@ -68,17 +67,17 @@ def _load_master(src, residual, i, mask, EF: tl.constexpr):
 
 
 @triton.jit
-def _bf16_block(src, dst, residual, new_residual, i, mask, g, k0, k1, STOCHASTIC: tl.constexpr, EF: tl.constexpr):
-    """Export elements `i` (where `mask`) to bf16; `g`: their flat indices in their tensor (the
-    random bits' counter). Returns which were non-finite and which saturated."""
-    m, mbits, special, u = _load_master(src, residual, i, mask, EF)
+def _bf16_block(src, dst, residual, new_residual, r, mask, g0, k0, k1, STOCHASTIC: tl.constexpr, EF: tl.constexpr):
+    """Export elements `r` (where `mask`) to bf16: element r of the pointers is element g0 + r of
+    its tensor (the random bits' counter). Returns which were non-finite and which saturated."""
+    m, mbits, special, u = _load_master(src, residual, r, mask, EF)
     bits = u.to(tl.uint32, bitcast=True)
     if EF:  # m + e overflowed: serve the saturated master
         over = (bits & 0x7F800000) == 0x7F800000
         bits = tl.where(over, mbits, bits)
         u = tl.where(over, m, u)
     if STOCHASTIC:
-        add = _random_bits(k0, k1, g) & 0xFFFF
+        add = _random_bits(k0, k1, g0 + r) & 0xFFFF
     else:
         add = 0x7FFF + ((bits >> 16) & 1)
     out = (bits + add) >> 16
@@ -86,11 +85,11 @@ def _bf16_block(src, dst, residual, new_residual, i, mask, g, k0, k1, STOCHASTIC
     out = tl.where(sat, out - 1, out)
     nan_or_inf = (mbits >> 16) | tl.where((mbits & 0x7FFFFF) != 0, 0x40, 0).to(tl.uint32)
     out = tl.where(special, nan_or_inf, out)
-    tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+    tl.store(dst + r, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     if EF:
         served = (out << 16).to(tl.float32, bitcast=True)
-        r = u - served
-        tl.store(new_residual + i, tl.where(special | sat | (r == 0), 0.0, r), mask=mask)
+        e = u - served
+        tl.store(new_residual + r, tl.where(special | sat | (e == 0), 0.0, e), mask=mask)
     return special & mask, sat & ~special & mask
 
 
@@ -98,8 +97,7 @@ def _bf16_block(src, dst, residual, new_residual, i, mask, g, k0, k1, STOCHASTIC
 def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
                  STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    special, sat = _bf16_block(src, dst, residual, new_residual, i, mask, offset + i, k0, k1, STOCHASTIC, EF)
+    special, sat = _bf16_block(src, dst, residual, new_residual, i, i < n, offset, k0, k1, STOCHASTIC, EF)
     _count(counts, special, sat, COUNT)
 
 
@@ -114,11 +112,11 @@ def _bf16_runs_kernel(src, dst, blocks, keys, counts, STOCHASTIC: tl.constexpr, 
     end = tl.load(blocks + b + 1)
     first = tl.load(blocks + b + 2)
     run = tl.load(blocks + b + 3)
-    i = start + tl.arange(0, BLOCK)
-    mask = i < end
+    r = tl.arange(0, BLOCK)
+    mask = r < tl.minimum(end - start, BLOCK).to(tl.int32)
     k0 = tl.load(keys + 2 * run)
     k1 = tl.load(keys + 2 * run + 1)
-    special, sat = _bf16_block(src, dst, src, src, i, mask, first + (i - start), k0, k1, STOCHASTIC, False)
+    special, sat = _bf16_block(src + start, dst + start, src, src, r, mask, first, k0, k1, STOCHASTIC, False)
     _count(counts + 2 * run, special, sat, True)
 
 
@@ -126,24 +124,35 @@ def _bf16_runs_kernel(src, dst, blocks, keys, counts, STOCHASTIC: tl.constexpr, 
 def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, n, k0, k1, offset,
                   cols, block_cols, MANT: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
                   MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr, WIDTH: tl.constexpr,
-                  SCALE_MODE: tl.constexpr, STOCHASTIC: tl.constexpr, EF: tl.constexpr,
-                  BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < n
-    g = offset + i
-    _, mbits, special, u = _load_master(src, residual, i, mask, EF)
+                  SCALE_MODE: tl.constexpr, COLS_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
+                  EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    # As in `_bf16_kernel`: pointers at the block's first element, 32-bit offsets r from it.
+    base = tl.program_id(0).to(tl.int64) * BLOCK
+    r = tl.arange(0, BLOCK)
+    mask = r < tl.minimum(n - base, BLOCK).to(tl.int32)
+    g0 = offset + base  # the block's first element in its tensor
+    _, mbits, special, u = _load_master(src + base, residual + base, r, mask, EF)
     scale = tl.full([BLOCK], 1.0, tl.float32)
     y = u
     if SCALE_MODE != 0:
         if SCALE_MODE == 1:
-            k = g * 0
+            first_scale, k = 0, r * 0
+        elif SCALE_MODE == 2 and COLS_SHIFT >= 0:
+            # Rows of a power-of-two length (every microscaling block): shifts, the per-element part
+            # 32-bit. (g0 + r) >> S = (g0 >> S) + ((g0 mod 2^S + r) >> S).
+            first_scale = g0 >> COLS_SHIFT
+            k = ((g0 & ((1 << COLS_SHIFT) - 1)).to(tl.int32) + r) >> COLS_SHIFT
         elif SCALE_MODE == 2:
-            k = g // cols
+            first_scale, k = 0, (g0 + r) // cols
+        elif COLS_SHIFT >= 0:  # 128 x 128 blocks of rows of a power-of-two length
+            g = g0 + r
+            first_scale, k = 0, ((g >> COLS_SHIFT) >> 7) * block_cols + ((g & ((1 << COLS_SHIFT) - 1)) >> 7)
         else:
+            g = g0 + r
             row = g // cols
-            k = (row // 128) * block_cols + (g - row * cols) // 128
-        y = u * tl.load(inv_scales + k, mask=mask, other=1.0)
-        scale = tl.load(scales + k, mask=mask, other=1.0)
+            first_scale, k = 0, (row // 128) * block_cols + (g - row * cols) // 128
+        y = u * tl.load(inv_scales + first_scale + k, mask=mask, other=1.0)
+        scale = tl.load(scales + first_scale + k, mask=mask, other=1.0)
     ybits = y.to(tl.uint32, bitcast=True)
     overflow = (ybits & 0x7F800000) == 0x7F800000
     ybits = tl.where(overflow, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
@@ -154,11 +163,11 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     big_e = tl.maximum(e, EMIN)
     s = 23 - MANT + (big_e - e)
     if STOCHASTIC:
-        r = _random_bits(k0, k1, g).to(tl.int64)
+        rand = _random_bits(k0, k1, g0 + r).to(tl.int64)
         s_lo = tl.minimum(s, 32)
-        q_lo = (sig + (r & ((1 << s_lo) - 1))) >> s_lo
+        q_lo = (sig + (rand & ((1 << s_lo) - 1))) >> s_lo
         s_hi = tl.minimum(tl.maximum(s, 32) - 32, 23)  # every shift stays defined
-        q_hi = tl.where((s < 56) & (r < (sig >> s_hi)), 1, 0).to(tl.int64)
+        q_hi = tl.where((s < 56) & (rand < (sig >> s_hi)), 1, 0).to(tl.int64)
         q = tl.where(s <= 32, q_lo, q_hi)
     else:
         s_c = tl.minimum(s, 40)
@@ -182,9 +191,9 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     special_mag = tl.where(is_nan | (INF_BITS < 0), NAN_BITS, INF_BITS)
     out = tl.where(special, (msign << (WIDTH - 1)) | special_mag, out)
     if WIDTH == 16:
-        tl.store(dst + i, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(dst + base + r, out.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
     else:
-        tl.store(dst + i, out.to(tl.uint8), mask=mask)
+        tl.store(dst + base + r, out.to(tl.uint8), mask=mask)
     if EF:
         # The served number, exact in fp32: significand times a power of two built from its bits.
         is_sub = (mag >> MANT) == 0
@@ -193,8 +202,8 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
         pow2 = ((exponent + 127) << 23).to(tl.uint32).to(tl.float32, bitcast=True)
         value = significand * pow2
         value = tl.where(sign == 1, -value, value)
-        r = u - value * scale
-        tl.store(new_residual + i, tl.where(special | sat | overflow | (r == 0), 0.0, r), mask=mask)
+        e = u - value * scale
+        tl.store(new_residual + base + r, tl.where(special | sat | overflow | (e == 0), 0.0, e), mask=mask)
     _count(counts, special & mask, sat & ~special & mask, COUNT)
 
 
@@ -212,11 +221,14 @@ def bf16_constexprs(stochastic: bool, ef: bool, count: bool = True) -> dict[str,
     return {"STOCHASTIC": stochastic and not ef, "EF": ef, "BLOCK": LAUNCH["block"], "COUNT": count}
 
 
-def float_constexprs(fmt: Format, scale_mode: int, stochastic: bool, ef: bool) -> dict[str, object]:
-    """The compile-time arguments of `_float_kernel` for one format, scale mode and rounding."""
+def float_constexprs(fmt: Format, scale_mode: int, stochastic: bool, ef: bool, cols: int) -> dict[str, object]:
+    """The compile-time arguments of `_float_kernel` for one format, scale mode, rounding and row
+    length (only whether it is a power of two, and which, matters: shifts instead of divisions)."""
+    pow2 = scale_mode in (SCALE_ROW, SCALE_BLOCK) and cols > 0 and cols & (cols - 1) == 0
     return {
         "MANT": fmt.mantissa, "BIAS": fmt.bias, "EMIN": fmt.emin, "MAX_BITS": fmt.max_bits, "NAN_BITS": fmt.nan_bits,
-        "INF_BITS": fmt.inf_bits, "WIDTH": fmt.width, "SCALE_MODE": scale_mode, "STOCHASTIC": stochastic, "EF": ef,
+        "INF_BITS": fmt.inf_bits, "WIDTH": fmt.width, "SCALE_MODE": scale_mode,
+        "COLS_SHIFT": cols.bit_length() - 1 if pow2 else -1, "STOCHASTIC": stochastic, "EF": ef,
         "BLOCK": LAUNCH["block"], "COUNT": True,
     }  # fmt: skip
 
@@ -276,6 +288,6 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
     dummy = master if not ef else residual
     _float_kernel[_grid(n)](
         master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
-        cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef), **launch_options(),
+        cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef, cols), **launch_options(),
     )  # fmt: skip
     return counts
