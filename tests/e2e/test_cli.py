@@ -246,7 +246,7 @@ def test_restart_serves_the_same_version(tmp_path: Path, checkpoint: tuple[Path,
 
 
 def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
-    result = cli("bench", "--size-mib", "32", "--repeat", "1", "--only", "T1,K1,delta", "--json", timeout=300)
+    result = cli("bench", "--size-mib", "32", "--repeat", "1", "--only", "T1,K1,delta,K3_sass", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     for key in (
@@ -271,6 +271,12 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
     for fmt in ("fp8_e4m3", "mxfp8", "nvfp4", "mxfp4"):  # the scaled formats' kernel, in GB/s of fp32
         assert figures["details"][f"kernel_{fmt}_sr_gbps"] > 0, fmt
     assert figures["details"]["fanout_pullers"] == 8
+    # K3 without a GPU: the kernels compiled for sm_90, their instructions per element against a cast's
+    details = figures["details"]
+    assert figures["K3_sass"] == details["K3_sass_bf16_sr_vs_cast"] > 1
+    assert details["K3_sass_bf16_sr_uncounted_per_element"] < details["K3_sass_bf16_sr_per_element"]
+    # rows of a power-of-two length take shifts, where others take 64-bit divisions
+    assert details["K3_sass_fp8_block_pow2_sr_per_element"] < details["K3_sass_fp8_block_sr_per_element"]
     assert "E1_1" not in figures and "S1" not in figures  # --only
 
 

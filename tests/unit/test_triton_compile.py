@@ -20,16 +20,10 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+from weightsvc.cli import bench  # noqa: E402
 from weightsvc.rounding import _triton  # noqa: E402
 from weightsvc.rounding._formats import FORMATS, SCALE_BLOCK, SCALE_NONE, SCALE_ROW, SCALE_TENSOR  # noqa: E402
 
-H200 = GPUTarget("cuda", 90, 32)
-POINTERS = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_scales": "*fp32",
-            "scales": "*fp32", "counts": "*i64", "blocks": "*i64", "keys": "*i64"}  # fmt: skip
-ALIGNED = ("src", "dst", "residual", "new_residual", "n")
 CASES = [
     (name, mode, cols, rounding)
     for name, fmt in FORMATS.items()
@@ -61,15 +55,7 @@ def compile_ptx(name: str, mode: int, cols: int, rounding: str) -> str:
         kernel, constexprs = _triton._bf16_kernel, _triton.bf16_constexprs(stochastic, ef)
     else:
         kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef, cols)
-    dst = "*i16" if fmt.width == 16 else "*u8"
-    names = kernel.arg_names
-    signature = {
-        a: "constexpr" if a in constexprs else dst if a == "dst" else POINTERS.get(a, "i32" if a == "n" else "i64")
-        for a in names
-    }
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ALIGNED if a in names}
-    binary = triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=H200,
-                            options=_triton.launch_options())  # fmt: skip
+    binary = bench.compile_kernel(kernel, constexprs, "*i16" if fmt.width == 16 else "*u8")
     assert binary.asm["cubin"], "no machine code"
     return str(binary.asm["ptx"])
 
