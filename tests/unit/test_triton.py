@@ -120,14 +120,26 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -
         assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
 
 
-def test_far_subnormal_sr_agrees() -> None:
-    f = FORMATS["fp16"]
-    m = np.concatenate([np.full(3000, 1.5 * 2.0**-97, np.float32), np.full(3000, 1.5 * 2.0**-50, np.float32)])
-    spec = ExportSpec("fp16", "sr", seed=1)
-    cpu = np.empty(m.size * 2, np.uint8)
-    export_array(m, cpu, spec, version=1, name="w", fmt=f)
-    gpu = torch.empty(m.size, dtype=torch.int16)
+@pytest.mark.parametrize("fmt", ["fp16", "fp8_e4m3", "fp8_e5m2"])
+def test_far_subnormal_sr_agrees(fmt: str) -> None:
+    """sr of values far below the format's smallest subnormal, where all of the significand and
+    more is discarded: s (the bits dropped) around 32, where the kernels switch from adding random
+    bits to comparing with them, and far beyond."""
+    f = FORMATS[fmt]
+    gen = np.random.default_rng(5)
+    exps = np.arange(f.emin - f.mantissa - 12, f.emin - f.mantissa - 5)  # s = 23 - mantissa + emin - e: 28 ... 35
+    m = np.concatenate([np.ldexp(gen.uniform(1, 2, 2000), e) for e in [*exps, -97]]).astype(np.float32)
+    m *= np.where(gen.random(m.size) < 0.5, -1, 1).astype(np.float32)
+    m[0] = f.max_value  # a tensor scale of 1
+    spec = ExportSpec(fmt, "sr", seed=1, scaling="tensor", fp8_pattern=".*")
+    scales = fp8_scales(m.reshape(1, -1), f, "tensor") if f.scaled else None
+    assert scales is None or float(scales.scale_inv.reshape(-1)[0]) == 1.0
+    cpu = np.empty(m.size * f.itemsize, np.uint8)
+    export_array(m, cpu, spec, version=1, name="w", fmt=f, scales=scales)
+    gpu = torch.empty(m.size, dtype=torch.int16 if f.width == 16 else torch.uint8)
     k0, k1 = spec.key(1, "w")
     one = torch.ones(1)
-    triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one, one, 0, 1, 1)
-    assert np.array_equal(cpu.view(np.int16), gpu.numpy())
+    triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one, one,
+                                scales.mode if scales else 0, 1, 1)  # fmt: skip
+    assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
+    assert np.count_nonzero(cpu.view(gpu.numpy().dtype)[1:]) > 100  # some did round up, away from 0

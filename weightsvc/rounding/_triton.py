@@ -156,26 +156,34 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     ybits = y.to(tl.uint32, bitcast=True)
     overflow = (ybits & 0x7F800000) == 0x7F800000
     ybits = tl.where(overflow, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
-    expf = ((ybits >> 23) & 0xFF).to(tl.int64)
-    mant = (ybits & 0x7FFFFF).to(tl.int64)
+    # 32-bit integers throughout (a 64-bit operation takes two or three instructions): sig < 2**24,
+    # and the shifts are bounded where they would leave 32 bits.
+    expf = ((ybits >> 23) & 0xFF).to(tl.int32)
+    mant = (ybits & 0x7FFFFF).to(tl.int32)
     e = tl.where(expf == 0, -126, expf - 127)
     sig = tl.where(expf == 0, mant, mant | (1 << 23))
     big_e = tl.maximum(e, EMIN)
     s = 23 - MANT + (big_e - e)
     if STOCHASTIC:
-        rand = _random_bits(k0, k1, g0 + r).to(tl.int64)
-        s_lo = tl.minimum(s, 32)
-        q_lo = (sig + (rand & ((1 << s_lo) - 1))) >> s_lo
-        s_hi = tl.minimum(tl.maximum(s, 32) - 32, 23)  # every shift stays defined
-        q_hi = tl.where((s < 56) & (rand < (sig >> s_hi)), 1, 0).to(tl.int64)
-        q = tl.where(s <= 32, q_lo, q_hi)
+        rand = _random_bits(k0, k1, g0 + r)
+        sig_u = sig.to(tl.uint32)
+        # s < 32: add the low s random bits and truncate (the sum < 2**24 + 2**31 fits)
+        s_lo = tl.minimum(s, 31).to(tl.uint32)
+        low = rand & (tl.full([BLOCK], 0xFFFFFFFF, tl.uint32) >> (32 - s_lo))
+        q_lo = (sig_u + low) >> s_lo
+        # s == 32: the carry out of sig + rand; 32 < s < 56: up when rand < sig / 2**(s - 32)
+        q_32 = ((sig_u + rand).to(tl.uint32) < rand).to(tl.uint32)
+        s_hi = (tl.minimum(tl.maximum(s, 32) - 32, 23)).to(tl.uint32)  # every shift stays defined
+        q_hi = ((s < 56) & (rand < (sig_u >> s_hi))).to(tl.uint32)
+        q = tl.where(s < 32, q_lo, tl.where(s == 32, q_32, q_hi)).to(tl.int32)
     else:
-        s_c = tl.minimum(s, 40)
+        # half to even; from s = 25 on every bit of sig is discarded and below half: q = 0
+        s_c = tl.minimum(s, 25)
         q = sig >> s_c
         rem = sig & ((1 << s_c) - 1)
         half = 1 << (s_c - 1)
         up = (rem > half) | ((rem == half) & ((q & 1) == 1))
-        q = tl.where(s <= 40, q + up.to(tl.int64), 0)
+        q = q + up.to(tl.int32)
     carry = q >= (1 << (MANT + 1))
     q = tl.where(carry, q >> 1, q)
     big_e = tl.where(carry, big_e + 1, big_e)
@@ -184,9 +192,9 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     mag = tl.where(q == 0, 0, tl.where(subnormal, q, normal_mag))
     sat = mag > MAX_BITS
     mag = tl.where(sat, MAX_BITS, mag)
-    sign = (ybits >> 31).to(tl.int64)
+    sign = (ybits >> 31).to(tl.int32)
     out = (sign << (WIDTH - 1)) | mag
-    msign = (mbits >> 31).to(tl.int64)
+    msign = (mbits >> 31).to(tl.int32)
     is_nan = (mbits & 0x7FFFFF) != 0
     special_mag = tl.where(is_nan | (INF_BITS < 0), NAN_BITS, INF_BITS)
     out = tl.where(special, (msign << (WIDTH - 1)) | special_mag, out)
