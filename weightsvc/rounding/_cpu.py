@@ -183,64 +183,148 @@ def _scale_index(g, mode, cols, block_cols, cols_shift):  # type: ignore[no-unty
 
 @njit(inline="always")
 def _round_to_format(bits, r, stochastic, mantissa, bias, emin, max_bits):  # type: ignore[no-untyped-def]
-    """Round a finite fp32 pattern to the target format.
-
-    Returns (magnitude bits, saturated).
-    """
+    """Round a finite fp32 pattern to the target format: (magnitude bits, saturated). Without a
+    branch: selects, and shifts bounded where they would leave 64 bits, as the Triton kernel does,
+    so that the compiler turns the loop into SIMD code."""
     expf = np.int64((bits >> np.uint32(23)) & np.uint32(0xFF))
     mant = np.int64(bits & _MANT_MASK)
-    if expf == 0:
-        e = np.int64(-126)
-        sig = mant
-    else:
-        e = expf - 127
-        sig = mant | np.int64(1 << 23)
+    e = np.int64(-126) if expf == 0 else expf - 127
+    sig = mant if expf == 0 else mant | np.int64(1 << 23)
     big_e = max(e, np.int64(emin))
     s = 23 - mantissa + (big_e - e)
-    if stochastic:
-        if s <= 32:
-            q = (sig + (np.int64(r) & ((np.int64(1) << s) - 1))) >> s
-        elif s < 56:
-            q = np.int64(1) if np.int64(r) < (sig >> (s - 32)) else np.int64(0)
-        else:
-            q = np.int64(0)  # P(up) = sig / 2**s < 2**-32: below the resolution of 32 random bits
-    elif s <= 40:
-        # half to even without a branch on the discarded bits (random data mispredicts it): add just
-        # under half, plus the kept lsb, and shift
-        q = (sig + (np.int64(1) << (s - 1)) - 1 + ((sig >> s) & 1)) >> s
+    if stochastic:  # (the same for every element: the compiler hoists it out of the loop)
+        rand = np.int64(r)
+        s_lo = min(s, np.int64(32))
+        q_lo = (sig + (rand & ((np.int64(1) << s_lo) - 1))) >> s_lo
+        # beyond 32 discarded bits: up when the 32 random bits are below sig / 2**(s - 32); from 56
+        # on P(up) < 2**-32, below their resolution
+        s_hi = min(max(s, np.int64(32)) - 32, np.int64(23))
+        q_hi = np.int64((s < 56) & (rand < (sig >> s_hi)))
+        q = q_lo if s <= 32 else q_hi
     else:
-        q = np.int64(0)
-    saturated = 0
-    if q == 0:
-        mag = np.int64(0)
-    elif big_e == emin and q < (np.int64(1) << mantissa):
-        mag = q  # subnormal
-    else:
-        if q >= (np.int64(1) << (mantissa + 1)):
-            q >>= 1
-            big_e += 1
-        mag = ((big_e + bias) << mantissa) | (q - (np.int64(1) << mantissa))
-        if mag > max_bits:
-            mag = np.int64(max_bits)
-            saturated = 1
-    return mag, saturated
-
-
-# 2^e for the exponents of every format's served values (fp32's range and beyond): a table lookup
-# where `math.ldexp`, a call per element, cost most of the export.
-_POW2_MIN = -160
-_POW2 = np.ldexp(1.0, np.arange(_POW2_MIN, 160))
+        # half to even without a branch on the discarded bits: add just under half, plus the kept
+        # lsb, and shift; from s = 25 on, every bit of sig (< 2**24) is discarded and below half
+        s_c = min(s, np.int64(25))
+        q = (sig + (np.int64(1) << (s_c - 1)) - 1 + ((sig >> s_c) & 1)) >> s_c
+    carry = q >= (np.int64(1) << (mantissa + 1))
+    q = q >> 1 if carry else q
+    big_e = big_e + 1 if carry else big_e
+    subnormal = (big_e == emin) & (q < (np.int64(1) << mantissa))
+    normal = ((big_e + bias) << mantissa) | (q - (np.int64(1) << mantissa))
+    mag = np.int64(0) if q == 0 else (q if subnormal else normal)
+    saturated = mag > max_bits
+    return (np.int64(max_bits) if saturated else mag), saturated
 
 
 @njit(inline="always")
-def _served_value(mag, negative, mantissa, bias, emin):  # type: ignore[no-untyped-def]
-    """The number that magnitude bits `mag` of the target format encode, with its sign: float64, exact."""
-    if (mag >> mantissa) == 0:  # zero or subnormal
-        value = float(mag) * _POW2[emin - mantissa - _POW2_MIN]
-    else:
-        significand = (mag & ((1 << mantissa) - 1)) | (1 << mantissa)
-        value = float(significand) * _POW2[(mag >> mantissa) - bias - mantissa - _POW2_MIN]
-    return -value if negative else value
+def _served_value(mag, mantissa, bias, emin):  # type: ignore[no-untyped-def]
+    """The magnitude that bits `mag` of the target format encode, as a float32 (exact): the
+    significand times a power of two made from its exponent bits (every one of a format's
+    exponents is a normal float32 exponent)."""
+    subnormal = (mag >> mantissa) == 0
+    significand = mag if subnormal else (mag & ((1 << mantissa) - 1)) | (1 << mantissa)
+    exponent = (emin - mantissa) if subnormal else (mag >> mantissa) - bias - mantissa
+    return np.float32(significand) * _f32_from_bits(np.uint32((exponent + 127) << 23))
+
+
+@njit(inline="always")
+def _float_one(bits, u, inv, g, k0, k1, stochastic, f):  # type: ignore[no-untyped-def]
+    """One element: master bits `bits`, u = m (+ e), times its scale's reciprocal `inv`; flat index
+    `g` in its tensor; `f`: the format (`float_export`'s `_format`). Returns (served bits,
+    non-finite, saturated, magnitude bits, bits of the scaled value, no residual to keep). No
+    branch: the loops around it become SIMD code."""
+    mantissa, bias, emin, max_bits, nan_bits, inf_bits, sign_shift = f
+    special = (bits & _EXP_MASK) == _EXP_MASK
+    ybits = _f32_bits(np.float32(u * inv))
+    # NaN/Inf masters, and values that overflowed while scaling or adding the residual, round as the
+    # largest finite magnitude (no NaN bits through the shifts); a master's NaN/Inf is then served
+    # as the format's NaN/Inf (or saturates).
+    overflow = (ybits & _EXP_MASK) == _EXP_MASK
+    ybits = (ybits & np.uint32(0x80000000)) | np.uint32(0x7F7FFFFF) if overflow else ybits
+    r = random_bits(k0, k1, g) if stochastic else np.uint32(0)
+    mag, sat = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
+    is_nan = (bits & _MANT_MASK) != np.uint32(0)
+    special_mag = nan_bits if (is_nan | (inf_bits < 0)) else inf_bits
+    sign = np.int64(bits >> np.uint32(31)) if special else np.int64(ybits >> np.uint32(31))
+    out = (sign << sign_shift) | (special_mag if special else mag)
+    # A saturated element keeps no ef residual: the error beyond the range would only wind up.
+    return out, special, sat & ~special, mag, ybits, overflow | sat | special
+
+
+@njit(inline="always")
+def _float_run(mbits, master, served, lo, hi, base, inv, k0, k1, stochastic, f):  # type: ignore[no-untyped-def]
+    """Elements lo:hi, which share one scale: (non-finite, saturated)."""
+    nonfinite = 0
+    saturated = 0
+    for i in range(lo, hi):
+        out, special, sat, _, _, _ = _float_one(mbits[i], master[i], inv, base + np.uint64(i), k0, k1, stochastic, f)
+        served[i] = out
+        nonfinite += special
+        saturated += sat
+    return nonfinite, saturated
+
+
+@njit(inline="always")
+def _float_run_ef(mbits, master, served, residual, new_residual, lo, hi, base, inv, scale, k0, k1, stochastic, f):  # type: ignore[no-untyped-def]
+    """`_float_run` with error feedback: u = m + e is exported, e' = u - served (exact)."""
+    nonfinite = 0
+    saturated = 0
+    for i in range(lo, hi):
+        e = residual[i]
+        u = master[i] + e if e != 0 else master[i]  # (with e == 0, u is m itself: -0 keeps its sign)
+        out, special, sat, mag, ybits, drop = _float_one(mbits[i], u, inv, base + np.uint64(i), k0, k1, stochastic, f)
+        served[i] = out
+        nonfinite += special
+        saturated += sat
+        value = _served_value(mag, f[0], f[1], f[2])
+        res = u - (-value if (ybits >> np.uint32(31)) else value) * scale
+        new_residual[i] = np.float32(0.0) if (drop | (res == 0)) else res  # +0 for any zero
+    return nonfinite, saturated
+
+
+@njit(inline="always")
+def _scale_run_end(g, mode, cols, cols_shift):  # type: ignore[no-untyped-def]
+    """The flat index after the last element that shares element g's scale."""
+    if mode in (SCALE_NONE, SCALE_TENSOR):
+        return np.int64(1) << 62
+    row = g >> cols_shift if cols_shift >= 0 else g // cols
+    row_end = (row + 1) * cols
+    if mode == SCALE_ROW:
+        return row_end
+    return min(row_end, row * cols + ((g - row * cols) // 128 + 1) * 128)
+
+
+@njit(nogil=True, cache=True)
+def _float_span(master, served, k0, k1, base, stochastic, f, inv_scales, scales, scale_mode, cols, block_cols,  # type: ignore[no-untyped-def]
+                cols_shift, residual, new_residual, use_residual, lo, hi):  # fmt: skip
+    """`float_export` of elements lo:hi, run by run of elements that share a scale: a run's loop
+    has no branch and one scale, and the compiler turns it into SIMD code (2-3x the speed of a
+    loop that looks its scale up per element)."""
+    nonfinite = 0
+    saturated = 0
+    mbits = master.view(np.uint32)
+    i = lo
+    while i < hi:
+        g = np.int64(base) + i
+        end = min(hi, i + _scale_run_end(g, scale_mode, cols, cols_shift) - g)
+        inv = np.float32(1.0)
+        scale = np.float32(1.0)
+        if scale_mode != SCALE_NONE:
+            k = _scale_index(g, scale_mode, cols, block_cols, cols_shift)
+            inv = inv_scales[k]
+            scale = scales[k]
+        if use_residual:
+            nf, sat = _float_run_ef(mbits, master, served, residual, new_residual, i, end, base, inv, scale, k0, k1,
+                                    stochastic, f)  # fmt: skip
+        else:
+            nf, sat = _float_run(mbits, master, served, i, end, base, inv, k0, k1, stochastic, f)
+        nonfinite += nf
+        saturated += sat
+        i = end
+    return nonfinite, saturated
+
+
+_SPAN = 1 << 16  # elements a thread exports in one go
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -268,49 +352,19 @@ def float_export(  # type: ignore[no-untyped-def]
     use_residual,
 ):
     """Any format: master float32 (1-D), served uint8/uint16 (same length). Returns (nonfinite, saturated)."""
-    nonfinite = 0
-    saturated = 0
-    base = np.uint64(offset)
-    sign_shift = np.int64(width - 1)
-    mbits = master.view(np.uint32)
+    f = (np.int64(mantissa), np.int64(bias), np.int64(emin), np.int64(max_bits), np.int64(nan_bits),
+         np.int64(inf_bits), np.int64(width - 1))  # fmt: skip
     cols_shift = np.int64(-1)
     if cols > 0 and (cols & (cols - 1)) == 0:
         cols_shift = np.int64(0)
         while (np.int64(1) << cols_shift) < cols:
             cols_shift += 1
-    for i in prange(master.size):
-        bits = mbits[i]
-        sign = np.int64(bits >> np.uint32(31))
-        if (bits & _EXP_MASK) == _EXP_MASK:
-            is_nan = (bits & _MANT_MASK) != np.uint32(0)
-            mag = nan_bits if (is_nan or inf_bits < 0) else inf_bits
-            served[i] = (sign << sign_shift) | mag
-            if use_residual:
-                new_residual[i] = np.float32(0.0)
-            nonfinite += 1
-            continue
-        u = master[i]
-        if use_residual and residual[i] != 0:  # with e == 0, u is m itself (-0 keeps its sign)
-            u = u + residual[i]
-        g = base + np.uint64(i)
-        scale = np.float32(1.0)
-        if scale_mode != SCALE_NONE:
-            k = _scale_index(np.int64(g), scale_mode, cols, block_cols, cols_shift)
-            y = u * inv_scales[k]
-            scale = scales[k]
-        else:
-            y = u
-        ybits = _f32_bits(np.float32(y))
-        overflow = (ybits & _EXP_MASK) == _EXP_MASK
-        if overflow:  # overflowed while scaling or adding the residual
-            ybits = (ybits & np.uint32(0x80000000)) | np.uint32(0x7F7FFFFF)
-        r = random_bits(k0, k1, g) if stochastic else np.uint32(0)
-        mag, sat = _round_to_format(ybits, r, stochastic, mantissa, bias, emin, max_bits)
+    nonfinite = 0
+    saturated = 0
+    for j in prange((master.size + _SPAN - 1) // _SPAN):
+        nf, sat = _float_span(master, served, k0, k1, np.uint64(offset), stochastic, f, inv_scales, scales,
+                              scale_mode, cols, block_cols, cols_shift, residual, new_residual, use_residual,
+                              j * _SPAN, min((j + 1) * _SPAN, master.size))  # fmt: skip
+        nonfinite += nf
         saturated += sat
-        served[i] = (np.int64(ybits >> np.uint32(31)) << sign_shift) | mag
-        if use_residual:
-            # A saturated element keeps no residual: the error beyond the range would only wind up.
-            value = _served_value(mag, ybits >> np.uint32(31), mantissa, bias, emin)
-            res = u - np.float32(value) * scale
-            new_residual[i] = np.float32(0.0) if (sat or overflow or res == 0) else res  # +0 for any zero
     return nonfinite, saturated
