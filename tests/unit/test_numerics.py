@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 
@@ -218,6 +219,38 @@ def test_same_bits_for_any_chunking_and_any_split_across_ranks(fmt: str, roundin
         parts = [export_bits(master[o : o + piece], fmt, rounding, offset=o, scales=UNIT_SCALE)
                  for o in range(0, master.size, piece)]  # fmt: skip
         assert np.array_equal(whole, np.concatenate(parts))
+
+
+@pytest.mark.parametrize(("fmt", "scaling"), [("fp8_e4m3", "block"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
+                                             ("mxfp4", "block")])  # fmt: skip
+@pytest.mark.parametrize("rounding", ["sr", "ef"])
+def test_scaled_export_of_many_runs_any_chunking(fmt: str, scaling: str, rounding: str) -> None:
+    """The CPU kernel goes run by run of elements that share a scale, in spans of 2**16 elements per
+    thread: a tensor of several spans, whole or in chunks that start mid-row and mid-block (so the
+    spans and runs fall elsewhere), gives the same bits and residuals."""
+    f = FORMATS[fmt]
+    gen = np.random.default_rng(4)
+    m = gen.normal(0, 0.02, (288, 640)).astype(np.float32)
+    m.flat[::997] = np.resize(np.array([np.nan, np.inf, 1e30, -0.0], np.float32), m.flat[::997].size)
+    residual = gen.normal(0, 1e-4, m.size).astype(np.float32)
+    spec = ExportSpec(fmt, rounding, scaling=scaling, fp8_pattern=".*", seed=9)
+    scales = fp8_scales(np.nan_to_num(m, nan=0, posinf=0, neginf=0) + residual.reshape(m.shape), f, scaling)
+    flat = m.reshape(-1)
+
+    def export(lo: int, hi: int) -> tuple[bytes, np.ndarray, tuple[int, int]]:
+        out = np.empty(f.nbytes(hi - lo), np.uint8)
+        new = np.empty(hi - lo, np.float32)
+        ef = {"residual": residual[lo:hi], "new_residual": new} if rounding == "ef" else {}
+        stats = export_array(flat[lo:hi], out, spec, version=3, name="w", fmt=f, offset=lo, scales=scales, **ef)
+        return out.tobytes(), new, (stats.nonfinite, stats.saturated)
+
+    whole, whole_res, whole_stats = export(0, flat.size)
+    cuts = [0, 70_000, 140_002, flat.size]  # (even: FP4 chunks start and end on a byte)
+    parts = [export(a, b) for a, b in itertools.pairwise(cuts)]
+    assert b"".join(p[0] for p in parts) == whole
+    assert [sum(p[2][i] for p in parts) for i in (0, 1)] == list(whole_stats) and whole_stats[0] > 0
+    if rounding == "ef":
+        assert np.array_equal(np.concatenate([p[1] for p in parts]).view(np.uint32), whole_res.view(np.uint32))
 
 
 def test_residual_save_and_load(tmp_path: Path) -> None:
