@@ -13,6 +13,8 @@ same on any machine (the Triton kernels in `_triton.py` follow the same recipes 
 - fp8 values are first multiplied by the fp32 reciprocal of their scale (tensor, row or 128x128
   block; a microscaling block of a row is a "row" of `block` elements); `ef` adds the fp32
   residual first and keeps `u - served` as the new residual.
+- the other formats' kernel goes run by run of elements that share a scale, each run a loop
+  without a branch (selects, bounded shifts), which the compiler turns into SIMD code.
 - 4-bit formats (E2M1) are written one code per byte (`width` 4: the sign is bit 3); the caller
   packs two per byte. E2M1 has no NaN/Inf: `nan_bits` 0 and `inf_bits` 7 serve them as +-0, +-6.
 """
