@@ -288,9 +288,10 @@ def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
     details = figures["details"]
     for key in ("E1_1", "E1_1_grpc", "E1_1_http", "E1_2", "E1_2_grpc", "E1_2_http", "P1_http", "P1_grpc"):
         assert isinstance(figures[key], float) and figures[key] > 0, key
-    for key in ("e1_1_grpc_sync_s", "e1_2_http_sync_s"):  # the pullers hold it after the push committed
-        commit = details[key.replace("sync", "commit")]
-        assert 0 < commit <= details[key], key
+    # Both times of each run, with no order between them: the push call returns once the commit's
+    # answer is back at the learner, and a watcher of a small version may hold it sooner.
+    for key in ("e1_1_grpc_sync_s", "e1_2_http_sync_s"):
+        assert details[key] > 0 and details[key.replace("sync", "commit")] > 0, key
     assert isinstance(figures["S1"], float) and figures["S1"] == min(figures["S1_grpc"], figures["S1_http"])
     assert details["s1_tensors"] == [10, 100] and len(details["s1_push_s"]) == 2
     assert isinstance(figures["S2"], float)
