@@ -213,8 +213,7 @@ class Kernels:
 
         from weightsvc.rounding import _triton
 
-        rounding.check_runs(master, starts, spec, names, outs)
-        keys = np.array([spec.key(version, run_name) for run_name in names], np.int64).reshape(-1, 2)
+        keys = rounding.run_keys(master, starts, spec, version, names, outs).astype(np.int64)
         blocks = _triton.bf16_runs_blocks(starts, np.asarray(offsets, np.int64))
         counts = np.zeros((len(names), 2), np.int64)
         codes = np.empty(master.size, np.uint16)

@@ -71,7 +71,6 @@ __all__ = [
     "block_scales_torch",
     "check_choice",
     "check_export",
-    "check_runs",
     "decode",
     "dequantize",
     "element_scales",
@@ -86,6 +85,7 @@ __all__ = [
     "group_amax",
     "nvfp4_global_scale",
     "pack",
+    "run_keys",
     "scales_from_block_amax",
     "served_scales",
     "served_tensors",
@@ -303,12 +303,14 @@ def check_export(
         raise ValueError(f"tensor {name!r}: rounding 'ef' needs the residual")
 
 
-def check_runs(master: np.ndarray, starts: np.ndarray, spec: ExportSpec, names: list[str], outs: np.ndarray) -> None:
-    """What `export_runs` takes, on any device."""
+def run_keys(master: np.ndarray, starts: np.ndarray, spec: ExportSpec, version: int, names: list[str],
+             outs: np.ndarray) -> np.ndarray:  # fmt: skip
+    """What `export_runs` takes, checked, on any device: the runs' keys, (runs, 2) uint32."""
     if spec.rounding == "ef" or spec.format != "bf16":
         raise ValueError(f"export_runs takes bf16 with rtn, sr or sr-sticky, not {spec.format} {spec.rounding}")
     if master.dtype != np.float32 or len(starts) != len(names) + 1 or len(outs) != len(names):
         raise ValueError("export_runs: master must be float32, with one start per run and one more")
+    return np.array([spec.key(version, name) for name in names], np.uint32).reshape(-1, 2)
 
 
 def export_runs(
@@ -320,8 +322,7 @@ def export_runs(
     (1-D float32), elements offsets[j]... of tensor names[j], exported to served[outs[j]:] (served:
     uint16, the whole data section). Rounding rtn, sr or sr-sticky; `ef` keeps a residual per
     tensor: one call each."""
-    check_runs(master, starts, spec, names, outs)
-    keys = np.array([spec.key(version, name) for name in names], np.uint32).reshape(-1, 2)
+    keys = run_keys(master, starts, spec, version, names, outs)
     counts = np.zeros((len(names), 2), np.int64)
     _cpu.bf16_export_runs(master.view(np.uint32), served, np.asarray(starts, np.int64), np.asarray(outs, np.int64),
                           np.array(offsets, np.uint64), keys[:, 0].copy(), keys[:, 1].copy(),
