@@ -146,7 +146,7 @@ def follow(target: str, model: str, until_version: int | None = None, dtype: tor
             sampler.wait_sampled(info.version)  # acked once it is what the worker samples with
             client.ack(model, info.version, client_id)
             emit(event="swap", version=info.version, sampled_during_load=sampler.total - before,
-                 pulled_bytes=client.last_pull_bytes)  # fmt: skip
+                 pulled_bytes=client.last_pull_bytes)
             if until_version is not None and info.version >= until_version:
                 break
     sampler.stop.set()
@@ -201,7 +201,7 @@ def follow_vllm(target: str, model: str, checkpoint: str, until_version: int | N
     with turn:
         out = llm.generate(prompts, greedy, use_tqdm=False)
     emit(event="done", version=state["version"], tokens=sum(steps.values()),
-         generations=[list(o.outputs[0].token_ids) for o in out])  # fmt: skip
+         generations=[list(o.outputs[0].token_ids) for o in out])
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ def main() -> None:
         base = torch.randn(1 << 28)
         step = (base.numel() - 4096 * cols) // tensors
         masters = {f"layers.{i}.weight": base[i * step : i * step + 4096 * cols].view(4096, cols)
-                   for i in range(tensors)}  # fmt: skip
+                   for i in range(tensors)}
     else:
         masters = {f"layers.{i}.weight": torch.randn(4096, cols) for i in range(tensors)}
     with tempfile.TemporaryDirectory(dir="/tmp") as data_dir:
@@ -83,7 +83,7 @@ def main() -> None:
     mib = {k: v >> 20 for k, v in peak.items()}
     print(json.dumps({"size_mib_fp32": a.size_mib, "retain": a.retain, "pushes": a.pushes,
                       "base_anon_mib": base["RssAnon"] >> 20, "peak_anon_mib": mib["RssAnon"],
-                      "peak_file_mib": mib["RssFile"]}))  # fmt: skip
+                      "peak_file_mib": mib["RssFile"]}))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 
 from weightsvc.client import InferenceClient, Slice, dequantize
-from weightsvc.core.manifest import Manifest, read_safetensors_header
+from weightsvc.protocol.manifest import Manifest, read_safetensors_header
 
 __all__ = [
     "Mismatch",
@@ -99,7 +99,7 @@ def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, st
             continue
         if tuple(values[name].shape) != tuple(t.shape):
             raise Mismatch(f"tensor {name!r} has shape {list(values[name].shape)}; the module expects "
-                           f"{list(t.shape)} for {key!r}")  # fmt: skip
+                           f"{list(t.shape)} for {key!r}")
         source[key] = name
     objects = {id(v) for k, v in values.items() if k in state}
     unexpected = [k for k, v in values.items() if k not in state and id(v) not in objects]  # aliases are not
@@ -122,7 +122,7 @@ def load_into(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *, st
 
 
 def _update(target: str, model: str, version: int | str, client_id: str | None,
-            load: Callable[[InferenceClient, Manifest], object]) -> int:  # fmt: skip
+            load: Callable[[InferenceClient, Manifest], object]) -> int:
     """Resolve `version` once, `load(client, manifest)` it, and ack it once loaded; returns its number."""
     with InferenceClient(target) as client:
         manifest = client.manifest(model, version)
@@ -143,7 +143,7 @@ def update_module(
     """Pull a version into a torch module (an HF transformers model included) and ack it; returns it.
     The whole version is pulled and verified before `load_into` writes any of it."""
     return _update(target, model, version, client_id,
-                   lambda client, m: load_into(module, client.pull(model, m.version), strict=strict))  # fmt: skip
+                   lambda client, m: load_into(module, client.pull(model, m.version), strict=strict))
 
 
 def update_sglang(
@@ -196,7 +196,7 @@ WEIGHT_PARTS = ("weight", "weight_packed", "weight_scale")
 
 
 def tp_select(manifest: Manifest, rank: int, size: int, *, num_kv_heads: int | None = None,
-              head_dim: int | None = None) -> dict[str, Slice | None]:  # fmt: skip
+              head_dim: int | None = None) -> dict[str, Slice | None]:
     """What tensor-parallel rank `rank` of `size` needs of a version: the rows or columns of each
     parallel tensor that vLLM's layers keep on that rank, and the other tensors whole.
 
@@ -264,9 +264,9 @@ def compressed_tensors_config(format: str, *, ignore: Iterable[str] = ("lm_head"
     # NVFP4 activations: block scales computed on the fly, under the layer's static input_global_scale
     inputs = {**args, "dynamic": "local", "observer": "static_minmax"} if format == "nvfp4" else None
     group = {"targets": ["Linear"], "weights": args, "input_activations": inputs, "output_activations": None,
-             "format": _CT_FORMAT[format]}  # fmt: skip
+             "format": _CT_FORMAT[format]}
     return {"quant_method": "compressed-tensors", "format": _CT_FORMAT[format], "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": list(ignore)}  # fmt: skip
+            "config_groups": {"group_0": group}, "ignore": list(ignore)}
 
 
 def _calibration(model_dir: str) -> dict[str, torch.Tensor]:
@@ -326,7 +326,7 @@ def _served_masters(manifest: Manifest) -> dict[str, tuple[tuple[int, ...], list
 
 
 def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]], *, dequantize: bool = False,
-               tied: Iterable[str] = ()) -> None:  # fmt: skip
+               tied: Iterable[str] = ()) -> None:
     """Raise `Mismatch` unless the version has the names, shapes and kind of dtype of the checkpoint
     the engine runs: codes and block scales (fp8, uint8) in the same dtype, values in any float
     dtype. With `dequantize` its masters are compared, as values. Names the engine ties (`tied`)
@@ -351,7 +351,7 @@ def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]]
     if absent:
         more = f" and {len(absent) - 1} more" if len(absent) > 1 else ""
         raise Mismatch(f"{where}: the version lacks tensor {absent[0]!r} (shape {expected[absent[0]][0]}) of the "
-                       f"engine's checkpoint{more}")  # fmt: skip
+                       f"engine's checkpoint{more}")
 
 
 def _kind(dtype: str) -> str:
@@ -388,10 +388,10 @@ class VllmWorkerExtension:
             heads = getattr(hf, "num_attention_heads", 1) or 1
             head_dim = getattr(hf, "head_dim", None) or getattr(hf, "hidden_size", 0) // heads
             select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
-                               head_dim=head_dim)  # fmt: skip
+                               head_dim=head_dim)
             if dequantize_fp8:  # a scaled master is dequantized whole (an fp8 block spans several ranks' rows)
                 select.update({n: None for _, parts in _served_masters(manifest).values() if len(parts) > 1
-                               for n in parts})  # fmt: skip
+                               for n in parts})
             sliced = {n: s for n, s in select.items() if s is not None}
             weights = client.pull(model, version, select=select) if sliced else client.pull(model, version)
             pulled = client.last_pull_bytes
@@ -481,7 +481,7 @@ def update_vllm(
             if _alive(llm):  # a load that failed in a live engine: its own error says why
                 raise
             raise RuntimeError(f"model {model!r} version {m.version}: the vLLM engine died during the update "
-                               f"({type(e).__name__}: {e}); it was not acked") from e  # fmt: skip
+                               f"({type(e).__name__}: {e}); it was not acked") from e
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()
 

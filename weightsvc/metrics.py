@@ -15,10 +15,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from weightsvc.core.manifest import LagMetrics
+from weightsvc.protocol.manifest import LagMetrics
 
 if TYPE_CHECKING:
-    from weightsvc.core.acks import ClientStatus
+    from weightsvc.service.versions.acks import ClientStatus
 
 # Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
 REJECT_REASONS = (
@@ -54,7 +54,7 @@ class Metrics:
         self.damaged_files = Gauge(
             "weightsvc_damaged_files",
             "Version files found damaged at start-up and moved aside (under <data dir>/damaged)", registry=r,
-        )  # fmt: skip
+        )
         self.retained_versions = Gauge(
             "weightsvc_retained_versions", "Committed versions held per model", ["model"], registry=r
         )
@@ -92,38 +92,38 @@ class Metrics:
             "weightsvc_served_lag_steps",
             "Steps the served copy lags the learner's masters, at the latest version",
             lag_labels, registry=r,
-        )  # fmt: skip
+        )
         self.update_visibility = Gauge(
             "weightsvc_update_visibility_ratio",
             "Share of the learner's recent update that reached the served copy, over the shortest window of "
             "versions that tells it from rounding noise (NaN while none does)",
             lag_labels, registry=r,
-        )  # fmt: skip
+        )
         self.served_churn = Gauge(
             "weightsvc_served_churn_ratio", "Share of served elements whose bits changed from the previous version",
             lag_labels, registry=r,
-        )  # fmt: skip
+        )
         self.served_relative_error = Gauge(
             "weightsvc_served_relative_error", "||served - master|| / ||master|| at the latest version",
             lag_labels, registry=r,
-        )  # fmt: skip
+        )
         self.saturated_elements = Counter(
             "weightsvc_saturated_elements", "Finite master elements clamped to the format's max",
             lag_labels, registry=r,
-        )  # fmt: skip
+        )
         self.version_sync_seconds = Histogram(
             "weightsvc_version_sync_seconds", "Seconds from a version's commit to a client's first ack of it",
             ["model"], buckets=_SYNC_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.event_loop_lag = Histogram(
             "weightsvc_event_loop_lag_seconds",
             "How late the event loop woke a timer: time it was blocked and could serve nobody",
             buckets=_LOOP_LAG_BUCKETS, registry=r,
-        )  # fmt: skip
+        )
         self.relay_failures = Counter(
             "weightsvc_relay_failures", "Failures of a relay following its upstream (each retried), by stage",
             ["stage"], registry=r,
-        )  # fmt: skip
+        )
         for stage in RELAY_STAGES:
             self.relay_failures.labels(stage)
         r.register(_ClientCollector(self))
@@ -139,7 +139,7 @@ class Metrics:
         before = self._lag_labels.get(model)
         if before is not None and before != labels:
             for series in (self.served_lag_steps, self.update_visibility, self.served_churn,
-                           self.served_relative_error, self.saturated_elements):  # fmt: skip
+                           self.served_relative_error, self.saturated_elements):
                 with contextlib.suppress(KeyError):
                     series.remove(*before)
         self._lag_labels[model] = labels
@@ -175,16 +175,16 @@ class _ClientCollector(Collector):
             "weightsvc_clients_silent",
             "Clients that stopped acking (over 5 minutes ago) and are not forgotten yet (--client-forget-s)",
             labels=["model"],
-        )  # fmt: skip
+        )
         worst = GaugeMetricFamily(
             "weightsvc_client_lag_versions",
             "Versions the most stale client is behind latest (a silent one counts until it is forgotten)",
             labels=["model"],
-        )  # fmt: skip
+        )
         spread = HistogramMetricFamily(
             "weightsvc_client_staleness_versions", "Versions behind latest, over the clients not forgotten",
             labels=["model"],
-        )  # fmt: skip
+        )
         for model, tracked in self.metrics._clients().items():
             lags = [c.lag_versions for c in tracked]
             clients.add_metric([model], sum(c.connected for c in tracked))

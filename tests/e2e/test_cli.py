@@ -23,9 +23,9 @@ Serve = ServeProcess
 
 
 def cli(*args: str, timeout: float = 120, env: dict[str, str] | None = None,
-        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
+                          env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +126,7 @@ def test_push_of_a_checkpoint_without_its_tied_head(served: Serve, tmp_path: Pat
     served_copy = InferenceClient(served.target).pull("tied", 1)
     assert served_copy["lm_head.weight"] is served_copy["embed.weight"]
     line = one_error_line(cli("push", str(ckpt), "--model", "tied", "--step", "2", "--target", served.target,
-                              "--tie", "lm_head.weight"))  # fmt: skip
+                              "--tie", "lm_head.weight"))
     assert "--tie takes ALIAS=TENSOR, got 'lm_head.weight'" in line
 
 
@@ -203,7 +203,7 @@ def test_damaged_files_are_reported_by_status_and_the_version_listing(
             assert only.stderr.splitlines() == warnings[:1]
             line = one_error_line(cli("status", "--target", target, "--model", "lost"))
             assert f"unknown model 'lost': nothing has been committed for it; damaged file set aside at start-up: " \
-                   f"{aside['lost']} (" in line  # fmt: skip
+                   f"{aside['lost']} (" in line
 
         with urllib.request.urlopen(f"{srv.url}/v1/models/kept/versions", timeout=30) as resp:
             listing = json.loads(resp.read())
@@ -282,7 +282,7 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
 
 def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
     result = cli("bench", "--only", "E1,S1,S2,P1", "--size-mib", "16", "--repeat", "1", "--pullers", "1,2",
-                 "--s1-mib", "1", "--s1-tensors", "10,100", "--s2-retain", "1,2", "--json", timeout=300)  # fmt: skip
+                 "--s1-mib", "1", "--s1-tensors", "10,100", "--s2-retain", "1,2", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
     details = figures["details"]
@@ -320,10 +320,10 @@ def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> N
             assert cli("push", str(ckpt), "--step", str(step), "--target", srv.target).returncode == 0
             exported = cli("export", str(ckpt), str(tmp_path / f"e{step}.safetensors"), "--step", str(step),
                            "--format", "fp8_e4m3", "--rounding", "ef", "--seed", "9", "--scaling", "channel",
-                           "--residual", str(tmp_path / "residual.safetensors"))  # fmt: skip
+                           "--residual", str(tmp_path / "residual.safetensors"))
             assert exported.returncode == 0, exported.stderr
             assert cli("pull", "-o", str(tmp_path / f"p{step}.safetensors"), "--version", str(step),
-                       "--url", srv.url).returncode == 0  # fmt: skip
+                       "--url", srv.url).returncode == 0
             ours, served = (
                 load_file(str(tmp_path / f"e{step}.safetensors")),
                 load_file(str(tmp_path / f"p{step}.safetensors")),
@@ -332,14 +332,14 @@ def test_export_is_bit_identical_to_what_the_service_serves(tmp_path: Path) -> N
             for name in ours:
                 assert torch.equal(ours[name].reshape(-1).view(torch.uint8), served[name].reshape(-1).view(torch.uint8))
         line = one_error_line(cli("export", str(ckpt), str(tmp_path / "x"), "--step", "1", "--rounding", "ef",
-                                  "--residual", str(tmp_path / "residual.safetensors")))  # fmt: skip
+                                  "--residual", str(tmp_path / "residual.safetensors")))
         assert "residual" in line and "is of step 2" in line
     finally:
         srv.stop()
 
 
 DEMO_KEYS = {"first_change_step", "lag_max", "lag_mean", "visibility_mean", "churn_mean", "final_reward",
-             "steps_to_reward", "reward_threshold", "reward_auc"}  # fmt: skip
+             "steps_to_reward", "reward_threshold", "reward_auc"}
 
 
 def test_demo_shows_round_to_nearest_lagging(tmp_path: Path) -> None:
@@ -405,7 +405,7 @@ def test_pull_base_updates_a_file_with_a_delta(served: Serve, tmp_path: Path) ->
     assert cli("pull", "--model", "delta", "--version", "2", "-o", str(dense), "--target", t).returncode == 0
     assert out.read_bytes() == dense.read_bytes()
     line = one_error_line(cli("pull", "--model", "delta", "--version", "2", "--base", "1", "-o", str(out),
-                              "--target", t))  # fmt: skip
+                              "--target", t))
     assert "holds model 'delta' version 2, not model 'delta' version 1" in line
 
 
@@ -457,7 +457,7 @@ def test_a_file_that_is_not_what_the_command_needs_is_named(
 
     def delta(base_file: Path) -> str:
         return one_error_line(cli("pull", "--model", "bases", "--version", "2", "--base", "1", "-o", str(base_file),
-                                  "--target", t))  # fmt: skip
+                                  "--target", t))
 
     assert f"--base 1: {pulled} does not exist; pull model 'bases' version 1 into it first" in delta(pulled)
     plain = path.read_bytes()
@@ -471,7 +471,7 @@ def test_a_file_that_is_not_what_the_command_needs_is_named(
 def imported(result: subprocess.CompletedProcess[str]) -> set[str]:
     """The top-level packages a command run with PYTHONPROFILEIMPORTTIME imported (from stderr)."""
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
-            if line.startswith("import time:") and "|" in line}  # fmt: skip
+            if line.startswith("import time:") and "|" in line}
 
 
 HEAVY = {"torch", "numba"}

@@ -25,7 +25,7 @@ PROMPTS = [[1, 5, 9, 33, 70], [1, 100, 7], [1, 300, 301, 302, 450, 12, 77]]
 # vLLM's CPU attention kernels take head sizes of 32 and up.
 SHAPE = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2,
-             initializer_range=0.2)  # fmt: skip
+             initializer_range=0.2)
 
 
 def masters(kind: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
@@ -43,7 +43,7 @@ def save_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t1", eos_token="t2", unk_token="t0",
-                            pad_token="t0").save_pretrained(path)  # fmt: skip
+                            pad_token="t0").save_pretrained(path)
 
 
 def checkpoint(module: torch.nn.Module, path: Path) -> Path:
@@ -75,7 +75,7 @@ def quantized_checkpoint(module: torch.nn.Module, path: Path, format: str) -> Pa
     save_file({n: t.contiguous() for n, t in served.items()}, str(path / "model.safetensors"))
     if format == "nvfp4":  # its W4A4 scheme quantizes each linear layer's input under a calibrated scale
         calibration = {n.removesuffix("weight_global_scale") + "input_global_scale": INPUT_GLOBAL_SCALE.clone()
-                       for n in served if n.endswith(".weight_global_scale")}  # fmt: skip
+                       for n in served if n.endswith(".weight_global_scale")}
         save_file(calibration, str(path / "calibration.safetensors"))
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = compressed_tensors_config(format)
@@ -84,7 +84,7 @@ def quantized_checkpoint(module: torch.nn.Module, path: Path, format: str) -> Pa
 
 
 def served_checkpoint(start: Path, target: str, model: str, version: int, path: Path,
-                      quantization: dict[str, Any] | None = None) -> Path:  # fmt: skip
+                      quantization: dict[str, Any] | None = None) -> Path:
     """A checkpoint made of a pulled served copy: the config, tokenizer and activation calibration of
     `start`, and the version's safetensors file as the weights."""
     path.mkdir(parents=True)
@@ -107,7 +107,7 @@ def engine(path: Path, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
 
     kwargs.setdefault("worker_extension_cls", "weightsvc.loaders.VllmWorkerExtension")
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0,
-              tensor_parallel_size=tp, **kwargs)  # fmt: skip
+              tensor_parallel_size=tp, **kwargs)
     try:
         yield llm
     finally:
@@ -124,4 +124,4 @@ def generate(llm: Any) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
     out = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return [(list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)])
-            for c in (o.outputs[0] for o in out)]  # fmt: skip
+            for c in (o.outputs[0] for o in out)]

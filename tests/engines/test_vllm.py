@@ -53,7 +53,7 @@ def bits(t: torch.Tensor) -> np.ndarray:
 
 
 def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, learner: LearnerClient,
-                                                    tmp_path: Path) -> None:  # fmt: skip
+                                                    tmp_path: Path) -> None:
     module, _ = masters("llama")
     start = checkpoint(module, tmp_path / "v0")
     with engine(start) as llm:
@@ -71,7 +71,7 @@ def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, le
 
 
 def test_tied_model_travels_once_and_its_head_follows(server: BackgroundServer, learner: LearnerClient,
-                                                      tmp_path: Path) -> None:  # fmt: skip
+                                                      tmp_path: Path) -> None:
     module, state = masters("qwen2")
     start = checkpoint(module, tmp_path / "v0")
     state = step(module, 1)
@@ -117,7 +117,7 @@ def test_a_checkpoint_without_the_tied_head_loads_into_a_tied_engine(
 
 
 def test_tensor_parallel_workers_pull_their_slices(server: BackgroundServer, learner: LearnerClient, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per worker (this machine has 2)
     module, _ = masters("llama", seed=11)
     start = checkpoint(module, tmp_path / "v0")
@@ -145,10 +145,10 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
         [sys.executable, str(EXAMPLE), "--target", server.grpc_target, "--model", "llama-worker",
          "--until-version", "2", "--vllm", str(start)],
         stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    )
     lines: queue.Queue[str] = queue.Queue()  # the worker's events (vLLM logs to stdout too)
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout if line.startswith('{"event"')],  # type: ignore[union-attr]
-                     daemon=True).start()  # fmt: skip
+                     daemon=True).start()
     try:
         first = json.loads(lines.get(timeout=300))
         assert (first["event"], first["version"]) == ("swap", 1)
@@ -166,7 +166,7 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
 
 
 def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(server: BackgroundServer, learner: LearnerClient,
-                                                             tmp_path: Path) -> None:  # fmt: skip
+                                                             tmp_path: Path) -> None:
     # vLLM's CPU backend runs block-scaled fp8 only on CPUs with AMX tiles ("CPUFp8BlockScaledMMKernel
     # requires AMX tile support (Sapphire Rapids or newer)"): here fp8 versions load as values.
     module, _ = masters("llama", seed=13)
@@ -195,7 +195,7 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
     learner.push(1, step(module, 1), model="llama-dies")
     died = r"model 'llama-dies' version 1: the vLLM engine died during the update"
     with engine(start, worker_extension_cls="tests.engines.dying.DyingWorkerExtension") as llm, \
-            pytest.raises(RuntimeError, match=died):  # fmt: skip
+            pytest.raises(RuntimeError, match=died):
         update_vllm(llm, server.grpc_target, "llama-dies", client_id="dies")
     assert acked(server, "llama-dies") == {}
 
@@ -206,7 +206,7 @@ def test_an_mxfp8_engine_loads_mxfp8_versions_as_they_are_served(tmp_path: Path)
     module, _ = masters("llama", seed=19)
     start = quantized_checkpoint(module, tmp_path / "v0", "mxfp8")
     with serving(format="mxfp8", rounding="sr", fp8_pattern=LINEARS) as server, \
-            LearnerClient(server.grpc_target) as learner:  # fmt: skip
+            LearnerClient(server.grpc_target) as learner:
         learner.push(1, step(module, 1), model="llama-mxfp8")
         with engine(start, worker_extension_cls=CPU_EMULATION) as llm:
             before = generate(llm)
@@ -214,7 +214,7 @@ def test_an_mxfp8_engine_loads_mxfp8_versions_as_they_are_served(tmp_path: Path)
             got = generate(llm)
         assert acked(server, "llama-mxfp8") == {"mx": 1}
         served = served_checkpoint(start, server.grpc_target, "llama-mxfp8", 1, tmp_path / "v1",
-                                   quantization=compressed_tensors_config("mxfp8"))  # fmt: skip
+                                   quantization=compressed_tensors_config("mxfp8"))
     with engine(served, worker_extension_cls=CPU_EMULATION) as fresh:
         assert got == generate(fresh)
     assert [g[0] for g in got] != [b[0] for b in before]
@@ -228,11 +228,11 @@ def test_an_nvfp4_engine_loads_nvfp4_versions_in_place(tmp_path: Path) -> None:
     module, _ = masters("llama", seed=23)
     start = quantized_checkpoint(module, tmp_path / "v0", "nvfp4")
     with serving(format="nvfp4", rounding="sr", fp8_pattern=LINEARS) as server, \
-            LearnerClient(server.grpc_target) as learner:  # fmt: skip
+            LearnerClient(server.grpc_target) as learner:
         for version in (1, 2):
             learner.push(version, step(module, version), model="llama-nvfp4")
         v1 = served_checkpoint(start, server.grpc_target, "llama-nvfp4", 1, tmp_path / "v1",
-                               quantization=compressed_tensors_config("nvfp4"))  # fmt: skip
+                               quantization=compressed_tensors_config("nvfp4"))
         with engine(v1, worker_extension_cls=CPU_EMULATION) as llm:
             fresh = generate(llm)
             assert update_vllm(llm, server.grpc_target, "llama-nvfp4", 2, client_id="nv") == 2

@@ -37,16 +37,16 @@ def test_cuda_export_equals_cpu_export(fmt: str, rnd: str, scaling: str) -> None
     for version in (1, 2, 3):  # ef: the residual carries over, on both sides
         state = masters(version)
         on_cpu = rounding.export_state_dict(state, spec, version=version, residual=res_cpu if rnd == "ef" else None,
-                                            device="cpu")  # fmt: skip
+                                            device="cpu")
         on_gpu = rounding.export_state_dict({n: t.cuda() for n, t in state.items()}, spec, version=version,
-                                            residual=res_gpu if rnd == "ef" else None, device="cuda")  # fmt: skip
+                                            residual=res_gpu if rnd == "ef" else None, device="cuda")
         assert on_cpu.keys() == on_gpu.keys()
         for name, expected in on_cpu.items():
             got = on_gpu[name].cpu()
             assert got.dtype == expected.dtype, name
             assert torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), (
                 fmt, rnd, scaling, version, name
-            )  # fmt: skip
+            )
         if rnd == "ef":
             for name in res_cpu.tensors:
                 assert (res_cpu.tensors[name].view("uint32") == res_gpu.tensors[name].view("uint32")).all(), name

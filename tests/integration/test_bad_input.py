@@ -101,7 +101,7 @@ def test_steps_are_those_every_version_number_can_be_asked_for_by(
 ) -> None:
     """The last valid step commits and is pulled by its number; above it, and below 0, the push is
     refused before anything is staged (a model at 2**63 - 1 could never take another push)."""
-    from weightsvc.core.manifest import MAX_STEP
+    from weightsvc.protocol.manifest import MAX_STEP
 
     masters = {"w": torch.randn(4)}
     for step in (MAX_STEP + 1, 2**63 - 1, -1):
@@ -313,7 +313,7 @@ def test_the_staging_budget_counts_ef_residuals_and_gathered_fp8_masters(model: 
     with serving(max_staged_bytes=200 << 10, **settings) as srv, LearnerClient(srv.grpc_target) as learner:
         with pytest.raises(ResourceExhausted, match=r"pushes in progress hold 0 bytes; 393216 more \(served bytes, "
                                                     r"ef residuals and fp8 masters gathered for their scales\) would "
-                                                    r"exceed the staging budget of 204800 bytes"):  # fmt: skip
+                                                    r"exceed the staging budget of 204800 bytes"):
             learner.push(1, {"layers.0.mlp.weight": torch.randn(256, 256)}, model=model)
         assert_nothing_visible(srv, model)
         assert learner.push(1, {"layers.0.mlp.weight": torch.randn(128, 256)}, model=model).created  # 192 KiB
@@ -358,7 +358,7 @@ def test_a_push_of_one_model_more_than_max_models_is_refused(model: str) -> None
         learner.push(1, masters, model=f"{model}-a")
         learner.push(1, masters, model=f"{model}-b")
         with pytest.raises(ResourceExhausted, match=rf"model '{model}-c' step 1: this server holds or is receiving "
-                                                    r"2 models, the most it takes \(--max-models 2\)"):  # fmt: skip
+                                                    r"2 models, the most it takes \(--max-models 2\)"):
             learner.push(1, masters, model=f"{model}-c")
         assert learner.push(2, masters, model=f"{model}-a").created  # the models it holds go on
         with pytest.raises(NotFound):

@@ -31,8 +31,8 @@ from weightsvc.client import (
     LearnerClient,
     read_version_file,
 )
-from weightsvc.core import delta
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable
+from weightsvc.protocol import delta
 from weightsvc.server.server import BackgroundServer
 
 

@@ -72,7 +72,7 @@ def counted_sendfile() -> Iterator[list[int]]:
     original = asyncio.BaseEventLoop.sendfile
 
     async def sendfile(self: Any, transport: Any, file: Any, offset: int = 0, count: int | None = None,
-                       **kw: Any) -> int:  # fmt: skip
+                       **kw: Any) -> int:
         counts.append(count or 0)
         return await original(self, transport, file, offset, count, **kw)
 
@@ -107,7 +107,7 @@ def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfi
         by_http = InferenceClient(srv.http_url).pull("m", 3)  # checksums verified
         by_grpc = InferenceClient(srv.grpc_target).pull("m", 3)
         assert all(by_http[n].view(-1).view(torch.int16).equal(by_grpc[n].view(-1).view(torch.int16))
-                   for n in masters if by_grpc[n].dtype == torch.bfloat16)  # fmt: skip
+                   for n in masters if by_grpc[n].dtype == torch.bfloat16)
 
 
 def test_an_evicted_version_stays_readable_by_the_pull_that_holds_it(data_dir: Path) -> None:

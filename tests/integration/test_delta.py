@@ -17,7 +17,7 @@ def small_step(masters: dict[str, torch.Tensor], lr: float = 3e-6, seed: int = 0
 
 
 @pytest.mark.parametrize("fmt, rounding", [("bf16", "rtn"), ("bf16", "sr-sticky"), ("bf16", "sr"),
-                                           ("fp8_e4m3", "rtn")])  # fmt: skip
+                                           ("fp8_e4m3", "rtn")])
 def test_delta_pull_gives_the_dense_bits_with_fewer_bytes(fmt: str, rounding: str) -> None:
     with serving(format=fmt, rounding=rounding) as srv:
         gen = torch.Generator().manual_seed(1)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(kubectl is None, reason="needs kubectl on PATH t
 
 def render(overlay: str) -> list[dict[str, Any]]:
     out = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)], check=True, capture_output=True,
-                         text=True)  # type: ignore[list-item]  # fmt: skip
+                         text=True)  # type: ignore[list-item]
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
@@ -84,7 +84,7 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     fqdn = f"$(POD_NAME).{sts['spec']['serviceName']}.$(POD_NAMESPACE).svc.cluster.local"
     assert env["WEIGHTSVC_ADVERTISE_HOST"] == fqdn
     fields = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-              for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}  # fmt: skip
+              for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert (fields["POD_NAME"], fields["POD_NAMESPACE"]) == ("metadata.name", "metadata.namespace")
     for w in (sts, workloads["weightsvc-relay"]):  # spread over nodes: one node down is one replica down
         (spread,) = w["spec"]["template"]["spec"]["topologySpreadConstraints"]
@@ -95,7 +95,7 @@ def test_services_probes_and_policies_fit_the_workloads(rendered: tuple[str, lis
     )
     for pdb in by_kind(docs, "PodDisruptionBudget").values():
         assert sum(selects(pdb["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
-                   for w in workloads.values()) == 1  # fmt: skip
+                   for w in workloads.values()) == 1
     # Relays follow the server through its client Service.
     relay_args = workloads["weightsvc-relay"]["spec"]["template"]["spec"]["containers"][0]["args"]
     upstream = relay_args[relay_args.index("--relay-from") + 1]
@@ -150,7 +150,7 @@ def test_service_monitor_scrapes_each_pod_once_on_metrics(rendered: tuple[str, l
     (monitor,) = by_kind(docs, "ServiceMonitor").values()
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     scraped = [s for s in by_kind(docs, "Service").values() if selects(monitor["spec"]["selector"]["matchLabels"],
-                                                                        s["metadata"].get("labels", {}))]  # fmt: skip
+                                                                        s["metadata"].get("labels", {}))]
     workloads = {**by_kind(docs, "StatefulSet"), **by_kind(docs, "Deployment")}
     workloads.pop("weightsvc-redis")  # no /metrics of ours there
     for w in workloads.values():  # each workload behind exactly one scraped Service
@@ -203,8 +203,8 @@ def test_the_image_health_check_follows_the_configured_http_port() -> None:
 
 def test_the_build_context_leaves_out_what_the_image_does_not_copy() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}  # fmt: skip
+               if line.strip() and not line.startswith("#")}
     assert {".git", ".venv", "tests"} <= ignored
     copied = [line.split()[1:-1] for line in (ROOT / "deploy" / "docker" / "Dockerfile").read_text().splitlines()
-              if line.startswith("COPY ") and "--from" not in line]  # fmt: skip
+              if line.startswith("COPY ") and "--from" not in line]
     assert all(path not in ignored for paths in copied for path in paths), copied

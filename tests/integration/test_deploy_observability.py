@@ -49,7 +49,7 @@ def test_promtool_accepts_rules_and_metrics(tmp_path: Path) -> None:
     rules = subprocess.run(["promtool", "check", "rules", str(RULES)], capture_output=True, text=True)
     assert rules.returncode == 0, rules.stdout + rules.stderr
     metrics = subprocess.run(["promtool", "check", "metrics"], input=exported_metrics_text(), capture_output=True,
-                             text=True)  # fmt: skip
+                             text=True)
     assert metrics.returncode == 0, metrics.stdout + metrics.stderr
 
 

@@ -18,15 +18,15 @@ from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters, serving
 from tests.integration.test_ranks import push_ranks
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
-from weightsvc.core.device import HostBuffers, Kernels
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
+from weightsvc.service.device import HostBuffers, Kernels
 
 pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
 
 CASES = [("bf16", "sr", "tensor"), ("bf16", "ef", "tensor"), ("fp16", "rtn", "tensor"),
          ("fp8_e4m3", "sr", "block"), ("fp8_e4m3", "ef", "channel"), ("mxfp8", "sr", "block"),
-         ("nvfp4", "ef", "block"), ("mxfp4", "sr-sticky", "block")]  # fmt: skip
+         ("nvfp4", "ef", "block"), ("mxfp4", "sr-sticky", "block")]
 
 
 def _steps(count: int) -> list[dict[str, torch.Tensor]]:
@@ -104,7 +104,7 @@ def test_a_device_error_fails_that_push_and_the_next_go_to_the_cpu(
             monkeypatch.setattr(_triton, kernel, fault)
         with LearnerClient(gpu.grpc_target) as learner, pytest.raises(Unavailable, match=(
             r"the export on cuda[-:\w]* failed \(RuntimeError: CUDA error: an illegal memory access"
-        )):  # fmt: skip
+        )):
             learner.push(1, state, model)
         with pytest.raises(NotFound):
             InferenceClient(gpu.grpc_target).versions(model)
@@ -187,7 +187,7 @@ def test_host_buffers_are_reused_and_bounded() -> None:
 def test_device_cuda_without_a_gpu_refuses_to_start_and_auto_takes_the_cpu() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     out = subprocess.run([*WEIGHTSVC_CMD, "serve", "--device", "cuda", "--grpc-port", "0", "--http-port", "0"],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+                         capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1
     assert "--device cuda: torch sees no CUDA device (use --device cpu or auto)" in out.stderr
     srv = ServeProcess("--device", "auto", env={"TRITON_INTERPRET": "0"})

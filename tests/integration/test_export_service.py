@@ -50,7 +50,7 @@ def test_per_push_override(model: str) -> None:
         info = LearnerClient(srv.grpc_target).push(1, masters, model=model, format="fp16", rounding="rtn")
         assert (info.format, info.rounding) == ("fp16", "rtn")
         same_bits(InferenceClient(srv.grpc_target).pull(model),
-                  export_state_dict(masters, ExportSpec("fp16", "rtn"), version=1))  # fmt: skip
+                  export_state_dict(masters, ExportSpec("fp16", "rtn"), version=1))
         with pytest.raises(InvalidArgument, match="unknown format 'int4'"):
             LearnerClient(srv.grpc_target).push(2, masters, model=model, format="int4")
 
@@ -137,6 +137,6 @@ def test_the_export_time_metric_is_the_time_spent_exporting() -> None:
         took = time.monotonic() - start
         text = srv.server.service.metrics.render().decode()  # type: ignore[union-attr]
         samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-                   if s.name.startswith("weightsvc_export_seconds")}  # fmt: skip
+                   if s.name.startswith("weightsvc_export_seconds")}
         assert samples["weightsvc_export_seconds_count"] == 2
         assert 0 < samples["weightsvc_export_seconds_sum"] < took

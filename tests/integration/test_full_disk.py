@@ -132,10 +132,10 @@ def test_an_ef_residual_that_does_not_fit_is_resource_exhausted_like_a_version_f
         disk.resize(disk.used() + 3 * MIB // 2)
         free = disk.free()
         with pytest.raises(ResourceExhausted, match=r"model 'm' version 2: cannot persist the ef residual to .*"
-                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):  # fmt: skip
+                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):
             learner.push(2, weights, model="m")
         with pytest.raises(ResourceExhausted, match=r"model 'm' version 2: cannot persist to .*"
-                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):  # fmt: skip
+                           r"No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"):
             learner.push(2, masters(4), model="m")  # its version file does not fit either
         assert srv.service.metrics.pushes_rejected.labels("too_large")._value.get() == 2
         assert files(data) == named(1, residual=1)
@@ -149,7 +149,7 @@ def test_an_ef_push_makes_room_for_its_residual_and_the_chain_goes_on(disk: Disk
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, weights, model="m")
         one, residual = allocated(data / "models" / "m" / named(1)[0]), allocated(data / "models" / "m" / named(
-            residual=1)[0])  # fmt: skip
+            residual=1)[0])
         # Two versions and two residuals (the latest's and the next push's): a third version does not fit.
         disk.resize(disk.used() + one + residual + one // 2)
         for step in (2, 3, 4):

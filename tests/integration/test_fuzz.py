@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import serving
+from weightsvc.protocol.names import PUSH
 from weightsvc.server.server import BackgroundServer
-from weightsvc.transport.names import PUSH
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 

@@ -21,8 +21,8 @@ from tests.conftest import serving, start_server
 from tests.integration.test_delta import small_step
 from tests.integration.test_push_pull import http_get
 from weightsvc import LearnerClient
-from weightsvc.core import delta as delta_codec
-from weightsvc.core.manifest import Manifest
+from weightsvc.protocol import delta as delta_codec
+from weightsvc.protocol.manifest import Manifest
 from weightsvc.server.server import BackgroundServer
 from weightsvc.transport import http as http_transport
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -32,7 +32,7 @@ from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 def bf16_masters(seed: int = 1) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {"layers.0.weight": (torch.randn(256, 256, generator=gen) * 0.02).to(torch.bfloat16).float(),
-            "layers.0.bias": torch.zeros(256)}  # fmt: skip
+            "layers.0.bias": torch.zeros(256)}
 
 
 def http_post(url: str, path: str, body: bytes) -> tuple[int, dict[str, object]]:
@@ -119,7 +119,7 @@ def test_delta_route_says_why_there_is_no_delta(server: BackgroundServer, model:
 
 async def _pulls_in_flight(srv: BackgroundServer) -> float:
     return sum(s.value for f in text_string_to_metric_families(srv.service.metrics.render().decode())
-               if f.name == "weightsvc_pulls_in_flight" for s in f.samples)  # fmt: skip
+               if f.name == "weightsvc_pulls_in_flight" for s in f.samples)
 
 
 def test_a_delta_pull_that_stops_reading_is_dropped_and_lets_go_of_its_version(model: str) -> None:
@@ -210,12 +210,12 @@ def test_watch_streams_every_push_in_order_and_resumes_after_the_last_event_id(
     listing = json.loads(http_get(server.http_url, f"/v1/models/{model}/versions")[2])["versions"]
     events = [reader.next() for _ in listing]
     assert [(e["id"], e["event"]) for e in events if e] == [("1", "version"), ("2", "version"), ("3", "version"),
-                                                            ("5", "version")]  # fmt: skip
+                                                            ("5", "version")]
     assert [json.loads(e["data"]) for e in events if e] == listing
     # A reconnect resumes after the last event it got (the header wins over the URL's `after`), and
     # `after` alone also leaves out what the client holds.
     watch_of.append(resumed := EventReader(server.http_url, f"/v1/models/{model}/watch?after=1",
-                                           {"Last-Event-ID": "3"}))  # fmt: skip
+                                           {"Last-Event-ID": "3"}))
     watch_of.append(after := EventReader(server.http_url, f"/v1/models/{model}/watch?after=2"))
     learner.push(6, {"w": torch.full((4,), 6.0)}, model=model)
     assert [(e or {}).get("id") for e in (resumed.next(), resumed.next())] == ["5", "6"]
@@ -264,7 +264,7 @@ def test_an_idle_watch_sends_keepalives_and_ends_when_the_server_stops(
         next(over_grpc)
     assert (ended.value.code(), ended.value.details()) == (
         grpc.StatusCode.UNAVAILABLE, "the server is stopping: watch again, after the last version received"
-    )  # fmt: skip
+    )
     channel.close()
 
 
@@ -274,7 +274,7 @@ def test_an_idle_watch_sends_keepalives_and_ends_when_the_server_stops(
 def _client_metrics(url: str, model: str) -> dict[str, float]:
     body = http_get(url, "/metrics")[2].decode()
     return {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
-            if s.labels.get("model") == model and not s.name.endswith(("_bucket", "_created"))}  # fmt: skip
+            if s.labels.get("model") == model and not s.name.endswith(("_bucket", "_created"))}
 
 
 def test_http_ack_moves_the_client_listing_and_metrics_and_list_clients_matches(
@@ -293,7 +293,7 @@ def test_http_ack_moves_the_client_listing_and_metrics_and_list_clients_matches(
     assert peer.startswith("127.0.0.1:")  # no client_id: the peer's address, as gRPC Ack does
     assert {(i, c["version"], c["lag_versions"], c["connected"]) for i, c in by_id.items()} == {
         ("pod-a", 1, 2, True), (peer, 3, 0, True)
-    }  # fmt: skip
+    }
     assert all(time.time() - c["last_seen_unix"] < 60 for c in by_id.values())
     metrics = _client_metrics(server.http_url, model)
     assert (metrics["weightsvc_clients"], metrics["weightsvc_client_lag_versions"]) == (2, 2)
@@ -309,7 +309,7 @@ def test_http_ack_moves_the_client_listing_and_metrics_and_list_clients_matches(
         {"client_id": c.client_id, "version": c.version, "lag_versions": c.lag_versions,
          "last_seen_unix": c.last_seen_unix, "connected": c.connected}
         for c in reply.clients
-    ] == listing["clients"]  # fmt: skip
+    ] == listing["clients"]
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     status, _, body = http_get(server.http_url, "/v1/models/no-such-model/clients")
     assert (status, json.loads(body)["error"]["message"]) == (404, unknown.value.details())

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import serving
 from tests.integration.test_push_pull import http_get
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.core.lag import SAMPLE_TARGET, LagTracker, Sample
 from weightsvc.rounding import FORMATS, decode, fair_cast
+from weightsvc.service.versions.lag import SAMPLE_TARGET, LagTracker, Sample
 
 
 def bf16_exact(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -48,7 +48,7 @@ def test_a_served_copy_equal_to_the_master_does_not_lag() -> None:
         assert all(lag.churn > 0.9 for lag in lags[1:])
         body = http_get(srv.http_url, "/metrics")[2].decode()
         samples = {(s.name, s.labels.get("rounding")): s.value for f in text_string_to_metric_families(body)
-                   for s in f.samples if s.labels.get("model") == "default"}  # fmt: skip
+                   for s in f.samples if s.labels.get("model") == "default"}
         assert samples[("weightsvc_served_lag_steps", "sr")] == 0
         assert samples[("weightsvc_update_visibility_ratio", "sr")] == pytest.approx(1.0)
         assert samples[("weightsvc_served_relative_error", "sr")] == 0
@@ -68,7 +68,7 @@ def test_a_step_too_small_to_tell_from_rounding_noise_reads_nothing() -> None:
         assert all(lag.churn > 0.1 for lag in lags[1:])  # the served copy does move: by rounding noise
         body = http_get(srv.http_url, "/metrics")[2].decode()
         samples = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples
-                   if s.labels.get("model") == "default"}  # fmt: skip
+                   if s.labels.get("model") == "default"}
         assert math.isnan(samples["weightsvc_update_visibility_ratio"])
 
 
@@ -119,7 +119,7 @@ def test_serving_staleness_from_acks() -> None:
         InferenceClient(srv.grpc_target).ack("default", 3, "pod-b")  # the same version again: one sync
         body = http_get(srv.http_url, "/metrics")[2].decode()
         samples = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(body)
-                   for s in f.samples if s.labels.get("model") == "default"}  # fmt: skip
+                   for s in f.samples if s.labels.get("model") == "default"}
         assert samples[("weightsvc_clients", None)] == 2
         assert samples[("weightsvc_client_lag_versions", None)] == 2
         assert samples[("weightsvc_client_staleness_versions_bucket", "0")] == 1
@@ -137,7 +137,7 @@ def test_small_tensors_exported_together_give_the_metrics_and_bits_of_one_export
 ) -> None:
     """Many small tensors travel packed and are exported in one kernel call, their samples taken
     with one index array: the version must be the one a chunk-by-chunk export makes."""
-    from weightsvc.core.staging import PushSession
+    from weightsvc.service.push.staging import PushSession
 
     gen = torch.Generator().manual_seed(5)
     sizes = torch.randint(1, 400, (3000,), generator=gen).tolist()
@@ -170,5 +170,5 @@ def test_a_model_that_changes_its_export_keeps_only_the_series_of_the_new_one() 
             learner.push(step, {"w": bf16_exact((32, 32), seed=step)}, model="other", rounding="rtn")
         body = http_get(srv.http_url, "/metrics")[2].decode()
         lag_series = {(s.labels["model"], s.labels["rounding"]) for f in text_string_to_metric_families(body)
-                      for s in f.samples if s.name == "weightsvc_served_lag_steps"}  # fmt: skip
+                      for s in f.samples if s.name == "weightsvc_served_lag_steps"}
         assert lag_series == {("default", "sr"), ("other", "rtn")}

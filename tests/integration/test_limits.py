@@ -134,7 +134,7 @@ def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(mode
         url = urllib.parse.urlsplit(srv.http_url)
         grpc_port = int(srv.grpc_target.rsplit(":", 1)[1])
         idle = [socket.create_connection(("127.0.0.1", port), timeout=5)
-                for port in (url.port, grpc_port) for _ in range(60)]  # fmt: skip
+                for port in (url.port, grpc_port) for _ in range(60)]
         half = socket.create_connection(("127.0.0.1", url.port), timeout=5)
         half.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\n")  # and never the blank line
         try:
@@ -169,7 +169,7 @@ def test_at_the_connection_limit_a_request_takes_the_place_of_an_idle_connection
 
 
 def test_a_request_head_larger_than_the_limit_is_refused_before_it_is_read_whole() -> None:
-    from weightsvc.transport.http_limits import MAX_HEAD_BYTES
+    from weightsvc.transport.limits import MAX_HEAD_BYTES
 
     with serving() as srv:
         url = urllib.parse.urlsplit(srv.http_url)

@@ -38,10 +38,10 @@ from weightsvc.loaders import (
     update_sglang,
     update_vllm,
 )
+from weightsvc.protocol.names import PUSH
+from weightsvc.protocol.wire import encode_message
 from weightsvc.rounding import ExportSpec, export_state_dict
 from weightsvc.server.server import BackgroundServer
-from weightsvc.transport.names import PUSH
-from weightsvc.transport.wire import encode_message
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
@@ -143,20 +143,20 @@ def test_a_declared_tie_pushes_the_tensor_under_its_own_name(
     assert torch.allclose(served["lm_head.weight"].float(), head, rtol=1e-2)
     with pytest.raises(ValueError, match=r"'lm_head.weight' and 'embed_tokens.weight' are declared tied but"):
         learner.push(2, {"lm_head.weight": head, "embed_tokens.weight": head + 1}, model=model,
-                     tied={"lm_head.weight": "embed_tokens.weight"})  # fmt: skip
+                     tied={"lm_head.weight": "embed_tokens.weight"})
 
 
 def test_the_service_refuses_aliases_that_name_no_tensor(server: BackgroundServer, model: str) -> None:
     learner = LearnerClient(server.grpc_target)
     bad = [({"lm_head.weight": "nothing"}, r"alias 'lm_head.weight' names tensor 'nothing', which the push does not"),
-           ({"w": "w"}, r"alias 'w' \(of 'w'\) is also a tensor of the push")]  # fmt: skip
+           ({"w": "w"}, r"alias 'w' \(of 'w'\) is also a tensor of the push")]
     for aliases, message in bad:
         header = pb.PushHeader(model=model, step=1, tensors=[pb.TensorSpec(name="w", shape=[2], dtype="F32")])
         header.aliases.update(aliases)
         reqs = [pb.PushRequest(header=header), pb.PushRequest(chunk=pb.Chunk(tensor="w", data=bytes(8))),
-                pb.PushRequest(commit=pb.PushCommit())]  # fmt: skip
+                pb.PushRequest(commit=pb.PushCommit())]
         push = learner._channel.stream_unary(PUSH, request_serializer=encode_message,
-                                             response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+                                             response_deserializer=pb.PushResponse.FromString)
         with pytest.raises(grpc.RpcError) as e:
             push(iter(reqs))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and re.search(message, e.value.details())
@@ -193,13 +193,13 @@ def test_a_version_that_does_not_fit_writes_nothing_and_is_not_acked(
 
 # A Llama-shaped checkpoint: vocabulary, width, MLP width, attention heads, KV heads, layers.
 LLAMA = SimpleNamespace(vocab_size=1000, hidden_size=128, intermediate_size=256, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)  # fmt: skip
+                        num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)
 
 
 def llama_masters(layers: int = 2) -> dict[str, torch.Tensor]:
     c, gen = LLAMA, torch.Generator().manual_seed(0)
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,),
-              "lm_head.weight": (c.vocab_size, c.hidden_size)}  # fmt: skip
+              "lm_head.weight": (c.vocab_size, c.hidden_size)}
     kv, d, f = c.num_key_value_heads * c.head_dim, c.hidden_size, c.intermediate_size
     for i in range(layers):
         p = f"model.layers.{i}."
@@ -207,7 +207,7 @@ def llama_masters(layers: int = 2) -> dict[str, torch.Tensor]:
                    p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, d),
                    p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
                    p + "mlp.down_proj.weight": (d, f),
-                   p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}  # fmt: skip
+                   p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
     return {n: torch.randn(s, generator=gen) for n, s in shapes.items()}
 
 
@@ -338,13 +338,13 @@ def test_a_microscaled_version_fits_an_engine_of_its_own_format_only(
 
     # An NVFP4 (W4A4) checkpoint also holds each layer's activation calibration, which no version does.
     calibration = {n.replace("weight_global_scale", "input_global_scale"): torch.ones(1)
-                   for n in start("nvfp4") if n.endswith("weight_global_scale")}  # fmt: skip
+                   for n in start("nvfp4") if n.endswith("weight_global_scale")}
     engines = {f: engine_config(tmp_path / f, start(f)) for f in ("bf16", "mxfp8")}
     engines["nvfp4"] = engine_config(tmp_path / "nvfp4", start("nvfp4") | calibration)
     check_engine_fits(mxfp8, engines["mxfp8"])  # e4m3 elements and uint8 scales, as the engine's
     check_engine_fits(nvfp4, engines["nvfp4"])
     with pytest.raises(Mismatch, match=r"model '.*' version 1: tensor 'lm_head.weight' is served "
-                                       r"as F8_E4M3; the engine runs BF16 \(update with dequantize=True"):  # fmt: skip
+                                       r"as F8_E4M3; the engine runs BF16 \(update with dequantize=True"):
         check_engine_fits(mxfp8, engines["bf16"])
     for manifest in (mxfp8, nvfp4):  # as values: the masters' names and shapes
         check_engine_fits(manifest, engines["bf16"], dequantize=True)

@@ -16,8 +16,8 @@ from tests.integration.test_ranks import bits, push_ranks
 from tests.integration.test_registry import REDIS_URL, needs_redis
 from weightsvc import InferenceClient, LearnerClient, rounding
 from weightsvc.client import Shard, dequantize
-from weightsvc.core.topology import assign
 from weightsvc.loaders import update_module
+from weightsvc.protocol.topology import assign
 
 MICRO = ("mxfp8", "nvfp4", "mxfp4")
 
@@ -27,9 +27,9 @@ def llama_layer(seed: int = 0) -> dict[str, torch.Tensor]:
     larger range than q and v, so a shared NVFP4 global scale differs from its own)."""
     gen = torch.Generator().manual_seed(seed)
     masters = {f"model.layers.0.self_attn.{p}.weight": torch.randn(64, 64, generator=gen) * (0.08 if p == "k_proj"
-               else 0.02) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}  # fmt: skip
+               else 0.02) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
     masters |= {f"model.layers.0.mlp.{p}.weight": torch.randn(96, 64, generator=gen) * 0.02
-                for p in ("gate_proj", "up_proj")}  # fmt: skip
+                for p in ("gate_proj", "up_proj")}
     masters["model.layers.0.mlp.down_proj.weight"] = torch.randn(64, 96, generator=gen) * 0.02
     masters["model.embed_tokens.weight"] = torch.randn(50, 64, generator=gen)
     masters["model.layers.0.input_layernorm.weight"] = torch.ones(64)
@@ -69,7 +69,7 @@ def test_microscaled_push_pull_delta_and_load(fmt: str, rnd: str, model: str, tm
     states = steps(llama_layer(), 4)
     residual = rounding.Residual() if rnd == "ef" else None
     expected = [rounding.export_state_dict(state, spec, version=step, residual=residual)
-                for step, state in enumerate(states, 1)]  # fmt: skip
+                for step, state in enumerate(states, 1)]
     settings = {"format": fmt, "rounding": rnd, "data_dir": tmp_path / "data"}
     with serving(**settings) as srv:
         for step, state in enumerate(states[:3], 1):
@@ -143,10 +143,10 @@ def test_nvfp4_sharded_equals_one_server(redis_prefix: str, model: str) -> None:
     """Sharded over three replicas, each fused layer on one replica (it computes the shared global
     scale): the same bits as one server, over an ef chain."""
     shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "format": "nvfp4", "rounding": "ef",
-              "replication": 1}  # fmt: skip
+              "replication": 1}
     masters = llama_layer() | {k.replace("layers.0", "layers.1"): v for k, v in llama_layer(1).items()}
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
-            serving(**shared, replica_id="r2") as r2, serving(format="nvfp4", rounding="ef") as alone:  # fmt: skip
+            serving(**shared, replica_id="r2") as r2, serving(format="nvfp4", rounding="ef") as alone:
         owned = assign(masters, InferenceClient(r0.grpc_target).topology(), 1)
         for names in owned.values():
             for layer in ("layers.0", "layers.1"):

@@ -15,11 +15,11 @@ import torch
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard, VersionInfo
-from weightsvc.core import staging
-from weightsvc.core.push import PushChunk
-from weightsvc.core.staging import PushSession
 from weightsvc.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted
 from weightsvc.server.server import BackgroundServer
+from weightsvc.service.push import staging
+from weightsvc.service.push.pushes import PushChunk
+from weightsvc.service.push.staging import PushSession
 
 CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
 
@@ -79,7 +79,7 @@ def assert_same_version(puller: InferenceClient, model_a: str, model_b: str, ver
 
 
 @pytest.mark.parametrize(("format", "rounding", "world_size"), [("bf16", "sr", 2), ("fp8_e4m3", "sr", 2),
-                                                                  ("bf16", "sr-sticky", 3)])  # fmt: skip
+                                                                  ("bf16", "sr-sticky", 3)])
 def test_flat_range_shards_from_several_ranks_serve_the_bits_of_a_one_rank_push(
     server: BackgroundServer, model: str, format: str, rounding: str, world_size: int
 ) -> None:
@@ -87,7 +87,7 @@ def test_flat_range_shards_from_several_ranks_serve_the_bits_of_a_one_rank_push(
     with LearnerClient(server.grpc_target) as learner:
         one = learner.push(3, state, model=model + "-one", format=format, rounding=rounding)
     results = push_ranks(server.grpc_target, 3, flat_shards(state, world_size), model + "-ranks",
-                         format=format, rounding=rounding)  # fmt: skip
+                         format=format, rounding=rounding)
     infos = [f.result() for f in results]
     assert {(i.version, i.created, i.tensor_count, i.data_bytes) for i in infos} == {
         (3, True, one.tensor_count, one.data_bytes)
@@ -105,7 +105,7 @@ def test_ef_across_steps_with_two_ranks_matches_one_rank_and_the_local_fair_cast
             state = {n: t + 3e-6 * torch.sign(t) for n, t in state.items()}
             learner.push(step, state, model=model + "-one", rounding="ef")
             infos = push_ranks(server.grpc_target, step, flat_shards(state, 2), model + "-ranks", rounding="ef",
-                               return_served=True)  # fmt: skip
+                               return_served=True)
             served = infos[1].result().served
             assert served is not None
             assert_same_version(puller, model + "-one", model + "-ranks", step)

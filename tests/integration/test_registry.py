@@ -18,10 +18,10 @@ import redis
 
 from tests.conftest import REDIS_URL, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
-from weightsvc.core.registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
-from weightsvc.core.topology import Replica
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
+from weightsvc.protocol.topology import Replica
 from weightsvc.server.server import BackgroundServer
+from weightsvc.service.replicas.registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
 
 
 def _redis_up() -> bool:
@@ -54,7 +54,7 @@ async def test_commit_rules(registry: Registry) -> None:
     assert (await registry.commit("m", 5, "d5", manifest(5), retain=4)).created
     assert not (await registry.commit("m", 5, "d5", manifest(5), retain=4)).created  # idempotent
     with pytest.raises(AlreadyExists, match=r"model 'm' version 5 is already committed with different content "
-                                            r"\(master digest d5, pushed other\)"):  # fmt: skip
+                                            r"\(master digest d5, pushed other\)"):
         await registry.commit("m", 5, "other", manifest(5), retain=4)
     with pytest.raises(FailedPrecondition, match=r"model 'm': step 3 is not above the latest version 5"):
         await registry.commit("m", 3, "d3", manifest(3), retain=4)
@@ -161,7 +161,7 @@ class PrivateRedis:
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
              "--dir", str(self.workdir), "--logfile", ""],
             stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        )
         assert self.proc.stdout is not None
         for line in self.proc.stdout:  # its own log says when it serves
             if "Ready to accept connections" in line:
@@ -195,7 +195,7 @@ def test_losing_redis_keeps_serving_refuses_pushes_and_recovers(
         # Committed versions keep being served; a push fails with UNAVAILABLE and leaves nothing.
         assert puller.pull(model, 1)["embed.weight"].shape == (97, 64)
         with pytest.raises(Unavailable, match=rf"registry {private_redis.url} unreachable while committing model "
-                                              rf"'{model}' version 2"):  # fmt: skip
+                                              rf"'{model}' version 2"):
             learner.push(2, masters, model=model)
         assert [v.version for v in puller.versions(model)] == [1]
         assert sorted(p.name for p in (tmp_path / "data" / "models" / model).iterdir()) == [f"{1:020d}.safetensors"]
@@ -264,7 +264,7 @@ async def test_a_version_of_parts_commits_when_the_last_owner_has_its_part_in(re
     parts = json.loads(await registry.manifest("m", 7) or "")
     assert {o: (p["digest"], json.loads(p["manifest"])) for o, p in parts.items()} == {
         "r0": ("d0", {"p": 0}), "r1": ("d1", {"p": 1}), "r2": ("d2", {"p": 2})
-    }  # fmt: skip
+    }
     # An owner that retries its part of the committed version is told so; another part is a conflict.
     again = await registry.commit_part("m", 7, "r2", owners, "d2", '{"p": 2}', retain=4)
     assert again is not None and not again.created

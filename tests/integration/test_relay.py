@@ -13,8 +13,8 @@ from tests.conftest import REDIS_URL, make_masters, serving, start_server
 from tests.integration.test_registry import needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import read_version_file
-from weightsvc.core.manifest import Manifest
 from weightsvc.errors import FailedPrecondition
+from weightsvc.protocol.manifest import Manifest
 from weightsvc.server.server import BackgroundServer
 
 

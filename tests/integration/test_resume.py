@@ -103,7 +103,7 @@ def served() -> Iterator[tuple[BackgroundServer, dict[str, torch.Tensor]]]:
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
 def test_a_broken_pull_resumes_from_its_offset(served: tuple[BackgroundServer, dict[str, torch.Tensor]],
-                                               transport: str) -> None:  # fmt: skip
+                                               transport: str) -> None:
     srv, masters = served
     port = int((srv.grpc_target if transport == "grpc" else srv.http_url).rsplit(":", 1)[1])
     proxy = CuttingProxy(("127.0.0.1", port))

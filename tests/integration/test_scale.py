@@ -17,8 +17,8 @@ import torch
 from tests.conftest import ServeProcess, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Slice
-from weightsvc.core import manifest as manifest_module
 from weightsvc.errors import ResourceExhausted
+from weightsvc.protocol import manifest as manifest_module
 
 pytestmark = pytest.mark.slow
 N = 100_000
@@ -43,7 +43,7 @@ class HealthPoller:
 
     def __init__(self, url: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", POLL, url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+                                     stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "polling"
 
     def worst(self) -> float:
@@ -54,7 +54,7 @@ class HealthPoller:
 def masters(step: int = 1) -> dict[str, np.ndarray]:
     """100,000 small tensors with realistic 60-character names (a DeepSeek-V3-shaped MoE's count)."""
     return {f"model.layers.{i // 1000:02d}.mlp.experts.{i % 1000:03d}.down_proj.weight_{i:06d}":
-            np.full((4, 4), 0.01 * step + i % 7 * 1e-3, np.float32) for i in range(N)}  # fmt: skip
+            np.full((4, 4), 0.01 * step + i % 7 * 1e-3, np.float32) for i in range(N)}
 
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -17,9 +17,9 @@ from tests.integration.test_push_pull import http_get
 from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_resume import CuttingProxy
 from weightsvc.client import InferenceClient, LearnerClient, Slice
-from weightsvc.core.manifest import checksum, manifest_from_header, read_safetensors_header
-from weightsvc.core.topology import assign
 from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.manifest import checksum, manifest_from_header, read_safetensors_header
+from weightsvc.protocol.topology import assign
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -147,7 +147,7 @@ def test_http_selection_is_a_safetensors_file_with_ranges(
     assert status == 200 and headers["content-length"] == str(len(body))
     assert headers["content-disposition"] == f'attachment; filename="{model}-1-selection.safetensors"'
     select: Select = {"layers.0.attn.qkv.weight": Slice(1, 32, 96), "layers.0.norm.weight": None,
-                      "layers.0.conv.weight": Slice(2, 0, 5)}  # fmt: skip
+                      "layers.0.conv.weight": Slice(2, 0, 5)}
     assert_bits(load(body), narrowed(whole, select))  # a plain safetensors reader
     manifest = manifest_from_header(read_safetensors_header(body)[1])  # the selection's manifest, in __metadata__
     assert {t.name: t.slice for t in manifest.tensors} == select
@@ -155,7 +155,7 @@ def test_http_selection_is_a_safetensors_file_with_ranges(
     # Its own ETag: not the whole file's, not another selection's; Range and If-Range as for the file.
     etag = headers["etag"]
     assert etag not in {http_get(server.http_url, path)[1]["etag"],
-                        http_get(server.http_url, path + "?select=scalar")[1]["etag"]}  # fmt: skip
+                        http_get(server.http_url, path + "?select=scalar")[1]["etag"]}
     status, headers, tail = http_get(server.http_url, path + query, {"Range": "bytes=100-", "If-Range": etag})
     assert status == 206 and tail == body[100:] and headers["content-range"] == f"bytes 100-{len(body) - 1}/{len(body)}"
     status, _, again = http_get(server.http_url, path + query, {"Range": "bytes=100-", "If-Range": '"stale"'})

@@ -26,9 +26,9 @@ from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_relay import relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
-from weightsvc.core.manifest import Manifest
-from weightsvc.core.topology import assign
 from weightsvc.errors import FailedPrecondition
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.topology import assign
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -66,7 +66,7 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(
     gen = torch.Generator().manual_seed(5)
     masters = make_masters() | {f"layers.{i}.mlp.down.weight": torch.randn(64, 40, generator=gen) for i in range(1, 5)}
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
-            serving(**shared, replica_id="r2") as r2, serving(rounding="ef") as alone:  # fmt: skip
+            serving(**shared, replica_id="r2") as r2, serving(rounding="ef") as alone:
         replicas = (r0, r1, r2)
         topology = InferenceClient(r0.grpc_target).topology()
         assert [r.id for r in topology] == list(REPLICAS)
@@ -118,7 +118,7 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(
             head = {"Range": "bytes=0-7"}
             etags = {urllib.request.urlopen(urllib.request.Request(f"{srv.http_url}/v1/models/{model}/versions/2/"
                                                                    "safetensors", headers=head)).headers["etag"]
-                     for srv in (r0, r1, relay)}  # fmt: skip
+                     for srv in (r0, r1, relay)}
             assert len(etags) == 2
         # Over HTTP too, the client gathers the parts (by Range, from each owner).
         for srv in replicas:
@@ -146,7 +146,7 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(
         assert err.value.code == 409
         error = json.loads(err.value.read())["error"]
         assert error == {"code": "FAILED_PRECONDITION", "message": f"model {model!r} version 2: no delta against "
-                         "base 1: the version is sharded over replicas; pull the whole version"}  # fmt: skip
+                         "base 1: the version is sharded over replicas; pull the whole version"}
 
 
 def _padding(manifest: Manifest) -> int:
@@ -197,11 +197,11 @@ def test_a_waiting_part_holds_back_its_model_until_the_learner_gives_up(redis_pr
 
 
 def _replica(prefix: str, replica_id: str, data_dir: Path, env: dict[str, str] | None = None,
-             replication: int = 1, rounding: str = "sr") -> ServeProcess:  # fmt: skip
+             replication: int = 1, rounding: str = "sr") -> ServeProcess:
     return ServeProcess("--redis-url", REDIS_URL, "--redis-prefix", prefix, "--replica-id", replica_id,
                         "--data-dir", str(data_dir / replica_id), "--push-rank-timeout-s", "30",
                         "--replication", str(replication), "--retain", "8", "--rounding", rounding,
-                        env=env)  # fmt: skip
+                        env=env)
 
 
 @pytest.mark.parametrize("rounding", ["sr", "ef"])
@@ -319,7 +319,7 @@ def test_learner_ranks_push_to_sharded_replicas(redis_prefix: str, model: str) -
         {n: state[n] for n in others[4:]},
     ]
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1"), \
-            serving(**shared, replica_id="r2"), serving() as alone:  # fmt: skip
+            serving(**shared, replica_id="r2"), serving() as alone:
         for f in push_ranks(r0.grpc_target, 1, ranks, model):
             assert f.result().tensor_count == len(state)
         with LearnerClient(alone.grpc_target) as single:
@@ -339,7 +339,7 @@ def test_tied_weights_over_sharded_replicas_and_ranks(redis_prefix: str, model: 
     names = list(state)
     ranks: list[dict[str, torch.Tensor | Shard]] = [{n: state[n] for n in names[:3]}, {n: state[n] for n in names[3:]}]
     with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
-            serving() as alone:  # fmt: skip
+            serving() as alone:
         for f in push_ranks(r0.grpc_target, 1, ranks, model, tied=tied):
             f.result()
         with LearnerClient(alone.grpc_target) as single:

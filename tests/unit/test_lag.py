@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from weightsvc.core.lag import (
+from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
+from weightsvc.service.versions.lag import (
     SAMPLE_TARGET,
     VISIBILITY_MAX_SE,
     VISIBILITY_MIN_ELEMENTS,
@@ -18,14 +19,13 @@ from weightsvc.core.lag import (
     Sample,
     visibility_estimate,
 )
-from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
 
 # The alert's threshold (deploy/prometheus/weightsvc-alerts.yml, WeightsvcUpdatesInvisible).
 INVISIBLE_BELOW = 0.5
 
 
 def masters(versions: int, relative_step: float, *, bf16_start: bool, walk: bool = False,
-            elements: int = SAMPLE_TARGET, seed: int = 0) -> list[torch.Tensor]:  # fmt: skip
+            elements: int = SAMPLE_TARGET, seed: int = 0) -> list[torch.Tensor]:
     """fp32 masters of weights ~0.02 that move by `relative_step` of their value each version: in a
     direction fixed per element (a drift, as Adam's momentum makes it), or drawn anew (a random
     walk). A bf16 start is a checkpoint being fine-tuned; otherwise the masters are off the bf16 grid,
@@ -138,7 +138,7 @@ def test_the_standard_error_is_the_spread_of_the_ratio() -> None:
             decode(fair_cast(m, rounding="sr", version=v, name="w").view(torch.int16).numpy().view(np.uint16),
                    FORMATS["bf16"]).astype(np.float64)
             for m, v in ((start, 2 * key + 1), (end, 2 * key + 2))
-        ]  # fmt: skip
+        ]
         estimate = visibility_estimate(end.double().numpy(), ends[1], start.double().numpy(), ends[0])
         assert estimate is not None and math.isfinite(estimate[1])
         z.append((estimate[0] - 1) / estimate[1])

@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from weightsvc.core.manifest import (
+from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.manifest import (
     Manifest,
     ServedTensor,
     check_model_name,
@@ -12,7 +13,6 @@ from weightsvc.core.manifest import (
     parse_version_ref,
     read_safetensors_header,
 )
-from weightsvc.errors import InvalidArgument
 
 
 def test_header_is_valid_safetensors_and_carries_the_manifest() -> None:
@@ -62,7 +62,7 @@ def test_manifest_json_and_header_are_the_text_json_dumps_writes() -> None:
     import random
     import struct
 
-    from weightsvc.core.manifest import METADATA_KEY, LagMetrics, Slice
+    from weightsvc.protocol.manifest import METADATA_KEY, LagMetrics, Slice
 
     rng = random.Random(1)
     names = ["a", 'é\u2603"q\\b\nnl', "model.layers.0.w", "\x00ctl", "\U0001d518nicode"]
@@ -71,14 +71,14 @@ def test_manifest_json_and_header_are_the_text_json_dumps_writes() -> None:
         shape = tuple(rng.randint(0, 9999) for _ in range(rng.randint(0, 3)))
         cut = Slice(0, 1, 3) if i % 777 == 5 else None
         tensors.append(ServedTensor(f"{rng.choice(names)}{i}", shape, rng.choice(["BF16", "F8_E4M3", "F32"]), offset,
-                                    2 * i, f"xxh3_64:{rng.getrandbits(64):016x}", cut))  # fmt: skip
+                                    2 * i, f"xxh3_64:{rng.getrandbits(64):016x}", cut))
         offset += 2 * i
     m = Manifest("m", 3, "bf16", "sr", 0, 1.5, offset, "xxh3_128:0", tuple(tensors),
-                 lag=LagMetrics(0.1, None, 3, 0.2, 0, 10, False))  # fmt: skip
+                 lag=LagMetrics(0.1, None, 3, 0.2, 0, 10, False))
     for separators in ((", ", ": "), (",", ":")):
         assert m.json(separators) == json.dumps(m.to_dict(), separators=separators)
     entries = {t.name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.offset, t.offset + t.nbytes]}
-               for t in m.tensors}  # fmt: skip
+               for t in m.tensors}
     raw = json.dumps({"__metadata__": {METADATA_KEY: m.json()}, **entries}, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     assert m.safetensors_header() == struct.pack("<Q", len(raw)) + raw

@@ -71,7 +71,7 @@ def export_codes(
     assert scales is not None or master.ndim == 2
     stats = export_array(flat, out, ExportSpec(fmt, rounding, seed=5), version=version, name=name, fmt=f,
                          offset=offset, scales=scales or block_scales(master, f), residual=res,
-                         new_residual=new_res)  # fmt: skip
+                         new_residual=new_res)
     return (unpack(out) if f.packed else out), stats, new_res
 
 
@@ -164,7 +164,7 @@ def test_mx_scale_is_the_smallest_power_of_two_that_clips_nothing(fmt: str) -> N
         exact,  # exactly elem_max * 2^e: that e
         np.nextafter(exact, np.float32(np.inf)),  # just above: one more
         [2.0**-149, 3.4028235e38, 0.0],
-    ]).astype(np.float32)  # fmt: skip
+    ]).astype(np.float32)
     master = np.zeros((amax.size, f.block), np.float32)
     master[:, 7] = amax * np.where(np.arange(amax.size) % 2, -1, 1)  # the sign does not matter
     master[:, 8] = amax / 3
@@ -375,7 +375,7 @@ def test_same_bits_for_any_chunking(fmt: str, rounding: str) -> None:
         parts, res_parts = [], []
         for o in range(0, flat.size, piece):
             codes, _, res = export_codes(flat[o : o + piece], fmt, rounding, offset=o, scales=scales,
-                                         residual=residual[o : o + piece])  # fmt: skip
+                                         residual=residual[o : o + piece])
             parts.append(codes)
             res_parts.append(res)
         assert np.array_equal(whole, np.concatenate(parts))
@@ -390,12 +390,12 @@ def test_packed_chunks_must_start_and_end_on_a_byte() -> None:
     spec = ExportSpec("mxfp4", "rtn")
     with pytest.raises(ValueError, match="must be even"):
         export_array(master.reshape(-1)[1:], np.empty(15, np.uint8), spec, version=1, name="w", fmt=f, offset=1,
-                     scales=scales)  # fmt: skip
+                     scales=scales)
     with pytest.raises(ValueError, match="bytes"):
         export_array(master.reshape(-1), np.empty(32, np.uint8), spec, version=1, name="w", fmt=f, scales=scales)
     with pytest.raises(ValueError, match="its own scales"):
         export_array(master.reshape(-1), np.empty(16, np.uint8), spec, version=1, name="w", fmt=f,
-                     scales=fp8_scales(master, FORMATS["fp8_e4m3"], "tensor"))  # fmt: skip
+                     scales=fp8_scales(master, FORMATS["fp8_e4m3"], "tensor"))
 
 
 def test_packing_order() -> None:
@@ -410,7 +410,7 @@ def test_packing_order() -> None:
     out = export_state_dict({"x.weight": torch.from_numpy(master)}, ExportSpec("mxfp4", "rtn"), version=1)
     byte = int(out["x.weight_packed"][0, 0])
     assert np.array([byte & 0xF, byte >> 4], np.uint8).view(ml_dtypes.float4_e2m1fn).astype(float).tolist() == [
-        1.0, -6.0]  # fmt: skip
+        1.0, -6.0]
 
 
 @pytest.mark.parametrize("fmt", MICRO)
@@ -423,7 +423,7 @@ def test_served_tensors_and_dequantize_round_trip(fmt: str) -> None:
     if f.width == 8:
         codes[(codes & 0x7F) == 0x7F] = 0x01  # no NaN
     values = codes.view(ELEMENT_DTYPE[fmt]).astype(np.float32) if f.width == 8 else (
-        codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))  # fmt: skip
+        codes.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
     values[:, :: f.block] = f.max_value  # pins each block's scale to a power of two (gs 1 below)
     master = values * np.ldexp(np.float32(1), gen.integers(-6, 8, (n, 1))).astype(np.float32)
     if f.global_scale:  # gs = 1: the block scales are the powers of two themselves
@@ -440,7 +440,7 @@ def test_served_tensors_and_dequantize_round_trip(fmt: str) -> None:
     assert [name for name, _, _ in layout] == {"mxfp8": ["x.weight", "x.weight_scale"],
                                                "mxfp4": ["x.weight_packed", "x.weight_scale"],
                                                "nvfp4": ["x.weight_packed", "x.weight_scale",
-                                                         "x.weight_global_scale"]}[fmt]  # fmt: skip
+                                                         "x.weight_global_scale"]}[fmt]
     back = dequantize(out, "x.weight", f, (n, k))
     assert back.dtype == np.float32 and np.array_equal(back, master)
     # The same from the served bytes as the service holds them.
@@ -483,15 +483,15 @@ def test_torch_scales_are_the_numpy_scales(fmt: str) -> None:
     for a, b in [(ours.codes, theirs.codes), (ours.scale_inv, theirs.scale_inv), (ours.inverse, theirs.inverse)]:
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
     assert (ours.global_scale is None) == (theirs.global_scale is None) and (
-        ours.global_scale is None or np.array_equal(ours.global_scale, theirs.global_scale))  # fmt: skip
+        ours.global_scale is None or np.array_equal(ours.global_scale, theirs.global_scale))
 
 
 @pytest.mark.parametrize("fmt", MICRO)
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
 def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> None:
     pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
-    from weightsvc.core.device import Kernels
     from weightsvc.rounding import _export_triton
+    from weightsvc.service.device import Kernels
 
     f = FORMATS[fmt]
     spec = ExportSpec(fmt, rounding, seed=3)
@@ -504,7 +504,7 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
     cpu = np.empty(f.nbytes(flat.size), np.uint8)
     cpu_res = np.empty_like(residual)
     stats = export_array(flat, cpu, spec, version=4, name="x.weight", fmt=f, scales=scales, residual=residual,
-                         new_residual=cpu_res)  # fmt: skip
+                         new_residual=cpu_res)
     assert stats.nonfinite > 0
     # The whole tensor, as `export` runs it on CUDA (the interpreter runs it on CPU tensors here).
     shape = served_tensors("x.weight", master.shape, f)[0][1]
@@ -512,7 +512,7 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
     gpu_res = torch.empty(flat.size, dtype=torch.float32)
     _export_triton(torch.from_numpy(master), out, spec, f, version=4, name="x.weight", scales=scales,
                    residual=torch.from_numpy(residual) if ef else None,
-                   new_residual=gpu_res if ef else None)  # fmt: skip
+                   new_residual=gpu_res if ef else None)
     assert np.array_equal(out.view(torch.uint8).numpy().reshape(-1), cpu)
     if ef:
         assert np.array_equal(gpu_res.numpy().view(np.uint32), cpu_res.view(np.uint32))
@@ -525,7 +525,7 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
         end = min(o + piece, flat.size)
         kernels.export_array(flat[o:end], chunked[f.nbytes(o) : f.nbytes(end)], spec, version=4, name="x.weight",
                              fmt=f, offset=o, scales=scales, residual=residual[o:end],
-                             new_residual=chunked_res[o:end])  # fmt: skip
+                             new_residual=chunked_res[o:end])
     assert np.array_equal(chunked, cpu)
     if ef:
         assert np.array_equal(chunked_res.view(np.uint32), cpu_res.view(np.uint32))
@@ -535,7 +535,7 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
 def test_dequantize_reads_the_other_formats_too(scaling: str) -> None:
     master = torch.from_numpy(np.random.default_rng(10).normal(0, 0.02, (130, 200)).astype(np.float32))
     out = export_state_dict({"x.weight": master, "b": master[0]}, ExportSpec("fp8_e4m3", "sr", scaling=scaling),
-                            version=1)  # fmt: skip
+                            version=1)
     scale = out["x.weight_scale_inv"].numpy()
     if scaling == "block":
         scale = np.kron(scale, np.ones((128, 128), np.float32))[:130, :200]

@@ -99,7 +99,7 @@ def test_generic_kernel_agrees_with_the_bf16_kernel(rounding: str) -> None:
     _cpu.float_export(master, generic, np.uint32(k0), np.uint32(k1), np.uint64(0), rounding == "sr",
                       bf16.mantissa, bf16.bias, bf16.emin, bf16.max_bits, bf16.nan_bits, bf16.inf_bits, 16,
                       np.ones(1, np.float32), np.ones(1, np.float32), 0, 1, 1,
-                      np.zeros(0, np.float32), np.zeros(0, np.float32), False)  # fmt: skip
+                      np.zeros(0, np.float32), np.zeros(0, np.float32), False)
     finite = np.isfinite(master)
     assert np.array_equal(fast[finite], generic[finite])
 
@@ -108,7 +108,7 @@ def test_generic_kernel_agrees_with_the_bf16_kernel(rounding: str) -> None:
     ("fp16", 1.0 + 0.3 * 2**-10, 1.0, 1.0 + 2**-10),
     ("fp8_e4m3", 1.0 + 0.7 * 2**-3, 1.0, 1.0 + 2**-3),
     ("fp8_e5m2", 2**-15 * 1.25, 2**-15, 2**-15 * 1.5),  # subnormal range of e5m2 (spacing 2**-16)
-])  # fmt: skip
+])
 def test_sr_rounds_up_with_the_right_frequency(fmt: str, value: float, lower: float, upper: float) -> None:
     n = 40_000
     master = np.full(n, value, np.float32)
@@ -159,7 +159,7 @@ def test_ef_running_sum_tracks_the_masters(fmt: str) -> None:
     # (plus the fp32 rounding of m + e).
     gap = (sum_master - sum_served).abs()
     assert torch.allclose(gap, torch.from_numpy(residual.tensors[name]).double().abs().reshape(gap.shape),
-                          atol=1e-6)  # fmt: skip
+                          atol=1e-6)
     half_ulp = served.abs().clamp_min(1e-30) * 2.0 ** -(FORMATS[fmt].mantissa + 1)
     assert (gap <= half_ulp * 1.01 + 1e-7).float().mean().item() > 0.99
 
@@ -186,7 +186,7 @@ def test_fp8_scales_layout_and_values(scaling: str, shape: tuple[int, ...]) -> N
     if scaling == "tensor":
         assert scales.scale_inv == np.float32(np.abs(values).max()) / np.float32(448)
     out = export_state_dict({"x.weight": torch.from_numpy(values)}, ExportSpec("fp8_e4m3", "rtn", scaling=scaling),
-                            version=1)  # fmt: skip
+                            version=1)
     assert out["x.weight"].dtype == torch.float8_e4m3fn
     scale_inv = out["x.weight_scale_inv"].numpy()
     if scaling == "block":
@@ -202,13 +202,13 @@ def test_fp8_scales_layout_and_values(scaling: str, shape: tuple[int, ...]) -> N
 
 def test_fp8_goes_to_selected_weights_only() -> None:
     masters = {"embed_tokens.weight": torch.randn(16, 8), "layers.0.mlp.weight": torch.randn(16, 8),
-               "layers.0.norm.weight": torch.randn(8), "layers.0.mlp.bias": torch.randn(16)}  # fmt: skip
+               "layers.0.norm.weight": torch.randn(8), "layers.0.mlp.bias": torch.randn(16)}
     out = export_state_dict(masters, ExportSpec("fp8_e5m2", "sr"), version=1)
     assert {k: v.dtype for k, v in out.items()} == {
         "embed_tokens.weight": torch.bfloat16, "layers.0.mlp.weight": torch.float8_e5m2,
         "layers.0.mlp.weight_scale_inv": torch.float32, "layers.0.norm.weight": torch.bfloat16,
         "layers.0.mlp.bias": torch.bfloat16,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("fmt, rounding", [("fp16", "sr"), ("bf16", "sr-sticky"), ("fp8_e5m2", "sr")])
@@ -217,12 +217,12 @@ def test_same_bits_for_any_chunking_and_any_split_across_ranks(fmt: str, roundin
     whole = export_bits(master, fmt, rounding, scales=UNIT_SCALE)
     for piece in (1, 1000, 4096):
         parts = [export_bits(master[o : o + piece], fmt, rounding, offset=o, scales=UNIT_SCALE)
-                 for o in range(0, master.size, piece)]  # fmt: skip
+                 for o in range(0, master.size, piece)]
         assert np.array_equal(whole, np.concatenate(parts))
 
 
 @pytest.mark.parametrize(("fmt", "scaling"), [("fp8_e4m3", "block"), ("fp8_e4m3", "channel"), ("nvfp4", "block"),
-                                             ("mxfp4", "block")])  # fmt: skip
+                                             ("mxfp4", "block")])
 @pytest.mark.parametrize("rounding", ["sr", "ef"])
 def test_scaled_export_of_many_runs_any_chunking(fmt: str, scaling: str, rounding: str) -> None:
     """The CPU kernel goes run by run of elements that share a scale, in spans of 2**16 elements per

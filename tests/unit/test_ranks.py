@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from weightsvc.core.manifest import DIGEST_BLOCK, MasterDigest, TensorSpec
-from weightsvc.core.ranks import merge_parts
 from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.manifest import DIGEST_BLOCK, MasterDigest, TensorSpec
+from weightsvc.service.push.shards import merge_parts
 
 
 def spec(name: str, shape: tuple[int, ...], part: tuple[int, int] | None = None) -> TensorSpec:

@@ -109,7 +109,7 @@ def test_many_runs_in_one_call_give_the_bits_of_one_call_each(rounding: str) -> 
     starts = np.cumsum([0, *sizes])
     outs = np.array(outs)
     stats = export_runs(np.concatenate(masters), starts, served, spec, version=4, names=names, offsets=offsets,
-                        outs=outs)  # fmt: skip
+                        outs=outs)
     for master, name, offset, out, got in zip(masters, names, offsets, outs, stats, strict=True):
         alone = np.empty(master.size * 2, np.uint8)
         want = export_array(master, alone, spec, version=4, name=name, offset=offset)
@@ -119,7 +119,7 @@ def test_many_runs_in_one_call_give_the_bits_of_one_call_each(rounding: str) -> 
     assert stats[5].nonfinite == 2
     with pytest.raises(ValueError, match="bf16 with rtn, sr or sr-sticky, not bf16 ef"):
         export_runs(np.concatenate(masters), starts, served, ExportSpec("bf16", "ef"), version=4, names=names,
-                    offsets=offsets, outs=outs)  # fmt: skip
+                    offsets=offsets, outs=outs)
 
 
 def test_keys_change_the_bits_and_nothing_else_does() -> None:

@@ -60,7 +60,7 @@ def test_every_field_is_a_flag_with_its_default_help_and_variable() -> None:
 def test_flag_names_users_know_stay() -> None:
     opts = {o for option in serve_options().values() for o in option.opts}
     assert {"--grpc-port", "--http-port", "--data-dir", "--redis-url", "--format", "--rounding", "--device",
-            "--retain", "--relay-from", "--max-pushes", "--max-rss-bytes", "--allow-nonfinite"} <= opts  # fmt: skip
+            "--retain", "--relay-from", "--max-pushes", "--max-rss-bytes", "--allow-nonfinite"} <= opts
 
 
 def a_different_value(name: str, field: Any, tmp_path: Path) -> tuple[list[str], Any]:

@@ -13,17 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from weightsvc.core.acks import Acks
-from weightsvc.core.manifest import Manifest, checksum, layout
-from weightsvc.core.memory import alloc
-from weightsvc.core.parts import PartOf, Parts
-from weightsvc.core.persist import VersionFiles
-from weightsvc.core.registry import MemoryRegistry
-from weightsvc.core.store import VersionStore
-from weightsvc.core.versions import Version, VersionIndex
 from weightsvc.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import Manifest, checksum, layout
 from weightsvc.rounding import Residual
+from weightsvc.service.replicas.parts import PartOf, Parts
+from weightsvc.service.replicas.registry import MemoryRegistry
+from weightsvc.service.versions.acks import Acks
+from weightsvc.service.versions.disk import VersionFiles
+from weightsvc.service.versions.index import Version, VersionIndex
+from weightsvc.service.versions.store import VersionStore
 
 SIZE = 1 << 20  # the pool recycles anonymous mappings; alloc maps one from 1 MiB
 
@@ -309,7 +309,7 @@ async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_i
     counting (so StaleClients can fire) until --client-forget-s."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from weightsvc.core import acks as acks_module
+    from weightsvc.service.versions import acks as acks_module
 
     metrics = Metrics()
     index = VersionIndex(retain=2, metrics=metrics)
@@ -331,8 +331,8 @@ async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_i
         index.add(make_version("m", v, size=8))
         acks.committed("m", v, start)
     assert scraped(start) == {"weightsvc_clients": 1, "weightsvc_clients_silent": 0,
-                              "weightsvc_client_lag_versions": 3}  # fmt: skip
+                              "weightsvc_client_lag_versions": 3}
     assert scraped(start + 600) == {"weightsvc_clients": 0, "weightsvc_clients_silent": 1,
-                                    "weightsvc_client_lag_versions": 3}  # fmt: skip
+                                    "weightsvc_client_lag_versions": 3}
     assert scraped(start + 3700) == {"weightsvc_clients": 0, "weightsvc_clients_silent": 0,
-                                     "weightsvc_client_lag_versions": 0}  # fmt: skip
+                                     "weightsvc_client_lag_versions": 0}

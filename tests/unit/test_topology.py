@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from weightsvc.core.topology import Replica, assign, owners
+from weightsvc.protocol.topology import Replica, assign, owners
 
 NAMES = [f"model.layers.{i}.{part}.weight" for i in range(200) for part in ("q", "k", "v", "o", "up", "down")]
 

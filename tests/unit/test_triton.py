@@ -54,7 +54,7 @@ def test_bf16_kernel(rounding: str) -> None:
     ef = rounding == "ef"
     gpu_res = torch.empty(m.size, dtype=torch.float32)
     triton_kernels.bf16_export(torch.from_numpy(m.copy()), gpu, k0, k1, 9, spec.stochastic,
-                               torch.from_numpy(res) if ef else None, gpu_res if ef else None)  # fmt: skip
+                               torch.from_numpy(res) if ef else None, gpu_res if ef else None)
     assert np.array_equal(cpu.view(np.uint16), gpu.numpy().view(np.uint16))
     if ef:
         assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
@@ -65,8 +65,8 @@ def test_many_small_runs_in_one_launch(rounding: str) -> None:
     """`Kernels.export_runs` on the device (one launch for all the runs) gives `rounding.export_runs`'
     bits and per-run counts: runs of one element, of a block, of a block and one, empty ones, runs
     starting mid-tensor, NaN/Inf and saturating values in some of them."""
-    from weightsvc.core.device import Kernels
     from weightsvc.rounding import export_runs
+    from weightsvc.service.device import Kernels
 
     m = masters()
     lengths = [1, 1024, 1025, 0, 3000, 7, 2048, 0, 1]
@@ -79,13 +79,13 @@ def test_many_small_runs_in_one_launch(rounding: str) -> None:
     cpu, gpu = (np.zeros(starts[-1] + 8, np.uint16) for _ in range(2))
     expected = export_runs(m, starts, cpu, spec, version=3, names=names, offsets=offsets, outs=outs)
     got = Kernels("cuda-interpreted", "cpu").export_runs(m, starts, gpu, spec, version=3, names=names,
-                                                       offsets=offsets, outs=outs)  # fmt: skip
+                                                       offsets=offsets, outs=outs)
     assert np.array_equal(cpu, gpu)
     assert got == expected and sum(s.nonfinite for s in got) > 0 and sum(s.saturated for s in got) > 0
 
 
 @pytest.mark.parametrize("fmt, scaling", [("fp16", None), ("fp8_e4m3", "tensor"), ("fp8_e4m3", "block"),
-                                          ("fp8_e5m2", "channel")])  # fmt: skip
+                                          ("fp8_e5m2", "channel")])
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "ef"])
 @pytest.mark.parametrize("cols", [N_COLS, 256])  # rows of a power-of-two length: shifts, not divisions
 def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -> None:
@@ -102,7 +102,7 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -
     cpu = np.empty(m.size * f.itemsize, np.uint8)
     cpu_res = np.empty_like(res)
     export_array(m, cpu, spec, version=2, name="x.weight", fmt=f, offset=at, scales=scales, residual=res,
-                 new_residual=cpu_res)  # fmt: skip
+                 new_residual=cpu_res)
     ef = rounding == "ef"
     k0, k1 = spec.key(2, "x.weight")
     gpu = torch.empty(m.size, dtype=torch.int16 if f.width == 16 else torch.uint8)
@@ -114,7 +114,7 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -
         torch.from_numpy(scales.scale_inv.reshape(-1).copy()) if scales else one,
         scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
         torch.from_numpy(res) if ef else None, gpu_res if ef else None,
-    )  # fmt: skip
+    )
     assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
     if ef:
         assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))
@@ -140,6 +140,6 @@ def test_far_subnormal_sr_agrees(fmt: str) -> None:
     k0, k1 = spec.key(1, "w")
     one = torch.ones(1)
     triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one, one,
-                                scales.mode if scales else 0, 1, 1)  # fmt: skip
+                                scales.mode if scales else 0, 1, 1)
     assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
     assert np.count_nonzero(cpu.view(gpu.numpy().dtype)[1:]) > 100  # some did round up, away from 0

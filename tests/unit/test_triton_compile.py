@@ -76,7 +76,7 @@ def memory_ops(ptx: str) -> set[str]:
 
 @pytest.mark.parametrize(("name", "mode", "cols", "rounding"), CASES, ids=[case_id(*c) for c in CASES])
 def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str], name: str, mode: int, cols: int,
-                                                             rounding: str) -> None:  # fmt: skip
+                                                             rounding: str) -> None:
     code = ptx[case_id(name, mode, cols, rounding)]
     ops = memory_ops(code)
     assert "ld.global.v4.b32" in ops, ops  # the master, 4 fp32 a load

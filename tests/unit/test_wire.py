@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightsvc.transport.wire import ChunkView, Malformed, decode_chunk, decode_push_request, encode_chunk
+from weightsvc.protocol.wire import ChunkView, Malformed, decode_chunk, decode_push_request, encode_chunk
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 names = st.text(max_size=40)

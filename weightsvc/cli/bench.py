@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
-from weightsvc.core.memory import alloc
+from weightsvc.memory import alloc
 
 TENSOR_MIB = 16  # a typical transformer matrix (2048 x 2048 fp32)
 TARGETS = {"T1": 0.5, "T2": 0.4, "T3": 0.4}
@@ -149,7 +149,7 @@ print(start, time.monotonic(), flush=True)
 def fanout_pull_seconds(target: str, pullers: int) -> float:
     """Wall seconds for `pullers` processes to pull the latest version at once (first start to last end)."""
     procs = [subprocess.Popen([sys.executable, "-c", _PULLER, target], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True) for _ in range(pullers)]  # fmt: skip
+                              text=True) for _ in range(pullers)]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -245,7 +245,7 @@ class _ServerProcess:
 
 
 def scale_bench(*, size_mib: int = 512, repeat: int = 3, redis_url: str = "redis://127.0.0.1:6379/0",
-                log: Callable[[str], Any] | None = None) -> dict[str, Any]:  # fmt: skip
+                log: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """scale_3v1: aggregate pull throughput of 8 pullers from 3 sharded replicas vs from 1 (each
     deployment on its own Redis prefix). Every puller asks replica 0 and gathers the parts from their
     owners, as InferenceClient does. None when no Redis answers at `redis_url`."""
@@ -262,7 +262,7 @@ def scale_bench(*, size_mib: int = 512, repeat: int = 3, redis_url: str = "redis
     for count in (1, 3):
         prefix = f"weightsvc-bench-{os.getpid()}-{count}"
         servers = [_ServerProcess(2, "--redis-url", redis_url, "--redis-prefix", prefix, "--replica-id", f"r{i}")
-                   for i in range(count)]  # fmt: skip
+                   for i in range(count)]
         try:
             with LearnerClient(servers[0].grpc) as learner:
                 learner.push(1, model)
@@ -345,7 +345,7 @@ def kernel_bench(*, size_mib: int = 256, repeat: int = 5) -> dict[str, float]:
     spec_sr, spec_ef = rounding.ExportSpec("bf16", "sr"), rounding.ExportSpec("bf16", "ef")
     sr_s = timed(lambda: rounding.export_array(flat, out_bytes, spec_sr, version=1, name="w"))
     ef_s = timed(lambda: rounding.export_array(flat, out_bytes, spec_ef, version=1, name="w", residual=res_in,
-                                               new_residual=res_out))  # fmt: skip
+                                               new_residual=res_out))
     torch_sr_s = timed(lambda: _torch_ops_sr(x))
     # The scaled formats' kernel (the generic one: fp8, mxfp8, nvfp4, mxfp4), sr, on a 4096-wide
     # matrix cut from the same tensor (at most 64 MiB: it is slower), its scales computed beforehand.
@@ -357,7 +357,7 @@ def kernel_bench(*, size_mib: int = 256, repeat: int = 5) -> dict[str, float]:
         served = np.empty(f.nbytes(grid.size), np.uint8)
         spec = rounding.ExportSpec(fmt, "sr", fp8_pattern=".*")
         seconds = timed(functools.partial(rounding.export_array, grid.reshape(-1), served, spec, version=1, name="w",
-                                          fmt=f, scales=scales))  # fmt: skip
+                                          fmt=f, scales=scales))
         scaled_gbps[f"kernel_{fmt}_sr_gbps"] = round(grid.nbytes / seconds / 1e9, 2)
     return {
         **scaled_gbps,
@@ -424,7 +424,7 @@ def cuda_kernel_bench(*, size_mib: float = 1024, repeat: int = 10, device: str =
         micro_s[fmt] = timed(functools.partial(rounding.export, grid, spec, version=1, name="w", device=on))
     gbps = {k: round(x.numel() * 4 / v / 1e9, 1) for k, v in
             {"cast": cast_s, "sr": sr_s, "ef": ef_s, "export_sr": api_sr_s, "export_ef": api_ef_s,
-             "fp8_block_sr": fp8_s, **{f"{fmt}_sr": v for fmt, v in micro_s.items()}}.items()}  # fmt: skip
+             "fp8_block_sr": fp8_s, **{f"{fmt}_sr": v for fmt, v in micro_s.items()}}.items()}
     return {
         "K1_cuda": round(cast_s / sr_s, 3),
         "K2_cuda": round(cast_s / ef_s, 3),
@@ -482,7 +482,7 @@ def cuda_kernel_profile(*, size_mib: float = 1024, repeat: int = 5, device: str 
 
 
 def device_push_bench(*, size_mib: int = 4096, repeat: int = 2, rounding: str = "sr",
-                      small: int = 20_000) -> dict[str, Any]:  # fmt: skip
+                      small: int = 20_000) -> dict[str, Any]:
     """K3's service side: a push of a `size_mib` fp32 model to a server with `--device cuda` and to
     one with `--device cpu`, against raw TCP moving the same bytes (the network alone). Export
     hidden behind receipt: K3_push_cuda_vs_tcp near 1. Also the push of `small` tensors of 1024
@@ -519,8 +519,8 @@ def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
     """delta_ratio_<mode>: delta bytes / dense bytes between two versions one Adam-sized step apart
     (every element moves by lr, as in the demo), in mid-training: masters off the bf16 grid."""
     from weightsvc import rounding
-    from weightsvc.core.delta import encode
-    from weightsvc.core.manifest import Manifest, layout
+    from weightsvc.protocol.delta import encode
+    from weightsvc.protocol.manifest import Manifest, layout
 
     gen = torch.Generator().manual_seed(0)
     shape = ((size_mib << 20) // 4 // 2048, 2048)
@@ -530,7 +530,7 @@ def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
     for mode in rounding.ROUNDINGS:
         spec, residual = rounding.ExportSpec("bf16", mode), rounding.Residual()
         served = [rounding.export_state_dict({"w": m}, spec, version=v, residual=residual)["w"]
-                  for v, m in ((1, m0), (2, m1))]  # fmt: skip
+                  for v, m in ((1, m0), (2, m1))]
         slots, nbytes = layout([("w", shape, "BF16")])
         manifest = Manifest("bench", 2, "bf16", mode, 0, 0.0, nbytes, "", tuple(slots))
         data = [t.view(torch.uint8).reshape(-1).numpy().data for t in served]
@@ -541,7 +541,7 @@ def delta_bench(*, size_mib: int = 64, lr: float = 3e-6) -> dict[str, float]:
 # Which part of the bench measures each figure id (`--only` takes ids or part names).
 PARTS = {"T1": "transfer", "T2": "transfer", "T3": "transfer", "M1": "transfer", "K1": "kernels", "K2": "kernels",
          "delta": "delta", "scale_3v1": "scale", "E1": "E1", "S1": "S1", "S2": "S2", "P1": "P1",
-         "K3_sass": "sass"}  # fmt: skip
+         "K3_sass": "sass"}
 L1_TARGET_S = 0.1
 
 
@@ -550,7 +550,7 @@ def _row(what: str, value: str, target: str = "") -> dict[str, str]:
 
 
 def transfer_bench(model: dict[str, torch.Tensor], *, repeat: int, retain: int, tcp: RawTcp,
-                   say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+                   say: Callable[[str], Any]) -> dict[str, Any]:
     """T1, T2, T3 and M1 on one server."""
     master_bytes = sum(t.numel() * 4 for t in model.values())
     server = _ServerProcess(retain)
@@ -589,7 +589,7 @@ def transfer_bench(model: dict[str, torch.Tensor], *, repeat: int, retain: int, 
         fanout_grpc_s = _best(lambda: fanout_pull_seconds(server.grpc, PULLERS), repeat)
         fanout_http_s = _best(lambda: fanout_pull_seconds(server.http, PULLERS), repeat)
         say(f"{PULLERS} pullers at once: grpc {PULLERS * served_bytes / fanout_grpc_s / 1e9:.2f} GB/s, "
-            f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")  # fmt: skip
+            f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")
         peak_fanout = server.peak_rss_bytes()  # with the gRPC streams of 8 pullers in flight too
         retained = sum(v.data_bytes for v in InferenceClient(server.http).versions())
         lag = server.loop_lag_max_s(warm)
@@ -663,7 +663,7 @@ for info in client.watch(after=int(sys.argv[2])):
 
 
 def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repeat: int, tcp: RawTcp,
-               say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+               say: Callable[[str], Any]) -> dict[str, Any]:
     """E1: from the learner's push call until `n` puller processes, already watching, hold the new
     version (checksums verified), over gRPC and over HTTP, vs raw TCP moving the masters up and then
     the served bytes down to `n` receivers at once."""
@@ -696,7 +696,7 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
         for n in pullers:
             for transport, target in (("grpc", server.grpc), ("http", server.http)):
                 procs = [subprocess.Popen([sys.executable, "-c", _WATCHER, target, str(step)], stdout=subprocess.PIPE,
-                                          text=True) for _ in range(n)]  # fmt: skip
+                                          text=True) for _ in range(n)]
                 try:
                     push_and_wait(procs)  # every watcher connected, watching and warm
                     runs = [push_and_wait(procs) for _ in range(repeat)]
@@ -706,7 +706,7 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
                         p.wait()
                 sync[n, transport], commit[n, transport] = min(runs)
                 say(f"E1: {n} {transport} puller(s) hold the version {sync[n, transport]:.2f} s after the push call "
-                    f"(commit at {commit[n, transport]:.2f} s)")  # fmt: skip
+                    f"(commit at {commit[n, transport]:.2f} s)")
         lag = server.loop_lag_max_s(warm)
         learner.close()
     finally:
@@ -738,7 +738,7 @@ def _slope(xs: list[float], ys: list[float]) -> float:
 
 
 def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
-                      say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+                      say: Callable[[str], Any]) -> dict[str, Any]:
     """S1: push + pull (checksums verified) of `total_mib` fp32 split into each of `counts` tensors;
     the least-squares slope of the time on the count is the cost of one tensor, end to end."""
     gen = torch.Generator().manual_seed(0)
@@ -754,7 +754,7 @@ def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
         for count in counts:
             # Views of one block at distinct offsets: distinct tensors to the learner, built at once.
             model = {f"t.{i}": t for i, t in enumerate((torch.randn(count, elements // count, generator=gen) * 0.02)
-                                                       .unbind(0))}  # fmt: skip
+                                                       .unbind(0))}
 
             def push_once(model: dict[str, torch.Tensor]) -> float:
                 nonlocal step
@@ -772,7 +772,7 @@ def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
             for t, client in clients.items():
                 times[f"pull_{t}"].append(_best(lambda c=client: pull_once(c), repeat))  # type: ignore[misc]
             say(f"S1: {count} tensors: push {times['push'][-1]:.2f} s, pull grpc {times['pull_grpc'][-1]:.2f} s, "
-                f"http {times['pull_http'][-1]:.2f} s")  # fmt: skip
+                f"http {times['pull_http'][-1]:.2f} s")
         lag = server.loop_lag_max_s(warm)
         for client in clients.values():
             client.close()
@@ -829,7 +829,7 @@ def _peak_anon_rss(server: _ServerProcess, work: Callable[[], object]) -> int:
 
 
 def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ...],
-                       say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+                       say: Callable[[str], Any]) -> dict[str, Any]:
     """S2: with --data-dir, the server's anonymous RSS once the same pushes are done, for each
     --retain; the least-squares slope of it on the retained bytes (0: the versions live in the page
     cache of their files, not in the process)."""
@@ -856,7 +856,7 @@ def data_dir_rss_bench(model: dict[str, torch.Tensor], *, retains: tuple[int, ..
             finally:
                 server.close()
         say(f"S2: --retain {k}: anonymous RSS {anon[k] >> 20} MiB (peak {peak[k] >> 20}) "
-            f"holding {retained[k] >> 20} MiB")  # fmt: skip
+            f"holding {retained[k] >> 20} MiB")
     xs = [float(retained[k]) for k in retains]
     s2 = _slope(xs, [float(anon[k]) for k in retains]) if len(set(xs)) > 1 else 0.0
     return {
@@ -937,7 +937,7 @@ class _Nginx:
         exe = shutil.which("nginx")
         assert exe is not None
         self.proc = subprocess.Popen([exe, "-p", d, "-e", f"{d}/error.log", "-c", f"{d}/nginx.conf"],
-                                     stderr=subprocess.PIPE)  # fmt: skip
+                                     stderr=subprocess.PIPE)
         self.url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 10
         while True:
@@ -957,7 +957,7 @@ class _Nginx:
 
 
 def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
-               say: Callable[[str], Any]) -> dict[str, Any]:  # fmt: skip
+               say: Callable[[str], Any]) -> dict[str, Any]:
     """P1: `InferenceClient.pull` (into memory, checksums verified) over HTTP and gRPC vs raw TCP into
     a preallocated buffer; what the transfer alone costs (`pull_data`, no verification); and a plain
     http.client read into a preallocated buffer, and into a fresh one as a pull's (mapping it is part
@@ -1015,7 +1015,7 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
     down = tcp.down(served_bytes)
     ratio = {k: down / v for k, v in seconds.items()}
     say("P1: " + ", ".join(f"{k} {served_bytes / v / 1e9:.2f} GB/s" for k, v in seconds.items())
-        + f"; raw tcp {served_bytes / down / 1e9:.2f} GB/s")  # fmt: skip
+        + f"; raw tcp {served_bytes / down / 1e9:.2f} GB/s")
     out: dict[str, Any] = {
         "P1_http": round(ratio["pull_http"], 3),
         "P1_grpc": round(ratio["pull_grpc"], 3),
@@ -1058,7 +1058,7 @@ def pull_bench(model: dict[str, torch.Tensor], *, repeat: int, tcp: RawTcp,
 # How a launch specializes the kernels' arguments: pointer types, and which are 16-aligned (the CUDA
 # caching allocator's blocks, and sizes that are multiples of 16).
 _ARG_TYPES = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_scales": "*fp32", "scales": "*fp32",
-              "counts": "*i64", "blocks": "*i64", "keys": "*i64", "n": "i32"}  # fmt: skip
+              "counts": "*i64", "blocks": "*i64", "keys": "*i64", "n": "i32"}
 _ALIGNED = ("src", "dst", "residual", "new_residual", "n")
 
 
@@ -1076,7 +1076,7 @@ def compile_kernel(kernel: Any, constexprs: dict[str, object], served: str, arch
     signature = {a: "constexpr" if a in constexprs else types.get(a, "i64") for a in names}
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in _ALIGNED if a in names}
     return compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                   options=_triton.launch_options())  # fmt: skip
+                   options=_triton.launch_options())
 
 
 def _sass_instructions(cubin: bytes) -> int:
@@ -1102,10 +1102,10 @@ def sass_bench() -> dict[str, Any]:
         return {"K3_sass": None, "details": {"k3_sass_skipped": why}}
     figures = json.loads(done.stdout)
     ratios = ", ".join(f"{k} {figures[f'K3_sass_{k}_vs_cast']:.1f}x"
-                       for k in ("bf16_sr", "bf16_ef", "fp8_block_pow2_sr", "nvfp4_sr"))  # fmt: skip
+                       for k in ("bf16_sr", "bf16_ef", "fp8_block_pow2_sr", "nvfp4_sr"))
     what = f"GPU kernels' machine instructions per element vs a cast ({figures['K3_sass_arch']})"
     return {"K3_sass": figures["K3_sass_bf16_sr_vs_cast"], "details": figures,
-            "report": {"K3_sass": _row(what, ratios)}}  # fmt: skip
+            "report": {"K3_sass": _row(what, ratios)}}
 
 
 def kernel_instructions(arch: int = 90) -> dict[str, Any]:
@@ -1127,7 +1127,7 @@ def kernel_instructions(arch: int = 90) -> dict[str, Any]:
 
     per_thread = _triton.LAUNCH["block"] / (_triton.LAUNCH["num_warps"] * 32)
     bf16 = {"rtn": (False, False, True), "sr": (True, False, True), "sr_uncounted": (True, False, False),
-            "ef": (False, True, True)}  # fmt: skip
+            "ef": (False, True, True)}
     cases: dict[str, tuple[Any, dict[str, object], str]] = {
         "cast": (cast_kernel, {"BLOCK": _triton.LAUNCH["block"]}, "*bf16"),
         **{f"bf16_{k}": (_triton._bf16_kernel, _triton.bf16_constexprs(*v), "*i16") for k, v in bf16.items()},
@@ -1187,7 +1187,7 @@ def run_bench(
         add("P1", time.monotonic(), pull_bench(model, repeat=repeat, tcp=tcp, say=say))
     if "S1" in parts:
         add("S1", time.monotonic(),
-            tensor_cost_bench(total_mib=s1_mib, counts=s1_tensors, repeat=min(repeat, 2), say=say))  # fmt: skip
+            tensor_cost_bench(total_mib=s1_mib, counts=s1_tensors, repeat=min(repeat, 2), say=say))
     if "S2" in parts:
         add("S2", time.monotonic(), data_dir_rss_bench(model, retains=s2_retains, say=say))
     if "kernels" in parts:
@@ -1201,7 +1201,7 @@ def run_bench(
             "K2": _row("fused ef bf16 export vs x.to(bfloat16)", f"{kernels['K2']:.2f}x", ">= 0.4x"),
             "K1_vs_torch_ops_sr": _row("fused sr vs sr composed from torch ops",
                                        f"{kernels['K1_vs_torch_ops_sr']:.1f}x faster"),
-        })  # fmt: skip
+        })
     if "delta" in parts:
         add("delta", time.monotonic(), delta_bench())
     if "sass" in parts:
@@ -1220,7 +1220,7 @@ def run_bench(
     if lags:  # L1: the longest block of the event loop, over every server of this run after its first push
         result["L1"] = max(lags)
         result["report"]["L1"] = _row("event loop blocked at most (bucket), every server after its first push",
-                                      f"<= {max(lags) * 1000:.0f} ms", f"<= {L1_TARGET_S * 1000:.0f} ms")  # fmt: skip
+                                      f"<= {max(lags) * 1000:.0f} ms", f"<= {L1_TARGET_S * 1000:.0f} ms")
     return result
 
 
@@ -1235,7 +1235,7 @@ def _scrape(http: str) -> dict[str, float]:
         for f in text_string_to_metric_families(text)
         if f.name in ("weightsvc_staged_bytes", "weightsvc_pulls_in_flight", "weightsvc_pushes_in_flight",
                       "weightsvc_retained_versions")
-    }  # fmt: skip
+    }
 
 
 def soak(

@@ -22,7 +22,7 @@ run and stays at chance (AUC 0.128), sr and sr-sticky learn as in bf16, ef learn
 The masters start on the served format's grid (as a bf16 or fp8 checkpoint would): off the grid,
 round to nearest acts like a sticky stochastic rounding, since where each element sits in its
 cell is random, and would hide nothing.
-The service measures the lag of each committed version (weightsvc.core.lag).
+The service measures the lag of each committed version (weightsvc.service.versions.lag).
 """
 
 from __future__ import annotations
@@ -98,14 +98,14 @@ def load_checkpoint(policy: Policy, spec: rounding.ExportSpec, gen: torch.Genera
     matrix = (0.5 + 0.5 * torch.rand(shape, generator=gen)) * sign
     on_grid = rounding.ExportSpec(spec.format, "rtn", spec.seed, spec.scaling, spec.fp8_pattern)
     start = dequantized(rounding.export_state_dict({"pos.weight": matrix}, on_grid, version=0, device="cpu"),
-                        "pos.weight")  # fmt: skip
+                        "pos.weight")
     with torch.no_grad():
         policy.pos.weight.copy_(start)
         policy.neg.weight.copy_(start)
 
 
 def run_mode(target: str, mode: str, spec: rounding.ExportSpec, *, steps: int, lr: float, batch: int,
-             seed: int = 0, contexts: int = 8, actions: int = 8, features: int = 1024) -> Trace:  # fmt: skip
+             seed: int = 0, contexts: int = 8, actions: int = 8, features: int = 1024) -> Trace:
     gen = torch.Generator().manual_seed(seed)  # the same task, start and rollout draws in every mode
     hidden = (torch.randint(0, 2, (contexts, features), generator=gen) * 2 - 1).float()
     best = torch.randint(0, actions, (contexts,), generator=gen)
@@ -174,7 +174,7 @@ def plot(traces: dict[str, Trace], path: Path, format: str) -> None:
     ax_reward.axhline(REWARD_THRESHOLD, color="grey", linestyle=":", linewidth=1)
     ax_lag.set(title=f"served policy lag behind the learner ({format})", xlabel="step", ylabel="lag (steps)")
     ax_reward.set(title=f"reward of the served policy ({format})", xlabel="step",
-                  ylabel=f"mean reward, last {REWARD_WINDOW} steps")  # fmt: skip
+                  ylabel=f"mean reward, last {REWARD_WINDOW} steps")
     for ax in (ax_lag, ax_reward):
         ax.grid(alpha=0.3)
         ax.legend()

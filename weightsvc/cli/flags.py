@@ -29,7 +29,7 @@ PANELS = {
                "pull_stall_timeout_s", "push_rank_timeout_s"),
     "Auth and TLS": ("auth_file", "auth_open_paths", "tls_cert", "tls_key"),
     "Scale-out": ("redis_url", "redis_prefix", "replica_id", "replication", "advertise_host", "relay_from"),
-}  # fmt: skip
+}
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
 
@@ -81,7 +81,7 @@ def _parameter(name: str, info: FieldInfo) -> inspect.Parameter:
     # Only values given on the command line reach Settings (see settings_command): this default
     # is the one shown, never one applied.
     return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=flag_default(info),
-                             annotation=Annotated[parsed | None, option])  # fmt: skip
+                             annotation=Annotated[parsed | None, option])
 
 
 def settings_command(run: Callable[[Settings], None]) -> Callable[..., None]:

@@ -136,7 +136,7 @@ def serve(settings: Settings) -> None:
         gc.set_threshold(700, 10, 1000)
         # One machine-readable line on stdout, for scripts that started us with port 0.
         print(f"weightsvc ready grpc={server.grpc_target} http={server.http_url} "
-              f"device={server.device}", flush=True)  # fmt: skip
+              f"device={server.device}", flush=True)
         await stop.wait()
         logging.getLogger("weightsvc").info("shutting down")
         await server.stop()
@@ -183,10 +183,10 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
         fail(f"cannot read {path}: {e.strerror}")
     if prefix.startswith(_TORCH_MAGIC):
         fail(f"{path} is not a safetensors file: it is a torch.save checkpoint; convert it with "
-             f"safetensors.torch.save_file(torch.load(...), 'masters.safetensors')")  # fmt: skip
+             f"safetensors.torch.save_file(torch.load(...), 'masters.safetensors')")
     if not raw:
         fail(f"{path} is not a safetensors file: its first 8 bytes give a header of {length} bytes "
-             f"in a file of {size} bytes")  # fmt: skip
+             f"in a file of {size} bytes")
     try:
         header = json.loads(raw)
     except ValueError:
@@ -198,20 +198,20 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
 
 def check_base_file(path: Path, model: str, base: int) -> None:
     """`pull --base`: the output file must hold that version of the model, as a previous pull wrote it."""
-    from weightsvc.core.manifest import manifest_from_header
+    from weightsvc.protocol.manifest import manifest_from_header
 
     if not path.exists():
         fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
-             f"(without --base)")  # fmt: skip
+             f"(without --base)")
     _, header = read_safetensors_header(path)
     try:
         held = manifest_from_header(header)
     except WeightsvcError as e:
         fail(f"--base {base}: {path} was not written by `weightsvc pull` ({e}); pull model {model!r} "
-             f"version {base} into it first (without --base)")  # fmt: skip
+             f"version {base} into it first (without --base)")
     if (held.model, held.version) != (model, base):
         fail(f"--base {base}: {path} holds model {held.model!r} version {held.version}, "
-             f"not model {model!r} version {base}")  # fmt: skip
+             f"not model {model!r} version {base}")
 
 
 # ---- push, pull, export ----------------------------------------------------------------------
@@ -435,7 +435,7 @@ def status(
     from rich.table import Table
 
     versions = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed (UTC)",
-                     "lag (steps)", "visibility", "churn", "rel. error", title="versions")  # fmt: skip
+                     "lag (steps)", "visibility", "churn", "rel. error", title="versions")
     for m in report:
         for i, v in enumerate(m["versions"]):
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
@@ -447,7 +447,7 @@ def status(
                 str(lag.get("lag_steps", "-")), "-" if visibility is None else f"{visibility:.2f}",
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
                 end_section=i == len(m["versions"]) - 1,
-            )  # fmt: skip
+            )
     print_table(versions)
     if not any(m["clients"] for m in report):
         say("no inference client has acked a version yet")
@@ -459,7 +459,7 @@ def status(
                 m["model"] if i == 0 else "", c["client_id"], str(c["version"]), str(c["lag_versions"]),
                 _when(c["last_seen_unix"]), "yes" if c["connected"] else "no",
                 end_section=i == len(m["clients"]) - 1,
-            )  # fmt: skip
+            )
     print_table(clients)
 
 
@@ -483,7 +483,7 @@ def demo(
 
     if format not in rounding.FORMATS:
         raise typer.BadParameter(f"unknown format {format!r}; choose one of {', '.join(rounding.FORMATS)}",
-                                 param_hint="--format")  # fmt: skip
+                                 param_hint="--format")
     configure_logging("warning")
     results = run_demo(steps=steps, lr=lr, format=format, png=png, log=None if json_out else note)
     if json_out:
@@ -496,7 +496,7 @@ def demo(
         table.add_row(*row)
     print_table(table)
     note(f"steps to reward: the first step whose mean reward over the last {REWARD_WINDOW} steps reaches "
-         f"{REWARD_THRESHOLD:g} (chance 1/8); reward AUC: the mean reward over all steps")  # fmt: skip
+         f"{REWARD_THRESHOLD:g} (chance 1/8); reward AUC: the mean reward over all steps")
 
 
 def _ints(flag: str, text: str) -> tuple[int, ...]:
@@ -540,7 +540,7 @@ def bench(
     unknown = sorted((figures or set()) - set(PARTS))
     if unknown:
         raise typer.BadParameter(f"unknown figure(s) {', '.join(unknown)}; known: {', '.join(PARTS)}",
-                                 param_hint="--only")  # fmt: skip
+                                 param_hint="--only")
     counts = _ints("--s1-tensors", s1_tensors)
     if len(set(counts)) < 2:
         raise typer.BadParameter("give two different counts at least: S1 is a slope", param_hint="--s1-tensors")
@@ -553,7 +553,7 @@ def bench(
         return
     result = run_bench(size_mib=size_mib, repeat=repeat, only=figures, pullers=_ints("--pullers", pullers),
                        s1_mib=s1_mib, s1_tensors=counts, s2_retains=_ints("--s2-retain", s2_retain),
-                       log=None if json_out else note)  # fmt: skip
+                       log=None if json_out else note)
     report = result.pop("report")
     if json_out:
         print(json.dumps(result, indent=2))

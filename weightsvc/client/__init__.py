@@ -27,7 +27,7 @@ from weightsvc.client._common import (
     read_version_file,
     verify_data,
 )
-from weightsvc.core.manifest import Slice
+from weightsvc.protocol.manifest import Slice
 
 if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient

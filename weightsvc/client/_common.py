@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.core.manifest import (
+from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
+from weightsvc.memory import alloc
+from weightsvc.protocol.manifest import (
     DTYPE_SIZES,
     LagMetrics,
     Manifest,
@@ -30,11 +32,9 @@ from weightsvc.core.manifest import (
     read_safetensors_header,
     verify,
 )
-from weightsvc.core.memory import alloc
-from weightsvc.core.selection import Select, by_part, joined
-from weightsvc.core.topology import Replica
-from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
-from weightsvc.transport.wire import lag_from_proto
+from weightsvc.protocol.selection import Select, by_part, joined
+from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.wire import lag_from_proto
 
 if TYPE_CHECKING:
     import torch
@@ -428,7 +428,7 @@ class InferenceClient:
         if select is not None:
             if base is not None:
                 raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
-                                      "pull the selection without a base")  # fmt: skip
+                                      "pull the selection without a base")
             if not select:
                 raise InvalidArgument(f"model {model!r}: the selection is empty: select at least one tensor")
         held = self._held.get(model)
@@ -464,14 +464,14 @@ class InferenceClient:
             def pull(part: Part, group: Select) -> None:
                 where = f"model {model!r} version {whole.version}, tensors of replicas {list(part.sources)}"
                 got[part] = self._from_holders(part, lambda source: self._pull(
-                    model, str(whole.version), None, moved, select=group, owner=source), where)  # fmt: skip
+                    model, str(whole.version), None, moved, select=group, owner=source), where)
 
             gather([lambda p=p, g=g: pull(p, g) for p, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
             manifest, data = joined([got[p] for p in sorted(groups, key=lambda p: p.offset)])
         sent = {t.name: t.slice for t in manifest.tensors}
         if sent != dict(select):
             raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
-                           f"({sorted(sent)}) than the one asked for ({sorted(select)})")  # fmt: skip
+                           f"({sorted(sent)}) than the one asked for ({sorted(select)})")
         return manifest, data
 
     def held(self, model: str = "default") -> Manifest | None:
@@ -489,7 +489,7 @@ class InferenceClient:
         full = alloc(manifest.data_bytes)
         full[:] = held[1]
         try:
-            from weightsvc.core.delta import apply as delta_apply  # numpy: loaded by delta pulls only
+            from weightsvc.protocol.delta import apply as delta_apply  # numpy: loaded by delta pulls only
 
             delta_apply(manifest, delta, full)
         except (ValueError, struct.error) as e:
@@ -506,7 +506,7 @@ class InferenceClient:
         def pull(part: Part) -> None:
             end = part.offset + part.nbytes
             rx = Receiver(data, max(part.offset, received), end, moved,
-                          f"{where}, part [{part.offset}, {end}) of replicas {list(part.sources)}")  # fmt: skip
+                          f"{where}, part [{part.offset}, {end}) of replicas {list(part.sources)}")
             self._from_holders(part, lambda source: self._pull_part(manifest, source, rx), rx.where)
             if not rx.full:
                 raise DataLoss(f"{rx.where}: got bytes up to {rx.pos} of its part [{part.offset}, {end})")

@@ -21,14 +21,14 @@ from weightsvc.client._common import (
     VersionInfo,
     _is_http,
 )
-from weightsvc.core.manifest import Manifest
-from weightsvc.core.memory import alloc
-from weightsvc.core.registry import REPLICA_TTL_S
-from weightsvc.core.selection import Select
-from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
-from weightsvc.transport.names import PULL
-from weightsvc.transport.wire import ChunkView, decode_pull_response, manifest_from_proto, select_to_proto
+from weightsvc.memory import alloc
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.names import PULL
+from weightsvc.protocol.selection import Select
+from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.wire import ChunkView, decode_pull_response, manifest_from_proto, select_to_proto
+from weightsvc.service.replicas.registry import REPLICA_TTL_S
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -199,7 +199,7 @@ class Replicas:
 def _pull_method(ch: grpc.Channel) -> Any:
     """Pull on `ch`: pre-encoded chunks come back as views, not copies (`transport.wire`)."""
     return ch.unary_stream(PULL, request_serializer=pb.PullRequest.SerializeToString,
-                           response_deserializer=decode_pull_response)  # fmt: skip
+                           response_deserializer=decode_pull_response)
 
 
 def _read_manifest(stream: Iterator[object], where: str) -> Manifest | None:
@@ -258,7 +258,7 @@ class GrpcInferenceClient(InferenceClient):
             # After a break, ask for the same version from the first byte we do not have yet.
             pinned = version if manifest is None else str(manifest.version)
             request = pb.PullRequest(model=model, version=pinned, offset=rx.pos if rx else 0,
-                                     base="" if held is None else str(held[0].version), select=selected)  # fmt: skip
+                                     base="" if held is None else str(held[0].version), select=selected)
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
                 got = _read_manifest(stream, f"model {model!r} version {pinned}")
@@ -273,7 +273,7 @@ class GrpcInferenceClient(InferenceClient):
                         if rx is None:  # the bytes that follow encode changes from the held version
                             delta = True
                             rx = Receiver(alloc(chunk.delta.delta_bytes), 0, chunk.delta.delta_bytes, moved,
-                                          f"{where} (delta on version {request.base})")  # fmt: skip
+                                          f"{where} (delta on version {request.base})")
                         continue
                     if not isinstance(chunk, ChunkView):
                         raise DataLoss(f"{where}: unexpected message in the pull stream")
@@ -318,10 +318,10 @@ class GrpcInferenceClient(InferenceClient):
         more, got = [], len(head.tensors)
         while got < head.tensor_count:  # a big manifest comes in pieces: ask from where we got to
             piece = self._call(self._stub.GetManifest, pb.GetManifestRequest(
-                model=model, version=str(head.version), tensors_from=got))  # fmt: skip
+                model=model, version=str(head.version), tensors_from=got))
             if piece.master_digest != head.master_digest or not piece.tensors:
                 raise DataLoss(f"model {model!r} version {head.version}: its manifest changed or ended after "
-                               f"{got} of {head.tensor_count} tensors")  # fmt: skip
+                               f"{got} of {head.tensor_count} tensors")
             more.append(piece.tensors)
             got += len(piece.tensors)
         return manifest_from_proto(head, itertools.chain.from_iterable(more))

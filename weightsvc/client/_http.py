@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
-from weightsvc.core.manifest import MAX_HEADER_BYTES, Manifest, manifest_from_header, read_safetensors_header
-from weightsvc.core.memory import alloc
-from weightsvc.core.selection import Select, selector
-from weightsvc.core.topology import Replica
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
+from weightsvc.memory import alloc
+from weightsvc.protocol.manifest import MAX_HEADER_BYTES, Manifest, manifest_from_header, read_safetensors_header
+from weightsvc.protocol.selection import Select, selector
+from weightsvc.protocol.topology import Replica
 
 _quote = urllib.parse.quote
 Origin = urllib.parse.SplitResult
@@ -115,7 +115,7 @@ class HttpInferenceClient(InferenceClient):
 
     @contextlib.contextmanager
     def _open(self, method: str, path: str, *, headers: dict[str, str] | None = None, body: bytes | None = None,
-              base: str | None = None) -> Iterator[http.client.HTTPResponse]:  # fmt: skip
+              base: str | None = None) -> Iterator[http.client.HTTPResponse]:
         """The response to a request to `path` of the target (or of `base`, another replica's URL).
 
         Error statuses and lost connections are raised as domain errors; the connection is kept for
@@ -205,7 +205,7 @@ class HttpInferenceClient(InferenceClient):
             # Resume the same version (If-Range: never splice two versions).
             path = f"/v1/models/{_quote(model)}/versions/{manifest_of[0].version}/safetensors"
             with self._open(method, path, headers={"Range": f"bytes={start + rx.pos}-", "If-Range": etag},
-                            body=body, base=url) as resp:  # fmt: skip
+                            body=body, base=url) as resp:
                 if resp.status != 206:
                     raise DataLoss(f"{rx.where} changed while resuming its pull")
                 rx.read(resp)

@@ -17,11 +17,11 @@ import numpy as np
 
 from weightsvc.client._common import Credentials, InferenceClient, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
-from weightsvc.core.manifest import MASTER_DTYPE
-from weightsvc.core.topology import Replica, groups
 from weightsvc.errors import Unavailable, WeightsvcError
-from weightsvc.transport.names import PUSH
-from weightsvc.transport.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
+from weightsvc.protocol.manifest import MASTER_DTYPE
+from weightsvc.protocol.names import PUSH
+from weightsvc.protocol.topology import Replica, groups
+from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -122,7 +122,7 @@ def _equal(a: Array, b: Array) -> bool:
 
 
 def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = None
-          ) -> tuple[dict[str, Array | Shard], dict[str, str]]:  # fmt: skip
+          ) -> tuple[dict[str, Array | Shard], dict[str, str]]:
     """The parts to push, each tied tensor once, and the aliases (alias -> pushed name).
 
     Whole tensors that view the same memory (`lm_head.weight` and `embed_tokens.weight` of a
@@ -146,7 +146,7 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
             continue
         if alias in aliases:
             raise ValueError(f"tensor {alias!r} is declared tied to {target!r} but shares its memory with "
-                             f"{aliases[alias]!r}")  # fmt: skip
+                             f"{aliases[alias]!r}")
         if alias in kept:
             value = kept.pop(alias)
             other = kept.setdefault(target, value)  # pushed under the tensor's own name
@@ -225,13 +225,13 @@ class LearnerClient:
         if world_size == 1:  # (another rank may hold the tensor of a declared tie)
             aliases = {a: t for a, t in aliases.items() if t in parts}
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
-                               world_size=world_size)  # fmt: skip
+                               world_size=world_size)
         where = f"model {model!r} step {step}"
         while True:
             replicas = self._replicas.live()
             if not replicas and self._replicas.left_out:
                 raise Unavailable(f"{where}: no replica of the deployment can be reached (left out: "
-                                  f"{sorted(self._replicas.left_out)})")  # fmt: skip
+                                  f"{sorted(self._replicas.left_out)})")
             if len(replicas) <= 1 and not self._replicas.left_out:
                 header.aliases.update(aliases)
                 streams: list[Stream] = [("", self._channel, header, dict(parts))]
@@ -253,12 +253,12 @@ class LearnerClient:
         if return_served:
             credentials = self.credentials
             with InferenceClient(self.target, timeout=self.timeout, token=credentials.token or "",
-                                 ca_cert=credentials.ca) as puller:  # fmt: skip
+                                 ca_cert=credentials.ca) as puller:
                 info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
         return info
 
     def _sharded(self, header: pb.PushHeader, parts: dict[str, Array | Shard], aliases: dict[str, str],
-                 replicas: list[Replica], where: str) -> list[Stream]:  # fmt: skip
+                 replicas: list[Replica], where: str) -> list[Stream]:
         """One stream per replica, each with the tensors it owns (and the aliases of those)."""
         replication = min(self._replicas.replication, len(replicas))
         of = groups([*parts, *aliases.values()], [r.id for r in replicas], replication)
@@ -278,7 +278,7 @@ class LearnerClient:
         """The version `step` if a push to `owners` committed it, asked of any replica that answers."""
         try:
             m = self._replicas.ask(lambda stub: stub.GetManifest(pb.GetManifestRequest(model=model, version=str(step)),
-                                                                 timeout=self.timeout))  # fmt: skip
+                                                                 timeout=self.timeout))
         except WeightsvcError:
             return None
         if not m.parts or not {h for p in m.parts for h in (p.holders or [p.owner])} <= set(owners):
@@ -288,7 +288,7 @@ class LearnerClient:
         return pb.PushResponse(version=info, created=True)
 
     def _push_streams(self, streams: list[Stream], specs: dict[str, pb.TensorSpec],
-                      progress: Progress | None) -> pb.PushResponse:  # fmt: skip
+                      progress: Progress | None) -> pb.PushResponse:
         """Run push streams at once (one per replica); the first to fail cancels the others. A replica
         that cannot be reached raises `_ReplicaDown`."""
         senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
@@ -299,7 +299,7 @@ class LearnerClient:
             for replica, ch, header, parts in streams:
                 # Chunks are pre-encoded by `transport.wire` (one copy); header and commit are plain messages.
                 push = ch.stream_unary(PUSH, request_serializer=encode_message,
-                                       response_deserializer=pb.PushResponse.FromString)  # fmt: skip
+                                       response_deserializer=pb.PushResponse.FromString)
                 call = push.future(self._messages(header, parts, specs, progress, senders), timeout=self.timeout)
                 call.add_done_callback(done.put)
                 calls.append(call)
@@ -326,7 +326,7 @@ class LearnerClient:
     def _messages(
         self, header: pb.PushHeader, parts: dict[str, Array | Shard], specs: dict[str, pb.TensorSpec],
         progress: Progress | None, senders: list[threading.Thread],
-    ) -> Iterator[pb.PushRequest | bytes]:  # fmt: skip
+    ) -> Iterator[pb.PushRequest | bytes]:
         senders.append(threading.current_thread())
         # (a tied tensor pushed under its alias goes under the tensor's own name: `untie`)
         declared = [specs.get(name) or _spec(name, value) for name, value in parts.items()]

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from weightsvc.client._common import verify_data
-from weightsvc.core.manifest import Manifest
+from weightsvc.protocol.manifest import Manifest
 
 TORCH_DTYPES = {
     "F64": torch.float64,
@@ -139,7 +139,7 @@ def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         owner = next((name.removesuffix(suffix) for suffix in
                       (rounding.SCALE_SUFFIX, rounding.BLOCK_SCALE_SUFFIX, rounding.GLOBAL_SCALE_SUFFIX)
-                      if name.endswith(suffix) and _format_of(served, name.removesuffix(suffix))), None)  # fmt: skip
+                      if name.endswith(suffix) and _format_of(served, name.removesuffix(suffix))), None)
         if owner is None:
             masters.append(name)
     return {name: dequantized(served, name) if _format_of(served, name) else served[name] for name in masters}

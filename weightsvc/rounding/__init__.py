@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import numba
 import numpy as np
 
-from weightsvc.core.topology import fused_group
+from weightsvc.protocol.topology import fused_group
 from weightsvc.rounding import _cpu
 from weightsvc.rounding._codes import decode, pack, unpack
 from weightsvc.rounding._formats import BLOCK, FORMATS, MICROSCALED, SCALINGS, Format, Scales
@@ -257,7 +257,7 @@ def export_array(
     (FP4) ones an even offset and size, so that a chunk starts and ends on a byte."""
     fmt = fmt or FORMATS[spec.format]
     check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales, residual=residual,
-                 new_residual=new_residual)  # fmt: skip
+                 new_residual=new_residual)
     # Packed formats: one code per byte from the kernel, packed two per byte below.
     served = np.empty(master.size, np.uint8) if fmt.packed else out.view(np.uint16 if fmt.width == 16 else np.uint8)
     ef = spec.rounding == "ef"
@@ -276,7 +276,7 @@ def export_array(
         fmt.mantissa, fmt.bias, fmt.emin, fmt.max_bits, fmt.nan_bits, fmt.inf_bits, fmt.width,
         sc.inverse, sc.scale_inv.reshape(-1), sc.mode, sc.cols, sc.block_cols,
         residual if ef else _NO_RESIDUAL, new_residual if ef else _NO_RESIDUAL, ef,
-    )  # fmt: skip
+    )
     if fmt.packed:
         out.reshape(-1).view(np.uint8)[:] = pack(served)
     return ExportStats(int(nonfinite), int(saturated))
@@ -285,16 +285,16 @@ def export_array(
 def check_export(
     master: np.ndarray, out: np.ndarray, spec: ExportSpec, fmt: Format, *, name: str, offset: int = 0,
     scales: Scales | None = None, residual: np.ndarray | None = None, new_residual: np.ndarray | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """The rules of `export_array`'s arguments, on any device."""
     if master.dtype != np.float32 or master.ndim != 1:
         raise TypeError(f"tensor {name!r}: master must be a 1-D float32 array, got {master.dtype}")
     if out.nbytes != fmt.nbytes(master.size):
         raise ValueError(f"tensor {name!r}: out holds {out.nbytes} bytes, {master.size} elements of {fmt.name} "
-                         f"take {fmt.nbytes(master.size)}")  # fmt: skip
+                         f"take {fmt.nbytes(master.size)}")
     if fmt.packed and (offset % 2 or master.size % 2):
         raise ValueError(f"tensor {name!r}: {fmt.name} packs two elements per byte: offset {offset} and size "
-                         f"{master.size} must be even")  # fmt: skip
+                         f"{master.size} must be even")
     if fmt.scaled and scales is None:
         raise ValueError(f"tensor {name!r}: {fmt.name} needs scales (fp8_scales)")
     if fmt.scaled and scales is not None and (scales.codes is not None) != bool(fmt.block):
@@ -304,7 +304,7 @@ def check_export(
 
 
 def run_keys(master: np.ndarray, starts: np.ndarray, spec: ExportSpec, version: int, names: list[str],
-             outs: np.ndarray) -> np.ndarray:  # fmt: skip
+             outs: np.ndarray) -> np.ndarray:
     """What `export_runs` takes, checked, on any device: the runs' keys, (runs, 2) uint32."""
     if spec.rounding == "ef" or spec.format != "bf16":
         raise ValueError(f"export_runs takes bf16 with rtn, sr or sr-sticky, not {spec.format} {spec.rounding}")
@@ -326,7 +326,7 @@ def export_runs(
     counts = np.zeros((len(names), 2), np.int64)
     _cpu.bf16_export_runs(master.view(np.uint32), served, np.asarray(starts, np.int64), np.asarray(outs, np.int64),
                           np.array(offsets, np.uint64), keys[:, 0].copy(), keys[:, 1].copy(),
-                          spec.stochastic, counts)  # fmt: skip
+                          spec.stochastic, counts)
     return [ExportStats(int(nf), int(sat)) for nf, sat in counts.tolist()]
 
 
@@ -376,18 +376,18 @@ def export(
     scales = None
     if fmt.scaled:
         scales = fp8_scales_torch(m if res_in is None else m + res_in.reshape(m.shape), fmt, spec.scaling,
-                                  group_amax)  # fmt: skip
+                                  group_amax)
     layout = served_tensors(name, tuple(m.shape), fmt, spec.scaling)
     out = torch.empty(layout[0][1], dtype=_torch_dtype(fmt), device=m.device)
     if m.is_cuda:
         _export_triton(m, out, spec, fmt, version=version, name=name, scales=scales, residual=res_in,
-                       new_residual=res_out)  # fmt: skip
+                       new_residual=res_out)
     else:
         export_array(
             m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
             fmt=fmt, scales=scales, residual=None if res_in is None else res_in.numpy(),
             new_residual=None if res_out is None else res_out.numpy(),
-        )  # fmt: skip
+        )
     if residual is not None and res_out is not None:
         residual.tensors[name] = res_out.cpu().numpy()
     served = {layout[0][0]: out}
@@ -453,7 +453,7 @@ def group_amax(values: Iterable[np.ndarray]) -> float:
 def dequantize(
     served: Mapping[str, np.ndarray | torch.Tensor], name: str, fmt: Format, shape: tuple[int, ...],
     scaling: str = "block",
-) -> np.ndarray:  # fmt: skip
+) -> np.ndarray:
     """The fp32 values of master `name` (of `shape`) served in `fmt`, from its served tensors as
     `served_tensors` names them: numpy arrays of any dtype (their bytes are read, as the service
     keeps them) or torch tensors on any device. Exactly the values the kernels' ef residual is
@@ -487,7 +487,7 @@ def _bytes(t: np.ndarray | torch.Tensor) -> np.ndarray:
 def _export_triton(
     m: torch.Tensor, out: torch.Tensor, spec: ExportSpec, fmt: Format, *, version: int, name: str,
     scales: Scales | None, residual: torch.Tensor | None, new_residual: torch.Tensor | None,
-) -> None:  # fmt: skip
+) -> None:
     """The CUDA side of `export`: the Triton kernels, with the keys and scales of the CPU path."""
     import torch
 
@@ -507,7 +507,7 @@ def _export_triton(
         torch.from_numpy(scales.scale_inv.reshape(-1).copy()).to(m.device) if scales else one,
         scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
         residual, new_residual,
-    )  # fmt: skip
+    )
     if fmt.packed:
         served_bits.copy_(pack(codes))
 
@@ -528,14 +528,14 @@ def export_state_dict(
     shared = _group_amaxes(state_dict, spec, residual)
     for name, master in state_dict.items():
         out.update(export(master, spec, version=version, name=name, residual=residual, device=device,
-                          group_amax=shared.get(name)))  # fmt: skip
+                          group_amax=shared.get(name)))
     if residual is not None:
         residual.version = version
     return out
 
 
 def _group_amaxes(state_dict: Mapping[str, torch.Tensor], spec: ExportSpec,
-                  residual: Residual | None) -> dict[str, float]:  # fmt: skip
+                  residual: Residual | None) -> dict[str, float]:
     """NVFP4: the max |value| of each tensor's fused group (`fused_group`), which sets the group's
     shared global scale; of m + e with ef, as the export quantizes."""
     groups: dict[str, list[str]] = {}
@@ -577,5 +577,5 @@ def fair_cast(
     export_array(
         m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
         fmt=fmt, offset=offset,
-    )  # fmt: skip
+    )
     return out

@@ -34,7 +34,7 @@ _BF16_INF_MAG = np.uint32(0x7F80)
 _BF16_MAG_MASK = np.uint32(0x7FFF)
 
 __all__ = ["SCALE_BLOCK", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "bf16_export", "bf16_export_ef",
-           "bf16_export_runs", "float_export", "random_bits"]  # fmt: skip
+           "bf16_export_runs", "float_export", "random_bits"]
 
 
 @njit(inline="always")
@@ -298,7 +298,7 @@ def _scale_run_end(g, mode, cols, cols_shift):  # type: ignore[no-untyped-def]
 
 @njit(nogil=True, cache=True)
 def _float_span(master, served, k0, k1, base, stochastic, f, inv_scales, scales, scale_mode, cols, block_cols,  # type: ignore[no-untyped-def]
-                cols_shift, residual, new_residual, use_residual, lo, hi):  # fmt: skip
+                cols_shift, residual, new_residual, use_residual, lo, hi):
     """`float_export` of elements lo:hi, run by run of elements that share a scale: a run's loop
     has no branch and one scale, and the compiler turns it into SIMD code (2-3x the speed of a
     loop that looks its scale up per element)."""
@@ -317,7 +317,7 @@ def _float_span(master, served, k0, k1, base, stochastic, f, inv_scales, scales,
             scale = scales[k]
         if use_residual:
             nf, sat = _float_run_ef(mbits, master, served, residual, new_residual, i, end, base, inv, scale, k0, k1,
-                                    stochastic, f)  # fmt: skip
+                                    stochastic, f)
         else:
             nf, sat = _float_run(mbits, master, served, i, end, base, inv, k0, k1, stochastic, f)
         nonfinite += nf
@@ -355,7 +355,7 @@ def float_export(  # type: ignore[no-untyped-def]
 ):
     """Any format: master float32 (1-D), served uint8/uint16 (same length). Returns (nonfinite, saturated)."""
     f = (np.int64(mantissa), np.int64(bias), np.int64(emin), np.int64(max_bits), np.int64(nan_bits),
-         np.int64(inf_bits), np.int64(width - 1))  # fmt: skip
+         np.int64(inf_bits), np.int64(width - 1))
     cols_shift = np.int64(-1)
     if cols > 0 and (cols & (cols - 1)) == 0:
         cols_shift = np.int64(0)
@@ -366,7 +366,7 @@ def float_export(  # type: ignore[no-untyped-def]
     for j in prange((master.size + _SPAN - 1) // _SPAN):
         nf, sat = _float_span(master, served, k0, k1, np.uint64(offset), stochastic, f, inv_scales, scales,
                               scale_mode, cols, block_cols, cols_shift, residual, new_residual, use_residual,
-                              j * _SPAN, min((j + 1) * _SPAN, master.size))  # fmt: skip
+                              j * _SPAN, min((j + 1) * _SPAN, master.size))
         nonfinite += nf
         saturated += sat
     return nonfinite, saturated

@@ -95,7 +95,7 @@ def _bf16_block(src, dst, residual, new_residual, r, mask, g0, k0, k1, STOCHASTI
 
 @triton.jit
 def _bf16_kernel(src, dst, residual, new_residual, counts, n, k0, k1, offset,
-                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+                 STOCHASTIC: tl.constexpr, EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     special, sat = _bf16_block(src, dst, residual, new_residual, i, i < n, offset, k0, k1, STOCHASTIC, EF)
     _count(counts, special, sat, COUNT)
@@ -125,7 +125,7 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
                   cols, block_cols, MANT: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
                   MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr, WIDTH: tl.constexpr,
                   SCALE_MODE: tl.constexpr, COLS_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
-                  EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+                  EF: tl.constexpr, BLOCK: tl.constexpr, COUNT: tl.constexpr):
     # As in `_bf16_kernel`: pointers at the block's first element, 32-bit offsets r from it.
     base = tl.program_id(0).to(tl.int64) * BLOCK
     r = tl.arange(0, BLOCK)
@@ -238,7 +238,7 @@ def float_constexprs(fmt: Format, scale_mode: int, stochastic: bool, ef: bool, c
         "INF_BITS": fmt.inf_bits, "WIDTH": fmt.width, "SCALE_MODE": scale_mode,
         "COLS_SHIFT": cols.bit_length() - 1 if pow2 else -1, "STOCHASTIC": stochastic, "EF": ef,
         "BLOCK": LAUNCH["block"], "COUNT": True,
-    }  # fmt: skip
+    }
 
 
 def bf16_export(
@@ -259,7 +259,7 @@ def bf16_export(
     ef = residual is not None
     dummy = master if not ef else residual
     _bf16_kernel[_grid(n)](master, served, dummy, new_residual if ef else dummy, counts, n, k0, k1, offset,
-                           **bf16_constexprs(stochastic, ef, count), **launch_options())  # fmt: skip
+                           **bf16_constexprs(stochastic, ef, count), **launch_options())
     return counts
 
 
@@ -275,19 +275,19 @@ def bf16_runs_blocks(starts: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 
 
 def bf16_runs_export(master: torch.Tensor, served: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor,
-                     counts: torch.Tensor, stochastic: bool) -> None:  # fmt: skip
+                     counts: torch.Tensor, stochastic: bool) -> None:
     """`_bf16_runs_kernel` over `blocks` (the rows of `bf16_runs_blocks`, int64 on the device, any
     shape): keys and counts are (runs, 2) int64 on the device; counts are added to, not read (no
     wait here)."""
     if n := blocks.numel() // 4:
         _bf16_runs_kernel[(n,)](master, served, blocks, keys, counts, STOCHASTIC=stochastic, BLOCK=LAUNCH["block"],
-                                **launch_options())  # fmt: skip
+                                **launch_options())
 
 
 def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
                  fmt: Format, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
                  block_cols: int, residual: torch.Tensor | None = None,
-                 new_residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 new_residual: torch.Tensor | None = None) -> torch.Tensor:
     """Any format; served is an int16 (16-bit formats) or uint8 view. Returns the counters, as
     `bf16_export` does."""
     n = master.numel()
@@ -297,5 +297,5 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
     _float_kernel[_grid(n)](
         master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
         cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef, cols), **launch_options(),
-    )  # fmt: skip
+    )
     return counts

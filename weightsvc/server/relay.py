@@ -24,7 +24,7 @@ from weightsvc.client import InferenceClient, VersionInfo, verify_data
 from weightsvc.errors import NotFound, WeightsvcError
 
 if TYPE_CHECKING:
-    from weightsvc.core.service import Service
+    from weightsvc.service.service import Service
 
 log = logging.getLogger("weightsvc.relay")
 
@@ -60,7 +60,7 @@ class Relay:
         self.service.metrics.relay_failures.labels(stage).inc()
         expected = isinstance(e, WeightsvcError | ValueError | OSError)  # the upstream's answers, the network
         log.warning("relay: %s %s of %s failed (retrying): %s: %s", stage, what, self.upstream,
-                    type(e).__name__, e, exc_info=None if expected else e)  # fmt: skip
+                    type(e).__name__, e, exc_info=None if expected else e)
 
     async def _discover_models(self) -> None:
         client = self._client()

@@ -21,17 +21,17 @@ from typing import Any, TypeVar
 import grpc
 import uvicorn
 
-from weightsvc.core.registry import REPLICA_TTL_S
-from weightsvc.core.service import Service
-from weightsvc.core.topology import Replica
 from weightsvc.errors import WeightsvcError
+from weightsvc.protocol.topology import Replica
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
+from weightsvc.service.replicas.registry import REPLICA_TTL_S
+from weightsvc.service.service import Service
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import HttpAuth
 from weightsvc.transport.grpc import start_grpc, stop_grpc
 from weightsvc.transport.http import Sendfile, create_app
-from weightsvc.transport.http_limits import limited_http
+from weightsvc.transport.limits import limited_http
 
 log = logging.getLogger("weightsvc.server")
 T = TypeVar("T")
@@ -99,7 +99,7 @@ class Server:
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when their protocol
         # says TCP, and without it a small response on a kept-alive connection waits ~40 ms (Nagle).
         sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET, socket.SOCK_STREAM,
-                             socket.IPPROTO_TCP)  # fmt: skip
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((s.host, s.http_port))
         self.http_port = sock.getsockname()[1]

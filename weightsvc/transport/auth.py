@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from weightsvc.transport.names import PUSH, SERVICE, handler_factory
+from weightsvc.protocol.names import PUSH, SERVICE, handler_factory
 from weightsvc.transport.status import grpc_status, http_domain_error
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it

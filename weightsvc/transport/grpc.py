@@ -14,15 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc.core.manifest import BIG_MANIFEST, TensorSpec, in_thread, off_loop, parse_version_ref
-from weightsvc.core.push import PushChunk, PushCommit, PushHeader, PushMessage
-from weightsvc.core.service import Service
-from weightsvc.core.topology import HASHING
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
-from weightsvc.transport.auth import Auth, GrpcAuth
-from weightsvc.transport.names import METHODS, SERVICE
-from weightsvc.transport.status import grpc_status
-from weightsvc.transport.wire import (
+from weightsvc.protocol.manifest import BIG_MANIFEST, TensorSpec, in_thread, off_loop, parse_version_ref
+from weightsvc.protocol.names import METHODS, SERVICE
+from weightsvc.protocol.topology import HASHING
+from weightsvc.protocol.wire import (
     ChunkView,
     Malformed,
     decode_push_request,
@@ -33,6 +29,10 @@ from weightsvc.transport.wire import (
     manifest_pieces,
     select_from_proto,
 )
+from weightsvc.service.push.pushes import PushChunk, PushCommit, PushHeader, PushMessage
+from weightsvc.service.service import Service
+from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.status import grpc_status
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -90,7 +90,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         base = parse_version_ref(request.base) if request.base else None
         select = select_from_proto(request.select) if request.select else None
         pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base,
-                                       select=select)  # fmt: skip
+                                       select=select)
         try:
             chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
             # Written rather than yielded: only the stall timeout around a write (which waits on flow
@@ -108,12 +108,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[pb.ModelSummary(**dataclasses.asdict(m)) for m in self.service.models()],
-                                     damaged_files=self._damaged(None))  # fmt: skip
+                                     damaged_files=self._damaged(None))
 
     @_abort_on_domain_error
     async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:
         return pb.ListVersionsResponse(versions=[info_to_proto(m) for m in self.service.versions(request.model)],
-                                       damaged_files=self._damaged(request.model))  # fmt: skip
+                                       damaged_files=self._damaged(request.model))
 
     def _damaged(self, model: str | None) -> list[pb.DamagedFile]:
         return [pb.DamagedFile(**dataclasses.asdict(d)) for d in self.service.damaged_files(model)]
@@ -133,7 +133,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def GetTopology(self, request: pb.GetTopologyRequest, context: Any) -> pb.Topology:
         replicas = await self.service.topology()
         return pb.Topology(replicas=[pb.Replica(**dataclasses.asdict(r)) for r in replicas], hashing=HASHING,
-                           replication=self.service.settings.replication)  # fmt: skip
+                           replication=self.service.settings.replication)
 
     @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
@@ -144,7 +144,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def ListClients(self, request: pb.ListClientsRequest, context: Any) -> pb.ListClientsResponse:
         statuses = self.service.clients(request.model)
         return pb.ListClientsResponse(model=request.model, latest_version=self.service.latest(request.model),
-                                      clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])  # fmt: skip
+                                      clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])
 
 
 async def _push_messages(
@@ -166,19 +166,19 @@ async def _push_messages(
             where = f"model {h.model!r} step {h.step}"
             if h.tensor_count > max_tensors:
                 raise ResourceExhausted(f"{where}: {h.tensor_count} tensors, more than the {max_tensors} a version "
-                                        "may have (--max-tensors)", reason="too_large")  # fmt: skip
+                                        "may have (--max-tensors)", reason="too_large")
             pieces = [h.tensors]  # a big header comes in pieces: gather them first
             count = len(h.tensors)
             while count < h.tensor_count:
                 more = await anext(it, None)
                 if not (isinstance(more, pb.PushRequest) and more.WhichOneof("kind") == "tensors"):
                     raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, and its pieces "
-                                          f"ended after {count}", reason="invalid_header")  # fmt: skip
+                                          f"ended after {count}", reason="invalid_header")
                 pieces.append(more.tensors.tensors)
                 count += len(more.tensors.tensors)
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
-                                      f"{count}", reason="invalid_header")  # fmt: skip
+                                      f"{count}", reason="invalid_header")
             header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
             yield header
         elif kind == "commit":
@@ -222,7 +222,7 @@ def _header(h: pb.PushHeader, pieces: list[Any]) -> tuple[PushHeader, _RankLayou
     """The header and its pieces of tensors as the core takes them, and the rank's layout (linear in
     the tensors: off the loop for a big header)."""
     tensors = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
-                    for batch in pieces for t in batch)  # fmt: skip
+                    for batch in pieces for t in batch)
     return PushHeader(
         model=h.model,
         step=h.step,
@@ -261,7 +261,7 @@ async def start_grpc(
     # CONNECTION_IDLE_S, is closed (a client's channel reconnects when it next calls).
     limits = [("grpc.max_allowed_incoming_connections", s.max_connections),
               ("grpc.server_handshake_timeout_ms", int(s.connect_timeout_s * 1000)),
-              ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000))]  # fmt: skip
+              ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000))]
     server = grpc.aio.server(
         options=grpc_options(s.max_message_bytes) + limits, interceptors=[GrpcAuth(auth)] if auth else None
     )
@@ -272,7 +272,7 @@ async def start_grpc(
     for name, m in METHODS.items():
         decode, encode = framing.get(name, (None, None))
         handlers[name] = m.handler(getattr(servicer, name), request_deserializer=decode or m.request.FromString,
-                                   response_serializer=encode or m.response.SerializeToString)  # fmt: skip
+                                   response_serializer=encode or m.response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -22,13 +22,13 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from weightsvc.core.manifest import Manifest, memo, off_loop, parse_version_ref
-from weightsvc.core.pull import Pull
-from weightsvc.core.selection import parse_selector, selection
-from weightsvc.core.service import Service
-from weightsvc.core.topology import HASHING
-from weightsvc.core.versions import FileRange
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.protocol.manifest import Manifest, memo, off_loop, parse_version_ref
+from weightsvc.protocol.selection import parse_selector, selection
+from weightsvc.protocol.topology import HASHING
+from weightsvc.service.pull import Pull
+from weightsvc.service.service import Service
+from weightsvc.service.versions.index import FileRange
 from weightsvc.transport.status import http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
@@ -86,10 +86,10 @@ class PullResponse(Response):
     Ranges of a version's file go out with the server's sendfile (`SENDFILE`)."""
 
     def __init__(self, pull: Pull, pieces: Iterator[memoryview | FileRange], status: int,
-                 headers: dict[str, str]) -> None:  # fmt: skip
+                 headers: dict[str, str]) -> None:
         m = pull.manifest
         headers = {"etag": pull.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
-                   **headers}  # fmt: skip
+                   **headers}
         super().__init__(status_code=status, headers=headers, media_type="application/octet-stream")
         self.pull, self.pieces = pull, pieces
 
@@ -98,7 +98,7 @@ class PullResponse(Response):
             # Every write under the stall timeout, the last one too: the server waits for a client's
             # window before it writes (uvicorn drains first), so any of them can wait forever.
             await self.pull.send(send({"type": "http.response.start", "status": self.status_code,
-                                       "headers": self.raw_headers}))  # fmt: skip
+                                       "headers": self.raw_headers}))
             if scope.get("method") != "HEAD":
                 # Zero-copy: the server's transport may keep views of what it could not send yet.
                 self.pull.lend()
@@ -108,7 +108,7 @@ class PullResponse(Response):
                         await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
                         continue
                     await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
-                                         len(piece))  # fmt: skip
+                                         len(piece))
             await self.pull.send(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except DeadlineExceeded as e:
             log.warning("HTTP %s", e.message)
@@ -233,7 +233,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/models/{model}/versions")
     async def versions(model: str) -> dict[str, Any]:
         return {"model": model, "versions": [m.info() for m in service.versions(model)],
-                "damaged_files": _damaged(model)}  # fmt: skip
+                "damaged_files": _damaged(model)}
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:
@@ -251,7 +251,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         return await _file(model, version, request, select)
 
     @app.post("/v1/models/{model}/versions/{version}/safetensors", response_model=None,
-              operation_id="post_safetensors_selection")  # fmt: skip
+              operation_id="post_safetensors_selection")
     async def safetensors_selection(model: str, version: str, request: Request, body: SelectBody) -> Response:
         """The selection's file, as `GET ...?select=` answers it, for a selection too long for a URL
         (a tensor-parallel worker's slices of 100,000 tensors): the selectors in a JSON body."""
@@ -311,7 +311,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             after = int(last_event_id)
         events = _events(service.watch(model, after, idle=KEEPALIVE_S))
         return StreamingResponse(events, media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})  # fmt: skip
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     @app.post("/v1/models/{model}/acks")
     async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
@@ -323,7 +323,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def topology() -> dict[str, Any]:
         replicas = await service.topology()
         return {"replicas": [dataclasses.asdict(r) for r in replicas], "hashing": HASHING,
-                "replication": service.settings.replication}  # fmt: skip
+                "replication": service.settings.replication}
 
     @app.get("/v1/models/{model}/clients")
     async def clients(model: str) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import struct
 
 import numpy as np
 
-from weightsvc.core.manifest import DTYPE_SIZES, Manifest
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest
 
 UNCHANGED, DENSE, SPARSE, BITMASK = 0, 1, 2, 3
 _CODES = {1: np.uint8, 2: np.uint16, 4: np.uint32}

@@ -21,18 +21,18 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from weightsvc._faults import crash_point
-from weightsvc.core.acks import Acks
-from weightsvc.core.lag import LagTracker, Sample
-from weightsvc.core.manifest import Manifest, check_header_size
-from weightsvc.core.parts import PartOf, Parts
-from weightsvc.core.persist import VersionFiles
-from weightsvc.core.registry import CommitResult, Registry, check_commit, manifest_from_registry
-from weightsvc.core.selection import holders_by_tensor
-from weightsvc.core.topology import Group
-from weightsvc.core.versions import Version, VersionFile, VersionIndex
 from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import Manifest, check_header_size
+from weightsvc.protocol.selection import holders_by_tensor
+from weightsvc.protocol.topology import Group
 from weightsvc.rounding import PACKED_SUFFIX, Residual
+from weightsvc.service.replicas.parts import PartOf, Parts
+from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, manifest_from_registry
+from weightsvc.service.versions.acks import Acks
+from weightsvc.service.versions.disk import VersionFiles
+from weightsvc.service.versions.index import Version, VersionFile, VersionIndex
+from weightsvc.service.versions.lag import LagTracker, Sample
 
 log = logging.getLogger("weightsvc.store")
 FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
@@ -91,7 +91,7 @@ class Committer:
         holders = holders_by_tensor(held.manifest)
         # (a tensor served packed is held under its elements' name)
         kept = {n: a for n, a in r.tensors.items()
-                if n in groups and holders.get(n, holders.get(n + PACKED_SUFFIX)) == groups[n]}  # fmt: skip
+                if n in groups and holders.get(n, holders.get(n + PACKED_SUFFIX)) == groups[n]}
         return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
     async def commit(
@@ -162,7 +162,7 @@ class Committer:
                         crash_point("commit.residual-written")
                     # Served from its file now.
                     version = await self.on_disk(m.model, m.version, functools.partial(self._files.write, version),
-                                                 locked=True)  # fmt: skip
+                                                 locked=True)
                     crash_point("commit.version-renamed")
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:
@@ -210,7 +210,7 @@ class Committer:
             if raw is None or json.loads(raw).get("master_digest") != m.master_digest:
                 raise
             log.warning("model %s version %d: the registry committed it, though its answer was lost", m.model,
-                        m.version)  # fmt: skip
+                        m.version)
             return CommitResult(created=True)
 
     async def _register(self, m: Manifest, text: str | None = None) -> CommitResult:
@@ -274,7 +274,7 @@ class Committer:
             self._index.add(version)
             self._acks.committed(model, v, whole.committed_unix)
         log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
-                 model, v)  # fmt: skip
+                 model, v)
         await self._index.announce()
 
     async def on_disk(self, model: str, step: int, write: Callable[[], T], *, locked: bool = False) -> T:
@@ -291,7 +291,7 @@ class Committer:
                 return await asyncio.to_thread(write)
             except DiskFull as again:
                 raise DiskFull(f"{again.message}, after evicting {_named(evicted)} of model {model!r}",
-                               needed=again.needed) from None  # fmt: skip
+                               needed=again.needed) from None
 
     async def _make_room(self, model: str, step: int, full: DiskFull) -> list[int]:
         """Evict the model's oldest versions, deleting their files, until `full.needed` bytes are free
@@ -305,12 +305,12 @@ class Committer:
         kept = "the latest version and versions being pulled stay"
         if not victims:
             raise DiskFull(f"{full.message}; no version of model {model!r} may go to make room ({kept})",
-                           needed=full.needed)  # fmt: skip
+                           needed=full.needed)
         sizes = await asyncio.to_thread(lambda: [files.allocated(model, v) for v in victims])
         free = await asyncio.to_thread(files.free_bytes)
         if free + sum(sizes) < full.needed:
             raise DiskFull(f"{full.message}; evicting {_named(victims)} would free only {sum(sizes):,} bytes, "
-                           f"so none was evicted ({kept})", needed=full.needed)  # fmt: skip
+                           f"so none was evicted ({kept})", needed=full.needed)
         evicted: list[int] = []
         freed = 0
         for v, size in zip(victims, sizes, strict=True):
@@ -330,7 +330,7 @@ class Committer:
             free = await asyncio.to_thread(files.free_bytes)
         if evicted:
             log.warning("model %s: the data dir is full: evicted %s (%d bytes) to make room for version %d",
-                        model, _named(evicted), freed, step)  # fmt: skip
+                        model, _named(evicted), freed, step)
         return evicted
 
     def _kept_residual(self, model: str) -> int | None:

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from weightsvc._faults import crash_point
-from weightsvc.core.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
-from weightsvc.core.versions import Version, VersionFile
 from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
+from weightsvc.protocol.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
 from weightsvc.rounding import Residual
 from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
+from weightsvc.service.versions.index import Version, VersionFile
 
 log = logging.getLogger("weightsvc.store")
 _serial = itertools.count()
@@ -73,7 +73,7 @@ class VersionFiles:
                 raise
         except OSError as e:
             raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e,
-                           start + data_bytes, self.data_dir) from None  # fmt: skip
+                           start + data_bytes, self.data_dir) from None
         return VersionFile(tmp, f, mapping, start)
 
     @staticmethod
@@ -116,7 +116,7 @@ class VersionFiles:
                 tmp.unlink(missing_ok=True)
             needed = len(version.header) + (0 if in_place else len(version.data))
             raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e, needed,
-                           self.data_dir) from None  # fmt: skip
+                           self.data_dir) from None
         return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
 
     @staticmethod
@@ -125,7 +125,7 @@ class VersionFiles:
         return path.with_name(f".{path.name}.{os.getpid()}-{next(_serial)}.tmp")
 
     def stage_residual(self, model: str, version: int, numels: dict[str, int], format: str,
-                       scaling: str) -> tuple[VersionFile, dict[str, np.ndarray]]:  # fmt: skip
+                       scaling: str) -> tuple[VersionFile, dict[str, np.ndarray]]:
         """A temporary residual file for an `ef` push to write its new residual into (the layout
         `Residual.save` writes), and each tensor's residual as an array mapping it: a big model's
         residual lives in the page cache, not in this process's memory."""
@@ -150,7 +150,7 @@ class VersionFiles:
                 raise
         except OSError as e:
             raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
-                           e, 8 + len(raw) + end, self.data_dir) from None  # fmt: skip
+                           e, 8 + len(raw) + end, self.data_dir) from None
         mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
         staged = VersionFile(tmp, f, mapping, 8 + len(raw))
         start = staged.data_start
@@ -178,7 +178,7 @@ class VersionFiles:
         except OSError as e:
             needed = sum(r.nbytes for r in residual.tensors.values())
             raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
-                           f"{path.parent}", e, needed, self.data_dir) from None  # fmt: skip
+                           f"{path.parent}", e, needed, self.data_dir) from None
 
     def remove(self, model: str, version: int, residual: bool) -> None:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
@@ -329,7 +329,7 @@ def _map_residual(path: Path) -> Residual:
         tensors[name] = np.frombuffer(mapping, np.float32, (hi - lo) // 4, start + lo)
     version = meta.get(RESIDUAL_VERSION_KEY, "")
     return Residual(int(version) if version else None, tensors, meta.get(RESIDUAL_FORMAT_KEY, ""),
-                    meta.get(RESIDUAL_SCALING_KEY, ""))  # fmt: skip
+                    meta.get(RESIDUAL_SCALING_KEY, ""))
 
 
 def _padded(header: bytes, size: int) -> bytes:

@@ -18,7 +18,9 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from weightsvc.core.manifest import (
+from weightsvc.errors import FailedPrecondition, InvalidArgument
+from weightsvc.memory import alloc
+from weightsvc.protocol.manifest import (
     DTYPE_SIZES,
     Manifest,
     Part,
@@ -29,8 +31,6 @@ from weightsvc.core.manifest import (
     held_span,
     layout,
 )
-from weightsvc.core.memory import alloc
-from weightsvc.errors import FailedPrecondition, InvalidArgument
 
 Select = Mapping[str, Slice | None]  # tensor name -> the slice of it, or None for the whole tensor
 _SLICED = re.compile(r"(-?\d{1,19}):(-?\d{1,19}):(-?\d{1,19})")
@@ -178,7 +178,7 @@ class Selected:
 
 
 def gather(manifest: Manifest, data: memoryview, spans: Sequence[Segment], select: Select,
-           holder: str = "") -> Selected:  # fmt: skip
+           holder: str = "") -> Selected:
     """The selection `select` of the version `manifest`, from the ranges of its data section that this
     server holds (`spans`: all of it, or a sharded replica's parts, `holder`'s) in `data`.
     FAILED_PRECONDITION names the selected tensors that other replicas hold. Blocking: it hashes and

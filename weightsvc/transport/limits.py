@@ -21,7 +21,7 @@ MAX_HEAD_BYTES = 64 << 10
 _MESSAGE = f"the request head is larger than {MAX_HEAD_BYTES} bytes"
 _BODY = json.dumps({"error": {"code": "RESOURCE_EXHAUSTED", "message": _MESSAGE}}).encode()
 _TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BODY), _BODY))  # fmt: skip
+              b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BODY), _BODY))
 
 class LimitedHttpProtocol(HttpToolsProtocol):
     max_connections = 1000
@@ -93,4 +93,4 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 def limited_http(max_connections: int, head_timeout_s: float) -> type[LimitedHttpProtocol]:
     """The protocol class for uvicorn's `http` setting, with these limits."""
     return type("LimitedHttp", (LimitedHttpProtocol,),
-                {"max_connections": max_connections, "head_timeout_s": head_timeout_s})  # fmt: skip
+                {"max_connections": max_connections, "head_timeout_s": head_timeout_s})

@@ -125,20 +125,20 @@ class Kernels:
     def export_array(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, *, version: int, name: str,
                      fmt: rounding.Format, offset: int = 0, scales: rounding.Scales | None = None,
                      residual: np.ndarray | None = None, new_residual: np.ndarray | None = None,
-                     model: str = "", keep: Resident | None = None) -> rounding.ExportStats:  # fmt: skip
+                     model: str = "", keep: Resident | None = None) -> rounding.ExportStats:
         """`rounding.export_array` on this device: the same bits. With ef on a GPU, the residual is
         taken from `model`'s resident one when it holds this chunk, and the new residual is recorded
         in `keep` (the push's, made resident if it commits: `keep_resident`)."""
         if not self.on_gpu:
             return rounding.export_array(master, out, spec, version=version, name=name, fmt=fmt, offset=offset,
-                                         scales=scales, residual=residual, new_residual=new_residual)  # fmt: skip
+                                         scales=scales, residual=residual, new_residual=new_residual)
         return self._export(master, out, spec, version, name, fmt, offset, scales, None, residual, new_residual,
-                            model, keep)[0]  # fmt: skip
+                            model, keep)[0]
 
     def export_whole(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, *, version: int,
                      name: str, fmt: rounding.Format, shape: tuple[int, ...], residual: np.ndarray | None = None,
                      new_residual: np.ndarray | None = None, model: str = "", keep: Resident | None = None,
-                     group_amax: float | None = None) -> tuple[rounding.ExportStats, rounding.Scales]:  # fmt: skip
+                     group_amax: float | None = None) -> tuple[rounding.ExportStats, rounding.Scales]:
         """A whole scaled tensor of this `shape`: its scales from the master (plus the ef residual: ef
         quantizes m + e), computed where the export runs, then its export. Returns the scales too.
         `group_amax`: NVFP4's global scale from the max |value| of the tensors that share it."""
@@ -146,16 +146,16 @@ class Kernels:
             values = master if residual is None else master + residual
             scales = rounding.fp8_scales(values.reshape(shape), fmt, spec.scaling, group_amax)
             stats = rounding.export_array(master, out, spec, version=version, name=name, fmt=fmt, scales=scales,
-                                          residual=residual, new_residual=new_residual)  # fmt: skip
+                                          residual=residual, new_residual=new_residual)
             return stats, scales
         return self._export(master, out, spec, version, name, fmt, 0, None, (shape, group_amax), residual,
-                            new_residual, model, keep)  # fmt: skip
+                            new_residual, model, keep)
 
     def _export(self, master: np.ndarray, out: np.ndarray, spec: rounding.ExportSpec, version: int, name: str,
                 fmt: rounding.Format, offset: int, scales: rounding.Scales | None,
                 whole: tuple[tuple[int, ...], float | None] | None,
                 residual: np.ndarray | None, new_residual: np.ndarray | None, model: str,
-                keep: Resident | None) -> tuple[rounding.ExportStats, rounding.Scales]:  # fmt: skip
+                keep: Resident | None) -> tuple[rounding.ExportStats, rounding.Scales]:
         """The GPU side of `export_array` and `export_whole` (with `whole`, the tensor's shape and group max:
         the scales computed here)."""
         import torch
@@ -164,7 +164,7 @@ class Kernels:
 
         if whole is None:  # (a whole tensor's scales are computed below)
             rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales,
-                                  residual=residual, new_residual=new_residual)  # fmt: skip
+                                  residual=residual, new_residual=new_residual)
         ef = spec.rounding == "ef" and residual is not None
         counted = np.zeros(2, np.int64)
         with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes) as dev:
@@ -179,7 +179,7 @@ class Kernels:
             if whole is not None:  # the maxima on the GPU, exact, so the scales are the CPU's
                 shape, group_amax = whole
                 scales = rounding.fp8_scales_torch((m if res_in is None else m + res_in).reshape(shape), fmt,
-                                                   spec.scaling, group_amax)  # fmt: skip
+                                                   spec.scaling, group_amax)
             sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
             k0, k1 = spec.key(version, name)
             if fmt.name == "bf16":
@@ -188,7 +188,7 @@ class Kernels:
                 counts = _triton.float_export(
                     m, bits, k0, k1, offset, spec.stochastic, fmt, self._constant(sc.inverse, dev),
                     self._constant(sc.scale_inv, dev), sc.mode, sc.cols, sc.block_cols, res_in, res_out,
-                )  # fmt: skip
+                )
             if fmt.packed:  # the kernel writes one FP4 code per byte
                 bits = rounding.pack(bits)
             # Into the version's slot (and the residual the service persists), with the counters.
@@ -202,13 +202,13 @@ class Kernels:
 
     def export_runs(self, master: np.ndarray, starts: np.ndarray, served: np.ndarray, spec: rounding.ExportSpec, *,
                     version: int, names: list[str], offsets: list[int],
-                    outs: np.ndarray) -> list[rounding.ExportStats]:  # fmt: skip
+                    outs: np.ndarray) -> list[rounding.ExportStats]:
         """`rounding.export_runs` on this device. On a GPU the runs (small tensors) go in with one
         copy, are exported by one kernel launch (each run with its own keys) and come back with one
         copy: a launch and a wait per small tensor would cost more than its export."""
         if not self.on_gpu:
             return rounding.export_runs(master, starts, served, spec, version=version, names=names, offsets=offsets,
-                                        outs=outs)  # fmt: skip
+                                        outs=outs)
         import torch
 
         from weightsvc.rounding import _triton
@@ -222,7 +222,7 @@ class Kernels:
             bits = torch.empty(master.size, dtype=torch.int16, device=dev)
             on_gpu = torch.zeros((len(names), 2), dtype=torch.int64, device=dev)
             _triton.bf16_runs_export(m, bits, self._constant(blocks, dev), self._constant(keys, dev), on_gpu,
-                                     spec.stochastic)  # fmt: skip
+                                     spec.stochastic)
             self._download(bits, codes)
             self._download(on_gpu, counts)
         for j in range(len(names)):
@@ -312,7 +312,7 @@ class Kernels:
         except Exception as e:
             self.failed = True
             raise Unavailable(f"{what}: the export on {self.name} failed ({type(e).__name__}: {e}); this push is "
-                              "refused, the next ones export on the CPU") from e  # fmt: skip
+                              "refused, the next ones export on the CPU") from e
         finally:
             self.staged(-nbytes)
 

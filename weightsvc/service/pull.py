@@ -16,13 +16,6 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import TYPE_CHECKING
 
-from weightsvc.core import selection
-from weightsvc.core.delta import compatible as delta_compatible
-from weightsvc.core.delta import encode as delta_encode
-from weightsvc.core.manifest import Manifest
-from weightsvc.core.selection import Select, Selected
-from weightsvc.core.store import Version
-from weightsvc.core.versions import FileRange
 from weightsvc.errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -31,9 +24,16 @@ from weightsvc.errors import (
     TooManyRequests,
     Unavailable,
 )
+from weightsvc.protocol import selection
+from weightsvc.protocol.delta import compatible as delta_compatible
+from weightsvc.protocol.delta import encode as delta_encode
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.selection import Select, Selected
+from weightsvc.service.versions.index import FileRange
+from weightsvc.service.versions.store import Version
 
 if TYPE_CHECKING:
-    from weightsvc.core.service import Service
+    from weightsvc.service.service import Service
 
 
 MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
@@ -49,13 +49,13 @@ class Pulls:
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # oldest first; None: not smaller
 
     async def open(self, model: str, version: int | None, transport: str, base: int | None,
-                   dense_fallback: bool, select: Select | None = None) -> Pull:  # fmt: skip
+                   dense_fallback: bool, select: Select | None = None) -> Pull:
         """A pull of `version` (None: the latest); with `base`, its body is the delta against it. When
         there is none, FAILED_PRECONDITION saying why, or with `dense_fallback` the data section. With
         `select`, the pull sends that selection of the version instead (never as a delta)."""
         if select is not None and base is not None:
             raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
-                                  "sliced pulls are sent dense; pull the selection without a base")  # fmt: skip
+                                  "sliced pulls are sent dense; pull the selection without a base")
         pull = Pull(self.service, self.hold(model, version, transport), transport)
         try:
             if select is not None:
@@ -105,7 +105,7 @@ class Pulls:
 
         def none(why: str) -> FailedPrecondition:
             return FailedPrecondition(f"model {m.model!r} version {m.version}: no delta against base {base}: {why}; "
-                                      "pull the whole version")  # fmt: skip
+                                      "pull the whole version")
 
         not_smaller = f"it would not be smaller than the {m.data_bytes} dense bytes"
         key = (m.model, m.version, base)
@@ -180,7 +180,7 @@ class Pull:
         total = len(self.body) if self.base is not None else self.manifest.data_bytes
         if not 0 <= offset <= total:
             raise InvalidArgument(f"{self._where()}: resume offset {offset} is outside its {total}-byte "
-                                  f"{'delta' if self.base is not None else 'data section'}")  # fmt: skip
+                                  f"{'delta' if self.base is not None else 'data section'}")
         if self.selection is not None:
             return self.selection.chunks(offset, size)
         if self.base is not None:
@@ -204,7 +204,7 @@ class Pull:
         held = v.span(max(start, head) - head, max(end, head) - head)
         if v.part is not None and not (end <= head or (held is not None and (start >= head or held.start == 0))):
             owners = ", ".join(f"{'/'.join(p.sources)} [{p.offset}, {p.offset + p.nbytes})"
-                               for p in self.manifest.parts)  # fmt: skip
+                               for p in self.manifest.parts)
             raise FailedPrecondition(
                 f"{self._where()} is sharded over replicas that each hold a part of its data section ({owners}); "
                 f"this one serves its header ({head} bytes) and its own part by Range. The InferenceClient "

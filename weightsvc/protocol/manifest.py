@@ -194,7 +194,7 @@ class ServedTensor:
         """JSON form; `slice` only when set, so a version's header is what it was before slices.
         Written out field by field: a manifest may hold 100,000 tensors (`asdict` is 10x slower)."""
         d = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype, "offset": self.offset,
-             "nbytes": self.nbytes, "checksum": self.checksum}  # fmt: skip
+             "nbytes": self.nbytes, "checksum": self.checksum}
         if self.slice is not None:
             d["slice"] = {"dim": self.slice.dim, "start": self.slice.start, "stop": self.slice.stop}
         return d
@@ -203,7 +203,7 @@ class ServedTensor:
     def from_dict(cls, d: dict[str, Any]) -> ServedTensor:
         cut = d.get("slice")
         return cls(d["name"], tuple(d["shape"]), d["dtype"], d["offset"], d["nbytes"], d.get("checksum", ""),
-                   Slice(**cut) if cut else None)  # fmt: skip
+                   Slice(**cut) if cut else None)
 
 
 @dataclass(frozen=True)
@@ -277,7 +277,7 @@ class Manifest:
              "seed": self.seed, "committed_unix": self.committed_unix, "data_bytes": self.data_bytes,
              "master_digest": self.master_digest, "tensors": [t.to_dict() for t in self.tensors] if tensors else [],
              "scaling": self.scaling, "lag": None if self.lag is None else self.lag.to_dict(),
-             "parts": [p.to_dict() for p in self.parts]}  # fmt: skip
+             "parts": [p.to_dict() for p in self.parts]}
         if self.aliases:  # (so the header of a version without ties is what it was before them)
             d["aliases"] = dict(self.aliases)
         if self.owners:
@@ -324,7 +324,7 @@ class Manifest:
         key = separators[1]
         head = json.dumps(self.to_dict(tensors=False), separators=separators)
         body = separators[0].join(_tensor_json(self.tensors[i : i + JSON_SLICE], separators)
-                                  for i in range(0, len(self.tensors), JSON_SLICE))  # fmt: skip
+                                  for i in range(0, len(self.tensors), JSON_SLICE))
         empty = f'"tensors"{key}[]'  # (a string value cannot hold it: its quotes would be escaped)
         return head.replace(empty, f'"tensors"{key}[{body}]', 1)
 
@@ -333,9 +333,9 @@ class Manifest:
         Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header.
         `text`: this manifest's `json()`, when the caller has made it already."""
         meta = json.dumps({"__metadata__": {METADATA_KEY: self.json() if text is None else text}},
-                          separators=(",", ":"))  # fmt: skip
+                          separators=(",", ":"))
         entries = ",".join(_entries_json(self.tensors[i : i + JSON_SLICE])
-                           for i in range(0, len(self.tensors), JSON_SLICE))  # fmt: skip
+                           for i in range(0, len(self.tensors), JSON_SLICE))
         raw = ("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
@@ -358,7 +358,7 @@ def _tensor_json(tensors: Sequence[ServedTensor], separators: tuple[str, str]) -
         shape = sep.join(map(str, t.shape))
         out.append(f'{{"name"{key}{_string(t.name)}{sep}"shape"{key}[{shape}]{sep}"dtype"{key}{_string(t.dtype)}'
                    f'{sep}"offset"{key}{t.offset}{sep}"nbytes"{key}{t.nbytes}{sep}"checksum"{key}'
-                   f"{_string(t.checksum)}}}")  # fmt: skip
+                   f"{_string(t.checksum)}}}")
     return sep.join(out)
 
 

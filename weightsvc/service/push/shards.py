@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from weightsvc.core.manifest import TensorSpec
 from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.manifest import TensorSpec
 
 MAX_WORLD_SIZE = 1 << 16
 

@@ -22,20 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsvc import rounding
-from weightsvc.core.manifest import (
-    BIG_MANIFEST,
-    DTYPE_SIZES,
-    MASTER_DTYPE,
-    MAX_STEP,
-    TensorSpec,
-    check_header_size,
-    check_model_name,
-    in_thread,
-)
-from weightsvc.core.memory import anonymous_bytes
-from weightsvc.core.ranks import MAX_WORLD_SIZE, merge_parts
-from weightsvc.core.staging import PushSession
-from weightsvc.core.store import Version
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -46,10 +32,24 @@ from weightsvc.errors import (
     TooManyRequests,
     WeightsvcError,
 )
+from weightsvc.memory import anonymous_bytes
+from weightsvc.protocol.manifest import (
+    BIG_MANIFEST,
+    DTYPE_SIZES,
+    MASTER_DTYPE,
+    MAX_STEP,
+    TensorSpec,
+    check_header_size,
+    check_model_name,
+    in_thread,
+)
+from weightsvc.service.push.shards import MAX_WORLD_SIZE, merge_parts
+from weightsvc.service.push.staging import PushSession
+from weightsvc.service.versions.store import Version
 from weightsvc.settings import Settings
 
 if TYPE_CHECKING:
-    from weightsvc.core.service import Service
+    from weightsvc.service.service import Service
 
 log = logging.getLogger("weightsvc.push")
 
@@ -165,7 +165,7 @@ class Push:
             allowed = 2 * settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
             deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
                         f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
-                        f"{settings.push_min_bytes_per_s:.0f}, plus twice --push-idle-timeout-s)")  # fmt: skip
+                        f"{settings.push_min_bytes_per_s:.0f}, plus twice --push-idle-timeout-s)")
             while True:
                 msg = await next_message(messages, settings.push_idle_timeout_s, deadline)
                 if time.monotonic() > turn:
@@ -211,7 +211,7 @@ class Push:
             return  # the first failure is the one reported; a commit in progress decides for itself
         if rank is not None and self.world_size > 1:
             error = Aborted(f"{self.where}: rank {rank} of {self.world_size} failed, so the push is aborted: {error}",
-                            reason="aborted")  # fmt: skip
+                            reason="aborted")
         self.failure = error
         for future in (self.joined, self.session, self.result):
             if not future.done():
@@ -230,9 +230,9 @@ class Push:
         log.error("%s: %s failed unexpectedly", self.where, during, exc_info=e)
         if isinstance(e, MemoryError | OSError):
             return ResourceExhausted(f"{self.where}: {during} failed: {type(e).__name__}: {e}; nothing was "
-                                     "committed, retry later", reason="internal")  # fmt: skip
+                                     "committed, retry later", reason="internal")
         return Internal(f"{self.where}: {during} failed: {type(e).__name__}: {e}; nothing was committed",
-                        reason="internal")  # fmt: skip
+                        reason="internal")
 
     async def _open(self, header: PushHeader) -> None:
         """Merge the ranks' headers and open the shared staging session; fails the push on any error."""
@@ -282,7 +282,7 @@ class Push:
                     f"{self.where}: rank(s) {shown} of world_size {self.world_size} did not join within "
                     f"{self.join_timeout:g} s (--push-rank-timeout-s); nothing was committed",
                     reason="aborted",
-                ))  # fmt: skip
+                ))
                 assert self.failure is not None
                 raise self.failure from None
         return await asyncio.shield(self.session)
@@ -359,7 +359,7 @@ class Pushes:
             if header.rank == 0:
                 log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
                          "committed" if created else "idempotent push of", header.model, header.step,
-                         len(version.manifest.tensors), version.manifest.data_bytes, header.world_size)  # fmt: skip
+                         len(version.manifest.tensors), version.manifest.data_bytes, header.world_size)
             return version, created
         except WeightsvcError as e:
             self.metrics.pushes_rejected.labels(e.reason).inc()
@@ -463,7 +463,7 @@ class Pushes:
         rss, mark = anonymous_bytes(), self.settings.rss_high_water
         pool = self.service.store.pool  # buffers kept for reuse count in both, and go before a refusal
         if (rss + staged > mark or self._staging_reserved + staged + pool.free_bytes > self.settings.max_staged_bytes
-                ) and pool.free():  # fmt: skip
+                ) and pool.free():
             rss = anonymous_bytes()
         what = "(served bytes, ef residuals and fp8 masters gathered for their scales)"
         if rss + staged > mark:
@@ -487,7 +487,7 @@ class Pushes:
 
 
 async def next_message(messages: AsyncIterator[PushMessage], idle: float,
-                       deadline: tuple[float, str] | None = None) -> PushMessage | None:  # fmt: skip
+                       deadline: tuple[float, str] | None = None) -> PushMessage | None:
     """The stream's next message; None at its end; DeadlineExceeded after `idle` seconds of nothing,
     or at `deadline` (monotonic time, and what to say)."""
     wait = idle if deadline is None else min(idle, deadline[0] - time.monotonic())
@@ -509,17 +509,17 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
         raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
     if not 1 <= header.world_size <= MAX_WORLD_SIZE:
         raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
-                              reason="invalid_header")  # fmt: skip
+                              reason="invalid_header")
     if not 0 <= header.rank < header.world_size:
         raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
-                              reason="invalid_header")  # fmt: skip
+                              reason="invalid_header")
     if header.owners:
         if len(set(header.owners)) != len(header.owners) or not all(header.owners):
             raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
-                                  reason="invalid_header")  # fmt: skip
+                                  reason="invalid_header")
         if not 1 <= header.replication <= len(header.owners):
             raise InvalidArgument(f"{where}: replication {header.replication} is not in [1, {len(header.owners)}] "
-                                  f"(the number of owners)", reason="invalid_header")  # fmt: skip
+                                  f"(the number of owners)", reason="invalid_header")
     elif not header.tensors:  # (a sharded replica may own none of a version's tensors)
         raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
     if len(header.tensors) > settings.max_tensors:
@@ -573,7 +573,7 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
     for alias, target in header.aliases:
         if alias in seen:
             raise InvalidArgument(f"{where}: alias {alias!r} (of {target!r}) is also a tensor of the push",
-                                  reason="invalid_header")  # fmt: skip
+                                  reason="invalid_header")
         _check_name(where, alias, seen)
 
 
@@ -585,5 +585,5 @@ def _check_name(where: str, name: str, seen: set[str]) -> None:
         raise InvalidArgument(f"{where}: tensor {name!r} is declared twice", reason="invalid_header")
     if name == RESERVED_NAME:
         raise InvalidArgument(f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format",
-                              reason="invalid_header")  # fmt: skip
+                              reason="invalid_header")
     seen.add(name)

@@ -38,6 +38,6 @@ METHODS = {
     m.name: Method(getattr(pb, m.input_type.name), getattr(pb, m.output_type.name),
                    handler_factory(m.client_streaming, m.server_streaming))
     for m in _DESCRIPTOR.methods
-}  # fmt: skip
+}
 PUSH = method("Push")
 PULL = method("Pull")

@@ -16,14 +16,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from weightsvc.core.acks import CLIENT_TIMEOUT_S, Acks, ClientAck, ClientStatus
-from weightsvc.core.commit import Committer
-from weightsvc.core.manifest import Manifest
-from weightsvc.core.parts import PartOf, Parts
-from weightsvc.core.persist import VersionFiles
-from weightsvc.core.registry import MemoryRegistry, Registry
-from weightsvc.core.versions import Version, VersionIndex
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.service.replicas.parts import PartOf, Parts
+from weightsvc.service.replicas.registry import MemoryRegistry, Registry
+from weightsvc.service.versions.acks import CLIENT_TIMEOUT_S, Acks, ClientAck, ClientStatus
+from weightsvc.service.versions.commit import Committer
+from weightsvc.service.versions.disk import VersionFiles
+from weightsvc.service.versions.index import Version, VersionIndex
 
 __all__ = ["CLIENT_TIMEOUT_S", "ClientAck", "ClientStatus", "PartOf", "Version", "VersionStore"]
 

@@ -16,23 +16,23 @@ from dataclasses import dataclass
 from typing import overload
 
 from weightsvc import rounding
-from weightsvc.core.device import Kernels, kernels_for
-from weightsvc.core.manifest import (
-    Manifest,
-    check_model_name,
-)
-from weightsvc.core.persist import DamagedFile
-from weightsvc.core.pull import Pull, Pulls, watching
-from weightsvc.core.push import Pushes, PushMessage
-from weightsvc.core.registry import MemoryRegistry, RedisRegistry
-from weightsvc.core.selection import Select
-from weightsvc.core.store import ClientStatus, Version, VersionStore
-from weightsvc.core.topology import Replica
 from weightsvc.errors import (
     NotFound,
     Unavailable,
 )
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import (
+    Manifest,
+    check_model_name,
+)
+from weightsvc.protocol.selection import Select
+from weightsvc.protocol.topology import Replica
+from weightsvc.service.device import Kernels, kernels_for
+from weightsvc.service.pull import Pull, Pulls, watching
+from weightsvc.service.push.pushes import Pushes, PushMessage
+from weightsvc.service.replicas.registry import MemoryRegistry, RedisRegistry
+from weightsvc.service.versions.disk import DamagedFile
+from weightsvc.service.versions.store import ClientStatus, Version, VersionStore
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
@@ -135,7 +135,7 @@ class Service:
             if not damaged:
                 raise
             raise NotFound(f"{e.message}; {len(damaged)} damaged file(s) of it were set aside at start-up: "
-                           + "; ".join(f"{d.file} ({d.reason})" for d in damaged)) from None  # fmt: skip
+                           + "; ".join(f"{d.file} ({d.reason})" for d in damaged)) from None
 
     def damaged_files(self, model: str | None = None) -> list[DamagedFile]:
         """The files of `model` (of every model: None) that restore found damaged and set aside."""
@@ -150,7 +150,7 @@ class Service:
         return self.store.get(model, None).manifest.version
 
     async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None,
-                   select: Select | None = None) -> Pull:  # fmt: skip
+                   select: Select | None = None) -> Pull:
         """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
         body is the delta encoding against it when there is one, else the data section as always. With
         `select`, only the selected tensors, whole or sliced, under the selection's own manifest."""

@@ -22,9 +22,9 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from weightsvc.core.manifest import Manifest, combine_parts
-from weightsvc.core.topology import Replica
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
+from weightsvc.protocol.manifest import Manifest, combine_parts
+from weightsvc.protocol.topology import Replica
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
@@ -142,7 +142,7 @@ class MemoryRegistry:
     async def commit_part(
         self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
         groups: Mapping[str, str] | None = None,
-    ) -> CommitResult | None:  # fmt: skip
+    ) -> CommitResult | None:
         """Record `owner`'s part of a version made of the parts of `owners`; the last part commits the
         version (its manifest: the parts by owner). None: recorded, other parts still missing.
         `groups`: with replication, the digest of each group of tensors the part holds (by its owners):
@@ -346,7 +346,7 @@ class RedisRegistry:
         self.url = url
         self.prefix = prefix
         self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
-                                              health_check_interval=10)  # fmt: skip
+                                              health_check_interval=10)
         # A blocking read of a model's events waits well under the socket timeout, which would
         # otherwise end an idle watch (and a part waiting for the other owners') with UNAVAILABLE.
         self._block_ms = max(1, int(socket_timeout * 400))
@@ -375,7 +375,7 @@ class RedisRegistry:
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
         args: list[str | int] = [model, version, digest, manifest, retain, EVENTS_KEPT]
         out = await self._call(f"committing model {model!r} version {version}",
-                               self._commit(keys=self._keys(model), args=args))  # fmt: skip
+                               self._commit(keys=self._keys(model), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         return self._decided(model, version, digest, status, rest)
 
@@ -399,13 +399,13 @@ class RedisRegistry:
     async def commit_part(
         self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
         groups: Mapping[str, str] | None = None,
-    ) -> CommitResult | None:  # fmt: skip
+    ) -> CommitResult | None:
         owners_json = json.dumps(sorted(owners))
         ttl_ms = int(PART_TTL_S * 1000)
         args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms,
-                                 json.dumps(dict(groups or {}))]  # fmt: skip
+                                 json.dumps(dict(groups or {}))]
         out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
-                               self._commit_part(keys=self._keys(model, version, owners), args=args))  # fmt: skip
+                               self._commit_part(keys=self._keys(model, version, owners), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         if status == "pending":
             return None
@@ -416,7 +416,7 @@ class RedisRegistry:
     async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
         args: list[str | int] = [model, version, digest, manifest, retain]
         out = await self._call(f"restoring model {model!r} version {version}",
-                               self._restore(keys=self._keys(model), args=args))  # fmt: skip
+                               self._restore(keys=self._keys(model), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         if status == "conflict":
             raise _conflict(model, version, rest[0], digest)
@@ -425,7 +425,7 @@ class RedisRegistry:
     async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
         out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
                                self._withdraw_part(keys=self._keys(model, version, owners),
-                                                   args=[version, owner]))  # fmt: skip
+                                                   args=[version, owner]))
         return bool(int(out))
 
     async def versions(self, model: str) -> list[int]:
@@ -434,7 +434,7 @@ class RedisRegistry:
 
     async def manifest(self, model: str, version: int) -> str | None:
         raw = await self._call(f"reading model {model!r} version {version}",
-                               self._redis.hget(self._key(model, "manifests"), str(version)))  # fmt: skip
+                               self._redis.hget(self._key(model, "manifests"), str(version)))
         return raw.decode() if isinstance(raw, bytes) else None
 
     async def models(self) -> list[str]:
@@ -464,7 +464,7 @@ class RedisRegistry:
 
     async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
         await self._call(f"acking model {model!r}", self._redis.hset(self._key(model, "acks"), client_id,
-                                                                    json.dumps([version, unix])))  # fmt: skip
+                                                                    json.dumps([version, unix])))
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from weightsvc.core.manifest import LagMetrics
+from weightsvc.protocol.manifest import LagMetrics
 
 SAMPLE_TARGET = 1 << 18
 VISIBILITY_WINDOWS = (1, 16, 256)  # anchor refresh periods in versions, shortest window first
@@ -92,7 +92,7 @@ class Sample:
 
 
 def visibility_estimate(master: np.ndarray, served: np.ndarray, start_master: np.ndarray,
-                        start_served: np.ndarray) -> tuple[float, float] | None:  # fmt: skip
+                        start_served: np.ndarray) -> tuple[float, float] | None:
     """(visibility, its standard error) over the window from `start_*` to `master`, `served`
     (float64); None when the master did not move. The standard error is infinite when the rounding
     errors it is estimated from sit on fewer than VISIBILITY_MIN_ELEMENTS elements."""
@@ -128,7 +128,7 @@ class LagTracker:
     def snapshot(self) -> LagTracker:
         return copy.copy(self) if not self.distances else LagTracker(
             self.ref_version, self.ref, self.prev, dict(self.distances), self.observed, dict(self.anchors)
-        )  # fmt: skip
+        )
 
     def observe(self, version: int, sample: Sample, saturated: int, exact: bool) -> LagMetrics:
         m, s = sample.master.astype(np.float64), sample.served.astype(np.float64)

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from weightsvc.core.manifest import Manifest, Part, Segment
-from weightsvc.core.registry import CommitResult, Registry, manifest_from_registry
-from weightsvc.core.versions import Version
 from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
+from weightsvc.protocol.manifest import Manifest, Part, Segment
+from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry
+from weightsvc.service.versions.index import Version
 
 log = logging.getLogger("weightsvc.store")
 SETTLE_S = 5.0  # how long a push waits for the part a cancelled push left waiting to be settled
@@ -159,7 +159,7 @@ class Parts:
     async def _withdraw(self, model: str, version: int, owners: tuple[str, ...]) -> bool:
         """Take this replica's part back: True, or False if the version committed first."""
         return await _settled(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
-                              f"withdrawing its part of model {model!r} version {version}")  # fmt: skip
+                              f"withdrawing its part of model {model!r} version {version}")
 
     async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
         """Wait until the registry commits `version` (True), or until the timeout or the learner
@@ -207,12 +207,12 @@ def _served(part: Version, raw: str) -> Version | None:
     segments = []
     for mine in m.parts:
         held = next((p for p in whole.parts if p.nbytes == mine.nbytes and
-                     (p.holders == mine.holders if mine.holders else p.owner == owner)), None)  # fmt: skip
+                     (p.holders == mine.holders if mine.holders else p.owner == owner)), None)
         if held is None:
             return None
         segments.append(Segment(held.offset, mine.offset, mine.nbytes))
     return dataclasses.replace(part, manifest=whole, header=whole.safetensors_header(), part=m,
-                               segments=tuple(segments))  # fmt: skip
+                               segments=tuple(segments))
 
 
 async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:

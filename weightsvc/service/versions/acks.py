@@ -13,10 +13,10 @@ import math
 import time
 from dataclasses import dataclass
 
-from weightsvc.core.registry import Registry
-from weightsvc.core.versions import VersionIndex
 from weightsvc.errors import InvalidArgument, NotFound
 from weightsvc.metrics import Metrics
+from weightsvc.service.replicas.registry import Registry
+from weightsvc.service.versions.index import VersionIndex
 
 log = logging.getLogger("weightsvc.store")
 
@@ -113,7 +113,7 @@ class Acks:
             ClientStatus(a.client_id, a.version, self.versions_behind(model, a.version), a.acked_unix,
                          a.acked_unix >= horizon)
             for a in self._clients.get(model, {}).values()
-        ]  # fmt: skip
+        ]
 
     def tracked(self) -> dict[str, list[ClientStatus]]:
         """The clients that acked within `forget_s`, per model (read at every scrape)."""

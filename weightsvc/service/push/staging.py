@@ -23,10 +23,10 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
-from weightsvc.core import topology
-from weightsvc.core.device import Resident
-from weightsvc.core.lag import Sample, sample_stride, sampled_indices
-from weightsvc.core.manifest import (
+from weightsvc.errors import InvalidArgument
+from weightsvc.memory import alloc
+from weightsvc.protocol import topology
+from weightsvc.protocol.manifest import (
     BIG_MANIFEST,
     DTYPE_SIZES,
     MASTER_DTYPE,
@@ -39,15 +39,15 @@ from weightsvc.core.manifest import (
     in_thread,
     layout,
 )
-from weightsvc.core.memory import alloc
-from weightsvc.core.store import PartOf, Version
-from weightsvc.core.topology import Group
-from weightsvc.core.versions import VersionFile
-from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.topology import Group
+from weightsvc.service.device import Resident
+from weightsvc.service.versions.index import VersionFile
+from weightsvc.service.versions.lag import Sample, sample_stride, sampled_indices
+from weightsvc.service.versions.store import PartOf, Version
 
 if TYPE_CHECKING:
-    from weightsvc.core.push import PushChunk, PushHeader
-    from weightsvc.core.service import Service
+    from weightsvc.service.push.pushes import PushChunk, PushHeader
+    from weightsvc.service.service import Service
 
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
 # learner (gRPC flow control) when export is slower than the network.
@@ -120,7 +120,7 @@ class PushSession:
 
     def __init__(self, service: Service, header: PushHeader, spec: rounding.ExportSpec, data: memoryview,
                  plan: _Plan, file: VersionFile | None,
-                 staged_residual: tuple[VersionFile, dict[str, np.ndarray]] | None = None) -> None:  # fmt: skip
+                 staged_residual: tuple[VersionFile, dict[str, np.ndarray]] | None = None) -> None:
         self.service = service
         self.header = header
         self.spec = spec
@@ -143,7 +143,7 @@ class PushSession:
         self.residual = (
             service.store.residual(header.model, spec.format, spec.scaling, plan.groups if header.owners else None)
             if spec.rounding == "ef" else None
-        )  # fmt: skip
+        )
         self.base_version = service.store.latest(header.model)  # an ef push continues from this one
         # Sharded replicas: this push is this replica's part of the version.
         timeout = service.settings.push_rank_timeout_s
@@ -153,7 +153,7 @@ class PushSession:
         self._stage(plan.data_bytes)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
         self.batch: list[tuple[Callable[[_StagedTensor, int, bytes | memoryview], None], _StagedTensor, int,
-                               bytes | memoryview]] = []  # fmt: skip
+                               bytes | memoryview]] = []
         self.batch_bytes = 0
         self.committed = False
         self.reserved = 0  # of the service's staging budget, returned when the session closes
@@ -173,7 +173,7 @@ class PushSession:
             await service.store.committer.catch_up(header.model)
         try:
             spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
-                                       s.fp8_pattern)  # fmt: skip
+                                       s.fp8_pattern)
         except ValueError as e:
             raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
         big = len(header.tensors) >= BIG_MANIFEST
@@ -208,7 +208,7 @@ class PushSession:
         missing = [p for p in self.parts[rank].values() if p.received < p.end]
         if missing:
             shown = [f"{p.tensor.spec.name!r} has {p.received - p.start} of {p.end - p.start} bytes"
-                     for p in missing[:5]]  # fmt: skip
+                     for p in missing[:5]]
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise InvalidArgument(
                 f"{self.where(rank)}: commit of an incomplete push: {'; '.join(shown)}{more}", reason="incomplete"
@@ -251,7 +251,7 @@ class PushSession:
                    f"a chunk ends at byte {part.received + n}, beyond the part this rank declared "
                    f"(bytes [{part.start}, {part.end}))"),
                 reason="bad_chunk",
-            )  # fmt: skip
+            )
         if n % MASTER_ITEMSIZE:
             raise InvalidArgument(
                 f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
@@ -283,7 +283,7 @@ class PushSession:
             self._start(self._export_fused, t, 0, b"")
 
     def _start(self, job: Callable[[_StagedTensor, int, bytes | memoryview], None], t: _StagedTensor,
-               byte_offset: int, data: bytes | memoryview) -> None:  # fmt: skip
+               byte_offset: int, data: bytes | memoryview) -> None:
         """Queue work for the export thread: one thread, so a tensor's chunks are handled in order.
         Small chunks (many small tensors) go in batches: one hand-over to the thread costs more than
         exporting a small tensor. Staged bytes count at the hand-over (one metric update a batch)."""
@@ -323,7 +323,7 @@ class PushSession:
         small: list[int] = []
         if self.spec.format == "bf16" and self.spec.rounding != "ef":  # (every tensor bf16, no residual)
             small = [i for i, (job, _, _, data) in enumerate(jobs)
-                     if job == self._export_chunk and len(data) < BATCH_BYTES]  # fmt: skip
+                     if job == self._export_chunk and len(data) < BATCH_BYTES]
         fused = set(small) if len(small) > 1 else set()
         if fused:
             self._export_runs([jobs[i][1:] for i in small])
@@ -344,7 +344,7 @@ class PushSession:
         served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
         names = [t.spec.name for t, _, _ in runs]
         stats = self.kernels.export_runs(master, starts, served, self.spec, version=self.header.step, names=names,
-                                     offsets=firsts.tolist(), outs=outs)  # fmt: skip
+                                     offsets=firsts.tolist(), outs=outs)
         # The sampled elements of every run: those whose flat index in their tensor is a multiple of
         # the stride (as `_export_chunk` takes them), gathered with one index array.
         skip = -firsts % self.stride
@@ -353,7 +353,7 @@ class PushSession:
         within = skip[run_of] + self.stride * (np.arange(run_of.size) - np.repeat(np.cumsum(taken) - taken, taken))
         codes = served[outs[run_of] + within]
         sample = (master[starts[run_of] + within], rounding.decode(codes, rounding.FORMATS["bf16"]),
-                  codes.astype(np.uint32))  # fmt: skip
+                  codes.astype(np.uint32))
         bounds = np.cumsum(taken).tolist()
         for j, (t, offset, data) in enumerate(runs):
             t.master_digest.update(offset, data)
@@ -380,7 +380,7 @@ class PushSession:
             residual=None if res_in is None else res_in[first : first + count],
             new_residual=None if res_out is None else res_out[first : first + count],
             model=self.header.model, keep=self.device_residuals,
-        )  # fmt: skip
+        )
         t.master_digest.update(byte_offset, data)
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
@@ -389,7 +389,7 @@ class PushSession:
             codes = served[first * size : (first + count) * size].view(np.uint16 if size == 2 else np.uint8)
             codes = codes[skip :: self.stride]
             t.samples[first] = (master[skip :: self.stride].copy(), rounding.decode(codes, t.fmt),
-                                codes.astype(np.uint32))  # fmt: skip
+                                codes.astype(np.uint32))
         t.exported += len(data)
         if t.exported == t.nbytes:  # the last chunk of the tensor, from whichever rank
             t.checksums[t.slot.name] = checksum(served)
@@ -416,7 +416,7 @@ class PushSession:
             self._export_whole(member, 0, b"", top)
 
     def _export_whole(self, t: _StagedTensor, _offset: int, _data: bytes | memoryview,
-                      group_amax: float | None = None) -> None:  # fmt: skip
+                      group_amax: float | None = None) -> None:
         """Worker thread: scales from the whole tensor, then Fair Cast it and serve the scales."""
         start = time.perf_counter()
         master = t.master if t.master is not None else np.empty(0, np.float32)
@@ -426,7 +426,7 @@ class PushSession:
             master, served, self.spec, version=self.header.step, name=t.spec.name, fmt=t.fmt, shape=t.spec.shape,
             residual=res_in, new_residual=res_out, model=self.header.model, keep=self.device_residuals,
             group_amax=group_amax,
-        )  # fmt: skip
+        )
         t.checksums[t.slot.name] = checksum(served)
         for slot, array in zip(t.scales, rounding.served_scales(scales, t.fmt), strict=True):
             scale_bytes = self._slot_bytes(slot)
@@ -476,7 +476,7 @@ class PushSession:
         return committed, created
 
     def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,
-                                 tuple[Sample, int, bool] | None]:  # fmt: skip
+                                 tuple[Sample, int, bool] | None]:
         """The version to commit (its manifest), the new ef residual and the lag metrics' input, from
         the exported tensors (linear in the tensors: off the loop for a big push)."""
         # Order-independent digest of the master: names, shapes and fp32 bytes.
@@ -490,7 +490,7 @@ class PushSession:
         slots = [s for t in self.tensors.values() for s in (t.slot, *t.scales)]
         scaled = any(t.scales for t in self.tensors.values())
         manifest = _manifest(self.header, self.spec, slots, self.data_bytes, scaled, checksums,
-                             "xxh3_128:" + h.hexdigest(), self.segments)  # fmt: skip
+                             "xxh3_128:" + h.hexdigest(), self.segments)
         version = Version(manifest, b"", self.data, file=self.file)  # its header is made at commit, with the lag
         residual = None
         if self.residual is not None:
@@ -503,9 +503,9 @@ class PushSession:
         # By name, then element: the lag metrics depend neither on the order chunks arrived in nor
         # on the order the ranks declared the tensors in.
         sampled = [self.tensors[n].samples[first] for n in sorted(self.tensors)
-                   for first in sorted(self.tensors[n].samples)]  # fmt: skip
+                   for first in sorted(self.tensors[n].samples)]
         sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)
-                          for i, dt in enumerate((np.float32, np.float32, np.uint32))))  # fmt: skip
+                          for i, dt in enumerate((np.float32, np.float32, np.uint32))))
         saturated = sum(t.saturated for t in self.tensors.values())
         lag_input = (sample, saturated, self.stride == 1) if self.tensors else None  # (an empty part)
         return version, residual, lag_input
@@ -536,7 +536,7 @@ class PushSession:
 
 def _manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterable[ServedTensor], data_bytes: int,
               scaled: bool, checksums: Mapping[str, str], master_digest: str,
-              segments: tuple[Part, ...] = ()) -> Manifest:  # fmt: skip
+              segments: tuple[Part, ...] = ()) -> Manifest:
     """The manifest of the version a push stages, less its lag metrics (the commit adds them)."""
     ordered = sorted(slots, key=lambda s: s.offset)
     return Manifest(
@@ -574,14 +574,14 @@ class _Plan:
 
 
 def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[TensorSpec, ...]],
-          where: str, replica: str = "") -> _Plan:  # fmt: skip
+          where: str, replica: str = "") -> _Plan:
     """The plan of a push (pure, linear in its tensors: run off the loop for a big header)."""
     declared = {t.name for t in header.tensors}
     aliases_of: dict[str, tuple[str, ...]] = {}
     for alias, target in header.aliases:
         if target not in declared:
             raise InvalidArgument(f"{where}: alias {alias!r} names tensor {target!r}, which the push does "
-                                  "not declare", reason="invalid_header")  # fmt: skip
+                                  "not declare", reason="invalid_header")
         aliases_of[target] = (*aliases_of.get(target, ()), alias)
     entries, fmts = [], {}
     base_of: dict[str, str] = {}  # each served tensor's master
@@ -595,7 +595,7 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
         names = collections.Counter(name for name, _, _ in entries)
         clash = next(name for name, count in names.items() if count > 1)
         raise InvalidArgument(f"{where}: tensor {clash!r} clashes with a served tensor of another (its scales "
-                              "or packed elements)", reason="invalid_header")  # fmt: skip
+                              "or packed elements)", reason="invalid_header")
     segments: tuple[Part, ...] = ()
     of = topology.groups([t.name for t in header.tensors], header.owners, header.replication) if header.owners else {}
     if header.owners and header.replication > 1:
@@ -606,7 +606,7 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
     for slot in slots_list:
         slots.setdefault(base_of[slot.name], []).append(slot)
     tensors = {t.name: _StagedTensor(t, fmts[t.name], sorted(slots[t.name], key=lambda slot: place[slot.name]))
-               for t in header.tensors}  # fmt: skip
+               for t in header.tensors}
     fused: dict[str, _Fused] = {}
     for staged in tensors.values():
         if staged.fmt.global_scale:
@@ -616,13 +616,13 @@ def _plan(header: PushHeader, spec: rounding.ExportSpec, ranks: dict[int, tuple[
         rank: {p.name: _Part(tensors[p.name], p.elements[0] * MASTER_ITEMSIZE, sum(p.elements) * MASTER_ITEMSIZE)
                for p in specs}
         for rank, specs in ranks.items()
-    }  # fmt: skip
+    }
     return _Plan(tensors, parts, data_bytes, slots_list, sum(t.spec.numel for t in tensors.values()),
-                 [t for t in tensors.values() if t.nbytes == 0], segments, of)  # fmt: skip
+                 [t for t in tensors.values() if t.nbytes == 0], segments, of)
 
 
 def _grouped(entries: list[tuple[str, tuple[int, ...], str]], base_of: Mapping[str, str], of: dict[str, Group],
-             replica: str, where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...]]:  # fmt: skip
+             replica: str, where: str) -> tuple[list[ServedTensor], int, tuple[Part, ...]]:
     """The layout of a replicated part (`of`: each tensor's owners): its tensors by group (sorted by
     owners), each group's by name, so that every owner of a group places its bytes the same way."""
     by_group: dict[Group, list[tuple[str, tuple[int, ...], str]]] = {}
@@ -632,7 +632,7 @@ def _grouped(entries: list[tuple[str, tuple[int, ...], str]], base_of: Mapping[s
         if replica and replica not in group:
             raise InvalidArgument(f"{where}: tensor {base!r} belongs to replicas {list(group)}, not to this one "
                                   f"({replica!r}); push each tensor to its owners (GetTopology)",
-                                  reason="invalid_header")  # fmt: skip
+                                  reason="invalid_header")
         by_group.setdefault(group, []).append(entry)
     slots: list[ServedTensor] = []
     segments: list[Part] = []
@@ -651,5 +651,5 @@ def _header_room(header: PushHeader, spec: rounding.ExportSpec, plan: _Plan) -> 
     blank = checksum(b"")
     scaled = any(t.scales for t in plan.tensors.values())
     sized = _manifest(header, spec, plan.slots, plan.data_bytes, scaled, {s.name: blank for s in plan.slots},
-                      "xxh3_128:" + "0" * 32, plan.segments)  # fmt: skip
+                      "xxh3_128:" + "0" * 32, plan.segments)
     return len(sized.safetensors_header()) + HEADER_SLACK

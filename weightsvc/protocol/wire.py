@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from weightsvc.core.manifest import LagMetrics, Manifest, Part, ServedTensor, Slice, memo
-from weightsvc.core.selection import Select, selection
 from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.manifest import LagMetrics, Manifest, Part, ServedTensor, Slice, memo
+from weightsvc.protocol.selection import Select, selection
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 _CHUNK_FIELD = 2
@@ -142,7 +142,7 @@ MESSAGE_PIECE_BYTES = 4 << 20
 def _tensor_to_proto(t: ServedTensor) -> pb.ServedTensor:
     cut = None if t.slice is None else pb.TensorSlice(dim=t.slice.dim, start=t.slice.start, stop=t.slice.stop)
     return pb.ServedTensor(name=t.name, shape=t.shape, dtype=t.dtype, offset=t.offset, nbytes=t.nbytes,
-                           checksum=t.checksum, slice=cut)  # fmt: skip
+                           checksum=t.checksum, slice=cut)
 
 
 def manifest_to_proto(m: Manifest, tensors: Iterable[ServedTensor] | None = None) -> pb.Manifest:
@@ -152,7 +152,7 @@ def manifest_to_proto(m: Manifest, tensors: Iterable[ServedTensor] | None = None
                       scaling=m.scaling, lag=lag_to_proto(m.lag), aliases=dict(m.aliases),
                       parts=[pb.ManifestPart(owner=p.owner, offset=p.offset, nbytes=p.nbytes, holders=p.holders)
                              for p in m.parts],
-                      tensor_count=len(m.tensors))  # fmt: skip
+                      tensor_count=len(m.tensors))
     msg.tensors.extend(_tensor_to_proto(t) for t in (m.tensors if tensors is None else tensors))
     return msg
 
@@ -173,11 +173,11 @@ def _pieces(m: Manifest) -> tuple[list[int], list[bytes]]:
     """The manifest as serialized PullResponse messages of about MESSAGE_PIECE_BYTES each: the
     Manifest with the first tensors, then ManifestTensors; and the index of each one's first tensor."""
     starts = piece_starts((len(t.name) + len(t.checksum) + 16 * len(t.shape) + 48 for t in m.tensors),
-                          MESSAGE_PIECE_BYTES)  # fmt: skip
+                          MESSAGE_PIECE_BYTES)
     bounds = [*starts[1:], len(m.tensors)]
     first = pb.PullResponse(manifest=manifest_to_proto(m, m.tensors[: bounds[0]])).SerializeToString()
     rest = [pb.PullResponse(manifest_tensors=pb.ManifestTensors(tensors=[_tensor_to_proto(t) for t in m.tensors[a:b]]))
-            .SerializeToString() for a, b in zip(starts[1:], bounds[1:], strict=True)]  # fmt: skip
+            .SerializeToString() for a, b in zip(starts[1:], bounds[1:], strict=True)]
     return starts, [first, *rest]
 
 
@@ -193,7 +193,7 @@ def manifest_from(m: Manifest, tensors_from: int) -> pb.Manifest:
     starts, pieces = memo(m, "grpc-pieces", _pieces)
     if not 0 <= tensors_from <= len(m.tensors):
         raise InvalidArgument(f"model {m.model!r} version {m.version} has {len(m.tensors)} tensors: "
-                              f"tensors_from {tensors_from} is out of range")  # fmt: skip
+                              f"tensors_from {tensors_from} is out of range")
     i = bisect.bisect_right(starts, tensors_from) - 1
     msg = pb.PullResponse.FromString(pieces[i])
     head = msg.manifest if i == 0 else manifest_to_proto(m, ())
@@ -231,7 +231,7 @@ def slice_from_proto(msg: pb.ServedTensor | pb.TensorSelect) -> Slice | None:
 
 def select_to_proto(select: Select) -> list[pb.TensorSelect]:
     return [pb.TensorSelect(tensor=name, slice=None if cut is None else pb.TensorSlice(**dataclasses.asdict(cut)))
-            for name, cut in select.items()]  # fmt: skip
+            for name, cut in select.items()]
 
 
 def select_from_proto(items: Iterable[pb.TensorSelect]) -> dict[str, Slice | None]:
@@ -242,8 +242,8 @@ def manifest_from_proto(m: pb.Manifest, more: Iterable[pb.ServedTensor] = ()) ->
     """A manifest from its message, and the tensors that came in later pieces (`more`)."""
     tensors = tuple(ServedTensor(t.name, tuple(t.shape), t.dtype, t.offset, t.nbytes, t.checksum,
                                  Slice(t.slice.dim, t.slice.start, t.slice.stop) if t.HasField("slice") else None)
-                    for batch in (m.tensors, more) for t in batch)  # fmt: skip
+                    for batch in (m.tensors, more) for t in batch)
     parts = tuple(Part(p.owner, p.offset, p.nbytes, tuple(p.holders)) for p in m.parts)
     return Manifest(m.model, m.version, m.format, m.rounding, m.seed, m.committed_unix, m.data_bytes,
                     m.master_digest, tensors, m.scaling, lag_from_proto(m), parts,
-                    tuple(sorted(m.aliases.items())))  # fmt: skip
+                    tuple(sorted(m.aliases.items())))

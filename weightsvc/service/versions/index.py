@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from weightsvc.core.manifest import Manifest, Segment, held_span
-from weightsvc.core.memory import BufferPool
 from weightsvc.errors import NotFound
+from weightsvc.memory import BufferPool
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import Manifest, Segment, held_span
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,151 @@
+"""The package's shape, measured from its own code: no import cycles, no module or class too large.
+
+Every import counts, the ones inside functions too: a lazy import still ties the two modules, it only
+hides the tie from the interpreter until it runs."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "weightsvc"
+GENERATED = PACKAGE / "v1"
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 250
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        if GENERATED in path.parents:
+            continue
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ours that `name` imports (a package's __init__ counts only when it is named)."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            # `from pkg import mod` names the submodule; `from mod import name` the module.
+            targets = [f"{module}.{alias.name}" if f"{module}.{alias.name}" in known else module
+                       for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    mods = modules()
+    graph = {name: imports(name, path, set(mods)) for name, path in mods.items()}
+    # A package's __init__ that re-exports its modules is not a cycle with them.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not name.startswith(t + ".")}
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("name", sorted(modules()))
+def test_no_module_or_class_is_too_large(name: str) -> None:
+    path = modules()[name]
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{path.relative_to(ROOT)}: {lines} lines (at most {MAX_MODULE_LINES})"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            size = (node.end_lineno or node.lineno) - node.lineno + 1
+            assert size <= MAX_CLASS_LINES, f"{path.relative_to(ROOT)}: class {node.name} is {size} lines"
+
+
+# What each room of the package may import besides itself (the floors below it). `cli` is the top
+# floor and takes anything.
+FLOOR = {"errors", "_log", "_faults", "v1"}
+MAY_IMPORT = {
+    "errors": set(),
+    "_log": set(),
+    "_faults": set(),
+    "v1": set(),
+    "memory": FLOOR,
+    "rounding": FLOOR,
+    "settings": FLOOR | {"rounding"},
+    "protocol": FLOOR | {"memory", "rounding"},
+    "metrics": FLOOR | {"protocol"},
+    "service": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics"},
+    "transport": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "service"},
+    "client": FLOOR | {"memory", "rounding", "protocol"},
+    "integrations": FLOOR | {"memory", "rounding", "protocol", "client"},
+    "loaders": {"integrations"},
+    "server": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "service", "transport", "client"},
+}
+
+
+def room(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def test_imports_run_down_the_floors() -> None:
+    mods = modules()
+    upward = []
+    for name, path in sorted(mods.items()):
+        own = room(name)
+        if own not in MAY_IMPORT:
+            continue
+        for target in sorted(imports(name, path, set(mods))):
+            other = room(target)
+            if other and other != own and other not in MAY_IMPORT[own]:
+                upward.append(f"{name} -> {target}")
+    assert upward == []

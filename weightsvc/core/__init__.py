@@ -1,1 +1,0 @@
-"""The transport-agnostic core: the push lifecycle, committed versions, the registry, lag and deltas."""

@@ -1,0 +1,1 @@
+"""A push from header to answer: messages, shards, staging and export."""

@@ -1,0 +1,1 @@
+"""Sharded replicas: the registry and each replica's part of a version."""

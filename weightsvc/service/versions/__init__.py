@@ -1,0 +1,1 @@
+"""Committed versions: the index, commit, the data dir, acks and lag."""
