@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from weightsvc.protocol.manifest import LagMetrics
+from weightsvc.protocol.lag import LagMetrics
 
 if TYPE_CHECKING:
     from weightsvc.service.versions.acks import ClientStatus

@@ -23,15 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
-from weightsvc.protocol.manifest import (
-    DTYPE_SIZES,
-    LagMetrics,
-    Manifest,
-    Part,
-    manifest_from_header,
-    read_safetensors_header,
-    verify,
-)
+from weightsvc.protocol.digest import verify
+from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header
+from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
 from weightsvc.protocol.topology import Replica
 from weightsvc.protocol.wire import lag_from_proto
@@ -220,7 +215,7 @@ def read_version_file(path: str | Path) -> tuple[Manifest, memoryview]:
     with open(path, "rb") as f:
         raw = bytearray(os.fstat(f.fileno()).st_size)
         f.readinto(raw)
-    start, header = read_safetensors_header(bytes(raw[: 8 + int.from_bytes(raw[:8], "little")]))
+    start, header = read_safetensors_header(raw[: 8 + header_length(raw)])
     return manifest_from_header(header), memoryview(raw)[start:]
 
 

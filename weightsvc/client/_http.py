@@ -15,7 +15,8 @@ from typing import Any
 from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
-from weightsvc.protocol.manifest import MAX_HEADER_BYTES, Manifest, manifest_from_header, read_safetensors_header
+from weightsvc.protocol.manifest import Manifest, manifest_from_header
+from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, selector
 from weightsvc.protocol.topology import Replica
 
@@ -193,8 +194,7 @@ class HttpInferenceClient(InferenceClient):
                 with self._open(method, path, body=body, base=url) as resp:
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
-                    header_len = int.from_bytes(head, "little")
-                    if len(head) < 8 or header_len > MAX_HEADER_BYTES:
+                    if len(head) < 8 or (header_len := header_length(head)) > MAX_HEADER_BYTES:
                         raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
                     start, header = read_safetensors_header(head + resp.read(header_len))
                     manifest_of.append(manifest_from_header(header))

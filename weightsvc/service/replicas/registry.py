@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
-from weightsvc.protocol.manifest import Manifest, combine_parts
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.parts import combine_parts
 from weightsvc.protocol.topology import Replica
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
