@@ -26,6 +26,11 @@ class Replica:
     http: str
 
 
+# A replica that has not renewed its registration for this long is gone: the registry forgets it,
+# and a learner leaves one it cannot reach out of its pushes for as long.
+REPLICA_TTL_S = 15.0
+
+
 # The tensors an engine fuses into one layer (vLLM's packed modules: q, k and v projections into
 # qkv_proj, gate and up into gate_up_proj). They share NVFP4's global scale (an engine keeps one per
 # fused layer: vLLM keeps the largest, and the other shards' values would be read wrongly), so they
