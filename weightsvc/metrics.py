@@ -17,7 +17,8 @@ from prometheus_client.registry import Collector
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.lag import LagMetrics
 
-# Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
+# Rejected pushes are labelled by their error's `reason` (`errors.WeightsvcError.reason`); these
+# have a series from the start, at zero until a push is rejected for them.
 REJECT_REASONS = (
     "invalid_header",
     "bad_chunk",
