@@ -27,6 +27,11 @@ class Replica:
     http: str
 
 
+# A replica that has not renewed its registration for this long is gone: the registry forgets it,
+# and a learner leaves one it cannot reach out of its pushes for as long.
+REPLICA_TTL_S = 15.0
+
+
 def _weight(replica_id: str, name: str) -> int:
     return xxhash.xxh64_intdigest(f"{replica_id}\0{name}".encode())
 

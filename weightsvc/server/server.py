@@ -22,10 +22,9 @@ import grpc
 import uvicorn
 
 from weightsvc.errors import WeightsvcError
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
-from weightsvc.service.replicas.registry import REPLICA_TTL_S
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import Auth, HttpAuth
