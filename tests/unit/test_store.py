@@ -18,8 +18,8 @@ from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest, checksum, layout
 from weightsvc.rounding import Residual
+from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import PartOf, Parts
-from weightsvc.service.replicas.registry import MemoryRegistry
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
