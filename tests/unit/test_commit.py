@@ -1,10 +1,12 @@
 """The committer through its own interface, with no server: the commit rules, retention and a full
-disk's eviction, a registry whose answer is lost, and a restart. Faults come in through the objects
-it is made of (a data dir that fills up, a registry that does not answer)."""
+disk's eviction, a registry whose answer is lost, a restart, and a sharded replica following the
+registry. Faults come in through the objects it is made of (a data dir that fills up, a registry
+that does not answer)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 from pathlib import Path
@@ -247,3 +249,33 @@ async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit
     await first
 
     assert on_disk(files) == [f"{2:020d}.safetensors", f"residual-{2:020d}.safetensors"]
+
+
+# ---- a sharded replica following the registry --------------------------------------------------
+
+
+async def commit_without_this_replica(registry: Registry, version: int) -> None:
+    """Version `version` of model m, made of the parts of replicas r1 and r2."""
+    for owner in ("r1", "r2"):
+        parts = Parts(registry, retain=4)
+        parts.replica_id = owner
+        m = parts.own(make_version("m", version, size=64, tensor=f"w-{owner}")).manifest
+        await registry.commit_part("m", version, owner, ("r1", "r2"), m.master_digest, m.json(), 4)
+
+
+async def test_a_sharded_replica_shows_what_committed_without_it_when_it_catches_up_and_as_it_follows() -> None:
+    r = rig()
+    await commit_without_this_replica(r.registry, 1)
+    await r.committer.follower.catch_up("m")
+    caught_up = r.index.get("m", 1)
+    assert len(caught_up.data) == 0 and {p.owner for p in caught_up.manifest.parts} == {"r1", "r2"}
+
+    following = asyncio.ensure_future(r.committer.follower.follow())
+    try:
+        await commit_without_this_replica(r.registry, 2)
+        followed = await asyncio.wait_for(r.index.shown("m", 2), 10)
+        assert followed is not None and len(followed.data) == 0 and len(followed.manifest.parts) == 2
+    finally:
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
