@@ -8,9 +8,8 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
-    REPLICA_TTL_S,
     CommitResult,
     check_commit,
     combined_digest,

@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from weightsvc.errors import Unavailable
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
     EVENTS_KEPT,
     PART_TTL_S,
-    REPLICA_TTL_S,
     CommitResult,
     conflict,
     diverged_error,
