@@ -8,7 +8,7 @@ import asyncio
 import mmap
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,9 +122,12 @@ def test_an_evicted_version_stays_readable_by_the_pull_that_holds_it(data_dir: P
         assert bytes(pull.version.data) == before  # still mapped while the pull holds it
         file = pull.version.file
         assert file is not None and not file.file.closed
-        srv.loop.call_soon_threadsafe(pull.close)
-        srv.call(asyncio.sleep(0))
+        srv.call(_on_the_loop(pull.close))
         assert file.file.closed  # the last reader gone, the mapping goes
+
+
+async def _on_the_loop(close: Callable[[], None]) -> None:
+    close()  # a pull ends on the server's loop, as its transport ends it
 
 
 def test_without_a_data_dir_versions_stay_in_memory() -> None:

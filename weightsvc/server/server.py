@@ -129,11 +129,11 @@ class Server:
         self.service.store.replica_id = self.replica.id
         sharded = bool(s.redis_url) and not s.relay_from  # (a relay keeps a registry of its own)
         if sharded:
-            await self.service.store.committer.catch_up()  # before it takes part in pushes
+            await self.service.store.committer.follower.catch_up()  # before it takes part in pushes
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         if sharded:
-            self._follow = asyncio.create_task(self.service.store.committer.follow(), name="follow")
+            self._follow = asyncio.create_task(self.service.store.committer.follower.follow(), name="follow")
         self.ready = True
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",

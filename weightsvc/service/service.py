@@ -28,7 +28,8 @@ from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Kernels, kernels_for
 from weightsvc.service.pull import Pull, Pulls, watching
 from weightsvc.service.push.pushes import Pushes, PushMessage
-from weightsvc.service.replicas.registry import MemoryRegistry, RedisRegistry
+from weightsvc.service.replicas.memory import MemoryRegistry
+from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.versions.disk import DamagedFile
 from weightsvc.service.versions.store import ClientStatus, Version, VersionStore
 from weightsvc.settings import Settings

@@ -160,7 +160,7 @@ class PushSession:
         s = service.settings
         where = f"model {header.model!r} step {header.step}"
         if header.owners:  # decide from the latest version the registry holds, as the other owners do
-            await service.store.committer.catch_up(header.model)
+            await service.store.committer.follower.catch_up(header.model)
         try:
             spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
                                        s.fp8_pattern)

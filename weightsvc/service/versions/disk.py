@@ -106,11 +106,7 @@ class VersionFiles:
                     os.fsync(f.fileno())
             crash_point("commit.version-written")
             os.replace(tmp, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _sync_dir(path.parent)
             file = _open(path)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -171,11 +167,7 @@ class VersionFiles:
             staged.mapping.flush()
             os.fsync(staged.file.fileno())
             os.replace(staged.path, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _sync_dir(path.parent)
         except OSError as e:
             needed = sum(r.nbytes for r in residual.tensors.values())
             raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
@@ -204,11 +196,7 @@ class VersionFiles:
         """Delete a committed version's file to make room, durably: a restart does not bring it back."""
         path = self.path(model, version)
         path.unlink(missing_ok=True)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _sync_dir(path.parent)
 
     def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
         """Remove the files of `versions` (evicted, or not committed) and every residual file but the
@@ -330,6 +318,15 @@ def _map_residual(path: Path) -> Residual:
     version = meta.get(RESIDUAL_VERSION_KEY, "")
     return Residual(int(version) if version else None, tensors, meta.get(RESIDUAL_FORMAT_KEY, ""),
                     meta.get(RESIDUAL_SCALING_KEY, ""))
+
+
+def _sync_dir(directory: Path) -> None:
+    """Make a rename or delete in `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _padded(header: bytes, size: int) -> bytes:
