@@ -6,9 +6,9 @@ so `status`, `pull`, `push` and every usage error answer at once.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -22,9 +22,23 @@ try:  # typer 0.29 carries its own copy of click; earlier releases use click its
 except ImportError:
     from click.exceptions import ClickException, NoArgsIsHelpError  # type: ignore[assignment]
 
+
+
+def _serve() -> Any:
+    from weightsvc.cli import serve
+
+    return serve.click_command()
+
+
+def _export() -> Any:
+    from weightsvc.cli import export
+
+    return export.click_command()
+
+
 # The commands built only when asked for: they take their flags or choices from `Settings`
-# (pydantic-settings), which the other commands do not import. Each module has a `click_command()`.
-_BUILT_ON_DEMAND = {"serve": "weightsvc.cli.serve", "export": "weightsvc.cli.export"}
+# (pydantic-settings), which the other commands do not import.
+_BUILT_ON_DEMAND: dict[str, Callable[[], Any]] = {"serve": _serve, "export": _export}
 
 
 class _Commands(TyperGroup):
@@ -36,8 +50,7 @@ class _Commands(TyperGroup):
 
     def get_command(self, ctx: Any, cmd_name: str) -> Any:
         if cmd_name in _BUILT_ON_DEMAND and cmd_name not in self.commands:
-            module = importlib.import_module(_BUILT_ON_DEMAND[cmd_name])
-            self.add_command(module.click_command(), cmd_name)
+            self.add_command(_BUILT_ON_DEMAND[cmd_name](), cmd_name)
         return super().get_command(ctx, cmd_name)
 
 
