@@ -160,9 +160,7 @@ def bench(
 ) -> None:
     """Transfer and export benchmarks: sync time, pull, push and fan-out vs raw TCP loopback, per-tensor
     cost, server RSS, kernels."""
-    from weightsvc._log import configure_logging
-    from weightsvc.cli.bench.run import PARTS, run_bench
-    from weightsvc.cli.bench.soak import soak as run_soak
+    from weightsvc.cli.bench import PARTS
 
     figures = None if only is None else {x.strip() for x in only.split(",")}
     unknown = sorted((figures or set()) - set(PARTS))
@@ -172,6 +170,11 @@ def bench(
     counts = _ints("--s1-tensors", s1_tensors)
     if len(set(counts)) < 2:
         raise typer.BadParameter("give two different counts at least: S1 is a slope", param_hint="--s1-tensors")
+    # the parts load torch and the clients: only once the flags are known to be good
+    from weightsvc._log import configure_logging
+    from weightsvc.cli.bench.run import run_bench
+    from weightsvc.cli.bench.soak import soak as run_soak
+
     configure_logging("warning")
     if soak is not None:
         result = run_soak(soak, size_mib=min(size_mib, 64), log=None if json_out else note)

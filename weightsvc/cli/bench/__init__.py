@@ -11,3 +11,10 @@ their own (`weightsvc.cli._server`), as in production:
 - rawtcp: the baselines (a ratio of 1.0 means "as fast as the socket"); peers: the puller processes
 - run: the chosen parts, as one dict; soak: the long run of `--soak`
 """
+
+# Which part of the bench measures each figure id (`--only` takes ids or part names). Here, where
+# `weightsvc bench` checks `--only` before it loads the parts; this package imports none of its
+# modules itself, so the peers run as `python -m` of theirs.
+PARTS = {"T1": "transfer", "T2": "transfer", "T3": "transfer", "M1": "transfer", "K1": "kernels", "K2": "kernels",
+         "delta": "delta", "scale_3v1": "scale", "E1": "E1", "S1": "S1", "S2": "S2", "P1": "P1",
+         "K3_sass": "sass"}

@@ -9,14 +9,9 @@ from typing import Any
 
 import torch
 
-from weightsvc.cli.bench import delta, kernels, loop, memory, sass, scale, sync, transfer
+from weightsvc.cli.bench import PARTS, delta, kernels, loop, memory, sass, scale, sync, transfer
 from weightsvc.cli.bench._common import make_model
 from weightsvc.cli.bench.rawtcp import RawTcp
-
-# Which part of the bench measures each figure id (`--only` takes ids or part names).
-PARTS = {"T1": "transfer", "T2": "transfer", "T3": "transfer", "M1": "transfer", "K1": "kernels", "K2": "kernels",
-         "delta": "delta", "scale_3v1": "scale", "E1": "E1", "S1": "S1", "S2": "S2", "P1": "P1",
-         "K3_sass": "sass"}
 
 
 def run_bench(
