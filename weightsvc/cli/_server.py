@@ -39,10 +39,6 @@ class ServeProcess:
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         self.target, self.url = fields["grpc"], fields["http"]
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def memory(self) -> dict[str, int]:
         """The server's sizes from /proc (VmRSS, VmHWM, RssAnon, ...), in bytes."""
         return process_status(self.proc.pid)
