@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from weightsvc.cli._common import DEFAULT_TARGET, CaCert, Token, fail, note, print_table, progress_bar, say
-from weightsvc.cli.files import check_base_file, load_masters, read_safetensors_header
+from weightsvc.cli.files import check_base_file, load_masters, read_file_header
 from weightsvc.errors import WeightsvcError
 
 
@@ -34,7 +34,7 @@ def push(
         if not (alias and eq and name):
             fail(f"--tie takes ALIAS=TENSOR, got {t!r}")
         tied[alias] = name
-    data_start, header = read_safetensors_header(file)  # a clear error before anything heavy loads
+    data_start, header = read_file_header(file)  # a clear error before anything heavy loads
     from safetensors import SafetensorError
 
     from weightsvc.client import LearnerClient

@@ -1,21 +1,23 @@
-"""`weightsvc export`: Fair Cast a checkpoint offline. Its choices are the settings' (which
-tests/unit/test_settings.py holds equal to `weightsvc.rounding`'s), so the help names every format;
-the command is built only when asked for, as `serve` is."""
+"""`weightsvc export`: Fair Cast a checkpoint offline. Its help names the choices of
+`weightsvc.rounding` itself, so it lists every format there is; the command is built only when asked
+for, as `serve` is (the rounding package loads numpy)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from weightsvc.cli._common import fail, say
-from weightsvc.cli.files import read_safetensors_header
-from weightsvc.settings import FORMATS, ROUNDINGS, SCALINGS
+from weightsvc.cli.files import read_file_header
+from weightsvc.rounding import FORMATS, ROUNDINGS, SCALINGS
 
 
-def _one_of(choices: tuple[str, ...]) -> str:
-    return f"{', '.join(choices[:-1])} or {choices[-1]}"
+def _one_of(choices: Iterable[str]) -> str:
+    *first, last = choices
+    return f"{', '.join(first)} or {last}"
 
 
 def export(
@@ -31,7 +33,7 @@ def export(
     ] = None,
 ) -> None:
     """Fair Cast a checkpoint offline: the same bits the service serves for the same keys."""
-    read_safetensors_header(input)
+    read_file_header(input)
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 

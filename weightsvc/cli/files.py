@@ -10,19 +10,20 @@ from typing import Any
 
 from weightsvc.cli._common import fail
 from weightsvc.errors import WeightsvcError
+from weightsvc.protocol.safetensors import header_length
 
 # The first bytes of the files torch.save writes: a zip archive, or a pickle (protocol 2 to 5).
 _TORCH_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
-def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+def read_file_header(path: Path) -> tuple[int, dict[str, Any]]:
     """Where the data of a safetensors file starts, and its JSON header; or an error naming the file
     and what it holds instead."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
-            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            length = header_length(prefix) if len(prefix) == 8 else -1
             raw = f.read(length) if 0 < length <= size - 8 else b""
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}")
@@ -48,7 +49,7 @@ def check_base_file(path: Path, model: str, base: int) -> None:
     if not path.exists():
         fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
              f"(without --base)")
-    _, header = read_safetensors_header(path)
+    _, header = read_file_header(path)
     try:
         held = manifest_from_header(header)
     except WeightsvcError as e:

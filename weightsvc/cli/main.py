@@ -37,7 +37,7 @@ def _export() -> Any:
 
 
 # The commands built only when asked for: they take their flags or choices from `Settings`
-# (pydantic-settings), which the other commands do not import.
+# (pydantic-settings) and `weightsvc.rounding` (numpy), which the other commands do not import.
 _BUILT_ON_DEMAND: dict[str, Callable[[], Any]] = {"serve": _serve, "export": _export}
 
 
