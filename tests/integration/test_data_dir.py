@@ -18,6 +18,7 @@ import torch
 from tests.conftest import ServeProcess, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import ResourceExhausted
+from weightsvc.memory import process_status
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
 MIB = 1 << 20
@@ -25,8 +26,7 @@ MIB = 1 << 20
 
 def anonymous(pid: int) -> int:
     """RssAnon of process `pid`, in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    return process_status(pid)["RssAnon"]
 
 
 class PeakAnonymous:

@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 
 from weightsvc import rounding
 from weightsvc.cli import flags
-from weightsvc.cli.main import DEFAULT_TARGET, app
+from weightsvc.cli._common import DEFAULT_TARGET
+from weightsvc.cli.main import app
 from weightsvc.settings import Settings
 
 
