@@ -29,7 +29,7 @@ from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.protocol.selection import holders_by_tensor
 from weightsvc.protocol.topology import Group
-from weightsvc.rounding import PACKED_SUFFIX, Residual
+from weightsvc.rounding import Residual, served_masters
 from weightsvc.service.replicas.follow import Follower
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, not_above
@@ -93,9 +93,10 @@ class Committer:
         if held is None or not held.manifest.parts:
             return Residual(format=format, scaling=scaling)
         holders = holders_by_tensor(held.manifest)
-        # (a tensor served packed is held under its elements' name)
+        # A master is held where its elements are (the served naming's inverse: packed codes too).
+        elements = {master: served[0] for master, served in served_masters(holders).items()}
         kept = {n: a for n, a in r.tensors.items()
-                if n in groups and holders.get(n, holders.get(n + PACKED_SUFFIX)) == groups[n]}
+                if n in groups and holders.get(elements.get(n, n)) == groups[n]}
         return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
     async def commit(
