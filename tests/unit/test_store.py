@@ -21,9 +21,9 @@ from weightsvc.rounding import Residual
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import MemoryRegistry
 from weightsvc.service.versions.acks import Acks
+from weightsvc.service.versions.commit import Committer
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
-from weightsvc.service.versions.store import VersionStore
 
 SIZE = 1 << 20  # the pool recycles anonymous mappings; alloc maps one from 1 MiB
 
@@ -245,37 +245,43 @@ async def test_a_waiting_part_holds_back_the_next_step_until_its_learner_abandon
 # ---- the committer, across a restart -----------------------------------------------------------
 
 
+def committer(tmp_path: Path, retain: int, registry: MemoryRegistry) -> tuple[Committer, VersionIndex, VersionFiles]:
+    """A committer over a data dir, wired as the service wires it; with its index and files."""
+    index, files, metrics = VersionIndex(retain, Metrics()), VersionFiles(tmp_path), Metrics()
+    parts = Parts(registry, retain)
+    acks = Acks(index, registry, metrics)
+    return Committer(index=index, files=files, parts=parts, acks=acks, registry=registry, metrics=metrics), index, files
+
+
 async def test_a_restart_restores_what_committed_and_drops_a_file_the_registry_never_committed(tmp_path: Path) -> None:
     registry = MemoryRegistry()
-    before = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
+    before, _, before_files = committer(tmp_path, 4, registry)
     for v in (1, 2):
         committed, created = await before.commit(make_version("m", v))
         assert created and committed.manifest.version == v
     _, created = await before.commit(make_version("m", 2))
     assert not created  # the same content again: an idempotent re-push
-    assert before.files is not None
-    before.files.write(make_version("m", 3))  # written, then the process died before the registry
+    before_files.write(make_version("m", 3))  # written, then the process died before the registry
 
-    after = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
+    after, after_index, after_files = committer(tmp_path, 4, registry)
     assert after.restore() == 3
     await after.sync_registry()
 
-    assert [v.manifest.version for v in after.versions("m")] == [1, 2]
-    assert after.files is not None and not after.files.path("m", 3).exists()
-    assert bytes(after.get("m", 2).data[:4]) == b"\x02" * 4
+    assert [v.manifest.version for v in after_index.versions("m")] == [1, 2]
+    assert not after_files.path("m", 3).exists()
+    assert bytes(after_index.get("m", 2).data[:4]) == b"\x02" * 4
 
-    fresh = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics())  # an embedded registry starts empty
+    fresh_registry = MemoryRegistry()  # an embedded registry starts empty
+    fresh, _, _ = committer(tmp_path, 4, fresh_registry)
     assert fresh.restore() == 2
     await fresh.sync_registry()
-    assert await fresh.registry.versions("m") == [1, 2]
+    assert await fresh_registry.versions("m") == [1, 2]
 
 
 async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit_in_flight(tmp_path: Path) -> None:
     """The files of version 1's commit are pruned in a worker thread while the next ef commit writes
     its residual: that residual (of a version not yet committed when the prune began) must stay."""
-    store = VersionStore(retain=1, data_dir=tmp_path, metrics=Metrics())
-    files = store.files
-    assert files is not None
+    store, index, files = committer(tmp_path, 1, MemoryRegistry())
     prune, write_residual = files.prune, files.write_residual
     next_written = threading.Event()
 
@@ -292,7 +298,7 @@ async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit
     files.write_residual = write_residual_and_tell  # type: ignore[method-assign]
     residual = {"w": np.zeros(4, np.float32)}
     first = asyncio.ensure_future(store.commit(make_version("m", 1), (None, Residual(1, residual, "bf16", ""), None)))
-    await store.index.shown("m", 1)
+    await index.shown("m", 1)
     await store.commit(make_version("m", 2), (1, Residual(2, residual, "bf16", ""), None))
     await first
 
