@@ -3,7 +3,7 @@
 `Pulls` admits a pull (--max-pulls), holds its version (eviction cannot recycle the buffer until the
 pull ends) and decides what follows the manifest: the data section, the delta encoding against a
 version the client holds (encoded once for a fleet), or the selection the client asked for
-(`core.selection`: the tensors it names, whole or sliced, under a manifest of their own). A `Pull`
+(`protocol.selection`: the tensors it names, whole or sliced, under a manifest of their own). A `Pull`
 sends each piece through the transport's own write under the stall timeout, counted in the
 metrics. The transports only frame the pieces: gRPC as chunks of the data section (or of the delta
 or the selection), HTTP as a range of the safetensors file (or of the selection's file, or the

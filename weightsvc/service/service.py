@@ -123,7 +123,7 @@ class Service:
         await self._changes.wait_for(predicate)
 
     async def wait_pushes(self, count: int) -> None:
-        """Return once exactly `count` pushes are staged (0: every staging buffer released)."""
+        """Return once exactly `count` staging sessions are open (0: every staging buffer released)."""
         await self.wait_for(lambda: len(self.pushes.sessions) == count)
 
     # ---- reads -------------------------------------------------------------------------------
