@@ -112,7 +112,7 @@ class Service:
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-    # ---- push --------------------------------------------------------------------------------
+    # ---- pushes and pulls in progress ---------------------------------------------------------
 
     def changed(self) -> None:
         """Wake whoever waits in `wait_for`: a push or a pull started or ended."""
