@@ -187,7 +187,7 @@ class ExportJobs:
         """The lag metrics' input: the sampled elements, the saturated count, whether every element
         was sampled. By name, then element: it depends neither on the order chunks arrived in nor on
         the order the ranks declared the tensors in."""
-        if not tensors:  # (an empty part)
+        if not tensors:  # (a replica part without tensors)
             return None
         sampled = [tensors[n].samples[first] for n in sorted(tensors) for first in sorted(tensors[n].samples)]
         sample = Sample(*(np.concatenate([p[i] for p in sampled]) if sampled else np.zeros(0, dt)

@@ -242,7 +242,7 @@ class Push:
         return await asyncio.shield(self.session)
 
     async def _commit(self, rank: int, session: PushSession) -> Committed:
-        """This rank has pushed all its parts; the last rank to get here commits for all."""
+        """This rank has pushed all its shards; the last rank to get here commits for all."""
         if self.failure is not None:
             raise self.failure
         self.committed.add(rank)
