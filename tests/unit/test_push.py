@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import re
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -206,3 +208,18 @@ async def test_a_fault_on_one_rank_aborts_the_other_and_leaves_nothing(executor:
     assert isinstance(rank1, Internal) and "rank 1's stream failed: RuntimeError: injected fault" in str(rank1)
     assert isinstance(rank0, Aborted) and "rank 1 of 2 failed, so the push is aborted" in str(rank0)
     left_nothing(pushes)
+
+
+async def test_a_released_session_is_freed_at_once_not_by_the_garbage_collector(executor: ThreadPoolExecutor) -> None:
+    """A session left in a reference cycle would keep its mappings (a residual file's blocks on a full
+    disk) until the collector ran."""
+    ctx = context(executor)
+    pushes = Pushes(ctx)
+    seen: list[weakref.ref[object]] = []
+    ctx.changed = lambda: seen.extend(weakref.ref(s) for s in pushes.sessions)
+    gc.disable()
+    try:
+        await pushes.run(stream(header((TensorSpec("w", (4,)),)), {"w": np.zeros(4, np.float32)}))
+        assert seen and all(ref() is None for ref in seen)
+    finally:
+        gc.enable()

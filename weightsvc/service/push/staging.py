@@ -18,6 +18,7 @@ import functools
 from collections.abc import Sequence
 
 import numpy as np
+from prometheus_client import Gauge
 
 from weightsvc import rounding
 from weightsvc.errors import InvalidArgument
@@ -36,6 +37,24 @@ MAX_PENDING_CHUNKS = 8
 # Small chunks are handed to the export thread together, up to this many bytes or chunks.
 BATCH_JOBS = 512
 NewResidual = tuple[VersionFile, dict[str, np.ndarray]]  # with a data dir: its file, and its arrays
+
+
+class _Held:
+    """The staging memory a session holds, counted in the staged-bytes metric. Its own object, so that
+    the export jobs report to it without holding the session (a cycle would keep the session's
+    mappings until the garbage collector runs, and a full disk needs their blocks back at once)."""
+
+    def __init__(self, gauge: Gauge, loop: asyncio.AbstractEventLoop) -> None:
+        self.nbytes = 0
+        self._gauge = gauge
+        self._loop = loop
+
+    def add(self, nbytes: int) -> None:
+        self.nbytes += nbytes
+        self._gauge.inc(nbytes)
+
+    def freed_by_worker(self, nbytes: int) -> None:
+        self._loop.call_soon_threadsafe(self.add, -nbytes)
 
 
 class PushSession:
@@ -64,10 +83,10 @@ class PushSession:
         self.base_version = context.index.latest(header.model)  # an ef push continues from this one
         # Sharded replicas: this push is this replica's part of the version.
         self.part_of = PartOf(header.owners, context.settings.push_rank_timeout_s) if header.owners else None
-        self.held_bytes = 0  # of staging memory, in the staged-bytes metric
-        self._hold(plan.data_bytes)
+        self.held = _Held(context.metrics.staged_bytes, context.loop)
+        self.held.add(plan.data_bytes)
         self.jobs = ExportJobs(data, spec, context.kernels(), model=header.model, step=header.step,
-                               stride=sample_stride(plan.numel), residual=residual, freed=self._freed_by_worker,
+                               stride=sample_stride(plan.numel), residual=residual, freed=self.held.freed_by_worker,
                                batch_small=context.batch_small)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
         self.batch: list[Job] = []
@@ -148,10 +167,10 @@ class PushSession:
         shard.received += n
         t.received += n
         if first and self.jobs.residual is not None and self.residual_file is None:
-            self._hold(t.nbytes)  # the new residual of this tensor, in memory
+            self.held.add(t.nbytes)  # the new residual of this tensor, in memory
         if t.fmt.scaled:
             if first:
-                self._hold(t.nbytes)  # the gathered master
+                self.held.add(t.nbytes)  # the gathered master
             self._start(self.jobs.gather_chunk, t, chunk.offset, chunk.data)
             if t.received == t.nbytes:
                 self._whole(t)
@@ -183,17 +202,10 @@ class PushSession:
             return
         jobs, n = self.batch, self.batch_bytes
         self.batch, self.batch_bytes = [], 0
-        self._hold(n)
+        self.held.add(n)
         fut = asyncio.get_running_loop().run_in_executor(self.context.executor, self.jobs.run, jobs)
-        fut.add_done_callback(lambda _f: self._hold(-n))
+        fut.add_done_callback(lambda _f: self.held.add(-n))
         self.pending.append(fut)
-
-    def _hold(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
-        self.context.metrics.staged_bytes.inc(nbytes)
-
-    def _freed_by_worker(self, nbytes: int) -> None:
-        self.context.loop.call_soon_threadsafe(self._hold, -nbytes)
 
     async def commit(self) -> Committed:
         missing = [t for t in self.tensors.values() if t.received < t.nbytes]
@@ -247,8 +259,7 @@ class PushSession:
         self.pending.clear()
         for t in self.tensors.values():
             t.master = t.new_residual = None
-        self.context.metrics.staged_bytes.dec(self.held_bytes)
-        self.held_bytes = 0
+        self.held.add(-self.held.nbytes)
         files = self.context.files
         if self.residual_file is not None and files is not None:
             await asyncio.to_thread(files.discard, self.residual_file)  # (committed, it was renamed)
