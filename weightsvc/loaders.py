@@ -41,7 +41,8 @@ from typing import Any, NamedTuple
 import torch
 
 from weightsvc.client import InferenceClient, Slice, dequantize
-from weightsvc.protocol.manifest import Manifest, read_safetensors_header
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 
 __all__ = [
     "Mismatch",
@@ -291,7 +292,7 @@ def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     for path in files:
         with open(path, "rb") as f:
             head = f.read(8)
-            _, header = read_safetensors_header(head + f.read(int.from_bytes(head, "little")))
+            _, header = read_safetensors_header(head + f.read(header_length(head)))
         out.update({k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"})
     return out
 

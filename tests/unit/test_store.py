@@ -16,7 +16,8 @@ import pytest
 from weightsvc.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest, checksum, layout
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import Manifest, layout
 from weightsvc.rounding import Residual
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import MemoryRegistry

@@ -20,6 +20,7 @@ import typer
 from typer.core import TyperGroup
 
 from weightsvc.errors import DeadlineExceeded, WeightsvcError
+from weightsvc.protocol.safetensors import header_length
 
 if TYPE_CHECKING:
     from weightsvc.settings import Settings
@@ -170,14 +171,14 @@ _SERVE_EPILOG = (
 _TORCH_MAGIC = (b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
 
 
-def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
+def read_file_header(path: Path) -> tuple[int, dict[str, Any]]:
     """Where the data of a safetensors file starts, and its JSON header; or an error naming the file
     and what it holds instead."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
-            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            length = header_length(prefix) if len(prefix) == 8 else -1
             raw = f.read(length) if 0 < length <= size - 8 else b""
     except OSError as e:
         fail(f"cannot read {path}: {e.strerror}")
@@ -203,7 +204,7 @@ def check_base_file(path: Path, model: str, base: int) -> None:
     if not path.exists():
         fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
              f"(without --base)")
-    _, header = read_safetensors_header(path)
+    _, header = read_file_header(path)
     try:
         held = manifest_from_header(header)
     except WeightsvcError as e:
@@ -261,7 +262,7 @@ def push(
         if not (alias and eq and name):
             fail(f"--tie takes ALIAS=TENSOR, got {t!r}")
         tied[alias] = name
-    data_start, header = read_safetensors_header(file)  # a clear error before anything heavy loads
+    data_start, header = read_file_header(file)  # a clear error before anything heavy loads
     from safetensors import SafetensorError
 
     from weightsvc.client import LearnerClient
@@ -338,7 +339,7 @@ def export(
     ] = None,
 ) -> None:
     """Fair Cast a checkpoint offline: the same bits the service serves for the same keys."""
-    read_safetensors_header(input)
+    read_file_header(input)
     from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 

@@ -24,10 +24,8 @@ from weightsvc.errors import (
     Unavailable,
 )
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import (
-    Manifest,
-    check_model_name,
-)
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Kernels, kernels_for
 from weightsvc.service.pull import Pulls, events, watching

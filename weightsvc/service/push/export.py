@@ -16,7 +16,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from weightsvc import rounding
-from weightsvc.protocol.manifest import ServedTensor, checksum
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import ServedTensor
 from weightsvc.service.device import Kernels, Resident
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, PushedTensor
 from weightsvc.service.versions.lag import Sample, sampled_indices

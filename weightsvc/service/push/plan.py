@@ -19,17 +19,8 @@ import xxhash
 from weightsvc import rounding
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol import topology
-from weightsvc.protocol.manifest import (
-    DTYPE_SIZES,
-    MASTER_DTYPE,
-    Manifest,
-    MasterDigest,
-    Part,
-    ServedTensor,
-    TensorSpec,
-    checksum,
-    layout,
-)
+from weightsvc.protocol.digest import MasterDigest, checksum
+from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, Manifest, Part, ServedTensor, TensorSpec, layout
 from weightsvc.protocol.topology import Group
 from weightsvc.service.push.messages import PushHeader
 

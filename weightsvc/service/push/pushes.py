@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -29,7 +30,7 @@ from weightsvc.errors import (
     TooManyRequests,
     WeightsvcError,
 )
-from weightsvc.protocol.manifest import BIG_MANIFEST, TensorSpec, in_thread
+from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.budget import StagingBudget
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.messages import Committed, PushCommit, PushHeader, PushMessage

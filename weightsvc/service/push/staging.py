@@ -21,8 +21,9 @@ import numpy as np
 from prometheus_client import Gauge
 
 from weightsvc import rounding
+from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.manifest import BIG_MANIFEST, MASTER_DTYPE, TensorSpec, in_thread
+from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
 from weightsvc.service.push.messages import Committed, PushChunk, PushHeader

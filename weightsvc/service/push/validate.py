@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from weightsvc.errors import InvalidArgument, ResourceExhausted
-from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, MAX_STEP, check_header_size, check_model_name
+from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE
+from weightsvc.protocol.refs import MAX_STEP, check_model_name
+from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.service.push.messages import PushHeader
 from weightsvc.service.push.shards import MAX_WORLD_SIZE
 from weightsvc.settings import Settings

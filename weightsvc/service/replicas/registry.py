@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
-from weightsvc.protocol.manifest import Manifest, combine_parts
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.parts import combine_parts
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
-REPLICA_TTL_S = 15.0  # a replica that has not renewed its registration for this long is gone
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from typing import TypeVar
 from weightsvc._faults import crash_point
 from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest, check_header_size
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.protocol.selection import holders_by_tensor
 from weightsvc.protocol.topology import Group
 from weightsvc.rounding import PACKED_SUFFIX, Residual
