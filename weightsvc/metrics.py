@@ -28,6 +28,10 @@ REJECT_REASONS = (
     "content_conflict",
     "too_large",
     "aborted",
+    "too_many",
+    "relay",
+    "internal",
+    "registry",
     "other",
 )
 

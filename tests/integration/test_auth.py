@@ -151,7 +151,7 @@ def test_http_ack_needs_role_pull(authed: BackgroundServer) -> None:
     for token, status in [(None, 401), ("not-a-token", 401), *((TOKENS[role], 200) for role in TOKENS)]:
         got, _, body = _get(authed.http_url, path, token, "POST", ack)
         assert got == status, (token, body)
-    assert json.loads(body) == {"latest_version": authed.service.latest(MODEL)}
+    assert json.loads(body) == {"latest_version": authed.service.index.get(MODEL, None).manifest.version}
 
 
 def test_clients_carry_tokens_and_get_clear_errors(

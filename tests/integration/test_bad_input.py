@@ -340,7 +340,7 @@ def test_aborted_pushes_keep_no_more_memory_than_the_staging_budget(model: str) 
     budget (the oldest go), and a push that needs that memory has it freed rather than refused."""
     mib = 1 << 20
     with serving(max_staged_bytes=48 * mib) as srv:
-        pool = srv.service.store.pool
+        pool = srv.service.index.pool
         for i, size in enumerate((16, 18, 20, 22)):  # served MiB: bf16 halves the fp32 masters
             n = size * mib // 2
             error = raw_push(srv.grpc_target, [header(model, 1 + i, [("w", [n], "F32")]), chunk("w", FOUR_FLOATS)])

@@ -90,9 +90,9 @@ def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfi
         learner = LearnerClient(srv.grpc_target)
         for step in (1, 2, 3):
             learner.push(step, masters, model="m")
-        files = srv.service.store.files
+        files = srv.service.files
         assert files is not None
-        version = srv.service.store.get("m", None)
+        version = srv.service.index.get("m", None)
         assert version.file is not None and version.file.path == files.path("m", 3)
         assert version.data.readonly  # a mapping of the file, not a buffer of this process
         model_dir = files.path("m", 3).parent
@@ -115,10 +115,10 @@ def test_an_evicted_version_stays_readable_by_the_pull_that_holds_it(data_dir: P
     with serving(data_dir=data_dir, retain=1) as srv:
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, masters, model="m")
-        pull = srv.call(srv.service.pull("m", 1, "grpc"))
+        pull = srv.call(srv.service.pulls.open("m", 1, "grpc"))
         before = bytes(pull.version.data)
         learner.push(2, masters, model="m")  # evicts version 1 and removes its file
-        assert not srv.service.store.files.path("m", 1).exists()  # type: ignore[union-attr]
+        assert not srv.service.files.path("m", 1).exists()  # type: ignore[union-attr]
         assert bytes(pull.version.data) == before  # still mapped while the pull holds it
         file = pull.version.file
         assert file is not None and not file.file.closed
@@ -133,7 +133,7 @@ async def _on_the_loop(close: Callable[[], None]) -> None:
 def test_without_a_data_dir_versions_stay_in_memory() -> None:
     with serving() as srv:
         LearnerClient(srv.grpc_target).push(1, make_masters(), model="m")
-        version = srv.service.store.get("m", None)
+        version = srv.service.index.get("m", None)
         assert version.file is None and not version.data.readonly
         raw = get(f"{srv.http_url}/v1/models/m/versions/1/safetensors")
         assert raw == bytes(version.header) + bytes(version.data)
@@ -196,14 +196,14 @@ def test_the_ef_residual_lives_in_its_file(data_dir: Path) -> None:
         learner = LearnerClient(srv.grpc_target)
         for step in (1, 2):
             learner.push(step, masters, model="m")
-        residual = srv.service.store.residual("m", "bf16", srv.server.settings.scaling)
+        residual = srv.service.committer.residual("m", "bf16", srv.server.settings.scaling)
         assert residual.version == 2
         assert all(maps_a_file(r) for r in residual.tensors.values())
         served = InferenceClient(srv.grpc_target).pull("m", 2)
         files = sorted(p.name for p in (data_dir / "models" / "m").iterdir())
         assert files == [f"{1:020d}.safetensors", f"{2:020d}.safetensors", f"residual-{2:020d}.safetensors"]
     with serving(data_dir=data_dir, rounding="ef") as srv:  # restored from the file, mapped again
-        residual = srv.service.store.residual("m", "bf16", srv.server.settings.scaling)
+        residual = srv.service.committer.residual("m", "bf16", srv.server.settings.scaling)
         assert residual.version == 2
         assert all(maps_a_file(r) for r in residual.tensors.values())
         LearnerClient(srv.grpc_target).push(3, masters, model="m")

@@ -31,7 +31,7 @@ def test_delta_pull_gives_the_dense_bits_with_fewer_bytes(fmt: str, rounding: st
         delta_bytes = client.last_pull_bytes
         dense = InferenceClient(srv.grpc_target).pull(version=2)
         same_bits(delta, dense)
-        data_bytes = srv.service.manifest("default", 2).data_bytes
+        data_bytes = srv.service.index.get("default", 2).manifest.data_bytes
         assert delta_bytes < data_bytes
         if rounding in ("rtn", "sr-sticky"):
             assert delta_bytes < data_bytes / 5  # a small step moves few served elements
@@ -45,7 +45,7 @@ def test_dense_when_the_delta_would_not_be_smaller_or_the_base_is_gone() -> None
         client = InferenceClient(srv.grpc_target)
         client.pull(version=1)
         client.pull(version=2, base=1)
-        assert client.last_pull_bytes == srv.service.manifest("default", 2).data_bytes
+        assert client.last_pull_bytes == srv.service.index.get("default", 2).manifest.data_bytes
         learner.push(3, {"w": torch.randn(256, 256)})  # version 1 is evicted: dense again
         same_bits(client.pull(version=3, base=2), InferenceClient(srv.grpc_target).pull(version=3))
         with pytest.raises(InvalidArgument, match="holds no copy of version 1"):

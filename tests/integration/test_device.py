@@ -73,8 +73,8 @@ def test_device_cuda_serves_the_cpu_bits(fmt: str, rnd: str, scaling: str, model
             assert [t.checksum for t in on_gpu.tensors] == [t.checksum for t in on_cpu.tensors]
             assert on_gpu.master_digest == on_cpu.master_digest and on_gpu.lag == on_cpu.lag
         if rnd == "ef":
-            r_cpu = cpu.service.store.committer._residuals[model]
-            r_gpu = gpu.service.store.committer._residuals[model]
+            r_cpu = cpu.service.committer._residuals[model]
+            r_gpu = gpu.service.committer._residuals[model]
             assert r_cpu.tensors.keys() == r_gpu.tensors.keys()
             for name, r in r_cpu.tensors.items():
                 assert (r.view("uint32") == r_gpu.tensors[name].view("uint32")).all(), name
@@ -150,7 +150,7 @@ def test_ef_residuals_stay_on_the_device_between_versions(
             # Version 1 starts from zeros; after it every chunk's residual is found on the device.
             assert hits and all(hits) == (step > 1) and any(hits) == (step > 1)
             kept = gpu.service.kernels.resident[model]
-            residual = gpu.service.store.committer._residuals[model]
+            residual = gpu.service.committer._residuals[model]
             assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
             for host, on_device in kept.values():
                 assert (on_device.cpu().numpy().view(np.uint32) == host.view(np.uint32)).all()

@@ -109,7 +109,7 @@ def test_the_latest_version_and_one_being_pulled_stay_and_nothing_goes_for_a_fil
         one = allocated(data / "models" / "m" / named(1)[0])
         disk.resize(disk.used() + one + one // 2)
         learner.push(2, weights, model="m")
-        pull = srv.call(srv.service.pull("m", 1, "grpc"))  # holds version 1
+        pull = srv.call(srv.service.pulls.open("m", 1, "grpc"))  # holds version 1
         full = r"model 'm' version 3: .*No space left on device: it needs [\d,]+ bytes, [\d,]+ are free"
         with pytest.raises(ResourceExhausted, match=full + r".*no version of model 'm' may go"):
             learner.push(3, weights, model="m")

@@ -137,15 +137,14 @@ def test_small_tensors_exported_together_give_the_metrics_and_bits_of_one_export
 ) -> None:
     """Many small tensors travel packed and are exported in one kernel call, their samples taken
     with one index array: the version must be the one a chunk-by-chunk export makes."""
-    from weightsvc.service.push.staging import PushSession
-
     gen = torch.Generator().manual_seed(5)
     sizes = torch.randint(1, 400, (3000,), generator=gen).tolist()
     first = {f"layers.{i}.w": torch.randn(n, generator=gen) * 0.01 for i, n in enumerate(sizes)}
     second = {k: v + 1e-4 * torch.randn(v.shape, generator=gen) for k, v in first.items()}
 
-    def pushed() -> tuple[object, list[str], str]:
+    def pushed(batch_small: bool = True) -> tuple[object, list[str], str]:
         with serving() as srv, LearnerClient(srv.grpc_target) as learner:
+            srv.service.pushes.context.batch_small = batch_small
             learner.push(1, first)
             learner.push(2, second)
             m = InferenceClient(srv.grpc_target).manifest()
@@ -153,12 +152,7 @@ def test_small_tensors_exported_together_give_the_metrics_and_bits_of_one_export
 
     together = pushed()
 
-    def one_by_one(self: PushSession, jobs: list) -> None:  # type: ignore[type-arg]
-        for job, t, offset, data in jobs:
-            job(t, offset, data)
-
-    monkeypatch.setattr(PushSession, "_run_all", one_by_one)
-    assert pushed() == together
+    assert pushed(batch_small=False) == together
 
 
 def test_a_model_that_changes_its_export_keeps_only_the_series_of_the_new_one() -> None:

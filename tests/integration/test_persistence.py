@@ -120,7 +120,7 @@ def test_a_push_cancelled_during_its_commit_is_committed_whole(data_dir: Path) -
     """The learner gives up while the version is being written: memory and disk must agree."""
     srv = start_server(data_dir=data_dir)
     writing, proceed = threading.Event(), threading.Event()
-    files = srv.service.store.files
+    files = srv.service.files
     assert files is not None
     write = files.write
 

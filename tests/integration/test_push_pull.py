@@ -163,16 +163,16 @@ def test_evicted_buffers_are_reused_by_the_next_push() -> None:
     with serving(retain=1) as srv:
         learner = LearnerClient(srv.grpc_target)
         learner.push(1, make_masters(seed=1))
-        first = srv.service.store.get("default", 1).data.obj
+        first = srv.service.index.get("default", 1).data.obj
         learner.push(2, make_masters(seed=2))  # evicts 1: its buffer is free
-        assert srv.service.store.pool.free_bytes > 0
+        assert srv.service.index.pool.free_bytes > 0
         learner.push(3, make_masters(seed=3))
-        assert srv.service.store.get("default", 3).data.obj is first
+        assert srv.service.index.get("default", 3).data.obj is first
         assert_served(InferenceClient(srv.grpc_target).pull(), make_masters(seed=3), 3)
         # HTTP sends views of the buffer itself: such a version's buffer is never recycled.
         assert_served(InferenceClient(srv.http_url).pull(), make_masters(seed=3), 3)
         learner.push(4, make_masters(seed=4))  # takes version 2's buffer, evicts version 3
-        assert srv.service.store.pool.free_bytes == 0
+        assert srv.service.index.pool.free_bytes == 0
 
 
 def test_grpc_health_service(server: BackgroundServer) -> None:

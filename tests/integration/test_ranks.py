@@ -17,9 +17,7 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard, VersionInfo
 from weightsvc.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted
 from weightsvc.server.server import BackgroundServer
-from weightsvc.service.push import staging
-from weightsvc.service.push.pushes import PushChunk
-from weightsvc.service.push.staging import PushSession
+from weightsvc.service.push.messages import PushChunk
 
 CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
 
@@ -239,7 +237,7 @@ def test_ranks_that_disagree_on_world_size_or_rounding_are_refused(server: Backg
     with LearnerClient(server.grpc_target) as a, LearnerClient(server.grpc_target) as b:
         pool = ThreadPoolExecutor(1)
         rank0 = pool.submit(a.push, 1, parts[0], model, rank=0, world_size=2)
-        server.call(server.service.wait_for(lambda: bool(server.service.pushes.meeting)))
+        server.call(server.service.wait_for(lambda: bool(server.service.pushes.joining)))
         with pytest.raises(InvalidArgument, match=r"rank 1: world_size 3, but the push in progress has world_size 2"):
             b.push(1, parts[1], model, rank=1, world_size=3)
         with pytest.raises(InvalidArgument, match=r"rank 0: this rank is already pushing"):
@@ -265,7 +263,7 @@ def test_an_error_while_staging_is_opened_answers_every_rank(monkeypatch: pytest
 
     state = make_masters()
     with serving() as srv:
-        monkeypatch.setattr(staging, "alloc", no_memory)  # mapping the staging buffer fails
+        monkeypatch.setattr(srv.service.pushes.context, "alloc", no_memory)  # mapping the staging buffer fails
         errors = answered(push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model))
         for error in errors:
             assert isinstance(error, ResourceExhausted), error
@@ -276,16 +274,13 @@ def test_an_error_while_staging_is_opened_answers_every_rank(monkeypatch: pytest
 
 
 def test_an_unexpected_exception_on_one_rank_fails_every_rank(monkeypatch: pytest.MonkeyPatch, model: str) -> None:
-    add_chunks = PushSession.add_chunks
-
-    async def fault_on_rank_1(self: PushSession, rank: int, chunks: Sequence[PushChunk]) -> None:
+    def fault_on_rank_1(rank: int, chunks: Sequence[PushChunk]) -> None:
         if rank == 1:
             raise RuntimeError("injected fault")
-        await add_chunks(self, rank, chunks)
 
     state = make_masters()
     with serving() as srv:
-        monkeypatch.setattr(PushSession, "add_chunks", fault_on_rank_1)
+        monkeypatch.setattr(srv.service.pushes.context, "on_chunks", fault_on_rank_1)
         rank0, rank1 = answered(push_ranks(srv.grpc_target, 1, flat_shards(state, 2), model))
         assert isinstance(rank1, Internal), rank1
         assert f"model {model!r} step 1: rank 1's stream failed: RuntimeError: injected fault" in str(rank1)

@@ -141,7 +141,7 @@ def test_service_on_redis_commits_watches_and_acks_through_it(model: str) -> Non
             digest = puller.manifest(model, 1).master_digest
         assert [int(v) for v in client.zrange(f"weightsvc:{{{model}}}:versions", 0, -1)] == [1]
         assert json.loads(client.hget(f"weightsvc:{{{model}}}:manifests", "1") or b"")["master_digest"] == digest
-        srv.call(srv.service.store.flush_acks())  # the ack's write to Redis
+        srv.call(srv.service.acks.flush())  # the ack's write to Redis
         assert json.loads(client.hget(f"weightsvc:{{{model}}}:acks", "pod-0") or b"")[0] == 1
     for key in client.scan_iter(prefix_keys):
         client.delete(key)

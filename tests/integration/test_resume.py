@@ -111,7 +111,7 @@ def test_a_broken_pull_resumes_from_its_offset(served: tuple[BackgroundServer, d
         target = f"127.0.0.1:{proxy.port}" if transport == "grpc" else f"http://127.0.0.1:{proxy.port}"
         pulled = InferenceClient(target).pull(progress=proxy.progress)
         assert_served(pulled, masters, 1)
-        proxy.assert_resumed(srv.service.manifest("default", 1).data_bytes)
+        proxy.assert_resumed(srv.service.index.get("default", 1).manifest.data_bytes)
     finally:
         proxy.close()
 

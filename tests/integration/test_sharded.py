@@ -79,9 +79,9 @@ def test_sharded_push_and_pull_equal_one_server_bit_for_bit(
                 plain = single.push(step, state, model)
                 assert (info.version, info.data_bytes >= plain.data_bytes) == (step, True)
         for srv in replicas:  # each replica holds its own part(s), and the same manifest
-            held = srv.service.store.get(model, 2)
+            held = srv.service.index.get(model, 2)
             whole = held.manifest
-            me = srv.service.store.replica_id
+            me = srv.service.parts.replica_id
             if replication == 1:
                 assert [p.owner for p in whole.parts] == list(REPLICAS)
             else:  # a part per group of tensors with the same two owners
@@ -170,7 +170,7 @@ def test_a_part_whose_owners_never_join_is_withdrawn(redis_prefix: str, model: s
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "not every owner of ['gone', 'r0'] committed its part within 0.5 s" in err.value.details()
         assert _pending_parts(redis_prefix) == []
-        assert r0.service.store.models() == []
+        assert r0.service.index.models() == []
         # A replica that is not among the owners refuses the part.
         with grpc.insecure_channel(r0.grpc_target) as ch, pytest.raises(grpc.RpcError) as err:
             pb_grpc.WeightServiceStub(ch).Push(_part_push(model, ["r1", "r2"]), timeout=30)
@@ -193,7 +193,7 @@ def test_a_waiting_part_holds_back_its_model_until_the_learner_gives_up(redis_pr
         # The learner gives up (another owner failed): the part is withdrawn at once, not after 60 s.
         waiting.cancel()
         assert _no_parts_left(redis_prefix, timeout=10)
-        assert r0.service.store.models() == []
+        assert r0.service.index.models() == []
 
 
 def _replica(prefix: str, replica_id: str, data_dir: Path, env: dict[str, str] | None = None,

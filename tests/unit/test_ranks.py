@@ -10,7 +10,7 @@ import pytest
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol.digest import DIGEST_BLOCK, MasterDigest
 from weightsvc.protocol.manifest import TensorSpec
-from weightsvc.service.push.shards import merge_parts
+from weightsvc.service.push.shards import merge_shards
 
 
 def spec(name: str, shape: tuple[int, ...], part: tuple[int, int] | None = None) -> TensorSpec:
@@ -18,7 +18,7 @@ def spec(name: str, shape: tuple[int, ...], part: tuple[int, int] | None = None)
 
 
 def test_parts_in_any_order_and_empty_ones_merge_into_whole_tensors_in_declaration_order() -> None:
-    merged = merge_parts(
+    merged = merge_shards(
         "m",
         {
             1: (spec("b", (10,), (4, 6)), spec("c", (2, 3))),
@@ -48,7 +48,7 @@ def test_parts_that_do_not_cover_a_tensor_exactly_once_are_refused(
     ranks: dict[int, tuple[TensorSpec, ...]], message: str
 ) -> None:
     with pytest.raises(InvalidArgument, match=message):
-        merge_parts("model 'm' step 1", ranks)
+        merge_shards("model 'm' step 1", ranks)
 
 
 def test_master_digest_is_the_same_for_any_chunking_and_split() -> None:

@@ -81,7 +81,7 @@ class Relay:
             try:
                 # Start from the newest upstream version: older ones are not worth the bytes.
                 upstream_latest = (await asyncio.to_thread(client.manifest, model)).version
-                local = self.service.store.latest(model)
+                local = self.service.index.latest(model)
                 after = max(local if local is not None else -1, upstream_latest - 1)
                 events = client.watch(model, after=after)
                 while (info := await asyncio.to_thread(_next, events)) is not None:
@@ -95,7 +95,7 @@ class Relay:
             await asyncio.sleep(RETRY_AFTER_S)
 
     async def _mirror(self, client: InferenceClient, model: str, version: int) -> None:
-        local = self.service.store.latest(model)
+        local = self.service.index.latest(model)
         if local is not None and version <= local:
             return
         held = client.held(model)

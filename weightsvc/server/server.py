@@ -88,10 +88,10 @@ class Server:
         _tune_process()
         self.service = Service(s)
         self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics), name="loop-monitor")
-        restored = await asyncio.to_thread(self.service.restore)
+        restored = await asyncio.to_thread(self.service.committer.restore)
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
-        await self.service.store.sync_registry()
+        await self.service.committer.sync_registry()
         auth = Auth.load(s.tokens(), s.auth_file)
         tls = (s.tls_cert.read_bytes(), s.tls_key.read_bytes()) if s.tls_cert and s.tls_key else None
         self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port, auth=auth, tls=tls)
@@ -126,14 +126,14 @@ class Server:
             self._relay = Relay(s.relay_from, self.service)
             self._relay.start()
         self.replica = self._describe()
-        self.service.store.replica_id = self.replica.id
+        self.service.parts.replica_id = self.replica.id
         sharded = bool(s.redis_url) and not s.relay_from  # (a relay keeps a registry of its own)
         if sharded:
-            await self.service.store.committer.follower.catch_up()  # before it takes part in pushes
-        await self.service.store.registry.register(self.replica)
+            await self.service.committer.follower.catch_up()  # before it takes part in pushes
+        await self.service.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         if sharded:
-            self._follow = asyncio.create_task(self.service.store.committer.follower.follow(), name="follow")
+            self._follow = asyncio.create_task(self.service.committer.follower.follow(), name="follow")
         self.ready = True
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
@@ -158,7 +158,7 @@ class Server:
 
     async def _renew(self, replica: Replica) -> None:
         """Keep this replica's registration alive (it expires if the process dies)."""
-        registry = self.service.store.registry if self.service else None
+        registry = self.service.registry if self.service else None
         while registry is not None:
             await asyncio.sleep(REPLICA_TTL_S / 3)
             try:
@@ -175,7 +175,7 @@ class Server:
                     await task
         if self.service is not None and self.replica is not None:
             with contextlib.suppress(WeightsvcError):
-                await self.service.store.registry.deregister(self.replica.id)
+                await self.service.registry.deregister(self.replica.id)
         if self._relay is not None:
             await self._relay.stop()
         if self.service is not None:
@@ -188,8 +188,8 @@ class Server:
             await stop_grpc(self._grpc)
         if self.service is not None:
             await asyncio.to_thread(self.service.close)
-            await self.service.store.flush_acks()
-            await self.service.store.registry.close()
+            await self.service.acks.flush()
+            await self.service.registry.close()
 
 
 class BackgroundServer:

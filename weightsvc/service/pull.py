@@ -3,18 +3,18 @@
 `Pulls` admits a pull (--max-pulls), holds its version (eviction cannot recycle the buffer until the
 pull ends) and decides what follows the manifest: the data section, the delta encoding against a
 version the client holds (encoded once for a fleet), or the selection the client asked for
-(`core.selection`: the tensors it names, whole or sliced, under a manifest of their own). A `Pull`
+(`protocol.selection`: the tensors it names, whole or sliced, under a manifest of their own). A `Pull`
 sends each piece through the transport's own write under the stall timeout, counted in the
 metrics. The transports only frame the pieces: gRPC as chunks of the data section (or of the delta
 or the selection), HTTP as a range of the safetensors file (or of the selection's file, or the
-delta's bytes). Watch streams end when the server stops (`watching`).
+delta's bytes). A watch follows the registry's events (`events`) and ends when the server stops
+(`watching`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 from weightsvc.errors import (
     DeadlineExceeded,
@@ -24,17 +24,16 @@ from weightsvc.errors import (
     TooManyRequests,
     Unavailable,
 )
+from weightsvc.metrics import Metrics
 from weightsvc.protocol import selection
 from weightsvc.protocol.delta import compatible as delta_compatible
 from weightsvc.protocol.delta import encode as delta_encode
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select, Selected
-from weightsvc.service.versions.index import FileRange
-from weightsvc.service.versions.store import Version
-
-if TYPE_CHECKING:
-    from weightsvc.service.service import Service
-
+from weightsvc.service.replicas.parts import Parts
+from weightsvc.service.replicas.registry import Registry
+from weightsvc.service.versions.index import FileRange, Version, VersionIndex
+from weightsvc.settings import Settings
 
 MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
 DELTA_BASE = "delta"  # the "transport" of a base held while a delta is encoded: not a pull of its own
@@ -43,25 +42,32 @@ DELTA_BASE = "delta"  # the "transport" of a base held while a delta is encoded:
 class Pulls:
     """The pulls of this server: how many are in progress, and the recent delta encodings."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(self, settings: Settings, metrics: Metrics, index: VersionIndex, parts: Parts,
+                 changed: Callable[[], None]) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.index = index
+        self.parts = parts  # this replica's id, for the parts of a selection it holds
+        self.changed = changed  # a pull ended
         self.in_flight = 0  # pulls holding a version, against --max-pulls
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # oldest first; None: not smaller
 
-    async def open(self, model: str, version: int | None, transport: str, base: int | None,
-                   dense_fallback: bool, select: Select | None = None) -> Pull:
-        """A pull of `version` (None: the latest); with `base`, its body is the delta against it. When
-        there is none, FAILED_PRECONDITION saying why, or with `dense_fallback` the data section. With
-        `select`, the pull sends that selection of the version instead (never as a delta)."""
+    async def open(self, model: str, version: int | None, transport: str, *, base: int | None = None,
+                   dense_fallback: bool = True, select: Select | None = None) -> Pull:
+        """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
+        body is the delta encoding against it when there is one; when there is none, the data section
+        as always, or without `dense_fallback` FAILED_PRECONDITION saying why (the client then pulls
+        the whole version). With `select`, only the selected tensors, whole or sliced, under the
+        selection's own manifest (never as a delta)."""
         if select is not None and base is not None:
             raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
                                   "sliced pulls are sent dense; pull the selection without a base")
-        pull = Pull(self.service, self.hold(model, version, transport), transport)
+        pull = Pull(self, self.hold(model, version, transport), transport)
         try:
             if select is not None:
                 v = pull.version
                 pull.selection = await asyncio.to_thread(
-                    selection.gather, v.manifest, v.data, v.spans, select, self.service.store.replica_id
+                    selection.gather, v.manifest, v.data, v.spans, select, self.parts.replica_id
                 )
             elif base is not None:
                 try:
@@ -76,26 +82,24 @@ class Pulls:
 
     def hold(self, model: str, version: int | None, transport: str) -> Version:
         """Hold a version for a pull; eviction cannot recycle its buffer until `release`."""
-        s = self.service
         pull = transport != DELTA_BASE
-        if pull and self.in_flight >= s.settings.max_pulls:
+        if pull and self.in_flight >= self.settings.max_pulls:
             raise TooManyRequests(
                 f"{self.in_flight} pulls in progress, the most this server takes (--max-pulls "
-                f"{s.settings.max_pulls}); retry later",
+                f"{self.settings.max_pulls}); retry later",
                 reason="too_many",
             )
-        held = s.store.get(model, version)
-        s.store.hold(held)
+        held = self.index.get(model, version)
+        self.index.hold(held)
         self.in_flight += pull
-        s.metrics.pulls_in_flight.labels(transport).inc()
+        self.metrics.pulls_in_flight.labels(transport).inc()
         return held
 
     def release(self, version: Version, transport: str) -> None:
-        s = self.service
-        s.metrics.pulls_in_flight.labels(transport).dec()
+        self.metrics.pulls_in_flight.labels(transport).dec()
         self.in_flight -= transport != DELTA_BASE
-        s.store.release(version)
-        s.changed()
+        self.index.release(version)
+        self.changed()
 
     async def delta(self, version: Version, base: int) -> bytes:
         """The delta encoding of `version` against `base` of the same model. FAILED_PRECONDITION, saying
@@ -144,8 +148,8 @@ class Pull:
     replica holds (from `start`), or, when `base` is set, the delta encoding against that version.
     With a `selection`, the manifest and the bytes are the selection's."""
 
-    def __init__(self, service: Service, version: Version, transport: str) -> None:
-        self.service = service
+    def __init__(self, pulls: Pulls, version: Version, transport: str) -> None:
+        self.pulls = pulls
         self.version = version
         self.transport = transport
         self.base: int | None = None
@@ -212,7 +216,7 @@ class Pull:
             )
         return v.file_range(start, end, size, zero_copy)
 
-    def lend(self) -> None:
+    def keep_buffer(self) -> None:
         """The transport may keep views of the body beyond this pull: never recycle the version's buffer
         (a delta's bytes are its own)."""
         if self.base is None:
@@ -222,7 +226,7 @@ class Pull:
         """Await one write of the transport, `nbytes` of them version bytes. A write waits on flow
         control, so a client that stops reading would hold the version forever: the stall timeout
         takes it back (DEADLINE_EXCEEDED)."""
-        stall = self.service.settings.pull_stall_timeout_s
+        stall = self.pulls.settings.pull_stall_timeout_s
         try:
             async with asyncio.timeout(stall):
                 await sending
@@ -232,13 +236,21 @@ class Pull:
                 reason="stalled",
             ) from None
         if nbytes:
-            self.service.metrics.pull_bytes.labels(self.manifest.model, self.transport).inc(nbytes)
+            self.pulls.metrics.pull_bytes.labels(self.manifest.model, self.transport).inc(nbytes)
 
     def close(self) -> None:
         """Let go of the version (once: the transports close on every way out)."""
         if not self.closed:
             self.closed = True
-            self.service.pulls.release(self.version, self.transport)
+            self.pulls.release(self.version, self.transport)
+
+
+async def events(registry: Registry, index: VersionIndex, model: str, after: int | None) -> AsyncIterator[Manifest]:
+    """Every retained version above `after` (all when None), then each new one as it commits."""
+    async for v in registry.events(model, -1 if after is None else after):
+        version = await index.shown(model, v)
+        if version is not None:  # else already evicted: a newer one follows
+            yield version.manifest
 
 
 async def watching(

@@ -1,8 +1,11 @@
-"""The transport-agnostic core: what happens on push, pull, list, watch and ack.
+"""The transport-agnostic core: the service's parts, wired, and the calls of the transports that
+take more than one of them.
 
-The gRPC servicer and the HTTP routes translate their requests into these calls and the domain
-errors back; nothing about versions, export or metrics lives in them. A push's lifecycle is in
-`core.push`, its staging and export in `core.staging`, committed versions in `core.store`.
+The gRPC servicer and the HTTP routes translate their requests into calls and the domain errors
+back; nothing about versions, export or metrics lives in them. They call the part that owns a call
+when one does: `pushes` (the push package, push/), `pulls` (pull.py), `index` (the committed
+versions), `acks`; and the service for the rest (listings, watches, topology, clients). Below this
+module nothing holds the service: a push gets a `PushContext` of exactly what it needs.
 """
 
 from __future__ import annotations
@@ -23,15 +26,19 @@ from weightsvc.errors import (
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import check_model_name
-from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Kernels, kernels_for
-from weightsvc.service.pull import Pull, Pulls, watching
-from weightsvc.service.push.pushes import Pushes, PushMessage
+from weightsvc.service.pull import Pulls, events, watching
+from weightsvc.service.push.context import PushContext
+from weightsvc.service.push.pushes import Pushes
 from weightsvc.service.replicas.memory import MemoryRegistry
+from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.redis import RedisRegistry
-from weightsvc.service.versions.disk import DamagedFile
-from weightsvc.service.versions.store import ClientStatus, Version, VersionStore
+from weightsvc.service.replicas.registry import Registry
+from weightsvc.service.versions.acks import Acks, ClientStatus
+from weightsvc.service.versions.commit import Committer
+from weightsvc.service.versions.disk import DamagedFile, VersionFiles
+from weightsvc.service.versions.index import Version, VersionIndex
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
@@ -64,21 +71,26 @@ class _Changes:
 
 
 class Service:
-    """The core shared by every transport: settings, store, metrics and the export workers."""
+    """The core shared by every transport: settings, metrics, the versions' parts, the pushes, the
+    pulls and the export workers."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
         # A relay keeps a registry of its own whatever its environment: in the shared one it would be
-        # taken for a shard, and every push would be sent to it.
+        # taken for a shard, and every push would be sent to it. The registry decides commits and
+        # carries events and acks; the index holds the bytes.
         shared = None if settings.relay_from else settings.redis_url
-        registry = RedisRegistry(shared, prefix=settings.redis_prefix) if shared else MemoryRegistry()
-        self.store = VersionStore(
-            retain=settings.retain, data_dir=settings.data_dir, metrics=self.metrics, registry=registry
-        )
-        self.store.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
-        self.store.acks.forget_s = settings.client_forget_s
+        self.registry: Registry = RedisRegistry(shared, prefix=settings.redis_prefix) if shared else MemoryRegistry()
+        self.index = VersionIndex(settings.retain, self.metrics)
+        self.index.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
+        self.files = VersionFiles(settings.data_dir) if settings.data_dir is not None else None
+        self.parts = Parts(self.registry, settings.retain)
+        self.acks = Acks(self.index, self.registry, self.metrics)
+        self.acks.forget_s = settings.client_forget_s
+        self.committer = Committer(index=self.index, files=self.files, parts=self.parts, acks=self.acks,
+                                   registry=self.registry, metrics=self.metrics)
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
         self.kernels = kernels_for(settings.device, self.metrics.gpu_staged_bytes.inc)
         self.kernels.resident_max = settings.gpu_residual_bytes
@@ -88,22 +100,19 @@ class Service:
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
         )
         self._changes = _Changes()
-        self.pushes = Pushes(self)
-        self.pulls = Pulls(self)
+        self.pushes = Pushes(PushContext(
+            settings=settings, metrics=self.metrics, executor=self.executor, loop=self.loop,
+            kernels=self.export_kernels, pool=self.index.pool, files=self.files, committer=self.committer,
+            parts=self.parts, index=self.index, changed=self.changed,
+        ))
+        self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
         self._topology: list[Replica] | None = None  # the last the registry gave
         self._stopping = asyncio.Event()  # set when the server stops: watches end
-
-    def restore(self) -> int:
-        return self.store.restore()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
 
-    # ---- push --------------------------------------------------------------------------------
-
-    async def push(self, messages: AsyncIterator[PushMessage]) -> tuple[Version, bool]:
-        """Run one push stream (`core.push`): nothing is visible unless it commits."""
-        return await self.pushes.run(messages)
+    # ---- pushes and pulls in progress ---------------------------------------------------------
 
     def changed(self) -> None:
         """Wake whoever waits in `wait_for`: a push or a pull started or ended."""
@@ -114,21 +123,21 @@ class Service:
         await self._changes.wait_for(predicate)
 
     async def wait_pushes(self, count: int) -> None:
-        """Return once exactly `count` pushes are staged (0: every staging buffer released)."""
+        """Return once exactly `count` staging sessions are open (0: every staging buffer released)."""
         await self.wait_for(lambda: len(self.pushes.sessions) == count)
 
     # ---- reads -------------------------------------------------------------------------------
 
     def models(self) -> list[ModelSummary]:
         out = []
-        for model in self.store.models():
-            versions = [v.manifest.version for v in self.store.versions(model)]
+        for model in self.index.models():
+            versions = [v.manifest.version for v in self.index.versions(model)]
             out.append(ModelSummary(model, versions[-1], versions))
         return out
 
     def versions(self, model: str) -> list[Manifest]:
         try:
-            return [v.manifest for v in self.store.versions(model)]
+            return [v.manifest for v in self.index.versions(model)]
         except NotFound as e:
             damaged = self.damaged_files(model)
             if not damaged:
@@ -138,33 +147,14 @@ class Service:
 
     def damaged_files(self, model: str | None = None) -> list[DamagedFile]:
         """The files of `model` (of every model: None) that restore found damaged and set aside."""
-        files = self.store.files
+        files = self.files
         return [d for d in (files.damaged if files is not None else []) if model is None or d.model == model]
-
-    def manifest(self, model: str, version: int | None) -> Manifest:
-        return self.store.get(model, version).manifest
-
-    def latest(self, model: str) -> int:
-        """The model's latest committed version (NOT_FOUND for a model without any)."""
-        return self.store.get(model, None).manifest.version
-
-    async def pull(self, model: str, version: int | None, transport: str, *, base: int | None = None,
-                   select: Select | None = None) -> Pull:
-        """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
-        body is the delta encoding against it when there is one, else the data section as always. With
-        `select`, only the selected tensors, whole or sliced, under the selection's own manifest."""
-        return await self.pulls.open(model, version, transport, base, dense_fallback=True, select=select)
-
-    async def pull_delta(self, model: str, version: int | None, base: int, transport: str) -> Pull:
-        """Start a pull whose body is the delta encoding of `version` against `base`; FAILED_PRECONDITION
-        saying why when there is none (the client then pulls the whole version)."""
-        return await self.pulls.open(model, version, transport, base, dense_fallback=False)
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
         version of sharded replicas is whole here: the relay serves all of it."""
         manifest = dataclasses.replace(manifest, parts=())
-        await self.store.commit(Version(manifest, b"", data))  # its header is made at commit
+        await self.committer.commit(Version(manifest, b"", data))  # its header is made at commit
 
     @overload
     def watch(self, model: str, after: int | None) -> AsyncIterator[Manifest]: ...
@@ -177,14 +167,11 @@ class Service:
         `idle`, None after each `idle` seconds without one (for a transport's keepalive). Ends with
         UNAVAILABLE when the server stops (`end_watches`)."""
         check_model_name(model)  # here, not at the first event: a transport answers the error itself
-        return watching(self.store.watch(model, after), self._stopping, idle)
+        return watching(events(self.registry, self.index, model, after), self._stopping, idle)
 
     def end_watches(self) -> None:
         """The server is stopping: every watch stream ends now rather than hold up the shutdown."""
         self._stopping.set()
-
-    def ack(self, model: str, version: int, client_id: str) -> int:
-        return self.store.ack(model, version, client_id)
 
     def export_kernels(self) -> Kernels:
         """The kernels a new push exports with: after a GPU error, the CPU's from then on."""
@@ -198,7 +185,7 @@ class Service:
         """The replicas as the registry knows them; while it is unreachable, as it last knew them
         (clients keep pulling from the owners; pushes fail at their commit, with UNAVAILABLE)."""
         try:
-            self._topology = await self.store.registry.replicas()
+            self._topology = await self.registry.replicas()
         except Unavailable:
             if self._topology is None:
                 raise
@@ -207,5 +194,5 @@ class Service:
     def clients(self, model: str) -> list[ClientStatus]:
         """The clients that acked a version of `model`: what each holds, how far behind, whether it is
         still around (NOT_FOUND for an unknown model, as every model read)."""
-        self.latest(model)
-        return self.store.clients(model)
+        self.index.get(model, None)
+        return self.acks.clients(model)

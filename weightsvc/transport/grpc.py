@@ -31,7 +31,7 @@ from weightsvc.protocol.wire import (
     manifest_pieces,
     select_from_proto,
 )
-from weightsvc.service.push.pushes import PushChunk, PushCommit, PushHeader, PushMessage
+from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.service import Service
 from weightsvc.transport.auth import Auth, GrpcAuth
 from weightsvc.transport.status import grpc_status
@@ -83,7 +83,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
-        version, created = await self.service.push(
+        version, created = await self.service.pushes.run(
             _push_messages(request_iterator, self.service.settings.max_tensors))
         return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
 
@@ -91,8 +91,8 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     async def Pull(self, request: pb.PullRequest, context: Any) -> None:
         base = parse_version_ref(request.base) if request.base else None
         select = select_from_proto(request.select) if request.select else None
-        pull = await self.service.pull(request.model, parse_version_ref(request.version), "grpc", base=base,
-                                       select=select)
+        pull = await self.service.pulls.open(request.model, parse_version_ref(request.version), "grpc", base=base,
+                                             select=select)
         try:
             chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
             # Written rather than yielded: only the stall timeout around a write (which waits on flow
@@ -122,7 +122,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> pb.Manifest:
-        m = self.service.manifest(request.model, parse_version_ref(request.version))
+        m = self.service.index.get(request.model, parse_version_ref(request.version)).manifest
         return await off_loop(manifest_from, m, request.tensors_from)
 
     @_abort_on_domain_error
@@ -139,13 +139,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
-        latest = self.service.ack(request.model, request.version, request.client_id or context.peer())
+        latest = self.service.acks.ack(request.model, request.version, request.client_id or context.peer())
         return pb.AckResponse(latest_version=latest)
 
     @_abort_on_domain_error
     async def ListClients(self, request: pb.ListClientsRequest, context: Any) -> pb.ListClientsResponse:
         statuses = self.service.clients(request.model)
-        return pb.ListClientsResponse(model=request.model, latest_version=self.service.latest(request.model),
+        latest = self.service.index.get(request.model, None).manifest.version
+        return pb.ListClientsResponse(model=request.model, latest_version=latest,
                                       clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])
 
 

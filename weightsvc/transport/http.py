@@ -103,7 +103,7 @@ class PullResponse(Response):
                                        "headers": self.raw_headers}))
             if scope.get("method") != "HEAD":
                 # Zero-copy: the server's transport may keep views of what it could not send yet.
-                self.pull.lend()
+                self.pull.keep_buffer()
                 for piece in self.pieces:
                     if isinstance(piece, FileRange):
                         sendfile = scope["extensions"][SENDFILE]
@@ -239,7 +239,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:
-        m = service.manifest(model, parse_version_ref(version))
+        m = service.index.get(model, parse_version_ref(version)).manifest
         return Response(await off_loop(memo, m, "json", _json), media_type="application/json")
 
     @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
@@ -263,7 +263,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     async def _file(model: str, version: str, request: Request, select: list[str]) -> Response:
         selected = selection(map(parse_selector, select)) if select else None
-        pull = await service.pull(model, parse_version_ref(version), "http", select=selected)
+        pull = await service.pulls.open(model, parse_version_ref(version), "http", select=selected)
         try:
             span: tuple[int, int] | None = None
             size = pull.file_size
@@ -297,7 +297,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/versions/{version}/delta", response_model=None, responses=_DELTA)
     async def delta(model: str, version: str, base: int = Query(ge=0)) -> Response:
-        pull = await service.pull_delta(model, parse_version_ref(version), base, "http")
+        pull = await service.pulls.open(model, parse_version_ref(version), "http", base=base, dense_fallback=False)
         headers = {"content-length": str(len(pull.body)), "x-weightsvc-base-version": str(base)}
         return PullResponse(pull, (piece for _, piece in pull.chunks(0, PIECE_BYTES)), 200, headers)
 
@@ -319,7 +319,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
-        return {"latest_version": service.ack(model, body.version, client_id)}
+        return {"latest_version": service.acks.ack(model, body.version, client_id)}
 
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:
@@ -332,7 +332,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         statuses = service.clients(model)
         return {
             "model": model,
-            "latest_version": service.latest(model),
+            "latest_version": service.index.get(model, None).manifest.version,
             "clients": [dataclasses.asdict(c) for c in statuses],
         }
 

@@ -1,12 +1,13 @@
 """A push, from its first header to its answer: one owner decides its fate.
 
-Each learner rank opens its own Push stream and declares, in its header, the tensors it holds (whole,
-or a flat element range). The ranks of one (model, step) meet in a `Push`: once every header is in,
-their parts are merged and checked, one staging session (`core.staging`) receives all of their
-chunks, and the version commits when the last rank commits. Whatever goes wrong with any rank — a
-refused chunk, a stream that breaks, a timeout, an exception nobody expected — fails the push for
-every rank at once with an error naming it, and the last rank to leave releases the staging memory.
-Nothing is visible unless the commit completes. A push with world_size 1 is a push of one rank.
+Each learner rank opens its own Push stream and declares, in its header, its shards: the tensors it
+holds, whole or a flat element range of each. The ranks of one (model, step) join one `Push`: once
+every header is in, their shards are merged and checked (shards.py), one staging session
+(staging.py) receives all of their chunks, and the version commits when the last rank commits.
+Whatever goes wrong with any rank — a refused chunk, a stream that breaks, a timeout, an exception
+nobody expected — fails the push for every rank at once with an error naming it, and the last rank
+to leave releases the staging memory. Nothing is visible unless the commit completes. A push with
+world_size 1 is a push of one rank.
 """
 
 from __future__ import annotations
@@ -14,14 +15,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import heapq
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from weightsvc import rounding
 from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import (
     Aborted,
@@ -33,53 +30,17 @@ from weightsvc.errors import (
     TooManyRequests,
     WeightsvcError,
 )
-from weightsvc.memory import anonymous_bytes
-from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, TensorSpec
-from weightsvc.protocol.refs import MAX_STEP, check_model_name
-from weightsvc.protocol.safetensors import check_header_size
-from weightsvc.service.push.shards import MAX_WORLD_SIZE, merge_parts
-from weightsvc.service.push.staging import PushSession
-from weightsvc.service.versions.store import Version
-from weightsvc.settings import Settings
-
-if TYPE_CHECKING:
-    from weightsvc.service.service import Service
+from weightsvc.protocol.manifest import TensorSpec
+from weightsvc.service.push.budget import StagingBudget
+from weightsvc.service.push.context import PushContext
+from weightsvc.service.push.messages import Committed, PushCommit, PushHeader, PushMessage
+from weightsvc.service.push.shards import merge_shards
+from weightsvc.service.push.staging import PushSession, open_session
+from weightsvc.service.push.validate import validate_header
 
 log = logging.getLogger("weightsvc.push")
 
-MAX_NAME_CHARS = 1024
 FAIR_TURN_S = 0.01  # the longest a push stream holds the event loop before it gives way
-RESERVED_NAME = "__metadata__"
-Committed = tuple[Version, bool]  # the committed version, and whether this push created it
-
-
-@dataclass(frozen=True)
-class PushHeader:
-    model: str
-    step: int
-    tensors: tuple[TensorSpec, ...]
-    format: str = ""  # per-push override of the server's export; empty: the server's
-    rounding: str = ""
-    rank: int = 0  # this learner rank, of world_size ranks that push the version together
-    world_size: int = 1
-    owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
-    replication: int = 1  # sharded replicas: how many of the owners hold each tensor
-    aliases: tuple[tuple[str, str], ...] = ()  # tied weights: (alias, tensor), sorted by alias
-
-
-@dataclass(frozen=True)
-class PushChunk:
-    tensor: str
-    offset: int
-    data: bytes | memoryview
-
-
-@dataclass(frozen=True)
-class PushCommit:
-    pass
-
-
-PushMessage = PushHeader | list[PushChunk] | PushCommit  # chunks: the tensors of one wire message
 
 
 class Push:
@@ -93,9 +54,9 @@ class Push:
         self.pushes = pushes
         self.model, self.step, self.world_size = header.model, header.step, header.world_size
         self.where = f"model {header.model!r} step {header.step}"
-        self.join_timeout = pushes.settings.push_rank_timeout_s
+        self.join_timeout = pushes.context.settings.push_rank_timeout_s
         self.deadline = time.monotonic() + self.join_timeout
-        self.headers: dict[int, tuple[TensorSpec, ...]] = {}
+        self.shards: dict[int, tuple[TensorSpec, ...]] = {}  # each rank's, from its header
         self.format = self.rounding = ""
         self.aliases: tuple[tuple[str, str], ...] = ()
         self.owners: tuple[tuple[str, ...], int] = ((), 1)
@@ -119,20 +80,20 @@ class Push:
                 f"{self.world_size}",
                 reason="invalid_header",
             )
-        if rank in self.headers:
+        if rank in self.shards:
             raise InvalidArgument(f"{where}: this rank is already pushing", reason="invalid_header")
-        if self.headers and (header.format, header.rounding) != (self.format, self.rounding):
+        if self.shards and (header.format, header.rounding) != (self.format, self.rounding):
             raise InvalidArgument(
                 f"{where}: format {header.format!r} rounding {header.rounding!r}, but the other ranks asked for "
                 f"format {self.format!r} rounding {self.rounding!r}",
                 reason="invalid_header",
             )
-        if self.headers and header.aliases != self.aliases:
+        if self.shards and header.aliases != self.aliases:
             raise InvalidArgument(
                 f"{where}: aliases {dict(header.aliases)}, but the other ranks declared {dict(self.aliases)}",
                 reason="invalid_header",
             )
-        if self.headers and (header.owners, header.replication) != self.owners:
+        if self.shards and (header.owners, header.replication) != self.owners:
             raise InvalidArgument(
                 f"{where}: owners {list(header.owners)} replication {header.replication}, but the other ranks "
                 f"declared owners {list(self.owners[0])} replication {self.owners[1]}",
@@ -140,22 +101,22 @@ class Push:
             )
         self.format, self.rounding, self.aliases = header.format, header.rounding, header.aliases
         self.owners = (header.owners, header.replication)
-        self.headers[rank] = header.tensors
+        self.shards[rank] = header.tensors
         self.attached += 1
-        if len(self.headers) == self.world_size:
+        if len(self.shards) == self.world_size:
             self.joined.set_result(None)
             self._opening = asyncio.ensure_future(self._open(header))
 
     async def run(self, rank: int, messages: AsyncIterator[PushMessage]) -> Committed:
         """Feed one rank's stream into the push and answer with the push's outcome. Any exception
         fails every rank; the last rank to leave releases the staging memory."""
-        settings = self.pushes.settings
+        settings = self.pushes.context.settings
         try:
             session = await self._wait_session()
             turn = time.monotonic() + FAIR_TURN_S
             # A stream that trickles would hold its staging forever: its bytes must come at a rate.
             # (Twice the idle timeout on top: one that stops altogether is told it stalled.)
-            rank_bytes = sum(p.end - p.start for p in session.parts[rank].values())
+            rank_bytes = session.rank_bytes(rank)
             allowed = 2 * settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
             deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
                         f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
@@ -183,9 +144,9 @@ class Push:
             raise
         except asyncio.CancelledError:
             self.fail(Aborted("the stream was cancelled", reason="aborted"), rank)
-            staged = self.staged
-            if staged is not None and staged.part_of is not None:  # its part, if waiting, is taken back
-                staged.part_of.abandoned.set()
+            opened = self.opened
+            if opened is not None and opened.part_of is not None:  # its replica part, if waiting, is taken back
+                opened.part_of.abandoned.set()
             raise
         except Exception as e:
             error = self._unexpected(e, f"rank {rank}'s stream" if self.world_size > 1 else "the push")
@@ -214,7 +175,7 @@ class Push:
         self.pushes.forget(self)
 
     @property
-    def staged(self) -> PushSession | None:
+    def opened(self) -> PushSession | None:
         """The staging session, once opened (None before, or if opening it failed)."""
         return self.session.result() if self.session.done() and not self.session.exception() else None
 
@@ -229,16 +190,16 @@ class Push:
                         reason="internal")
 
     async def _open(self, header: PushHeader) -> None:
-        """Merge the ranks' headers and open the shared staging session; fails the push on any error."""
+        """Merge the ranks' shards and open the shared staging session; fails the push on any error."""
         pushes = self.pushes
         try:
-            count = sum(len(tensors) for tensors in self.headers.values())
+            count = sum(len(tensors) for tensors in self.shards.values())
             whole = await in_thread(count >= BIG_MANIFEST, self._whole, header)
-            reserved = pushes.reserve_staging(whole)
+            reserved = pushes.budget.reserve(whole)
             try:
-                session = await PushSession.open(pushes.service, whole, self.headers)
+                session = await open_session(pushes.context, whole, self.shards)
             except BaseException:
-                pushes.unreserve(reserved)
+                pushes.budget.give_back(reserved)
                 raise
             session.reserved = reserved
         except WeightsvcError as e:
@@ -253,13 +214,13 @@ class Push:
         if self.failure is not None:  # a rank failed while the buffers were being mapped
             await pushes.release(session, self)
             return
-        pushes.staged(session)
+        pushes.track(session)
         self.session.set_result(session)
 
     def _whole(self, header: PushHeader) -> PushHeader:
         """The header of the whole push, from every rank's (checked; linear in the tensors)."""
-        whole = dataclasses.replace(header, tensors=merge_parts(self.where, self.headers), rank=0)
-        validate_header(whole, self.pushes.settings)
+        whole = dataclasses.replace(header, tensors=merge_shards(self.where, self.shards), rank=0)
+        validate_header(whole, self.pushes.context.settings)
         return whole
 
     async def _wait_session(self) -> PushSession:
@@ -269,7 +230,7 @@ class Push:
                 async with asyncio.timeout(self.deadline - time.monotonic()):
                     await asyncio.shield(self.joined)
             except TimeoutError:
-                missing = sorted(set(range(self.world_size)) - set(self.headers))
+                missing = sorted(set(range(self.world_size)) - set(self.shards))
                 shown = ", ".join(map(str, missing[:10]))
                 shown += f" and {len(missing) - 10} more" if len(missing) > 10 else ""
                 self.fail(DeadlineExceeded(
@@ -282,17 +243,18 @@ class Push:
         return await asyncio.shield(self.session)
 
     async def _commit(self, rank: int, session: PushSession) -> Committed:
-        """This rank has pushed all its parts; the last rank to get here commits for all."""
+        """This rank has pushed all its shards; the last rank to get here commits for all."""
         if self.failure is not None:
             raise self.failure
         self.committed.add(rank)
         if len(self.committed) == self.world_size:
             # A task of its own: it runs to the end even if the stream that started it is cancelled.
             self.commit_task = asyncio.ensure_future(session.commit())
-            self.commit_task.add_done_callback(self._settle)
+            self.commit_task.add_done_callback(self._answer)
         return await asyncio.shield(self.result)
 
-    def _settle(self, task: asyncio.Future[Committed]) -> None:
+    def _answer(self, task: asyncio.Future[Committed]) -> None:
+        """The commit is done: every rank answers with its outcome."""
         if self.result.done():
             return
         if task.cancelled():
@@ -308,17 +270,17 @@ class Push:
 
 class Pushes:
     """The server's pushes in progress: the limits on streams and staging memory, the pushes whose
-    ranks are still meeting, and the staging sessions open."""
+    ranks are still joining, and the staging sessions open."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
-        self.settings = service.settings
-        self.metrics = service.metrics
+    def __init__(self, context: PushContext) -> None:
+        self.context = context
+        self.settings = context.settings
+        self.metrics = context.metrics
+        self.budget = StagingBudget(context.settings, context.pool, in_memory=context.files is None)
         self.streams = 0  # push streams open (each rank's counts), against --max-pushes
         self.sessions: set[PushSession] = set()
-        self.meeting: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
+        self.joining: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
         self._releasing: set[asyncio.Future[None]] = set()
-        self._staging_reserved = 0
         self.pushing: collections.Counter[str] = collections.Counter()  # models with push streams open
 
     async def run(self, messages: AsyncIterator[PushMessage]) -> Committed:
@@ -340,7 +302,7 @@ class Pushes:
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
             await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
             if header.owners:
-                await self.service.store.parts.settled(header.model, header.step, header.owners)
+                await self.context.parts.settled(header.model, header.step, header.owners)
             self._check(header)
             self.pushing[header.model] += 1
             try:
@@ -367,21 +329,22 @@ class Pushes:
 
     def _check(self, header: PushHeader) -> None:
         """Refuse a header (already validated) before it joins anything."""
-        store = self.service.store
+        context = self.context
         if self.settings.relay_from:
             raise FailedPrecondition(
                 f"model {header.model!r} step {header.step}: this server relays {self.settings.relay_from}; "
                 "push there",
                 reason="relay",
             )
-        if header.owners and store.replica_id not in header.owners:
+        replica_id = context.parts.replica_id
+        if header.owners and replica_id not in header.owners:
             raise FailedPrecondition(
-                f"model {header.model!r} step {header.step}: this server is replica {store.replica_id!r}, "
+                f"model {header.model!r} step {header.step}: this server is replica {replica_id!r}, "
                 f"not one of the owners {list(header.owners)}; push each part to its owner (GetTopology)",
                 reason="invalid_header",
             )
-        store.check_step(header.model, header.step)
-        held = set(store.index.models())
+        context.committer.check_step(header.model, header.step)
+        held = set(context.index.models())
         if header.model not in held and header.model not in self.pushing:
             others = len(held | set(self.pushing))
             if others >= self.settings.max_models:
@@ -395,28 +358,29 @@ class Pushes:
     def _join(self, header: PushHeader) -> Push:
         """The push this rank's stream belongs to (a new one for world_size 1)."""
         key = (header.model, header.step)
-        push = self.meeting.get(key) if header.world_size > 1 else None
+        push = self.joining.get(key) if header.world_size > 1 else None
         if push is None:
             push = Push(self, header)
             if header.world_size > 1:
-                self.meeting[key] = push
+                self.joining[key] = push
         push.join(header)
-        self.service.changed()
+        self.context.changed()
         return push
 
     def forget(self, push: Push) -> None:
         """A failed or committing push: a retry of its step forms a new one."""
-        if self.meeting.get((push.model, push.step)) is push:
-            del self.meeting[(push.model, push.step)]
+        if self.joining.get((push.model, push.step)) is push:
+            del self.joining[(push.model, push.step)]
 
-    def staged(self, session: PushSession) -> None:
+    def track(self, session: PushSession) -> None:
+        """A push opened its staging session."""
         self.sessions.add(session)
-        self.service.changed()
+        self.context.changed()
 
     async def retire(self, push: Push) -> None:
         """The last rank of `push` has left: release its staging memory, whatever happened."""
         self.forget(push)
-        session = push.staged
+        session = push.opened
         if session is None:
             return  # never opened, or `_open` releases it itself
         # A cancelled handler may be cancelled again while it cleans up: release in a task of its own.
@@ -429,55 +393,10 @@ class Pushes:
         if push.commit_task is not None:  # the version may be committing from this very buffer
             await asyncio.wait([push.commit_task])
         await session.close()
-        self.unreserve(session.reserved)
+        self.budget.give_back(session.reserved)
         session.reserved = 0
         self.sessions.discard(session)
-        self.service.changed()
-
-    def staging_bytes(self, header: PushHeader) -> int:
-        """The memory a push stages: its served bytes (≤ 2 a element in every format) and, with ef, its
-        new fp32 residual, unless a data dir takes both; and, in an fp8 format, the fp32 masters
-        of the tensors being gathered whole for their scales (at most one a rank at a time: the
-        largest 2-D ones bound them)."""
-        s = self.settings
-        in_memory = self.service.store.files is None
-        numel = sum(t.numel for t in header.tensors)
-        nbytes = numel * 2 if in_memory else 0
-        if in_memory and (header.rounding or s.rounding) == "ef":
-            nbytes += numel * 4
-        fmt = rounding.FORMATS.get(header.format or s.format)
-        if fmt is not None and fmt.scaled:
-            matrices = heapq.nlargest(header.world_size, (t.numel for t in header.tensors if len(t.shape) == 2))
-            nbytes += 4 * sum(matrices)
-        return nbytes
-
-    def reserve_staging(self, header: PushHeader) -> int:
-        """Reserve the memory a push will stage (`staging_bytes`), or refuse it if over the memory budget."""
-        staged = self.staging_bytes(header)
-        rss, mark = anonymous_bytes(), self.settings.rss_high_water
-        pool = self.service.store.pool  # buffers kept for reuse count in both, and go before a refusal
-        if (rss + staged > mark or self._staging_reserved + staged + pool.free_bytes > self.settings.max_staged_bytes
-                ) and pool.free():
-            rss = anonymous_bytes()
-        what = "(served bytes, ef residuals and fp8 masters gathered for their scales)"
-        if rss + staged > mark:
-            raise ResourceExhausted(
-                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {staged} more "
-                f"{what} would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
-                reason="too_large",
-            )
-        if self._staging_reserved + staged > self.settings.max_staged_bytes:
-            raise ResourceExhausted(
-                f"model {header.model!r} step {header.step}: pushes in progress hold "
-                f"{self._staging_reserved} bytes; {staged} more {what} would exceed the staging budget of "
-                f"{self.settings.max_staged_bytes} bytes (--max-staged-bytes); retry later",
-                reason="too_large",
-            )
-        self._staging_reserved += staged
-        return staged
-
-    def unreserve(self, nbytes: int) -> None:
-        self._staging_reserved -= nbytes
+        self.context.changed()
 
 
 async def next_message(messages: AsyncIterator[PushMessage], idle: float,
@@ -494,90 +413,3 @@ async def next_message(messages: AsyncIterator[PushMessage], idle: float,
         if wait < idle and deadline is not None:
             raise DeadlineExceeded(deadline[1], reason="aborted") from None
         raise DeadlineExceeded(f"push stalled: nothing received for {idle:g} s", reason="aborted") from None
-
-
-def validate_header(header: PushHeader, settings: Settings) -> None:
-    check_model_name(header.model)
-    where = f"model {header.model!r} step {header.step}"
-    if not 0 <= header.step <= MAX_STEP:
-        raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
-    if not 1 <= header.world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
-                              reason="invalid_header")
-    if not 0 <= header.rank < header.world_size:
-        raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
-                              reason="invalid_header")
-    if header.owners:
-        if len(set(header.owners)) != len(header.owners) or not all(header.owners):
-            raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
-                                  reason="invalid_header")
-        if not 1 <= header.replication <= len(header.owners):
-            raise InvalidArgument(f"{where}: replication {header.replication} is not in [1, {len(header.owners)}] "
-                                  f"(the number of owners)", reason="invalid_header")
-    elif not header.tensors:  # (a sharded replica may own none of a version's tensors)
-        raise InvalidArgument(f"{where}: the push declares no tensors", reason="invalid_header")
-    if len(header.tensors) > settings.max_tensors:
-        raise ResourceExhausted(
-            f"{where}: {len(header.tensors)} tensors, more than the {settings.max_tensors} a version may have "
-            "(--max-tensors)",
-            reason="too_large",
-        )
-    seen: set[str] = set()
-    total = 0
-    for t in header.tensors:
-        _check_name(where, t.name, seen)
-        if t.dtype not in DTYPE_SIZES:
-            raise InvalidArgument(
-                f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} (known: {', '.join(DTYPE_SIZES)})",
-                reason="invalid_header",
-            )
-        if t.dtype != MASTER_DTYPE:
-            raise InvalidArgument(
-                f"{where}: tensor {t.name!r} is {t.dtype}; masters are pushed as {MASTER_DTYPE}",
-                reason="invalid_header",
-            )
-        if any(d < 0 for d in t.shape):
-            raise InvalidArgument(
-                f"{where}: tensor {t.name!r} has a negative dimension in shape {list(t.shape)}",
-                reason="invalid_header",
-            )
-        if t.part is not None and (min(t.part) < 0 or sum(t.part) > t.numel):
-            raise InvalidArgument(
-                f"{where}: tensor {t.name!r}: part [{t.part[0]}, {sum(t.part)}) is not within its {t.numel} elements "
-                f"(shape {list(t.shape)})",
-                reason="invalid_header",
-            )
-        nbytes = t.numel * DTYPE_SIZES[t.dtype]
-        if nbytes > settings.max_tensor_bytes:
-            raise ResourceExhausted(
-                f"{where}: tensor {t.name!r} of shape {list(t.shape)} holds {nbytes} bytes, more than the "
-                f"{settings.max_tensor_bytes} bytes a tensor may have (--max-tensor-bytes)",
-                reason="too_large",
-            )
-        total += nbytes
-        if total > settings.max_version_bytes:
-            raise ResourceExhausted(
-                f"{where}: the masters declared up to tensor {t.name!r} already hold {total} bytes, more "
-                f"than the {settings.max_version_bytes} bytes a version may have (--max-version-bytes)",
-                reason="too_large",
-            )
-    # Each tensor is in the file header twice (its entry and the manifest): a lower bound, so that a
-    # header certain to be too big is refused now, not after its bytes arrived (commit checks exactly).
-    check_header_size(sum(2 * len(t.name) + 150 for t in header.tensors), where)
-    for alias, target in header.aliases:
-        if alias in seen:
-            raise InvalidArgument(f"{where}: alias {alias!r} (of {target!r}) is also a tensor of the push",
-                                  reason="invalid_header")
-        _check_name(where, alias, seen)
-
-
-def _check_name(where: str, name: str, seen: set[str]) -> None:
-    """Refuse a tensor or alias name that is empty, too long, reserved or already used; else add it."""
-    if not name or len(name) > MAX_NAME_CHARS:
-        raise InvalidArgument(f"{where}: tensor names must have 1-{MAX_NAME_CHARS} characters", reason="invalid_header")
-    if name in seen:
-        raise InvalidArgument(f"{where}: tensor {name!r} is declared twice", reason="invalid_header")
-    if name == RESERVED_NAME:
-        raise InvalidArgument(f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format",
-                              reason="invalid_header")
-    seen.add(name)
