@@ -28,8 +28,8 @@ from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, P
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, make_plan
 from weightsvc.service.push.pushes import Pushes
 from weightsvc.service.push.validate import validate_header
+from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import Parts
-from weightsvc.service.replicas.registry import MemoryRegistry
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.commit import Committer
 from weightsvc.service.versions.index import VersionIndex
