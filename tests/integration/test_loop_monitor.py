@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from tests.conftest import serving
-from tests.integration.test_push_pull import http_get
+from tests.helpers import http_get
 
 
 def loop_lag(metrics_text: str) -> tuple[float, float, dict[str, float]]:
