@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the linter, the whole test suite, and the real-engine tests (vLLM, in their own
 # environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). Extra arguments go to
-# pytest and run the main suite alone.
+# pytest and run the main suite alone, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -11,7 +11,15 @@ if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && r
 fi
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-.venv/bin/python -m pytest -q -rs "$@"  # -rs: why each skipped test was skipped
-if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+# -rs: why each skipped test was skipped.
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest -q -rs "$@"
+fi
+# The suite on two workers, each taking whole test files (a module's server starts once; servers
+# listen on ports 0 and keep apart in Redis by key prefix; WEIGHTSVC_TEST_WORKERS=0: one process).
+# The `slow` tests time the server's answers: they run after, alone, with no test beside them.
+.venv/bin/python -m pytest -q -rs -n "${WEIGHTSVC_TEST_WORKERS:-2}" --dist loadfile -m "not slow"
+.venv/bin/python -m pytest -q -rs -m slow
+if [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
   scripts/test_engines.sh
 fi
