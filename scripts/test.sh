@@ -12,14 +12,16 @@ fi
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
 # -rs: why each skipped test was skipped.
-if [ $# -gt 0 ]; then
-  exec .venv/bin/python -m pytest -q -rs "$@"
+if [ $# -gt 0 ] || [ "${WEIGHTSVC_TEST_WORKERS:-0}" = 0 ]; then
+  .venv/bin/python -m pytest -q -rs "$@"
+else
+  # WEIGHTSVC_TEST_WORKERS=N (or auto): N pytest-xdist workers, each taking whole test files (a
+  # module's server starts once; servers listen on ports 0 and keep apart in Redis by key prefix).
+  # The suite is CPU-bound: on 2 cores, 2 workers are slower than one. The `slow` tests time the
+  # server's answers: they run after the rest, alone.
+  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow"
+  .venv/bin/python -m pytest -q -rs -m slow
 fi
-# The suite on two workers, each taking whole test files (a module's server starts once; servers
-# listen on ports 0 and keep apart in Redis by key prefix; WEIGHTSVC_TEST_WORKERS=0: one process).
-# The `slow` tests time the server's answers: they run after, alone, with no test beside them.
-.venv/bin/python -m pytest -q -rs -n "${WEIGHTSVC_TEST_WORKERS:-2}" --dist loadfile -m "not slow"
-.venv/bin/python -m pytest -q -rs -m slow
-if [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
   scripts/test_engines.sh
 fi
