@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the linter, the whole test suite, and the real-engine tests (vLLM, in their own
 # environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). Extra arguments go to
-# pytest and run the main suite alone.
+# pytest and run the main suite alone, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -11,7 +11,17 @@ if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && r
 fi
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-.venv/bin/python -m pytest -q -rs "$@"  # -rs: why each skipped test was skipped
+# -rs: why each skipped test was skipped.
+if [ $# -gt 0 ] || [ "${WEIGHTSVC_TEST_WORKERS:-0}" = 0 ]; then
+  .venv/bin/python -m pytest -q -rs "$@"
+else
+  # WEIGHTSVC_TEST_WORKERS=N (or auto): N pytest-xdist workers, each taking whole test files (a
+  # module's server starts once; servers listen on ports 0 and keep apart in Redis by key prefix).
+  # The suite is CPU-bound: on 2 cores, 2 workers are slower than one. The `slow` tests time the
+  # server's answers: they run after the rest, alone.
+  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow"
+  .venv/bin/python -m pytest -q -rs -m slow
+fi
 if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
   scripts/test_engines.sh
 fi

@@ -29,14 +29,16 @@ settings.register_profile("suite", derandomize=True, print_blob=True)
 settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
-
-REDIS_URL = "redis://127.0.0.1:6379/0"  # scripts/test.sh starts one when none answers
+# The shared helpers assert too: their failures read like the tests' own.
+pytest.register_assert_rewrite("tests.helpers")
 
 
 @pytest.fixture
 def redis_prefix() -> Iterator[str]:
     """A Redis key prefix of the test's own (registries and replicas keep apart); deleted afterwards."""
     import redis
+
+    from tests.helpers import REDIS_URL
 
     prefix = f"weightsvc-test-{uuid.uuid4().hex[:12]}"
     yield prefix

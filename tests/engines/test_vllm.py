@@ -25,6 +25,7 @@ from tests.engines.engines import (
     quantized_checkpoint,
     served_checkpoint,
 )
+from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.loaders import Mismatch, compressed_tensors_config, dequantize, tp_select, update_vllm
 from weightsvc.server.server import BackgroundServer
@@ -46,10 +47,6 @@ def step(module: torch.nn.Module, seed: int, size: float = 0.05) -> dict[str, to
 
 def acked(server: BackgroundServer, model: str) -> dict[str, int]:
     return {c.client_id: c.version for c in server.service.clients(model)}
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, learner: LearnerClient,

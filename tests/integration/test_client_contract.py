@@ -20,9 +20,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file
 
 from tests.conftest import make_masters, serving, start_server, target
-from tests.integration.test_delta import small_step
-from tests.integration.test_export_service import same_bits
-from tests.integration.test_push_pull import assert_served
+from tests.helpers import assert_served, same_bits, small_step
 from weightsvc.client import (
     ClientInfo,
     GrpcInferenceClient,

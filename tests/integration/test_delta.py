@@ -6,14 +6,9 @@ import pytest
 import torch
 
 from tests.conftest import serving
-from tests.integration.test_export_service import same_bits
+from tests.helpers import same_bits, small_step
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import InvalidArgument
-
-
-def small_step(masters: dict[str, torch.Tensor], lr: float = 3e-6, seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + lr * torch.sign(torch.randn(v.shape, generator=gen)) for k, v in masters.items()}
 
 
 @pytest.mark.parametrize("fmt, rounding", [("bf16", "rtn"), ("bf16", "sr-sticky"), ("bf16", "sr"),

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from tests.conftest import serving
-from tests.integration.test_push_pull import http_get
+from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import WEIGHTSVC_CMD, ServeProcess, make_masters, serving
-from tests.integration.test_ranks import push_ranks
+from tests.helpers import push_ranks
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable

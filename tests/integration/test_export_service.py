@@ -10,17 +10,11 @@ import pytest
 import torch
 
 from tests.conftest import make_masters, serving
+from tests.helpers import same_bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import served_weights
 from weightsvc.errors import InvalidArgument
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
-
-
-def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
-        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
 
 
 def steps(n: int) -> list[dict[str, torch.Tensor]]:

@@ -18,8 +18,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import serving, start_server
-from tests.integration.test_delta import small_step
-from tests.integration.test_push_pull import http_get
+from tests.helpers import http_get, small_step
 from weightsvc import LearnerClient
 from weightsvc.protocol import delta as delta_codec
 from weightsvc.protocol.manifest import Manifest

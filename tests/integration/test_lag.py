@@ -11,7 +11,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import serving
-from tests.integration.test_push_pull import http_get
+from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.rounding import FORMATS, decode, fair_cast
 from weightsvc.service.versions.lag import SAMPLE_TARGET, LagTracker, Sample

@@ -27,6 +27,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.loaders import (
     Mismatch,
@@ -45,10 +46,6 @@ from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class Attention(torch.nn.Module):

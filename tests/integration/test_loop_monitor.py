@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
+from threading import Event
+
+import pytest
 
 from tests.conftest import serving
-from tests.integration.test_push_pull import http_get
+from tests.helpers import http_get
+from weightsvc.server.server import BackgroundServer
 
 
 def loop_lag(metrics_text: str) -> tuple[float, float, dict[str, float]]:
@@ -23,9 +26,26 @@ def loop_lag(metrics_text: str) -> tuple[float, float, dict[str, float]]:
     return count, total, buckets
 
 
-def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram() -> None:
+def watch_observations(srv: BackgroundServer, monkeypatch: pytest.MonkeyPatch) -> tuple[Event, Event]:
+    """Events the monitor's observations set: any observation, and one of a block of 0.4 s or more."""
+    any_lag, long_lag = Event(), Event()
+    histogram = srv.service.metrics.event_loop_lag
+    observe = histogram.observe
+
+    def observed(lag: float) -> None:
+        observe(lag)
+        any_lag.set()
+        if lag >= 0.4:
+            long_lag.set()
+
+    monkeypatch.setattr(histogram, "observe", observed)
+    return any_lag, long_lag
+
+
+def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram(monkeypatch: pytest.MonkeyPatch) -> None:
     with serving() as srv:
-        srv.call(asyncio.sleep(0.2))  # the monitor's timer has fired a few times
+        any_lag, long_lag = watch_observations(srv, monkeypatch)
+        assert any_lag.wait(30)  # the monitor's timer has fired
         count_before, _, before = loop_lag(http_get(srv.http_url, "/metrics")[2].decode())
         assert count_before > 0
 
@@ -33,7 +53,7 @@ def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram() -> None:
             time.sleep(0.5)  # what a blocking call on the loop does to everyone
 
         srv.call(block())
-        srv.call(asyncio.sleep(0.2))  # the monitor's timer fires after the block
+        assert long_lag.wait(30)  # the monitor's timer fires after the block
         count, total, after = loop_lag(http_get(srv.http_url, "/metrics")[2].decode())
         assert count > count_before
         assert total >= 0.4

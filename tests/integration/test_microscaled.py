@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import serving
-from tests.integration.test_ranks import bits, push_ranks
-from tests.integration.test_registry import REDIS_URL, needs_redis
+from tests.helpers import REDIS_URL, bits, needs_redis, push_ranks
 from weightsvc import InferenceClient, LearnerClient, rounding
 from weightsvc.client import Shard, dequantize
 from weightsvc.loaders import update_module

@@ -9,7 +9,6 @@ import urllib.parse
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -17,33 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load
 
 from tests.conftest import make_masters, serving
+from tests.helpers import assert_served, http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.rounding import fair_cast
 from weightsvc.server.server import BackgroundServer
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().view(torch.int16).numpy()
-
-
-def assert_served(
-    pulled: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], step: int, rounding: str = "sr", seed: int = 0
-) -> None:
-    assert sorted(pulled) == sorted(masters)
-    for name, m in masters.items():
-        expected = fair_cast(m, rounding=rounding, seed=seed, version=step, name=name)
-        assert pulled[name].dtype == torch.bfloat16 and pulled[name].shape == m.shape, name
-        assert np.array_equal(bits(pulled[name]), bits(expected)), name
-
-
-def http_get(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("GET", path, headers=headers or {})
-    resp = conn.getresponse()
-    body = resp.read()
-    conn.close()
-    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
 
 
 def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str) -> None:

@@ -13,13 +13,12 @@ import pytest
 import torch
 
 from tests.conftest import make_masters, serving
+from tests.helpers import CHUNK, bits, push_ranks
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard, VersionInfo
 from weightsvc.errors import Aborted, DeadlineExceeded, Internal, InvalidArgument, NotFound, ResourceExhausted
 from weightsvc.server.server import BackgroundServer
 from weightsvc.service.push.messages import PushChunk
-
-CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
 
 
 def masters(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -38,29 +37,6 @@ def flat_shards(state: Mapping[str, torch.Tensor], world_size: int) -> list[dict
         for r in range(world_size):  # a small tensor leaves some ranks an empty range
             ranks[r][name] = Shard(flat[cuts[r] : cuts[r + 1]].clone(), cuts[r], tuple(t.shape))
     return ranks
-
-
-def push_ranks(
-    target: str,
-    step: int,
-    parts: list[dict[str, torch.Tensor | Shard]],
-    model: str,
-    **kwargs: object,
-) -> list[Future[VersionInfo]]:
-    """Each rank pushes from its own thread and client, concurrently; the futures hold the outcomes."""
-    pool = ThreadPoolExecutor(len(parts))
-
-    def rank(r: int) -> VersionInfo:
-        with LearnerClient(target, chunk_bytes=CHUNK) as client:
-            return client.push(step, parts[r], model=model, rank=r, world_size=len(parts), **kwargs)  # type: ignore[arg-type]
-
-    futures = [pool.submit(rank, r) for r in range(len(parts))]
-    pool.shutdown(wait=False)  # the callers wait on the futures (with a limit where a rank could hang)
-    return futures
-
-
-def bits(t: torch.Tensor) -> np.ndarray:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def assert_same_version(puller: InferenceClient, model_a: str, model_b: str, version: int) -> None:

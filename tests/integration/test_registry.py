@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import REDIS_URL, make_masters, serving
+from tests.conftest import make_masters, serving
+from tests.helpers import REDIS_URL, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
 from weightsvc.protocol.topology import Replica
@@ -24,18 +25,6 @@ from weightsvc.server.server import BackgroundServer
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.replicas.registry import Registry, combined_digest
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
-    except redis.exceptions.ConnectionError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(
-    not _redis_up(), reason=f"needs Redis: none reachable at {REDIS_URL} (scripts/test.sh starts one)"
-)
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import queue
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REDIS_URL, make_masters, serving, start_server
-from tests.integration.test_registry import needs_redis
+from tests.conftest import make_masters, serving, start_server
+from tests.helpers import REDIS_URL, needs_redis, relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import read_version_file
 from weightsvc.errors import FailedPrecondition
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.server.server import BackgroundServer
-
-
-def relayed(relay: BackgroundServer, model: str, after: int | None, timeout: float = 60) -> int:
-    """The next version above `after` that the relay commits (waits on its Watch stream)."""
-    got: queue.Queue[int] = queue.Queue()
-
-    def watch() -> None:
-        with InferenceClient(relay.grpc_target) as client:
-            got.put(next(iter(client.watch(model, after=after))).version)
-
-    threading.Thread(target=watch, daemon=True).start()
-    return got.get(timeout=timeout)
-
-
-def served_file(server: BackgroundServer, model: str, version: int, path: Path) -> bytes:
-    InferenceClient(server.grpc_target).pull_file(path, model, version)
-    return path.read_bytes()
 
 
 def upstream_pull_bytes(server: BackgroundServer, model: str) -> float:

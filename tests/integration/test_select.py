@@ -13,9 +13,7 @@ import torch
 from safetensors.torch import load
 
 from tests.conftest import TRANSPORTS, make_masters, serving, target
-from tests.integration.test_push_pull import http_get
-from tests.integration.test_registry import REDIS_URL, needs_redis
-from tests.integration.test_resume import CuttingProxy
+from tests.helpers import REDIS_URL, CuttingProxy, http_get, needs_redis
 from weightsvc.client import InferenceClient, LearnerClient, Slice
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol.digest import checksum

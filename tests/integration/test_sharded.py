@@ -21,9 +21,7 @@ import safetensors.torch
 import torch
 
 from tests.conftest import ServeProcess, make_masters, serving
-from tests.integration.test_ranks import push_ranks
-from tests.integration.test_registry import REDIS_URL, needs_redis
-from tests.integration.test_relay import relayed, served_file
+from tests.helpers import REDIS_URL, needs_redis, push_ranks, relayed, served_file
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
 from weightsvc.errors import FailedPrecondition

@@ -1,0 +1,189 @@
+"""Helpers that several test modules share: bit comparisons, raw HTTP, concurrent ranks, a cutting
+proxy, relay waits and the Redis the registry tests need. Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import queue
+import socket
+import threading
+import urllib.parse
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import Shard, VersionInfo
+from weightsvc.client._common import READ_BYTES
+from weightsvc.rounding import fair_cast
+from weightsvc.server.server import BackgroundServer
+
+REDIS_URL = "redis://127.0.0.1:6379/0"  # scripts/test.sh starts one when none answers
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=1).ping())
+    except redis.exceptions.ConnectionError:
+        return False
+
+
+needs_redis = pytest.mark.skipif(
+    not _redis_up(), reason=f"needs Redis: none reachable at {REDIS_URL} (scripts/test.sh starts one)"
+)
+
+
+def bits(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes, flat: equal bits whatever the dtype (callers compare dtype and shape apart)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].shape == b[name].shape, name
+        assert torch.equal(a[name].reshape(-1).view(torch.uint8), b[name].reshape(-1).view(torch.uint8)), name
+
+
+def assert_served(
+    pulled: dict[str, torch.Tensor], masters: dict[str, torch.Tensor], step: int, rounding: str = "sr", seed: int = 0
+) -> None:
+    assert sorted(pulled) == sorted(masters)
+    for name, m in masters.items():
+        expected = fair_cast(m, rounding=rounding, seed=seed, version=step, name=name)
+        assert pulled[name].dtype == torch.bfloat16 and pulled[name].shape == m.shape, name
+        assert np.array_equal(bits(pulled[name]), bits(expected)), name
+
+
+def small_step(masters: dict[str, torch.Tensor], lr: float = 3e-6, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + lr * torch.sign(torch.randn(v.shape, generator=gen)) for k, v in masters.items()}
+
+
+def http_get(url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("GET", path, headers=headers or {})
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+CHUNK = 16 << 10  # small chunks: many per shard, and shard edges that fall inside chunks
+
+
+def push_ranks(
+    target: str,
+    step: int,
+    parts: list[dict[str, torch.Tensor | Shard]],
+    model: str,
+    **kwargs: object,
+) -> list[Future[VersionInfo]]:
+    """Each rank pushes from its own thread and client, concurrently; the futures hold the outcomes."""
+    pool = ThreadPoolExecutor(len(parts))
+
+    def rank(r: int) -> VersionInfo:
+        with LearnerClient(target, chunk_bytes=CHUNK) as client:
+            return client.push(step, parts[r], model=model, rank=r, world_size=len(parts), **kwargs)  # type: ignore[arg-type]
+
+    futures = [pool.submit(rank, r) for r in range(len(parts))]
+    pool.shutdown(wait=False)  # the callers wait on the futures (with a limit where a rank could hang)
+    return futures
+
+
+def relayed(relay: BackgroundServer, model: str, after: int | None, timeout: float = 60) -> int:
+    """The next version above `after` that the relay commits (waits on its Watch stream)."""
+    got: queue.Queue[int] = queue.Queue()
+
+    def watch() -> None:
+        with InferenceClient(relay.grpc_target) as client:
+            got.put(next(iter(client.watch(model, after=after))).version)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return got.get(timeout=timeout)
+
+
+def served_file(server: BackgroundServer, model: str, version: int, path: Path) -> bytes:
+    InferenceClient(server.grpc_target).pull_file(path, model, version)
+    return path.read_bytes()
+
+
+CUT_AFTER = 12 << 20
+# What a client may have received and not yet counted: a partial gRPC chunk, or one HTTP read.
+HELD_BACK = max(1 << 20, READ_BYTES) + (1 << 20)
+
+
+class CuttingProxy:
+    """Forwards 127.0.0.1:port to `upstream`. The first connection stops after `cut_after` bytes
+    down, waits until the client has read them (counted by `progress`, the pull's progress
+    callback), then dies: a cut of the bytes the client already has, not of what the transport
+    buffered (gRPC drops the messages it holds when its connection dies), so a resume can be told
+    from a restart by the bytes after the cut (`assert_resumed`)."""
+
+    def __init__(self, upstream: tuple[str, int], cut_after: int = CUT_AFTER) -> None:
+        assert cut_after > HELD_BACK
+        self.upstream = upstream
+        self.cut_after = cut_after
+        self.received = 0  # by the client
+        self.read = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.down: list[int] = []  # bytes forwarded to the client, per connection
+        self.cut = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def progress(self, n: int) -> None:
+        self.received += n
+        if self.received >= self.cut_after - HELD_BACK:
+            self.read.set()
+
+    def assert_resumed(self, data_bytes: int) -> None:
+        """The pull was cut once, and after the cut the wire carried the rest of its `data_bytes`
+        from about where the client had got to, not all of them again."""
+        assert self.cut.is_set() and self.read.is_set() and len(self.down) >= 2
+        assert sum(self.down[1:]) < data_bytes - self.cut_after + HELD_BACK, (self.down, data_bytes)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.down.append(0)
+            upstream = socket.create_connection(self.upstream)
+            threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, client, len(self.down) - 1), daemon=True).start()
+
+    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        self._hang_up(src, dst)
+
+    def _down(self, src: socket.socket, dst: socket.socket, i: int) -> None:
+        limit = self.cut_after if i == 0 else None
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16 if limit is None else min(1 << 16, limit - self.down[i])):
+                dst.sendall(data)
+                self.down[i] += len(data)
+                if limit is not None and self.down[i] >= limit:
+                    self.read.wait(timeout=60)
+                    self.cut.set()
+                    break
+        self._hang_up(src, dst)
+
+    @staticmethod
+    def _hang_up(*sockets: socket.socket) -> None:
+        for s in sockets:  # a hard cut, both ways
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
