@@ -20,7 +20,7 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
-from weightsvc.service.device import HostBuffers, Kernels
+from weightsvc.service.device import Exporter, HostBuffers
 
 pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
 
@@ -125,14 +125,14 @@ def test_ef_residuals_stay_on_the_device_between_versions(
     it, not from a copy of the host's; a push that does not commit leaves the resident one as it was;
     the bits stay the CPU's throughout, and the gauge counts what is kept."""
     hits: list[int] = []
-    looked_up = Kernels._resident
+    looked_up = Exporter._resident
 
-    def counted(self: Kernels, model_: str, residual: np.ndarray) -> torch.Tensor | None:
+    def counted(self: Exporter, model_: str, residual: np.ndarray) -> torch.Tensor | None:
         found = looked_up(self, model_, residual)
         hits.append(found is not None)
         return found
 
-    monkeypatch.setattr(Kernels, "_resident", counted)
+    monkeypatch.setattr(Exporter, "_resident", counted)
     common = {"format": fmt, "rounding": "ef", "scaling": scaling, "fp8_pattern": ".*"}
     states = _steps(3)
     bad = {n: t.clone() for n, t in states[1].items()}
@@ -149,7 +149,7 @@ def test_ef_residuals_stay_on_the_device_between_versions(
             assert _bits(gpu, model, step) == _bits(cpu, model, step)
             # Version 1 starts from zeros; after it every chunk's residual is found on the device.
             assert hits and all(hits) == (step > 1) and any(hits) == (step > 1)
-            kept = gpu.service.kernels.resident[model]
+            kept = gpu.service.exporter.resident[model]
             residual = gpu.service.committer._residuals[model]
             assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
             for host, on_device in kept.values():
@@ -159,7 +159,7 @@ def test_ef_residuals_stay_on_the_device_between_versions(
         with LearnerClient(gpu.grpc_target) as learner:
             learner.push(1, states[0], model)
             learner.push(2, states[1], model)
-        assert not gpu.service.kernels.resident and _gauge(gpu, "weightsvc_gpu_residual_bytes") == 0
+        assert not gpu.service.exporter.resident and _gauge(gpu, "weightsvc_gpu_residual_bytes") == 0
 
 
 def _gauge(srv: BackgroundServer, name: str) -> float:

@@ -491,7 +491,7 @@ def test_torch_scales_are_the_numpy_scales(fmt: str) -> None:
 def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> None:
     pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
     from weightsvc.rounding import export_tensor
-    from weightsvc.service.device import Kernels
+    from weightsvc.service.device import Exporter
 
     f = FORMATS[fmt]
     spec = ExportSpec(fmt, rounding, seed=3)
@@ -517,7 +517,7 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
     if ef:
         assert np.array_equal(gpu_res.numpy().view(np.uint32), cpu_res.view(np.uint32))
     # In chunks, through the service's device kernels (FP4 packed on the device).
-    kernels = Kernels("cuda-interpreted", "cpu")
+    kernels = Exporter("cuda-interpreted", "cpu")
     chunked = np.empty_like(cpu)
     chunked_res = np.empty_like(residual)
     piece = 6 * f.block + 2  # not a multiple of the block: the scale index is the element's own

@@ -22,7 +22,7 @@ from weightsvc.errors import Aborted, Internal, InvalidArgument, ResourceExhaust
 from weightsvc.memory import BufferPool
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import TensorSpec
-from weightsvc.service.device import Kernels
+from weightsvc.service.device import Exporter
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, make_plan
@@ -45,7 +45,7 @@ def executor() -> Iterator[ThreadPoolExecutor]:
     pool.shutdown(wait=True)
 
 
-def context(executor: ThreadPoolExecutor, kernels: Kernels | None = None, **settings: object) -> PushContext:
+def context(executor: ThreadPoolExecutor, exporter: Exporter | None = None, **settings: object) -> PushContext:
     """What a push needs, wired as the service wires it (an embedded registry, no data dir)."""
     s = Settings(rounding="rtn", push_idle_timeout_s=5, push_rank_timeout_s=5, **settings)  # type: ignore[arg-type]
     metrics, registry = Metrics(), MemoryRegistry()
@@ -53,9 +53,9 @@ def context(executor: ThreadPoolExecutor, kernels: Kernels | None = None, **sett
     parts = Parts(registry, s.retain)
     committer = Committer(index=index, files=None, parts=parts, acks=Acks(index, registry, metrics),
                           registry=registry, metrics=metrics)
-    export = kernels or Kernels()
+    export = exporter or Exporter()
     return PushContext(settings=s, metrics=metrics, executor=executor, loop=asyncio.get_running_loop(),
-                       kernels=lambda: export, pool=BufferPool(), files=None, committer=committer, parts=parts,
+                       exporter=lambda: export, pool=BufferPool(), files=None, committer=committer, parts=parts,
                        index=index)
 
 
@@ -180,10 +180,10 @@ async def test_a_push_whose_export_fails_leaves_nothing(executor: ThreadPoolExec
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("the export broke")
 
-    kernels = Kernels()
-    kernels.export_array = broken  # type: ignore[method-assign]
-    kernels.export_runs = broken  # type: ignore[method-assign]
-    pushes = Pushes(context(executor, kernels))
+    exporter = Exporter()
+    exporter.export_array = broken  # type: ignore[method-assign]
+    exporter.export_runs = broken  # type: ignore[method-assign]
+    pushes = Pushes(context(executor, exporter))
     head = header((TensorSpec("w", (1 << 16,)), TensorSpec("b", (4,))))
     with pytest.raises(WeightsvcError, match=r"model 'm' step 1: .* failed: RuntimeError: the export broke; "
                                              r"nothing was committed") as info:

@@ -62,11 +62,11 @@ def test_bf16_kernel(rounding: str) -> None:
 
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky"])
 def test_many_small_runs_in_one_launch(rounding: str) -> None:
-    """`Kernels.export_runs` on the device (one launch for all the runs) gives `rounding.export_runs`'
+    """`Exporter.export_runs` on the device (one launch for all the runs) gives `rounding.export_runs`'
     bits and per-run counts: runs of one element, of a block, of a block and one, empty ones, runs
     starting mid-tensor, NaN/Inf and saturating values in some of them."""
     from weightsvc.rounding import export_runs
-    from weightsvc.service.device import Kernels
+    from weightsvc.service.device import Exporter
 
     m = masters()
     lengths = [1, 1024, 1025, 0, 3000, 7, 2048, 0, 1]
@@ -78,7 +78,7 @@ def test_many_small_runs_in_one_launch(rounding: str) -> None:
     spec = ExportSpec("bf16", rounding, seed=4)
     cpu, gpu = (np.zeros(starts[-1] + 8, np.uint16) for _ in range(2))
     expected = export_runs(m, starts, cpu, spec, version=3, names=names, offsets=offsets, outs=outs)
-    got = Kernels("cuda-interpreted", "cpu").export_runs(m, starts, gpu, spec, version=3, names=names,
+    got = Exporter("cuda-interpreted", "cpu").export_runs(m, starts, gpu, spec, version=3, names=names,
                                                        offsets=offsets, outs=outs)
     assert np.array_equal(cpu, gpu)
     assert got == expected and sum(s.nonfinite for s in got) > 0 and sum(s.saturated for s in got) > 0

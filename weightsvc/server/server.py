@@ -70,8 +70,8 @@ class Server:
 
     @property
     def device(self) -> str:
-        """Where pushes export (`Kernels.name`)."""
-        return self.service.kernels.name if self.service is not None else ""
+        """Where pushes export (`Exporter.name`)."""
+        return self.service.exporter.name if self.service is not None else ""
 
     @property
     def grpc_target(self) -> str:

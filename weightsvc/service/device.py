@@ -6,7 +6,7 @@ the staging code does not change with the device. On a GPU, each call copies the
 residual) in through pinned buffers on the service's CUDA stream, runs the kernel, and copies the
 served bytes (and the new residual) back; the bytes the GPU holds meanwhile are reported
 (`weightsvc_gpu_staged_bytes`). With ef, a committed version's residual also stays on the GPU for
-the next push (`Kernels.resident`).
+the next push (`Exporter.resident`).
 
 With `TRITON_INTERPRET=1` (Triton's own interpreter), `--device cuda` runs the same device code on
 CPU tensors: that is how it is tested on a machine without a GPU.
@@ -78,8 +78,9 @@ def _address(a: np.ndarray) -> int:
 
 
 @dataclass
-class Kernels:
-    """The export of one device. `name`: what the ready line and /readyz say (no spaces)."""
+class Exporter:
+    """The export on one device and its state: the GPU's resident ef residuals, its staging buffers,
+    whether it failed. `name`: what the ready line and /readyz say (no spaces)."""
 
     name: str = "cpu"
     torch_device: str = ""  # "" for the CPU kernels; "cuda" (or "cpu" under the interpreter) for Triton
@@ -272,7 +273,7 @@ class Kernels:
             self.staged(-nbytes)
 
 
-def kernels_for(setting: str, staged: Callable[[int], None] = lambda n: None) -> Kernels:
+def exporter_for(setting: str, staged: Callable[[int], None] = lambda n: None) -> Exporter:
     """The kernels `--device` asks for (`rounding.export_device`): `cpu`; `cuda` (refused with a
     clear error when no GPU is visible, or Triton is missing); `auto`: the GPU when one is visible,
     else the CPU."""
@@ -281,8 +282,8 @@ def kernels_for(setting: str, staged: Callable[[int], None] = lambda n: None) ->
         import torch
 
         log.info("exporting on %s", torch.cuda.get_device_name())
-        return Kernels(f"cuda:{torch.cuda.current_device()}", "cuda", staged)
+        return Exporter(f"cuda:{torch.cuda.current_device()}", "cuda", staged)
     if where == "interpreted":
         log.info("exporting with the Triton kernels on the CPU (TRITON_INTERPRET=1): for tests")
-        return Kernels("cuda-interpreted", "cpu", staged)
-    return Kernels("cpu", "", staged)
+        return Exporter("cuda-interpreted", "cpu", staged)
+    return Exporter("cpu", "", staged)

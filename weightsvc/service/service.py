@@ -27,7 +27,7 @@ from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.topology import Replica
-from weightsvc.service.device import Kernels, kernels_for
+from weightsvc.service.device import Exporter, exporter_for
 from weightsvc.service.pull import Pulls, events, watching
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.pushes import Pushes
@@ -92,9 +92,9 @@ class Service:
         self.committer = Committer(index=self.index, files=self.files, parts=self.parts, acks=self.acks,
                                    registry=self.registry, metrics=self.metrics)
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
-        self.kernels = kernels_for(settings.device, self.metrics.gpu_staged_bytes.inc)
-        self.kernels.resident_max = settings.gpu_residual_bytes
-        self.kernels.resident_bytes = self.metrics.gpu_residual_bytes.inc
+        self.exporter = exporter_for(settings.device, self.metrics.gpu_staged_bytes.inc)
+        self.exporter.resident_max = settings.gpu_residual_bytes
+        self.exporter.resident_bytes = self.metrics.gpu_residual_bytes.inc
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
@@ -102,7 +102,7 @@ class Service:
         self._changes = _Changes()
         self.pushes = Pushes(PushContext(
             settings=settings, metrics=self.metrics, executor=self.executor, loop=self.loop,
-            kernels=self.export_kernels, pool=self.index.pool, files=self.files, committer=self.committer,
+            exporter=self.current_exporter, pool=self.index.pool, files=self.files, committer=self.committer,
             parts=self.parts, index=self.index, changed=self.changed,
         ))
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
@@ -173,13 +173,13 @@ class Service:
         """The server is stopping: every watch stream ends now rather than hold up the shutdown."""
         self._stopping.set()
 
-    def export_kernels(self) -> Kernels:
-        """The kernels a new push exports with: after a GPU error, the CPU's from then on."""
-        if self.kernels.failed:
-            log.warning("the export on %s failed: pushes export on the CPU from now on", self.kernels.name)
-            self.kernels = Kernels("cpu", "", self.kernels.staged)  # (its resident residuals go with the old)
+    def current_exporter(self) -> Exporter:
+        """The exporter a new push exports with: after a GPU error, the CPU's from then on."""
+        if self.exporter.failed:
+            log.warning("the export on %s failed: pushes export on the CPU from now on", self.exporter.name)
+            self.exporter = Exporter("cpu", "", self.exporter.staged)  # (its resident residuals go with the old)
             self.metrics.gpu_residual_bytes.set(0)
-        return self.kernels
+        return self.exporter
 
     async def topology(self) -> list[Replica]:
         """The replicas as the registry knows them; while it is unreachable, as it last knew them

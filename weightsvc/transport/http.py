@@ -221,7 +221,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if is_ready():
-            return JSONResponse({"status": "ready", "device": service.kernels.name})
+            return JSONResponse({"status": "ready", "device": service.exporter.name})
         return http_error(503, "UNAVAILABLE", "weightsvc is starting")
 
     @app.get("/metrics")

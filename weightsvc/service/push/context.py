@@ -1,7 +1,7 @@
 """What a push needs from the server around it, handed down by the service: nothing more.
 
 The push package never sees the `Service`: a push reads its settings and limits here, counts in
-these metrics, exports on this executor with these kernels, stages in this pool or these files and
+these metrics, exports on this executor with this exporter, stages in this pool or these files and
 commits through this committer. Tests build one without a server, and inject faults through it.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from weightsvc import memory
 from weightsvc.metrics import Metrics
-from weightsvc.service.device import Kernels
+from weightsvc.service.device import Exporter
 from weightsvc.service.push.messages import PushChunk
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.versions.commit import Committer
@@ -33,7 +33,7 @@ class PushContext:
     metrics: Metrics
     executor: Executor  # the export thread (one: a tensor's chunks are exported in order)
     loop: asyncio.AbstractEventLoop  # the loop the pushes run on, for the export thread's callbacks
-    kernels: Callable[[], Kernels]  # the kernels a new push exports with (they change after a GPU error)
+    exporter: Callable[[], Exporter]  # the exporter a new push exports with (they change after a GPU error)
     pool: memory.BufferPool  # buffers kept for reuse; they count in the staging budget
     files: VersionFiles | None  # the data dir's files; None: versions are staged in memory
     committer: Committer

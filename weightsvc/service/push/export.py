@@ -18,7 +18,7 @@ import numpy as np
 from weightsvc import rounding
 from weightsvc.protocol.digest import checksum
 from weightsvc.protocol.manifest import ServedTensor
-from weightsvc.service.device import Kernels, Resident
+from weightsvc.service.device import Exporter, Resident
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, PushedTensor
 from weightsvc.service.versions.lag import Sample, sampled_indices
 
@@ -32,12 +32,12 @@ class ExportJobs:
     """The export of one push into its data section. Its methods run on the export thread, one job
     at a time in the order they were queued; `freed` hands bytes no longer held back to the loop."""
 
-    def __init__(self, data: memoryview, spec: rounding.ExportSpec, kernels: Kernels, *, model: str, step: int,
+    def __init__(self, data: memoryview, spec: rounding.ExportSpec, exporter: Exporter, *, model: str, step: int,
                  stride: int, residual: rounding.Residual | None, freed: Callable[[int], None],
                  batch_small: bool = True) -> None:
         self.data = data
         self.spec = spec
-        self.kernels = kernels
+        self.exporter = exporter
         self.model = model
         self.step = step
         self.stride = stride  # of the elements sampled for the lag metrics
@@ -84,7 +84,7 @@ class ExportJobs:
         outs = np.fromiter((t.slot.offset for t, _, _ in runs), np.int64, len(runs)) // 2 + firsts
         served = np.frombuffer(self.data, np.uint16, count=len(self.data) // 2)
         names = [t.spec.name for t, _, _ in runs]
-        stats = self.kernels.export_runs(master, starts, served, self.spec, version=self.step, names=names,
+        stats = self.exporter.export_runs(master, starts, served, self.spec, version=self.step, names=names,
                                          offsets=firsts.tolist(), outs=outs)
         # The sampled elements of every run: those whose flat index in their tensor is a multiple of
         # the stride (as `export_chunk` takes them), gathered with one index array.
@@ -115,7 +115,7 @@ class ExportJobs:
         served = self._slot_bytes(t.slot)
         first, count, size = byte_offset // MASTER_ITEMSIZE, master.size, t.fmt.itemsize
         res_in, res_out = self._residuals(t)
-        stats = self.kernels.export_array(
+        stats = self.exporter.export_array(
             master, served[first * size : (first + count) * size], self.spec, version=self.step,
             name=t.spec.name, fmt=t.fmt, offset=first,
             residual=None if res_in is None else res_in[first : first + count],
@@ -163,7 +163,7 @@ class ExportJobs:
         master = t.master if t.master is not None else np.empty(0, np.float32)
         res_in, res_out = self._residuals(t)
         served = self._slot_bytes(t.slot)
-        stats, scales = self.kernels.export_whole(
+        stats, scales = self.exporter.export_whole(
             master, served, self.spec, version=self.step, name=t.spec.name, fmt=t.fmt, shape=t.spec.shape,
             residual=res_in, new_residual=res_out, model=self.model, keep=self.device_residuals,
             group_amax=group_amax,

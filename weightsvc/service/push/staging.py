@@ -86,7 +86,7 @@ class PushSession:
         self.part_of = PartOf(header.owners, context.settings.push_rank_timeout_s) if header.owners else None
         self.held = _Held(context.metrics.staged_bytes, context.loop)
         self.held.add(plan.data_bytes)
-        self.jobs = ExportJobs(data, spec, context.kernels(), model=header.model, step=header.step,
+        self.jobs = ExportJobs(data, spec, context.exporter(), model=header.model, step=header.step,
                                stride=sample_stride(plan.numel), residual=residual, freed=self.held.freed_by_worker,
                                batch_small=context.batch_small)
         self.pending: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -234,7 +234,7 @@ class PushSession:
         committed, created = await self.context.committer.commit(version, residual, lag_input, self.part_of)
         self.committed = created
         if created and self.jobs.device_residuals:
-            self.jobs.kernels.keep_resident(self.header.model, self.jobs.device_residuals)
+            self.jobs.exporter.keep_resident(self.header.model, self.jobs.device_residuals)
         return committed, created
 
     def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,
