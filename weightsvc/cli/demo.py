@@ -14,7 +14,7 @@ ulp (2**-9 in that binade): round to nearest serves the checkpoint unchanged for
 until the masters have moved half an ulp, whereas the unbiased modes serve the masters' movement
 from the first step; a margin of a few logits is the sum of 2 x 1024 such sub-ulp moves.
 
-Measured (`weightsvc demo --json`, 300 steps, figures in the README): in bf16 the unbiased modes
+Measured (`weightsvc demo --json`, 300 steps, figures in docs/lag.md): in bf16 the unbiased modes
 reach a mean reward of 0.5 over 20 steps at steps 116-120 (reward AUC ~0.6), rtn at step 214 (AUC
 0.395), after which it jumps past them: its masters kept moving the same way while its served copy
 stood still. In fp8_e4m3 (half an ulp is ~1/30 of a weight) rtn serves the checkpoint for the whole
