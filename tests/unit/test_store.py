@@ -72,11 +72,11 @@ def test_retention_evicts_the_oldest_and_recycles_its_buffer_only_once_its_last_
     assert index.get("m", None).manifest.version == 3
 
 
-def test_a_lent_version_is_never_recycled() -> None:
+def test_a_version_whose_views_were_shared_is_never_recycled() -> None:
     index = VersionIndex(retain=1, metrics=Metrics())
-    lent = make_version("m", 1)
-    lent.lent = True  # views of its bytes went to code that may still hold them
-    index.add(lent)
+    shared = make_version("m", 1)
+    shared.shared_views = True  # views of its bytes went to code that may still hold them
+    index.add(shared)
     assert index.add(make_version("m", 2)) == [1]
     assert index.pool.free_bytes == 0
 

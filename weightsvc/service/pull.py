@@ -220,7 +220,7 @@ class Pull:
         """The transport may keep views of the body beyond this pull: never recycle the version's buffer
         (a delta's bytes are its own)."""
         if self.base is None:
-            self.version.lent = True
+            self.version.shared_views = True
 
     async def send(self, sending: Awaitable[None], nbytes: int = 0) -> None:
         """Await one write of the transport, `nbytes` of them version bytes. A write waits on flow

@@ -59,18 +59,18 @@ class Follower:
             latest = self._index.latest(m)
             for v in await self._registry.versions(m):
                 if (latest is None or v > latest) and self._index.find(m, v) is None:
-                    await self._learn(m, v, held_too=True)
+                    await self._show_committed_elsewhere(m, v, held_too=True)
 
     async def _follow(self, model: str) -> None:
         while True:
             try:
                 async for v in self._registry.events(model, -1):
                     if self._index.find(model, v) is None:
-                        await self._learn(model, v)
+                        await self._show_committed_elsewhere(model, v)
             except Unavailable:
                 await asyncio.sleep(RETRY_S)
 
-    async def _learn(self, model: str, v: int, held_too: bool = False) -> None:
+    async def _show_committed_elsewhere(self, model: str, v: int, held_too: bool = False) -> None:
         """Show version `v`, which the registry committed, if this replica holds no part of it (or,
         `held_too`, if it shows nothing of it: its part's file was lost)."""
         raw = await self._registry.manifest(model, v)

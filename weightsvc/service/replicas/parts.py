@@ -135,7 +135,7 @@ class Parts:
             if self._waiting.get(m.model) is waiting:
                 del self._waiting[m.model]
             waiting.settled.set()
-        raw = await _settled(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
+        raw = await _registry_answer(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
             raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
         served = await asyncio.to_thread(_served, part, raw)  # parses the whole manifest, makes its header
@@ -159,7 +159,7 @@ class Parts:
 
     async def _withdraw(self, model: str, version: int, owners: tuple[str, ...]) -> bool:
         """Take this replica's part back: True, or False if the version committed first."""
-        return await _settled(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
+        return await _registry_answer(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
                               f"withdrawing its part of model {model!r} version {version}")
 
     async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
@@ -216,7 +216,7 @@ def _served(part: Version, raw: str) -> Version | None:
                                segments=tuple(segments))
 
 
-async def _settled(call: Callable[[], Awaitable[T]], what: str) -> T:
+async def _registry_answer(call: Callable[[], Awaitable[T]], what: str) -> T:
     """The registry's answer, however long it is away: a part's fate must be known before its bytes
     are kept or dropped."""
     while True:

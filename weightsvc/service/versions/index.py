@@ -48,7 +48,7 @@ class VersionFile:
         return memoryview(self.mapping)[self.data_start :]
 
     def close(self) -> None:
-        """Unmap and close. A view still lent to a transport keeps the mapping until it is dropped."""
+        """Unmap and close. A view still held by a transport keeps the mapping until it is dropped."""
         with contextlib.suppress(BufferError, ValueError):
             self.mapping.close()
         self.file.close()
@@ -63,7 +63,7 @@ class Version:
     data: memoryview  # the data section (uint8)
     readers: int = 0  # pulls in progress
     evicted: bool = False
-    lent: bool = False  # views of `data` were handed to code we do not control: never recycle
+    shared_views: bool = False  # views of `data` were handed to code we do not control: never recycle
     # Sharded replicas: this replica's part of the version (the manifest of its own file; `manifest`
     # is then the whole version's) and which bytes of the version's data section `data` holds.
     part: Manifest | None = None
@@ -213,7 +213,7 @@ class VersionIndex:
             with contextlib.suppress(BufferError):  # still exported: the mapping goes with the last view
                 version.data.release()
             version.file.close()
-        elif not version.lent:
+        elif not version.shared_views:
             self.pool.give(version.data)
 
     def _update_gauges(self, model: str) -> None:
