@@ -81,6 +81,12 @@ class Metrics:
             "Bytes of ef residuals kept on the GPU between versions (--device cuda, --gpu-residual-bytes)",
             registry=r,
         )
+        # Where each ef chunk's residual came from on the GPU: "device" (kept there since the last
+        # version) or "host" (copied in: the first version, or one the bound or a restart left out).
+        self.gpu_residual_chunks = Counter(
+            "weightsvc_gpu_residual_chunks", "ef residual chunks a GPU export read, by where it found them",
+            ["source"], registry=r,
+        )
         self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
         self.export_seconds = Histogram(
             "weightsvc_export_seconds",
@@ -133,6 +139,8 @@ class Metrics:
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
+        for source in ("device", "host"):
+            self.gpu_residual_chunks.labels(source)
 
     def observe_lag(self, model: str, format: str, rounding: str, lag: LagMetrics) -> None:
         labels = (model, format, rounding)

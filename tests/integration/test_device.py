@@ -20,7 +20,7 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard
 from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
-from weightsvc.service.device import Exporter, HostBuffers
+from weightsvc.service.device import HostBuffers
 
 pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
 
@@ -118,28 +118,17 @@ def test_a_device_error_fails_that_push_and_the_next_go_to_the_cpu(
 
 
 @pytest.mark.parametrize(("fmt", "scaling"), [("bf16", "tensor"), ("fp8_e4m3", "block")])
-def test_ef_residuals_stay_on_the_device_between_versions(
-    fmt: str, scaling: str, model: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ef_residuals_stay_on_the_device_between_versions(fmt: str, scaling: str, model: str) -> None:
     """With ef on the GPU, a committed version's residual stays there and the next push exports from
     it, not from a copy of the host's; a push that does not commit leaves the resident one as it was;
     the bits stay the CPU's throughout, and the gauge counts what is kept."""
-    hits: list[int] = []
-    looked_up = Exporter._resident
-
-    def counted(self: Exporter, model_: str, residual: np.ndarray) -> torch.Tensor | None:
-        found = looked_up(self, model_, residual)
-        hits.append(found is not None)
-        return found
-
-    monkeypatch.setattr(Exporter, "_resident", counted)
     common = {"format": fmt, "rounding": "ef", "scaling": scaling, "fp8_pattern": ".*"}
     states = _steps(3)
     bad = {n: t.clone() for n, t in states[1].items()}
     next(iter(bad.values())).reshape(-1)[0] = float("nan")
     with serving(device="cuda", **common) as gpu, serving(device="cpu", **common) as cpu:
         for step, state in enumerate(states, 1):
-            hits.clear()
+            before = {source: _found(gpu, source) for source in ("device", "host")}
             with LearnerClient(gpu.grpc_target) as learner, LearnerClient(cpu.grpc_target) as reference:
                 if step == 2:  # refused (NaN): the resident residual stays version 1's
                     with pytest.raises(InvalidArgument, match="non-finite"):
@@ -148,7 +137,8 @@ def test_ef_residuals_stay_on_the_device_between_versions(
                 reference.push(step, state, model)
             assert _bits(gpu, model, step) == _bits(cpu, model, step)
             # Version 1 starts from zeros; after it every chunk's residual is found on the device.
-            assert hits and all(hits) == (step > 1) and any(hits) == (step > 1)
+            found = {source: _found(gpu, source) - before[source] for source in ("device", "host")}
+            assert (found["device"] > 0, found["host"] > 0) == ((True, False) if step > 1 else (False, True))
             kept = gpu.service.exporter.resident[model]
             residual = gpu.service.committer._residuals[model]
             assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
@@ -160,6 +150,11 @@ def test_ef_residuals_stay_on_the_device_between_versions(
             learner.push(1, states[0], model)
             learner.push(2, states[1], model)
         assert not gpu.service.exporter.resident and _gauge(gpu, "weightsvc_gpu_residual_bytes") == 0
+
+
+def _found(srv: BackgroundServer, source: str) -> float:
+    """How many ef residual chunks the GPU export found on the device, or copied in from the host."""
+    return _gauge(srv, f'weightsvc_gpu_residual_chunks_total{{source="{source}"}}')
 
 
 def _gauge(srv: BackgroundServer, name: str) -> float:

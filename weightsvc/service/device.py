@@ -91,6 +91,7 @@ class Exporter:
     resident: dict[str, Resident] = field(default_factory=dict)
     resident_max: int = 0
     resident_bytes: Callable[[int], None] = lambda n: None
+    residual_found: Callable[[str], None] = lambda source: None  # "device" or "host", per ef chunk
     _buffers: HostBuffers | None = field(default=None, repr=False)
     _stream: Any = field(default=None, repr=False)
     _in_flight: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list, repr=False)
@@ -148,6 +149,7 @@ class Exporter:
             res_in = res_out = None
             if ef and residual is not None:
                 res_in = self._resident(model, residual)
+                self.residual_found("host" if res_in is None else "device")
                 if res_in is None:
                     res_in = self._upload(residual, dev).view(torch.float32)
                 res_out = torch.empty_like(m)

@@ -95,6 +95,7 @@ class Service:
         self.exporter = exporter_for(settings.device, self.metrics.gpu_staged_bytes.inc)
         self.exporter.resident_max = settings.gpu_residual_bytes
         self.exporter.resident_bytes = self.metrics.gpu_residual_bytes.inc
+        self.exporter.residual_found = lambda source: self.metrics.gpu_residual_chunks.labels(source).inc()
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
