@@ -61,15 +61,24 @@ def bits(t: torch.Tensor) -> np.ndarray:
 # engines stay per test: they are the reference.
 
 
+@pytest.fixture(scope="class")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """A bf16 Llama engine (head untied) started from `masters("llama")`: its checkpoint and the engine."""
+    start = checkpoint(masters("llama")[0], tmp_path_factory.mktemp("llama") / "v0")
+    with engine(start) as llm:
+        yield start, llm
+
+
+@pytest.fixture(scope="class")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """A bf16 Qwen2 engine (head tied to the embeddings) started from `masters("qwen2")`."""
+    start = checkpoint(masters("qwen2")[0], tmp_path_factory.mktemp("qwen2") / "v0")
+    with engine(start) as llm:
+        yield start, llm
+
+
 class TestLlamaInPlace:
     """Versions loaded in place into one bf16 Llama engine (head untied)."""
-
-    @pytest.fixture(scope="class")
-    def llama(self, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
-        """The engine's checkpoint (`masters("llama")`) and the engine."""
-        start = checkpoint(masters("llama")[0], tmp_path_factory.mktemp("llama") / "v0")
-        with engine(start) as llm:
-            yield start, llm
 
     def test_untied_llama_follows_two_versions_in_a_row(self, server: BackgroundServer, learner: LearnerClient,
                                                         tmp_path: Path, llama: tuple[Path, Any]) -> None:
@@ -110,13 +119,6 @@ class TestLlamaInPlace:
 
 class TestTiedQwen2InPlace:
     """Versions loaded in place into one bf16 Qwen2 engine (head tied to the embeddings)."""
-
-    @pytest.fixture(scope="class")
-    def qwen2(self, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
-        """The engine's checkpoint (`masters("qwen2")`) and the engine."""
-        start = checkpoint(masters("qwen2")[0], tmp_path_factory.mktemp("qwen2") / "v0")
-        with engine(start) as llm:
-            yield start, llm
 
     def test_tied_model_travels_once_and_its_head_follows(self, server: BackgroundServer, learner: LearnerClient,
                                                           tmp_path: Path, qwen2: tuple[Path, Any]) -> None:
