@@ -20,15 +20,15 @@ import time
 
 import torch
 
-from tests.conftest import ServeProcess
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.cli._server import ServeProcess
+from weightsvc.memory import process_status
 
 
 def rss(pid: int) -> dict[str, int]:
     """RssAnon and RssFile of `pid`, in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile")}
+    sizes = process_status(pid)
+    return {k: sizes[k] for k in ("RssAnon", "RssFile")}
 
 
 def main() -> None:

@@ -14,11 +14,11 @@ if "$PY" -m pytest -q -p no:cacheprovider tests/gpu tests/integration/test_devic
 summary=$(tail -n 1 "$log")
 "$PY" - "$tests" "$summary" <<'PYEOF'
 import json, sys
-from weightsvc.cli import bench
+from weightsvc.cli.bench import gpu
 out = {"tests": sys.argv[1], "tests_summary": sys.argv[2]}
-out.update(bench.cuda_kernel_bench())
-out.update(bench.cuda_kernel_profile())
-out.update(bench.device_push_bench(size_mib=int(__import__("os").environ.get("PUSH_MIB", "4096"))))
+out.update(gpu.cuda_kernel_bench())
+out.update(gpu.cuda_kernel_profile())
+out.update(gpu.device_push_bench(size_mib=int(__import__("os").environ.get("PUSH_MIB", "4096"))))
 print(json.dumps(out))
 PYEOF
 [ "$tests" = passed ] || { cat "$log" >&2; exit 1; }

@@ -8,9 +8,6 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import re
-import signal
-import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +17,10 @@ import torch
 from hypothesis import settings
 
 from weightsvc import InferenceClient, LearnerClient, Settings
+
+# `weightsvc serve` as a process of its own (for tests that kill it): the package's harness, which the bench uses too
+from weightsvc.cli._server import WEIGHTSVC_CMD as WEIGHTSVC_CMD
+from weightsvc.cli._server import ServeProcess as ServeProcess
 from weightsvc.server.server import BackgroundServer
 
 # The suite draws the same examples every run, so a red CI names a change, not a lucky draw;
@@ -115,37 +116,3 @@ def make_masters(seed: int = 0, scale: float = 0.02) -> dict[str, torch.Tensor]:
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return tmp_path / "data"
-
-
-WEIGHTSVC = Path(sys.executable).with_name("weightsvc")
-WEIGHTSVC_CMD = [str(WEIGHTSVC)] if WEIGHTSVC.exists() else [sys.executable, "-m", "weightsvc"]
-
-
-class ServeProcess:
-    """`weightsvc serve` as its own process, as users run it: for tests that kill it."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [*WEIGHTSVC_CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **(env or {})},
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # the ready line, printed once both servers listen
-        assert line.startswith("weightsvc ready "), (line, self.proc.stderr.read() if self.proc.stderr else "")
-        fields = dict(part.split("=", 1) for part in line.split()[2:])
-        self.target, self.url = fields["grpc"], fields["http"]
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(30)
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown code runs, as in a power cut."""
-        self.proc.kill()
-        self.proc.wait(30)
-
-    def died(self, timeout: float = 60) -> int:
-        return self.proc.wait(timeout)

@@ -1,7 +1,8 @@
-"""Domain errors. Each transport maps them once: gRPC status codes in `transport.grpc`, HTTP in `transport.http`.
+"""Domain errors. Each class names its gRPC status code and its HTTP status; `transport.status` turns
+them into what both transports answer, and the clients raise the same class again (`BY_GRPC_CODE`).
 
-Messages name the model, version, tensor and the rule that was broken; `reason` is a short,
-bounded token used as the label of the rejected-push metric.
+Messages name the model, version, tensor and the rule that was broken; `reason` is a short token from
+a fixed set, used as the label of the rejected-push metric.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class Unavailable(WeightsvcError):
 
 
 class Aborted(WeightsvcError):
-    """The server gave up on a stream (it ended early, or stopped sending)."""
+    """A push given up: its stream ended without a commit or was cancelled, one of its ranks or parts
+    failed, or the server stopped while staging it. Nothing was committed."""
 
     grpc_code = "ABORTED"
     http_status = 409
@@ -94,7 +96,8 @@ class Internal(WeightsvcError):
 
 
 class DataLoss(WeightsvcError):
-    """A checksum did not match: the bytes received are not the bytes committed."""
+    """The bytes received are not the bytes committed: a checksum did not match, or a stream, a delta or
+    a stored manifest is not what it must be."""
 
     grpc_code = "DATA_LOSS"
     http_status = 500

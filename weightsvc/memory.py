@@ -89,15 +89,19 @@ def resident_bytes() -> int:
         return 0
 
 
+def process_status(pid: int | str = "self") -> dict[str, int]:
+    """The sizes in /proc/PID/status (VmRSS, VmHWM, RssAnon, RssFile, ...), in bytes; OSError where
+    there is no such process or no /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = (line.partition(":") for line in f)
+        return {key: int(value.split()[0]) * 1024 for key, _, value in fields if value.rstrip().endswith(" kB")}
+
+
 def anonymous_bytes() -> int:
     """This process's anonymous resident memory (RssAnon): what it holds itself, not the pages of the
     files it maps (versions in a data dir), which the kernel writes back and drops as it needs.
     0 where /proc has none."""
     try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return process_status().get("RssAnon", 0)
+    except (OSError, ValueError):
+        return 0

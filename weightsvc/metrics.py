@@ -9,18 +9,16 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from weightsvc.protocol.manifest import LagMetrics
+from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.lag import LagMetrics
 
-if TYPE_CHECKING:
-    from weightsvc.service.versions.acks import ClientStatus
-
-# Rejected pushes are labelled by one of these tokens (see `errors.WeightsvcError.reason`).
+# Rejected pushes are labelled by their error's `reason` (`errors.WeightsvcError.reason`); these
+# have a series from the start, at zero until a push is rejected for them.
 REJECT_REASONS = (
     "invalid_header",
     "bad_chunk",

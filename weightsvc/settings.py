@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-if TYPE_CHECKING:
-    from weightsvc.transport.auth import Auth
-
-# The choices a deployment may set. They name what weightsvc.rounding implements (FORMATS,
-# ROUNDINGS, SCALINGS, DEVICES, DEFAULT_FP8_PATTERN; tests/unit/test_settings.py holds them equal); they are
-# spelled out here so that checking a flag does not load the numba kernels.
-FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "mxfp8", "nvfp4", "mxfp4")
-ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
-SCALINGS = ("tensor", "channel", "block")
-DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
-DEVICES = ("auto", "cpu", "cuda")
+# The choices a deployment may set are what the rounding package implements (importing it loads
+# no kernel).
+from weightsvc.rounding import DEFAULT_FP8_PATTERN, DEVICES, FORMATS, ROUNDINGS, SCALINGS, check_choice
 
 
 def _physical_memory() -> int:
@@ -43,12 +34,6 @@ def _physical_memory() -> int:
 def _half_memory() -> int:
     """half the memory this process may use"""  # shown as the default in `serve --help`
     return _physical_memory() // 2
-
-
-def check_choice(kind: str, value: str, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
-    return value
 
 
 class Settings(BaseSettings):
@@ -172,8 +157,8 @@ class Settings(BaseSettings):
     def rss_high_water(self) -> int:
         return self.max_rss_bytes or int(_physical_memory() * 0.9)
 
-    def auth(self) -> Auth | None:
-        from weightsvc.transport.auth import Auth
-
+    def tokens(self) -> dict[str, str | None]:
+        """The bearer tokens of each role as set (comma-separated); the server builds its `Auth`
+        from them and `auth_file`."""
         secrets = {"pull": self.pull_tokens, "push": self.push_tokens, "admin": self.admin_tokens}
-        return Auth.load({r: s.get_secret_value() if s else None for r, s in secrets.items()}, self.auth_file)
+        return {role: s.get_secret_value() if s else None for role, s in secrets.items()}

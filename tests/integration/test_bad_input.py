@@ -101,7 +101,7 @@ def test_steps_are_those_every_version_number_can_be_asked_for_by(
 ) -> None:
     """The last valid step commits and is pulled by its number; above it, and below 0, the push is
     refused before anything is staged (a model at 2**63 - 1 could never take another push)."""
-    from weightsvc.protocol.manifest import MAX_STEP
+    from weightsvc.protocol.refs import MAX_STEP
 
     masters = {"w": torch.randn(4)}
     for step in (MAX_STEP + 1, 2**63 - 1, -1):

@@ -8,7 +8,7 @@ import asyncio
 import mmap
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch
 from tests.conftest import ServeProcess, make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import ResourceExhausted
+from weightsvc.memory import process_status
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
 MIB = 1 << 20
@@ -25,8 +26,7 @@ MIB = 1 << 20
 
 def anonymous(pid: int) -> int:
     """RssAnon of process `pid`, in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+    return process_status(pid)["RssAnon"]
 
 
 class PeakAnonymous:
@@ -122,9 +122,12 @@ def test_an_evicted_version_stays_readable_by_the_pull_that_holds_it(data_dir: P
         assert bytes(pull.version.data) == before  # still mapped while the pull holds it
         file = pull.version.file
         assert file is not None and not file.file.closed
-        srv.loop.call_soon_threadsafe(pull.close)
-        srv.call(asyncio.sleep(0))
+        srv.call(_on_the_loop(pull.close))
         assert file.file.closed  # the last reader gone, the mapping goes
+
+
+async def _on_the_loop(close: Callable[[], None]) -> None:
+    close()  # a pull ends on the server's loop, as its transport ends it
 
 
 def test_without_a_data_dir_versions_stay_in_memory() -> None:

@@ -202,19 +202,19 @@ def test_the_device_benches_run_under_the_interpreter() -> None:
     """scripts/gpu_check.sh's kernel figures, run tiny on Triton's interpreter: the device time of a
     GPU session is scarce, so a bench that fails there must fail here first. The profile puts the
     launch in use back."""
-    from weightsvc.cli import bench
+    from weightsvc.cli.bench import gpu
     from weightsvc.rounding import _triton
 
     in_use = dict(_triton.LAUNCH)
-    figures = bench.cuda_kernel_bench(size_mib=0.25, repeat=1, device="cpu")
+    figures = gpu.cuda_kernel_bench(size_mib=0.25, repeat=1, device="cpu")
     assert {"K1_cuda", "K2_cuda", "K3_cuda_fp8_block_sr", "K3_cuda_nvfp4_sr"} <= figures.keys()
     # (ratios of the interpreter's speed to torch's cast: tiny, and rounded to 3 digits they may read 0)
     assert all(isinstance(v, float) and v >= 0 for k, v in figures.items() if k.startswith("K"))
-    profile = bench.cuda_kernel_profile(size_mib=1 / 64, repeat=1, device="cpu")
-    assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in bench.LAUNCHES}
-    assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(bench.LAUNCHES)
+    profile = gpu.cuda_kernel_profile(size_mib=1 / 64, repeat=1, device="cpu")
+    assert profile["profile_best_sr_launch"] in {f"{b}x{w}" for b, w in gpu.LAUNCHES}
+    assert len([k for k in profile if k.endswith("_sr_gbps") and "fp8" not in k]) == len(gpu.LAUNCHES)
     assert in_use == _triton.LAUNCH
     # The service side: servers started with --device cuda (the interpreter's) and cpu, a push of each.
-    pushes = bench.device_push_bench(size_mib=1, repeat=1, small=16)
+    pushes = gpu.device_push_bench(size_mib=1, repeat=1, small=16)
     for device in ("cuda", "cpu"):
         assert pushes[f"K3_push_{device}_s"] > 0 and pushes[f"K3_small_push_{device}_us_per_tensor"] > 0

@@ -21,7 +21,9 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
 from weightsvc.protocol.topology import Replica
 from weightsvc.server.server import BackgroundServer
-from weightsvc.service.replicas.registry import MemoryRegistry, RedisRegistry, Registry, combined_digest
+from weightsvc.service.replicas.memory import MemoryRegistry
+from weightsvc.service.replicas.redis import RedisRegistry
+from weightsvc.service.replicas.registry import Registry, combined_digest
 
 
 def _redis_up() -> bool:

@@ -18,7 +18,7 @@ from tests.conftest import ServeProcess, serving
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Slice
 from weightsvc.errors import ResourceExhausted
-from weightsvc.protocol import manifest as manifest_module
+from weightsvc.protocol import safetensors as safetensors_module
 
 pytestmark = pytest.mark.slow
 N = 100_000
@@ -124,7 +124,7 @@ def test_delta_restart_and_relay_of_100k_tensors(big: tuple[ServeProcess, Path, 
 def test_a_version_whose_file_header_would_be_too_big_is_refused_before_it_commits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, model: str
 ) -> None:
-    monkeypatch.setattr(manifest_module, "MAX_HEADER_BYTES", 20_000)
+    monkeypatch.setattr(safetensors_module, "MAX_HEADER_BYTES", 20_000)
     with serving(data_dir=tmp_path) as srv, LearnerClient(srv.grpc_target) as learner:
         certain = {f"{'w' * 200}.{i}": np.zeros(4, np.float32) for i in range(50)}  # 50 x 550 > 20,000 at once
         with pytest.raises(ResourceExhausted, match=r"header would hold \d+ bytes.*more than the 20000"):

@@ -18,7 +18,9 @@ from tests.integration.test_registry import REDIS_URL, needs_redis
 from tests.integration.test_resume import CuttingProxy
 from weightsvc.client import InferenceClient, LearnerClient, Slice
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.manifest import checksum, manifest_from_header, read_safetensors_header
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import manifest_from_header
+from weightsvc.protocol.safetensors import read_safetensors_header
 from weightsvc.protocol.topology import assign
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb

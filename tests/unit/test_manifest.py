@@ -5,14 +5,9 @@ import torch
 from safetensors.torch import load
 
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.manifest import (
-    Manifest,
-    ServedTensor,
-    check_model_name,
-    manifest_from_header,
-    parse_version_ref,
-    read_safetensors_header,
-)
+from weightsvc.protocol.manifest import Manifest, ServedTensor, manifest_from_header
+from weightsvc.protocol.refs import check_model_name, parse_version_ref
+from weightsvc.protocol.safetensors import read_safetensors_header
 
 
 def test_header_is_valid_safetensors_and_carries_the_manifest() -> None:
@@ -62,7 +57,8 @@ def test_manifest_json_and_header_are_the_text_json_dumps_writes() -> None:
     import random
     import struct
 
-    from weightsvc.protocol.manifest import METADATA_KEY, LagMetrics, Slice
+    from weightsvc.protocol.lag import LagMetrics
+    from weightsvc.protocol.manifest import METADATA_KEY, Slice
 
     rng = random.Random(1)
     names = ["a", 'é\u2603"q\\b\nnl', "model.layers.0.w", "\x00ctl", "\U0001d518nicode"]

@@ -490,7 +490,7 @@ def test_torch_scales_are_the_numpy_scales(fmt: str) -> None:
 @pytest.mark.parametrize("rounding", ["rtn", "sr", "sr-sticky", "ef"])
 def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> None:
     pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
-    from weightsvc.rounding import _export_triton
+    from weightsvc.rounding import export_tensor
     from weightsvc.service.device import Kernels
 
     f = FORMATS[fmt]
@@ -510,9 +510,9 @@ def test_triton_is_bit_identical_to_the_cpu_kernel(fmt: str, rounding: str) -> N
     shape = served_tensors("x.weight", master.shape, f)[0][1]
     out = torch.empty(shape, dtype=torch.float8_e4m3fn if f.width == 8 else torch.uint8)
     gpu_res = torch.empty(flat.size, dtype=torch.float32)
-    _export_triton(torch.from_numpy(master), out, spec, f, version=4, name="x.weight", scales=scales,
-                   residual=torch.from_numpy(residual) if ef else None,
-                   new_residual=gpu_res if ef else None)
+    export_tensor(torch.from_numpy(flat), out.view(torch.uint8).reshape(-1), spec, f, version=4, name="x.weight",
+                  scales=scales, residual=torch.from_numpy(residual) if ef else None,
+                  new_residual=gpu_res if ef else None)
     assert np.array_equal(out.view(torch.uint8).numpy().reshape(-1), cpu)
     if ef:
         assert np.array_equal(gpu_res.numpy().view(np.uint32), cpu_res.view(np.uint32))

@@ -17,13 +17,13 @@ from weightsvc.rounding import (
     FORMATS,
     ExportSpec,
     Residual,
+    Scales,
     _cpu,
     export_array,
     export_state_dict,
     fair_cast,
     fp8_scales,
 )
-from weightsvc.rounding.__init__ import Scales
 
 ML_DTYPES = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
 UNIT_SCALE = Scales(np.ones((), np.float32), np.ones(1, np.float32), _cpu.SCALE_TENSOR, 1, 1)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.manifest import DIGEST_BLOCK, MasterDigest, TensorSpec
+from weightsvc.protocol.digest import DIGEST_BLOCK, MasterDigest
+from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.shards import merge_parts
 
 

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 
 from weightsvc import rounding
 from weightsvc.cli import flags
-from weightsvc.cli.main import DEFAULT_TARGET, app
-from weightsvc.settings import DEFAULT_FP8_PATTERN, DEVICES, FORMATS, ROUNDINGS, SCALINGS, Settings
+from weightsvc.cli._common import DEFAULT_TARGET
+from weightsvc.cli.main import app
+from weightsvc.settings import Settings
 
 
 def serve_app() -> tuple[typer.Typer, list[Settings]]:
@@ -123,11 +124,12 @@ def test_a_bad_value_names_its_flag(args: list[str], env: dict[str, str], expect
 
 def test_the_choices_are_what_the_rounding_package_implements() -> None:
     # The microscaled formats are numerics only until the service stages them (packed FP4, block scales).
-    assert tuple(rounding.FORMATS) == FORMATS
-    assert ROUNDINGS == rounding.ROUNDINGS
-    assert SCALINGS == rounding.SCALINGS
-    assert DEFAULT_FP8_PATTERN == rounding.DEFAULT_FP8_PATTERN
-    assert DEVICES == rounding.DEVICES
+    fields = Settings.model_fields
+    choices = {name: fields[name].json_schema_extra["choices"]  # type: ignore[index]
+               for name in ("format", "rounding", "scaling", "device")}
+    assert choices == {"format": list(rounding.FORMATS), "rounding": list(rounding.ROUNDINGS),
+                       "scaling": list(rounding.SCALINGS), "device": list(rounding.DEVICES)}
+    assert fields["fp8_pattern"].default == rounding.DEFAULT_FP8_PATTERN
 
 
 def test_push_pull_and_status_default_to_the_same_target() -> None:

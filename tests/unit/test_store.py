@@ -1,14 +1,14 @@
 """The version store's parts through their own interfaces: the index (retention, pulls, recycling),
-the data dir's files, the acks, a sharded replica's parts, and the committer's restart. Real
+the data dir's files, the acks and a sharded replica's parts (the committer: test_commit.py). Real
 registries, real files; the service around them is tested in tests/integration."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,14 +16,15 @@ import pytest
 from weightsvc.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
 from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest, checksum, layout
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import Manifest, layout
 from weightsvc.rounding import Residual
+from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import PartOf, Parts
-from weightsvc.service.replicas.registry import MemoryRegistry
+from weightsvc.service.replicas.registry import CommitResult
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
-from weightsvc.service.versions.store import VersionStore
 
 SIZE = 1 << 20  # the pool recycles anonymous mappings; alloc maps one from 1 MiB
 
@@ -222,84 +223,32 @@ async def test_a_part_whose_other_owner_never_comes_is_withdrawn_after_the_timeo
     assert await registry.versions("m") == []
 
 
+class TellsParts(MemoryRegistry):
+    """A registry that sets `recorded` once it has recorded a part."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recorded = asyncio.Event()
+
+    async def commit_part(self, *args: Any, **kwargs: Any) -> CommitResult | None:
+        decided = await super().commit_part(*args, **kwargs)
+        self.recorded.set()
+        return decided
+
+
 async def test_a_waiting_part_holds_back_the_next_step_until_its_learner_abandons_it() -> None:
-    parts = Parts(MemoryRegistry(), retain=2)
+    registry = TellsParts()
+    parts = Parts(registry, retain=2)
     parts.replica_id = "r0"
     part_of = PartOf(("r0", "r1"), timeout=30)
     committing = asyncio.ensure_future(parts.commit(parts.own(make_version("m", 1, size=64)), part_of))
-    for _ in range(100):  # yields to the loop until the part waits for the other owner's
-        await asyncio.sleep(0)
-        try:
-            parts.check_not_waiting("m", 2)
-        except FailedPrecondition as e:
-            assert "part of version 1 is waiting for the other owners' parts" in str(e)
-            break
-    else:
-        pytest.fail("the part never waited for the other owner's")
+    await asyncio.wait_for(registry.recorded.wait(), 10)  # the part now waits for the other owner's
+    with pytest.raises(FailedPrecondition, match="part of version 1 is waiting for the other owners' parts"):
+        parts.check_not_waiting("m", 2)
     part_of.abandoned.set()
     with pytest.raises(Aborted, match=r"model 'm' version 1: the learner abandoned the push"):
         await committing
     parts.check_not_waiting("m", 2)
-
-
-# ---- the committer, across a restart -----------------------------------------------------------
-
-
-async def test_a_restart_restores_what_committed_and_drops_a_file_the_registry_never_committed(tmp_path: Path) -> None:
-    registry = MemoryRegistry()
-    before = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
-    for v in (1, 2):
-        committed, created = await before.commit(make_version("m", v))
-        assert created and committed.manifest.version == v
-    _, created = await before.commit(make_version("m", 2))
-    assert not created  # the same content again: an idempotent re-push
-    assert before.files is not None
-    before.files.write(make_version("m", 3))  # written, then the process died before the registry
-
-    after = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics(), registry=registry)
-    assert after.restore() == 3
-    await after.sync_registry()
-
-    assert [v.manifest.version for v in after.versions("m")] == [1, 2]
-    assert after.files is not None and not after.files.path("m", 3).exists()
-    assert bytes(after.get("m", 2).data[:4]) == b"\x02" * 4
-
-    fresh = VersionStore(retain=4, data_dir=tmp_path, metrics=Metrics())  # an embedded registry starts empty
-    assert fresh.restore() == 2
-    await fresh.sync_registry()
-    assert await fresh.registry.versions("m") == [1, 2]
-
-
-async def test_a_commit_pruning_its_files_leaves_the_residual_of_the_next_commit_in_flight(tmp_path: Path) -> None:
-    """The files of version 1's commit are pruned in a worker thread while the next ef commit writes
-    its residual: that residual (of a version not yet committed when the prune began) must stay."""
-    store = VersionStore(retain=1, data_dir=tmp_path, metrics=Metrics())
-    files = store.files
-    assert files is not None
-    prune, write_residual = files.prune, files.write_residual
-    next_written = threading.Event()
-
-    def late_prune(*args: object, **kwargs: object) -> None:
-        next_written.wait(30)  # the first commit's prune runs once the next residual is on disk
-        prune(*args, **kwargs)  # type: ignore[arg-type]
-
-    def write_residual_and_tell(model: str, residual: Residual, staged: object = None) -> None:
-        write_residual(model, residual, staged)  # type: ignore[arg-type]
-        if residual.version == 2:
-            next_written.set()
-
-    files.prune = late_prune  # type: ignore[method-assign]
-    files.write_residual = write_residual_and_tell  # type: ignore[method-assign]
-    residual = {"w": np.zeros(4, np.float32)}
-    first = asyncio.ensure_future(store.commit(make_version("m", 1), (None, Residual(1, residual, "bf16", ""), None)))
-    await store.index.shown("m", 1)
-    await store.commit(make_version("m", 2), (1, Residual(2, residual, "bf16", ""), None))
-    await first
-
-    assert sorted(p.name for p in files.path("m", 0).parent.iterdir()) == [
-        f"{2:020d}.safetensors",
-        f"residual-{2:020d}.safetensors",
-    ]
 
 
 async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_it_is_forgotten(

@@ -20,7 +20,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from weightsvc.cli import bench  # noqa: E402
+from weightsvc.cli.bench.sass import compile_kernel  # noqa: E402
 from weightsvc.rounding import _triton  # noqa: E402
 from weightsvc.rounding._formats import FORMATS, SCALE_BLOCK, SCALE_NONE, SCALE_ROW, SCALE_TENSOR  # noqa: E402
 
@@ -55,7 +55,7 @@ def compile_ptx(name: str, mode: int, cols: int, rounding: str) -> str:
         kernel, constexprs = _triton._bf16_kernel, _triton.bf16_constexprs(stochastic, ef)
     else:
         kernel, constexprs = _triton._float_kernel, _triton.float_constexprs(fmt, mode, stochastic, ef, cols)
-    binary = bench.compile_kernel(kernel, constexprs, "*i16" if fmt.width == 16 else "*u8")
+    binary = compile_kernel(kernel, constexprs, "*i16" if fmt.width == 16 else "*u8")
     assert binary.asm["cubin"], "no machine code"
     return str(binary.asm["ptx"])
 

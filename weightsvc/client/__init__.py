@@ -18,15 +18,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from weightsvc.client._common import (
-    ClientInfo,
-    Credentials,
-    InferenceClient,
-    RetryPolicy,
-    VersionInfo,
-    read_version_file,
-    verify_data,
-)
+from weightsvc.client._base import InferenceClient
+from weightsvc.client._common import Credentials, RetryPolicy, VersionInfo, read_version_file, verify_data
+from weightsvc.protocol.clients import ClientStatus as ClientInfo
 from weightsvc.protocol.manifest import Slice
 
 if TYPE_CHECKING:
@@ -72,3 +66,19 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(f"weightsvc.client.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'weightsvc.client' has no attribute {name!r}")
+
+
+def _grpc() -> type[InferenceClient]:
+    from weightsvc.client._grpc import GrpcInferenceClient
+
+    return GrpcInferenceClient
+
+
+def _http() -> type[InferenceClient]:
+    from weightsvc.client._http import HttpInferenceClient
+
+    return HttpInferenceClient
+
+
+# `InferenceClient(target)` is the client of the target's transport.
+InferenceClient.transports.update(grpc=_grpc, http=_http)

@@ -1,5 +1,5 @@
-"""What both inference transports share: credentials, the retry policy, the one place pulled bytes
-land, checksum verification, and the `InferenceClient` base that picks the transport by target.
+"""What the clients share: version info, credentials, the retry policy, the one place pulled bytes
+land, checksum verification, version files, and pulls of a version made of parts.
 
 Nothing here imports torch: the CLI's `status`, `pull` to a file and `push` start without it.
 """
@@ -11,29 +11,20 @@ import dataclasses
 import itertools
 import math
 import os
-import socket
 import struct
-import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, NotFound, Unavailable, WeightsvcError
+from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
-from weightsvc.protocol.manifest import (
-    DTYPE_SIZES,
-    LagMetrics,
-    Manifest,
-    Part,
-    manifest_from_header,
-    read_safetensors_header,
-    verify,
-)
+from weightsvc.protocol.digest import verify
+from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header
+from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
-from weightsvc.protocol.topology import Replica
 from weightsvc.protocol.wire import lag_from_proto
 
 if TYPE_CHECKING:
@@ -80,17 +71,6 @@ class VersionInfo:
         known = {f.name for f in dataclasses.fields(cls)} - {"lag", "served"}
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
         return cls(**{k: v for k, v in d.items() if k in known}, lag=lag)
-
-
-@dataclass(frozen=True)
-class ClientInfo:
-    """An inference client of a model, as its acks left it."""
-
-    client_id: str
-    version: int  # the version it acked last
-    lag_versions: int  # versions committed after it
-    last_seen_unix: float
-    connected: bool  # acked recently
 
 
 @dataclass(frozen=True)
@@ -220,11 +200,66 @@ def read_version_file(path: str | Path) -> tuple[Manifest, memoryview]:
     with open(path, "rb") as f:
         raw = bytearray(os.fstat(f.fileno()).st_size)
         f.readinto(raw)
-    start, header = read_safetensors_header(bytes(raw[: 8 + int.from_bytes(raw[:8], "little")]))
+    start, header = read_safetensors_header(raw[: 8 + header_length(raw)])
     return manifest_from_header(header), memoryview(raw)[start:]
 
 
-def _is_http(target: str) -> bool:
+def read_base_file(path: str | Path, model: str, base: int) -> tuple[Manifest, memoryview]:
+    """The version a previous pull wrote to `path`, checked to be version `base` of `model` and
+    verified (before anything is built on it)."""
+    held = read_version_file(path)
+    if (held[0].model, held[0].version) != (model, base):
+        raise InvalidArgument(
+            f"{path} holds model {held[0].model!r} version {held[0].version}, not model {model!r} version {base}"
+        )
+    verify_data(*held)
+    return held
+
+
+def write_version_file(path: str | Path, manifest: Manifest, data: bytearray | memoryview) -> None:
+    """Write a version as a safetensors file, whole or not at all: a reader never sees half of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(manifest.safetensors_header())
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memoryview) -> memoryview:
+    """The data section of `manifest`: the held version's, with `delta` applied."""
+    full = alloc(manifest.data_bytes)
+    full[:] = held[1]
+    try:
+        from weightsvc.protocol.delta import apply as delta_apply  # numpy: loaded by delta pulls only
+
+        delta_apply(manifest, delta, full)
+    except (ValueError, struct.error) as e:
+        raise DataLoss(
+            f"model {manifest.model!r} version {manifest.version}: bad delta on version {held[0].version}: {e}"
+        ) from None
+    return full
+
+
+def check_pull(model: str, base: int | None, select: Select | None, held: tuple[Manifest, memoryview] | None) -> None:
+    """A pull of `model` asks for what it can get: a delta on the version `held`, or a selection (not
+    empty, and not as a delta)."""
+    if select is not None:
+        if base is not None:
+            raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
+                                  "pull the selection without a base")
+        if not select:
+            raise InvalidArgument(f"model {model!r}: the selection is empty: select at least one tensor")
+    if base is not None and (held is None or held[0].version != base):
+        raise InvalidArgument(f"model {model!r}: this client holds no copy of version {base} to pull a delta on")
+
+
+def is_http(target: str) -> bool:
     return target.startswith(("http://", "https://"))
 
 
@@ -237,334 +272,54 @@ def gather(jobs: list[Callable[[], None]], name: str) -> None:
             f.result()
 
 
-class InferenceClient:
-    """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC,
-    "http://host:port" (or "https://...") for HTTP.
+# ---- a version made of parts (sharded replicas) ----------------------------------------------
 
-    `InferenceClient(target)` returns the transport's client (`GrpcInferenceClient` or
-    `HttpInferenceClient`); both offer every operation, and both are `InferenceClient`s."""
 
-    transport: str = ""  # "grpc" or "http"
-
-    def __new__(cls, target: str, **kwargs: Any) -> InferenceClient:
-        return super().__new__(_transport_class(target) if cls is InferenceClient else cls)
-
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float | None = None,
-        resume_attempts: int = 3,
-        token: str | None = None,
-        ca_cert: str | Path | bytes | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> None:
-        """`token`: a bearer token with role pull (default: $WEIGHTSVC_TOKEN); `ca_cert`: a PEM
-        bundle to trust for `grpcs://` and `https://` targets (default: $WEIGHTSVC_CA_CERT).
-        A pull broken mid-stream resumes from its offset up to `resume_attempts` times (`retry`:
-        the whole policy)."""
-        self.target = target
-        self.timeout = timeout
-        self.credentials = Credentials.resolve(token, ca_cert)
-        self.retry = retry or RetryPolicy(attempts=resume_attempts)
-        self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
-        self.last_pull_bytes = 0  # payload bytes the last pull received (a delta is smaller)
-        self._count_lock = threading.Lock()
-        self._closed = False
-        self._finalizer: weakref.finalize[Any, Any] | None = None
-
-    def _own(self, release: Callable[[], None]) -> None:
-        """`release` frees what this client opened, at `close` or when the client is garbage.
-        It must not refer to the client itself, or the client would never be garbage."""
-        self._finalizer = weakref.finalize(self, release)
-
-    # ---- the transport's part (each transport's class defines all of these) ---------------------
-
-    def _pull(
-        self,
-        model: str,
-        version: str,
-        held: tuple[Manifest, memoryview] | None,
-        moved: Progress,
-        *,
-        select: Select | None = None,
-        owner: str | None = None,
-    ) -> tuple[Manifest, memoryview]:
-        """A version's manifest and data section; with `held`, as a delta on it when the server sends one;
-        with `select`, the selection's manifest and data section, from the replica `owner` if given."""
-        raise NotImplementedError
-
-    def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
-        """One try at the bytes `rx` still wants of a part, from the replica `source` that holds it."""
-        raise NotImplementedError
-
-    def _from_holders(self, part: Part, attempt: Callable[[str], T], where: str) -> T:
-        """`attempt(replica)` on the replicas that hold `part`, one after the other while they cannot
-        answer (down, or yet to learn of the version); each is tried with the retry policy. Parts
-        start on different holders, so a fleet's pulls spread over them."""
-        sources = part.sources
-        first = part.offset % len(sources) if len(sources) > 1 else 0
-        failures: list[str] = []
-        for source in sources[first:] + sources[:first]:
-            try:
-                # NOT_FOUND too: a holder learns that the version committed a moment after the replica
-                # that took the last part (it reads the registry's events).
-                return self.retry.run(lambda s=source: attempt(s), also=(NotFound,))  # type: ignore[misc]
-            except (Unavailable, NotFound) as e:
-                failures.append(f"{source}: {e.message}")
-        raise Unavailable(f"{where}: no replica that holds it answered ({'; '.join(failures)})")
-
-    def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
-        """One watch stream: the versions above `after` (all when None), then each new one."""
-        raise NotImplementedError
-
-    def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
-        raise NotImplementedError
-
-    def versions(self, model: str = "default") -> list[VersionInfo]:
-        raise NotImplementedError
-
-    def models(self) -> list[dict[str, Any]]:
-        raise NotImplementedError
-
-    def damaged_files(self) -> list[dict[str, str]]:
-        """The files the server found damaged at start-up and set aside: `model`, `file` (where it is
-        now) and `reason`, of every model."""
-        raise NotImplementedError
-
-    def topology(self) -> list[Replica]:
-        """The replicas of the deployment, as its registry knows them (sorted by id)."""
-        raise NotImplementedError
-
-    def _ack(self, model: str, version: int, client_id: str) -> int:
-        raise NotImplementedError
-
-    def clients(self, model: str = "default") -> list[ClientInfo]:
-        """The inference clients that acked versions of `model`."""
-        raise NotImplementedError
-
-    # ---- pulls ---------------------------------------------------------------------------------
-
-    def pull(
-        self,
-        model: str = "default",
-        version: int | str = "latest",
-        *,
-        base: int | None = None,
-        select: Select | None = None,
-        progress: Progress | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """The served tensors of a version (checksums verified), by name; `base`, `select`: see `pull_data`."""
-        from weightsvc.client._tensors import tensors_from_data
-
-        return tensors_from_data(*self.pull_data(model, version, base=base, select=select, progress=progress))
-
-    def iter_weights(
-        self,
-        model: str = "default",
-        version: int | str = "latest",
-        *,
-        select: Select | None = None,
-        progress: Progress | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """`(name, tensor)` pairs of a version, checksums verified, as vLLM's `model.load_weights`
-        and SGLang's `update_weights_from_tensor` take them (fp8 scales come as `<name>_scale_inv`)."""
-        yield from self.pull(model, version, select=select, progress=progress).items()
-
-    def pull_file(
-        self,
-        path: str | Path,
-        model: str = "default",
-        version: int | str = "latest",
-        *,
-        base: int | None = None,
-        progress: Progress | None = None,
-    ) -> Manifest:
-        """Write a version as a safetensors file (checksums verified first); returns its manifest.
-
-        With `base`, the file at `path` must hold that version (as written by a previous pull): only
-        the changes are pulled, and the file is replaced by the new version."""
-        if base is not None:
-            held = read_version_file(path)
-            if (held[0].model, held[0].version) != (model, base):
-                raise InvalidArgument(
-                    f"{path} holds model {held[0].model!r} version {held[0].version}, "
-                    f"not model {model!r} version {base}"
-                )
-            verify_data(*held)  # verified before anything is built on it
-            self.hold(*held)
-        manifest, data = self.pull_data(model, version, base=base, progress=progress)
-        verify_data(manifest, data)
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.part")
+def from_holders(retry: RetryPolicy, part: Part, attempt: Callable[[str], T], where: str) -> T:
+    """`attempt(replica)` on the replicas that hold `part`, one after the other while they cannot
+    answer (down, or yet to learn of the version); each is tried with the retry policy. Parts
+    start on different holders, so a fleet's pulls spread over them."""
+    sources = part.sources
+    first = part.offset % len(sources) if len(sources) > 1 else 0
+    failures: list[str] = []
+    for source in sources[first:] + sources[:first]:
         try:
-            with open(tmp, "wb") as f:
-                f.write(manifest.safetensors_header())
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            tmp.replace(path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return manifest
-
-    def pull_data(
-        self,
-        model: str = "default",
-        version: int | str = "latest",
-        *,
-        base: int | None = None,
-        select: Select | None = None,
-        progress: Progress | None = None,
-    ) -> tuple[Manifest, memoryview]:
-        """The manifest and the raw data section of a version (not yet verified).
-
-        With `base`, only the changes from that version are sent when that is smaller: the client
-        must hold it, from its previous pull of the model (or `hold`).
-
-        With `select` (tensor name -> `Slice(dim, start, stop)`, or None for the whole tensor), only
-        those tensors, sliced: the manifest is the selection's (each tensor with the slice's shape, the
-        checksum of the slice's bytes and its `slice`), and the selection is not held as a delta base."""
-        if select is not None:
-            if base is not None:
-                raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
-                                      "pull the selection without a base")
-            if not select:
-                raise InvalidArgument(f"model {model!r}: the selection is empty: select at least one tensor")
-        held = self._held.get(model)
-        if base is not None and (held is None or held[0].version != base):
-            raise InvalidArgument(f"model {model!r}: this client holds no copy of version {base} to pull a delta on")
-        self.last_pull_bytes = 0
-
-        def moved(n: int) -> None:  # part pulls call this from their threads
-            with self._count_lock:
-                self.last_pull_bytes += n
-            if progress:
-                progress(n)
-
-        if select is not None:
-            return self._pull_selection(model, str(version), select, moved)
-        manifest, data = self._pull(model, str(version), held if base is not None else None, moved)
-        self._held[model] = (manifest, data)
-        return manifest, data
-
-    def _pull_selection(self, model: str, version: str, select: Select, moved: Progress) -> tuple[Manifest, memoryview]:
-        """A selection of a version, checked to be the one asked for. A replica of a sharded version
-        refuses a selection of tensors it does not hold: each owner's tensors then come from it, all
-        at once, and are joined in owner order."""
-        try:
-            manifest, data = self._pull(model, version, None, moved, select=select)
-        except FailedPrecondition:
-            whole = self.manifest(model, version)
-            if not whole.parts:
-                raise
-            groups = by_part(whole, select)
-            got: dict[Part, tuple[Manifest, memoryview]] = {}
-
-            def pull(part: Part, group: Select) -> None:
-                where = f"model {model!r} version {whole.version}, tensors of replicas {list(part.sources)}"
-                got[part] = self._from_holders(part, lambda source: self._pull(
-                    model, str(whole.version), None, moved, select=group, owner=source), where)
-
-            gather([lambda p=p, g=g: pull(p, g) for p, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
-            manifest, data = joined([got[p] for p in sorted(groups, key=lambda p: p.offset)])
-        sent = {t.name: t.slice for t in manifest.tensors}
-        if sent != dict(select):
-            raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
-                           f"({sorted(sent)}) than the one asked for ({sorted(select)})")
-        return manifest, data
-
-    def held(self, model: str = "default") -> Manifest | None:
-        """The manifest of the version this client holds of `model` (its last pull): a delta base."""
-        held = self._held.get(model)
-        return held[0] if held is not None else None
-
-    def hold(self, manifest: Manifest, data: memoryview) -> None:
-        """Remember a version this client has (the base of a later delta pull of its model)."""
-        self._held[manifest.model] = (manifest, data)
-
-    @staticmethod
-    def _patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memoryview) -> memoryview:
-        """The data section of `manifest`: the held version's, with `delta` applied."""
-        full = alloc(manifest.data_bytes)
-        full[:] = held[1]
-        try:
-            from weightsvc.protocol.delta import apply as delta_apply  # numpy: loaded by delta pulls only
-
-            delta_apply(manifest, delta, full)
-        except (ValueError, struct.error) as e:
-            raise DataLoss(
-                f"model {manifest.model!r} version {manifest.version}: bad delta on version {held[0].version}: {e}"
-            ) from None
-        return full
-
-    def _pull_parts(self, manifest: Manifest, data: memoryview, received: int, moved: Progress) -> None:
-        """The bytes of `manifest`'s parts above `received`, each from its owner, all at once
-        (a version of sharded replicas)."""
-        where = f"model {manifest.model!r} version {manifest.version}"
-
-        def pull(part: Part) -> None:
-            end = part.offset + part.nbytes
-            rx = Receiver(data, max(part.offset, received), end, moved,
-                          f"{where}, part [{part.offset}, {end}) of replicas {list(part.sources)}")
-            self._from_holders(part, lambda source: self._pull_part(manifest, source, rx), rx.where)
-            if not rx.full:
-                raise DataLoss(f"{rx.where}: got bytes up to {rx.pos} of its part [{part.offset}, {end})")
-
-        todo = [p for p in manifest.parts if p.nbytes and p.offset + p.nbytes > received]
-        gather([lambda p=p: pull(p) for p in todo], "weightsvc-part")  # type: ignore[misc]
-
-    # ---- watch and ack -------------------------------------------------------------------------
-
-    def watch(
-        self, model: str = "default", after: int | None = None, *, reconnect: bool = True, max_backoff: float = 5.0
-    ) -> Iterator[VersionInfo]:
-        """Each retained version above `after` (all when None), then each new one as it commits.
-
-        With `reconnect`, a lost server (restart, network) is retried with exponential backoff, and
-        the watch resumes after the last version it yielded: the latest version is never missed.
-        The watch ends when the client is closed."""
-        last, lost = after, 0
-        while True:
-            try:
-                for info in self._events(model, last):
-                    lost = 0
-                    last = info.version
-                    yield info
-            except WeightsvcError as e:
-                if self._closed:
-                    return
-                if not (reconnect and self.retry.retryable(e)):
-                    raise
-            if not reconnect or self._closed:
-                return
-            time.sleep(self.retry.delay(lost, max_backoff))  # then a new stream (the connection too)
-            lost += 1
-
-    def ack(self, model: str, version: int, client_id: str | None = None) -> int:
-        """Tell the service this client has loaded `version`; returns the latest version."""
-        return self._ack(model, version, client_id or f"{socket.gethostname()}-{id(self):x}")
-
-    # ---- lifetime ------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Close the client's connections; a watch in progress ends."""
-        self._closed = True
-        if self._finalizer is not None:
-            self._finalizer()
-
-    def __enter__(self) -> InferenceClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            # NOT_FOUND too: a holder learns that the version committed a moment after the replica
+            # that took the last part (it reads the registry's events).
+            return retry.run(lambda s=source: attempt(s), also=(NotFound,))  # type: ignore[misc]
+        except (Unavailable, NotFound) as e:
+            failures.append(f"{source}: {e.message}")
+    raise Unavailable(f"{where}: no replica that holds it answered ({'; '.join(failures)})")
 
 
-def _transport_class(target: str) -> type[InferenceClient]:
-    if _is_http(target):
-        from weightsvc.client._http import HttpInferenceClient
+def pull_parts(retry: RetryPolicy, manifest: Manifest, data: memoryview, received: int, moved: Progress,
+               pull_part: Callable[[Manifest, str, Receiver], None]) -> None:
+    """The bytes of `manifest`'s parts above `received`, each from a replica that holds it, all at
+    once; `pull_part(manifest, replica, rx)` is one try at the bytes `rx` still wants."""
+    where = f"model {manifest.model!r} version {manifest.version}"
 
-        return HttpInferenceClient
-    from weightsvc.client._grpc import GrpcInferenceClient
+    def pull(part: Part) -> None:
+        end = part.offset + part.nbytes
+        rx = Receiver(data, max(part.offset, received), end, moved,
+                      f"{where}, part [{part.offset}, {end}) of replicas {list(part.sources)}")
+        from_holders(retry, part, lambda source: pull_part(manifest, source, rx), rx.where)
+        if not rx.full:
+            raise DataLoss(f"{rx.where}: got bytes up to {rx.pos} of its part [{part.offset}, {end})")
 
-    return GrpcInferenceClient
+    todo = [p for p in manifest.parts if p.nbytes and p.offset + p.nbytes > received]
+    gather([lambda p=p: pull(p) for p in todo], "weightsvc-part")  # type: ignore[misc]
+
+
+def pull_selection_by_part(retry: RetryPolicy, whole: Manifest, select: Select,
+                           pull: Callable[[Select, str], tuple[Manifest, memoryview]]) -> tuple[Manifest, memoryview]:
+    """A selection of a version of parts: each part's tensors from a replica that holds them
+    (`pull(group, replica)`), all at once, joined in part order."""
+    groups = by_part(whole, select)
+    got: dict[Part, tuple[Manifest, memoryview]] = {}
+
+    def pull_group(part: Part, group: Select) -> None:
+        where = f"model {whole.model!r} version {whole.version}, tensors of replicas {list(part.sources)}"
+        got[part] = from_holders(retry, part, lambda source: pull(group, source), where)
+
+    gather([lambda p=p, g=g: pull_group(p, g) for p, g in groups.items()], "weightsvc-part")  # type: ignore[misc]
+    return joined([got[p] for p in sorted(groups, key=lambda p: p.offset)])

@@ -12,23 +12,16 @@ from typing import Any, TypeVar
 
 import grpc
 
-from weightsvc.client._common import (
-    ClientInfo,
-    Credentials,
-    InferenceClient,
-    Progress,
-    Receiver,
-    VersionInfo,
-    _is_http,
-)
+from weightsvc.client._base import InferenceClient
+from weightsvc.client._common import Credentials, Progress, Receiver, VersionInfo, is_http, patched, pull_parts
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
+from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.names import PULL
 from weightsvc.protocol.selection import Select
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.protocol.wire import ChunkView, decode_pull_response, manifest_from_proto, select_to_proto
-from weightsvc.service.replicas.registry import REPLICA_TTL_S
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -102,7 +95,7 @@ class _Bearer(
 
 def channel(target: str, credentials: Credentials, who: str = "this client speaks gRPC") -> grpc.Channel:
     """`host:port` in clear, `grpcs://host:port` over TLS (system roots, or the CA bundle given)."""
-    if _is_http(target):
+    if is_http(target):
         raise InvalidArgument(
             f"{target} is an HTTP URL, and {who}: give host:port (or grpcs://host:port for TLS), "
             f"the service's gRPC port"
@@ -288,7 +281,7 @@ class GrpcInferenceClient(InferenceClient):
             # Sharded replicas: the replica asked sent its own part (if it came first); the others'
             # parts come from their owners, all at once.
             data = rx.data if rx else alloc(manifest.data_bytes)
-            self._pull_parts(manifest, data, received, moved)
+            pull_parts(self.retry, manifest, data, received, moved, self._pull_part)
             return manifest, data
         expected = rx.end if rx else manifest.data_bytes
         if received != expected:
@@ -296,7 +289,7 @@ class GrpcInferenceClient(InferenceClient):
                 f"model {model!r} version {manifest.version}: stream ended after {received} of {expected} bytes"
             )
         data = rx.data if rx else alloc(0)
-        return (manifest, self._patched(manifest, held, data)) if delta and held else (manifest, data)
+        return (manifest, patched(manifest, held, data)) if delta and held else (manifest, data)
 
     def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
         pull = _pull_method(self._replicas.channel(source, rx.where))
@@ -343,9 +336,10 @@ class GrpcInferenceClient(InferenceClient):
     def topology(self) -> list[Replica]:
         return self._replicas.topology()
 
-    def clients(self, model: str = "default") -> list[ClientInfo]:
+    def clients(self, model: str = "default") -> list[ClientStatus]:
         resp = self._call(self._stub.ListClients, pb.ListClientsRequest(model=model))
-        return [ClientInfo(c.client_id, c.version, c.lag_versions, c.last_seen_unix, c.connected) for c in resp.clients]
+        return [ClientStatus(c.client_id, c.version, c.lag_versions, c.last_seen_unix, c.connected)
+                for c in resp.clients]
 
     # ---- watch and ack -------------------------------------------------------------------------
 

@@ -12,10 +12,13 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from weightsvc.client._common import ClientInfo, InferenceClient, Progress, Receiver, VersionInfo
+from weightsvc.client._base import InferenceClient
+from weightsvc.client._common import Progress, Receiver, VersionInfo, patched, pull_parts
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
-from weightsvc.protocol.manifest import MAX_HEADER_BYTES, Manifest, manifest_from_header, read_safetensors_header
+from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.manifest import Manifest, manifest_from_header
+from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, selector
 from weightsvc.protocol.topology import Replica
 
@@ -193,8 +196,7 @@ class HttpInferenceClient(InferenceClient):
                 with self._open(method, path, body=body, base=url) as resp:
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
-                    header_len = int.from_bytes(head, "little")
-                    if len(head) < 8 or header_len > MAX_HEADER_BYTES:
+                    if len(head) < 8 or (header_len := header_length(head)) > MAX_HEADER_BYTES:
                         raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
                     start, header = read_safetensors_header(head + resp.read(header_len))
                     manifest_of.append(manifest_from_header(header))
@@ -219,7 +221,7 @@ class HttpInferenceClient(InferenceClient):
             if not sharded.parts:
                 raise
             data = alloc(sharded.data_bytes)
-            self._pull_parts(sharded, data, 0, moved)
+            pull_parts(self.retry, sharded, data, 0, moved, self._pull_part)
             return sharded, data
         assert rx is not None
         return manifest_of[0], rx.data
@@ -241,7 +243,7 @@ class HttpInferenceClient(InferenceClient):
                 rx.read(resp)
                 return rx.data
 
-        return self._patched(manifest, held, self.retry.run(attempt))
+        return patched(manifest, held, self.retry.run(attempt))
 
     def _owner_url(self, owner: str, where: str) -> str:
         """The HTTP URL of the replica `owner` (the topology is asked for again once if it is not known)."""
@@ -289,8 +291,8 @@ class HttpInferenceClient(InferenceClient):
     def topology(self) -> list[Replica]:
         return [Replica(**r) for r in self._json("/v1/topology")["replicas"]]
 
-    def clients(self, model: str = "default") -> list[ClientInfo]:
-        return [ClientInfo(**c) for c in self._json(f"/v1/models/{_quote(model)}/clients")["clients"]]
+    def clients(self, model: str = "default") -> list[ClientStatus]:
+        return [ClientStatus(**c) for c in self._json(f"/v1/models/{_quote(model)}/clients")["clients"]]
 
     # ---- watch and ack -------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Union
 import grpc
 import numpy as np
 
-from weightsvc.client._common import Credentials, InferenceClient, Progress, VersionInfo
+from weightsvc.client._base import InferenceClient
+from weightsvc.client._common import Credentials, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.protocol.manifest import MASTER_DTYPE

@@ -131,15 +131,5 @@ def dequantize(served: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     scale tensors dropped, packed fp4 elements under their master's name."""
     from weightsvc import rounding
 
-    masters = []
-    for name in served:
-        base = name.removesuffix(rounding.PACKED_SUFFIX)
-        if base != name and _format_of(served, base):
-            masters.append(base)
-            continue
-        owner = next((name.removesuffix(suffix) for suffix in
-                      (rounding.SCALE_SUFFIX, rounding.BLOCK_SCALE_SUFFIX, rounding.GLOBAL_SCALE_SUFFIX)
-                      if name.endswith(suffix) and _format_of(served, name.removesuffix(suffix))), None)
-        if owner is None:
-            masters.append(name)
+    masters = rounding.served_masters(served)  # (the inverse of the served naming: one rule)
     return {name: dequantized(served, name) if _format_of(served, name) else served[name] for name in masters}

@@ -20,17 +20,9 @@ from dataclasses import dataclass, replace
 
 from weightsvc.errors import FailedPrecondition, InvalidArgument
 from weightsvc.memory import alloc
-from weightsvc.protocol.manifest import (
-    DTYPE_SIZES,
-    Manifest,
-    Part,
-    Segment,
-    ServedTensor,
-    Slice,
-    checksum,
-    held_span,
-    layout,
-)
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, ServedTensor, Slice, layout
+from weightsvc.protocol.parts import Segment, held_span
 
 Select = Mapping[str, Slice | None]  # tensor name -> the slice of it, or None for the whole tensor
 _SLICED = re.compile(r"(-?\d{1,19}):(-?\d{1,19}):(-?\d{1,19})")

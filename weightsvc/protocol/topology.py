@@ -10,11 +10,12 @@ group: every owner of a group holds its tensors in the same order, so any of the
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import xxhash
+
+from weightsvc.rounding import fused_group
 
 HASHING = "rendezvous-xxh64"
 
@@ -26,20 +27,9 @@ class Replica:
     http: str
 
 
-# The tensors an engine fuses into one layer (vLLM's packed modules: q, k and v projections into
-# qkv_proj, gate and up into gate_up_proj). They share NVFP4's global scale (an engine keeps one per
-# fused layer: vLLM keeps the largest, and the other shards' values would be read wrongly), so they
-# are placed together: one replica computes that scale from all of them.
-_FUSED = re.compile(r"^(.*\.)(?:(q|k|v)_proj|(gate|up)_proj)(\.[^.]+)$")
-
-
-def fused_group(name: str) -> str:
-    """The name of the layer an engine fuses tensor `name` into (`...qkv_proj.weight`,
-    `...gate_up_proj.weight`); the name itself for any other tensor."""
-    m = _FUSED.match(name)
-    if m is None:
-        return name
-    return f"{m.group(1)}{'qkv_proj' if m.group(2) else 'gate_up_proj'}{m.group(4)}"
+# A replica that has not renewed its registration for this long is gone: the registry forgets it,
+# and a learner leaves one it cannot reach out of its pushes for as long.
+REPLICA_TTL_S = 15.0
 
 
 def _weight(replica_id: str, name: str) -> int:

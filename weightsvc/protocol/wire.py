@@ -19,8 +19,10 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
+from weightsvc._aio import memo
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.manifest import LagMetrics, Manifest, Part, ServedTensor, Slice, memo
+from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.manifest import Manifest, Part, ServedTensor, Slice
 from weightsvc.protocol.selection import Select, selection
 from weightsvc.v1 import weightsvc_pb2 as pb
 

@@ -4,13 +4,14 @@ Every kernel works on the fp32 bit pattern as unsigned integers, so the result i
 same on any machine (the Triton kernels in `_triton.py` follow the same recipes step for step):
 
 - bf16: round to nearest even adds 0x7FFF plus the kept lsb; stochastic rounding adds a uniform
-  integer over the 16 discarded bits; both keep the top 16 bits (FIELD.md). NaN and Inf are handled
+  integer over the 16 discarded bits; both keep the top 16 bits. NaN and Inf are handled
   first (a NaN payload must not carry into Inf) and a finite value that would round to Inf saturates.
 - other formats: the 24-bit significand is shifted right by `s` bits, where `s` grows in the
-  target's subnormal range; SR adds uniform random bits over all `s` discarded bits (at most 32:
-  beyond that the bias is below 2**-32 of a target ulp), RTN rounds half to even. The result is
-  re-encoded in the target and saturated to its largest finite value.
-- fp8 values are first multiplied by the fp32 reciprocal of their scale (tensor, row or 128x128
+  target's subnormal range; SR adds uniform random bits over the `s` discarded bits when there
+  are at most 32, and beyond rounds up when the 32 random bits are below sig / 2**(s - 32) (from
+  s = 56 on never: the chance is below 2**-32); RTN rounds half to even. The result is re-encoded
+  in the target and saturated to its largest finite value.
+- scaled formats' values are first multiplied by the fp32 reciprocal of their scale (tensor, row or 128x128
   block; a microscaling block of a row is a "row" of `block` elements); `ef` adds the fp32
   residual first and keeps `u - served` as the new residual.
 - the other formats' kernel goes run by run of elements that share a scale, each run a loop

@@ -1,13 +1,20 @@
-"""The served formats and their scales, described by the few numbers the kernels need."""
+"""The vocabulary of the export: the served formats and their scales (described by the few numbers
+the kernels need), the roundings, scalings and devices. Imports no kernel: the settings and the
+command line check a choice against these without loading numba."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
 
 BLOCK = 128  # fp8 block scales: 128 x 128 tiles (DeepSeek-V3 layout)
 SCALINGS = ("tensor", "channel", "block")
+ROUNDINGS = ("rtn", "sr", "sr-sticky", "ef")
+DEVICES = ("auto", "cpu", "cuda")
+# fp8 goes to 2-D weights; embeddings and norms stay in bf16 (their rows are looked up, not multiplied).
+DEFAULT_FP8_PATTERN = r"^(?!.*(?:embed|norm)).*\.weight$"
 # How the kernels find the scale of flat element g: none, one, g // cols, or a 128 x 128 tile.
 SCALE_NONE, SCALE_TENSOR, SCALE_ROW, SCALE_BLOCK = 0, 1, 2, 3
 
@@ -82,3 +89,9 @@ class Scales:
     block_cols: int = 1
     codes: np.ndarray | None = None  # microscaled: the served block scales, uint8 (N, K / block)
     global_scale: np.ndarray | None = None  # NVFP4: the served fp32 global scale, shape (1,)
+
+
+def check_choice(kind: str, value: str, choices: Collection[str]) -> str:
+    if value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; choose one of {', '.join(choices)}")
+    return value

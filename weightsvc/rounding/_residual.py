@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-# The file's metadata (the service writes residual files of the same layout itself: core.persist).
+# The file's metadata (the service writes residual files of the same layout itself: `weightsvc.service.versions.disk`).
 RESIDUAL_VERSION_KEY = "weightsvc.residual.version"
 RESIDUAL_FORMAT_KEY = "weightsvc.residual.format"
 RESIDUAL_SCALING_KEY = "weightsvc.residual.scaling"

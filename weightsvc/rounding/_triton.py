@@ -16,7 +16,7 @@ import triton.language as tl
 from weightsvc.rounding._formats import SCALE_BLOCK, SCALE_ROW, Format
 
 # How the elementwise kernels are launched: elements per program and warps per program. The bits do
-# not depend on them; `weightsvc.cli.bench.cuda_kernel_profile` measures the choices on a GPU.
+# not depend on them; `weightsvc.cli.bench.gpu.cuda_kernel_profile` measures the choices on a GPU.
 LAUNCH = {"block": 1024, "num_warps": 4}
 
 

@@ -22,13 +22,12 @@ import grpc
 import uvicorn
 
 from weightsvc.errors import WeightsvcError
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
-from weightsvc.service.replicas.registry import REPLICA_TTL_S
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
-from weightsvc.transport.auth import HttpAuth
+from weightsvc.transport.auth import Auth, HttpAuth
 from weightsvc.transport.grpc import start_grpc, stop_grpc
 from weightsvc.transport.http import Sendfile, create_app
 from weightsvc.transport.limits import limited_http
@@ -93,7 +92,7 @@ class Server:
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
         await self.service.store.sync_registry()
-        auth = s.auth()
+        auth = Auth.load(s.tokens(), s.auth_file)
         tls = (s.tls_cert.read_bytes(), s.tls_key.read_bytes()) if s.tls_cert and s.tls_key else None
         self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port, auth=auth, tls=tls)
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when their protocol
@@ -130,11 +129,11 @@ class Server:
         self.service.store.replica_id = self.replica.id
         sharded = bool(s.redis_url) and not s.relay_from  # (a relay keeps a registry of its own)
         if sharded:
-            await self.service.store.committer.catch_up()  # before it takes part in pushes
+            await self.service.store.committer.follower.catch_up()  # before it takes part in pushes
         await self.service.store.registry.register(self.replica)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         if sharded:
-            self._follow = asyncio.create_task(self.service.store.committer.follow(), name="follow")
+            self._follow = asyncio.create_task(self.service.store.committer.follower.follow(), name="follow")
         self.ready = True
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",

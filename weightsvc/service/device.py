@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,35 +23,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from weightsvc import rounding
-from weightsvc.errors import FailedPrecondition, Unavailable
+from weightsvc.errors import Unavailable
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("weightsvc.device")
-
-
-def interpreted() -> bool:
-    """Triton runs its kernels on the CPU (tests without a GPU)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def cuda_visible() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # a broken CUDA install reads as no GPU
-        return False
-
-
-def _triton() -> object | None:
-    try:
-        from weightsvc.rounding import _triton
-
-        return _triton
-    except Exception:
-        return None
 
 
 class HostBuffers:
@@ -160,8 +136,6 @@ class Kernels:
         the scales computed here)."""
         import torch
 
-        from weightsvc.rounding import _triton
-
         if whole is None:  # (a whole tensor's scales are computed below)
             rounding.check_export(master, out, spec, fmt, name=name, offset=offset, scales=scales,
                                   residual=residual, new_residual=new_residual)
@@ -169,7 +143,7 @@ class Kernels:
         counted = np.zeros(2, np.int64)
         with self._on_device(f"tensor {name!r}", master.nbytes * (3 if ef else 1) + out.nbytes) as dev:
             m = self._upload(master, dev).view(torch.float32)
-            bits = torch.empty(master.size, dtype=torch.int16 if fmt.width == 16 else torch.uint8, device=dev)
+            served = torch.empty(out.nbytes, dtype=torch.uint8, device=dev)
             res_in = res_out = None
             if ef and residual is not None:
                 res_in = self._resident(model, residual)
@@ -181,18 +155,10 @@ class Kernels:
                 scales = rounding.fp8_scales_torch((m if res_in is None else m + res_in).reshape(shape), fmt,
                                                    spec.scaling, group_amax)
             sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
-            k0, k1 = spec.key(version, name)
-            if fmt.name == "bf16":
-                counts = _triton.bf16_export(m, bits, k0, k1, offset, spec.stochastic, res_in, res_out)
-            else:
-                counts = _triton.float_export(
-                    m, bits, k0, k1, offset, spec.stochastic, fmt, self._constant(sc.inverse, dev),
-                    self._constant(sc.scale_inv, dev), sc.mode, sc.cols, sc.block_cols, res_in, res_out,
-                )
-            if fmt.packed:  # the kernel writes one FP4 code per byte
-                bits = rounding.pack(bits)
+            counts = rounding.export_tensor(m, served, spec, fmt, version=version, name=name, offset=offset,
+                                            scales=scales, residual=res_in, new_residual=res_out)
             # Into the version's slot (and the residual the service persists), with the counters.
-            self._download(bits, out)
+            self._download(served, out)
             self._download(counts, counted)
             if res_out is not None and new_residual is not None:
                 self._download(res_out, new_residual)
@@ -211,18 +177,13 @@ class Kernels:
                                         outs=outs)
         import torch
 
-        from weightsvc.rounding import _triton
-
-        keys = rounding.run_keys(master, starts, spec, version, names, outs).astype(np.int64)
-        blocks = _triton.bf16_runs_blocks(starts, np.asarray(offsets, np.int64))
+        keys = rounding.run_keys(master, starts, spec, version, names, outs)
         counts = np.zeros((len(names), 2), np.int64)
         codes = np.empty(master.size, np.uint16)
         with self._on_device(f"tensors {names[0]!r} and {len(names) - 1} more", master.nbytes * 3 // 2) as dev:
             m = self._upload(master, dev).view(torch.float32)
             bits = torch.empty(master.size, dtype=torch.int16, device=dev)
-            on_gpu = torch.zeros((len(names), 2), dtype=torch.int64, device=dev)
-            _triton.bf16_runs_export(m, bits, self._constant(blocks, dev), self._constant(keys, dev), on_gpu,
-                                     spec.stochastic)
+            on_gpu = rounding.export_runs_tensor(m, bits, spec, starts=starts, offsets=offsets, keys=keys)
             self._download(bits, codes)
             self._download(on_gpu, counts)
         for j in range(len(names)):
@@ -277,12 +238,6 @@ class Kernels:
         if self._stream is not None:
             self._stream.synchronize()
 
-    @staticmethod
-    def _constant(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-        import torch
-
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(-1))).to(dev)
-
     @contextlib.contextmanager
     def _on_device(self, what: str, nbytes: int) -> Iterator[torch.device]:
         """An export on the GPU, on the export stream, holding `nbytes` there meanwhile: the copies
@@ -318,22 +273,16 @@ class Kernels:
 
 
 def kernels_for(setting: str, staged: Callable[[int], None] = lambda n: None) -> Kernels:
-    """The kernels `--device` asks for: `cpu`; `cuda` (refused with a clear error when no GPU is
-    visible, or Triton is missing); `auto`: the GPU when one is visible, else the CPU."""
-    gpu = cuda_visible()
-    if setting == "cpu" or (setting == "auto" and not gpu):
-        return Kernels("cpu", "", staged)
-    if _triton() is None:
-        if setting == "auto":
-            log.warning("a GPU is visible, but Triton cannot be imported: exporting on the CPU")
-            return Kernels("cpu", "", staged)
-        raise FailedPrecondition("--device cuda: Triton cannot be imported (install the dev extra, Linux x86_64)")
-    if gpu:
+    """The kernels `--device` asks for (`rounding.export_device`): `cpu`; `cuda` (refused with a
+    clear error when no GPU is visible, or Triton is missing); `auto`: the GPU when one is visible,
+    else the CPU."""
+    where = rounding.export_device(setting)
+    if where == "cuda":
         import torch
 
         log.info("exporting on %s", torch.cuda.get_device_name())
         return Kernels(f"cuda:{torch.cuda.current_device()}", "cuda", staged)
-    if interpreted():
+    if where == "interpreted":
         log.info("exporting with the Triton kernels on the CPU (TRITON_INTERPRET=1): for tests")
         return Kernels("cuda-interpreted", "cpu", staged)
-    raise FailedPrecondition("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
+    return Kernels("cpu", "", staged)

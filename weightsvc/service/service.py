@@ -21,16 +21,15 @@ from weightsvc.errors import (
     Unavailable,
 )
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import (
-    Manifest,
-    check_model_name,
-)
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Kernels, kernels_for
 from weightsvc.service.pull import Pull, Pulls, watching
 from weightsvc.service.push.pushes import Pushes, PushMessage
-from weightsvc.service.replicas.registry import MemoryRegistry, RedisRegistry
+from weightsvc.service.replicas.memory import MemoryRegistry
+from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.versions.disk import DamagedFile
 from weightsvc.service.versions.store import ClientStatus, Version, VersionStore
 from weightsvc.settings import Settings

@@ -14,9 +14,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
-from weightsvc.protocol.manifest import BIG_MANIFEST, TensorSpec, in_thread, off_loop, parse_version_ref
+from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.protocol.names import METHODS, SERVICE
+from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
     ChunkView,

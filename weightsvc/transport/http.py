@@ -22,8 +22,10 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from weightsvc._aio import memo, off_loop
 from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
-from weightsvc.protocol.manifest import Manifest, memo, off_loop, parse_version_ref
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
 from weightsvc.protocol.topology import HASHING
 from weightsvc.service.pull import Pull

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from weightsvc.integrations._common import Mismatch
-from weightsvc.protocol.manifest import Manifest, read_safetensors_header
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 
 __all__ = ["CALIBRATION", "CODE_DTYPES", "FP8_DTYPES", "calibration", "check_engine_fits", "check_fits",
            "compressed_tensors_config"]
@@ -78,7 +79,7 @@ def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     for path in files:
         with open(path, "rb") as f:
             head = f.read(8)
-            _, header = read_safetensors_header(head + f.read(int.from_bytes(head, "little")))
+            _, header = read_safetensors_header(head + f.read(header_length(head)))
         out.update({k: (v["shape"], v["dtype"]) for k, v in header.items() if k != "__metadata__"})
     return out
 

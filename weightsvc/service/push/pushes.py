@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsvc import rounding
+from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -33,16 +34,9 @@ from weightsvc.errors import (
     WeightsvcError,
 )
 from weightsvc.memory import anonymous_bytes
-from weightsvc.protocol.manifest import (
-    BIG_MANIFEST,
-    DTYPE_SIZES,
-    MASTER_DTYPE,
-    MAX_STEP,
-    TensorSpec,
-    check_header_size,
-    check_model_name,
-    in_thread,
-)
+from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, TensorSpec
+from weightsvc.protocol.refs import MAX_STEP, check_model_name
+from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.service.push.shards import MAX_WORLD_SIZE, merge_parts
 from weightsvc.service.push.staging import PushSession
 from weightsvc.service.versions.store import Version

@@ -23,22 +23,12 @@ import numpy as np
 import xxhash
 
 from weightsvc import rounding
+from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import InvalidArgument
 from weightsvc.memory import alloc
 from weightsvc.protocol import topology
-from weightsvc.protocol.manifest import (
-    BIG_MANIFEST,
-    DTYPE_SIZES,
-    MASTER_DTYPE,
-    Manifest,
-    MasterDigest,
-    Part,
-    ServedTensor,
-    TensorSpec,
-    checksum,
-    in_thread,
-    layout,
-)
+from weightsvc.protocol.digest import MasterDigest, checksum
+from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, Manifest, Part, ServedTensor, TensorSpec, layout
 from weightsvc.protocol.topology import Group
 from weightsvc.service.device import Resident
 from weightsvc.service.versions.index import VersionFile
@@ -170,7 +160,7 @@ class PushSession:
         s = service.settings
         where = f"model {header.model!r} step {header.step}"
         if header.owners:  # decide from the latest version the registry holds, as the other owners do
-            await service.store.committer.catch_up(header.model)
+            await service.store.committer.follower.catch_up(header.model)
         try:
             spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
                                        s.fp8_pattern)

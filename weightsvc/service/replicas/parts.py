@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
-from weightsvc.protocol.manifest import Manifest, Part, Segment
+from weightsvc.protocol.manifest import Manifest, Part
+from weightsvc.protocol.parts import Segment
 from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry
 from weightsvc.service.versions.index import Version
 

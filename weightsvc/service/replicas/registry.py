@@ -1,10 +1,9 @@
 """The registry: which versions of which model are committed, their manifests, version events and
 client acks. Payload bytes never go through it; they stay with the server that holds them.
 
-`MemoryRegistry` is the embedded default (one process). `RedisRegistry` (`--redis-url`) shares the
-same state between replicas: a commit is one Lua script (check the step, add the version, record its
-manifest, append the event, apply retention), events are a Redis Stream per model, acks a hash.
-Both follow one contract (tests/integration/test_registry.py runs the same tests on each).
+`Registry` is the contract; `MemoryRegistry` (memory.py) is the embedded default (one process) and
+`RedisRegistry` (redis.py, `--redis-url`) shares the same state between replicas. Both follow it
+(tests/integration/test_registry.py runs the same tests on each), and both apply the rules here.
 
 Commit rules: a step above the model's latest commits; the same step with the same
 master digest is an idempotent success; the same step with another digest is ALREADY_EXISTS; a step
@@ -13,22 +12,19 @@ below the latest is FAILED_PRECONDITION. Retention keeps the newest `retain` ver
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
-from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
-from weightsvc.protocol.manifest import Manifest, combine_parts
-from weightsvc.protocol.topology import Replica
+from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.parts import combine_parts
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
-REPLICA_TTL_S = 15.0  # a replica that has not renewed its registration for this long is gone
 
 
 @dataclass(frozen=True)
@@ -42,9 +38,9 @@ def check_commit(model: str, version: int, digest: str, existing: str | None, la
     if existing is not None:
         if existing == digest:
             return False
-        raise _conflict(model, version, existing, digest)
+        raise conflict(model, version, existing, digest)
     if latest is not None and version < latest:
-        raise _not_above(model, version, latest)
+        raise not_above(model, version, latest)
     return True
 
 
@@ -67,24 +63,14 @@ def manifest_from_registry(raw: str, where: str) -> Manifest:
         raise DataLoss(f"{where}: the registry holds no readable manifest ({e})") from None
 
 
-def _diverged(parts: Mapping[str, Any]) -> str:
-    """A group of tensors whose owners' parts hold different bytes, or "" (parts: owner -> record)."""
-    seen: dict[str, str] = {}
-    for p in parts.values():
-        for group, digest in (p.get("groups") or {}).items():
-            if seen.setdefault(group, digest) != digest:
-                return str(group)
-    return ""
-
-
-def _diverged_error(model: str, version: int, group: str) -> DataLoss:
+def diverged_error(model: str, version: int, group: str) -> DataLoss:
     return DataLoss(
         f"model {model!r} version {version}: the owners {group.split(',')} of a group of tensors exported "
         "different bytes for it; nothing was committed"
     )
 
 
-def _conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyExists:
+def conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyExists:
     return AlreadyExists(
         f"model {model!r} version {version} is already committed with different content "
         f"(master digest {existing}, pushed {pushed})",
@@ -92,52 +78,23 @@ def _conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyEx
     )
 
 
-def _not_above(model: str, version: int, latest: int) -> FailedPrecondition:
+def not_above(model: str, version: int, latest: int) -> FailedPrecondition:
     return FailedPrecondition(
         f"model {model!r}: step {version} is not above the latest version {latest}", reason="step_not_above_latest"
     )
 
 
-def _retain(versions: dict[int, Any], retain: int) -> tuple[int, ...]:
-    """Drop all but the newest `retain` versions; the ones dropped, oldest first."""
-    evicted = tuple(sorted(versions)[: max(0, len(versions) - retain)])
-    for v in evicted:
-        del versions[v]
-    return evicted
-
-
-class MemoryRegistry:
-    """The registry of one process."""
-
-    def __init__(self) -> None:
-        self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
-        self._acks: dict[str, dict[str, tuple[int, float]]] = {}
-        self._replicas: dict[str, Replica] = {}
-        self._pending: dict[tuple[str, int, str], dict[str, str]] = {}  # parts of versions not yet complete
-        self._changed = asyncio.Condition()
-
+class Registry(Protocol):
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
-        vs = self._manifests.setdefault(model, {})
-        if not check_commit(model, version, digest, vs[version][0] if version in vs else None, max(vs, default=None)):
-            return CommitResult(created=False)
-        vs[version] = (digest, manifest)
-        evicted = _retain(vs, retain)
-        async with self._changed:
-            self._changed.notify_all()
-        return CommitResult(created=True, evicted=evicted)
+        """Commit a version under the commit rules; retention applies."""
+        ...
 
     async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
         """Take back a version a server holds durably and the registry has lost (its data, not its
         verdict): added whatever the latest is, with no event; retention applies. True if it is
         now held (already, or restored), False if retention left it out. ALREADY_EXISTS if the
         registry holds that version with another digest."""
-        vs = self._manifests.setdefault(model, {})
-        if version in vs:
-            if vs[version][0] != digest:
-                raise _conflict(model, version, vs[version][0], digest)
-            return True
-        vs[version] = (digest, manifest)
-        return version not in _retain(vs, retain)
+        ...
 
     async def commit_part(
         self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
@@ -146,362 +103,48 @@ class MemoryRegistry:
         """Record `owner`'s part of a version made of the parts of `owners`; the last part commits the
         version (its manifest: the parts by owner). None: recorded, other parts still missing.
         `groups`: with replication, the digest of each group of tensors the part holds (by its owners):
-        the owners of a group must hold the same bytes, or nothing commits. Parts gather per set of
-        owners, so a push tried again without an owner that went down starts afresh."""
-        owners = sorted(owners)
-        committed = self._manifests.get(model, {}).get(version)
-        if committed is not None:
-            part = json.loads(committed[1]).get(owner)  # (a plain version's manifest has no such key)
-            if isinstance(part, dict) and part.get("digest") == digest:
-                return CommitResult(created=False)
-            raise _conflict(model, version, committed[0], digest)
-        latest = max(self._manifests.get(model, {}), default=None)
-        if latest is not None and version < latest:
-            raise _not_above(model, version, latest)
-        key = (model, version, json.dumps(owners))
-        pending = self._pending.setdefault(key, {})
-        pending[owner] = json.dumps({"digest": digest, "manifest": manifest, "groups": dict(groups or {})})
-        if any(o not in pending for o in owners):
-            return None
-        del self._pending[key]
-        parts = {o: json.loads(pending[o]) for o in owners}
-        diverged = _diverged(parts)
-        if diverged:
-            raise _diverged_error(model, version, diverged)
-        combined = combined_digest(owners, {o: p["digest"] for o, p in parts.items()})
-        return await self.commit(model, version, combined, json.dumps(parts), retain)
+        the owners of a group must hold the same bytes, or nothing commits (DATA_LOSS). Parts gather
+        per set of owners, so a push tried again without an owner that went down starts afresh."""
+        ...
 
     async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
         """Take back a part of a version that never completed; False: too late, it committed."""
-        if version in self._manifests.get(model, {}):
-            return False
-        key = (model, version, json.dumps(sorted(owners)))
-        pending = self._pending.get(key, {})
-        pending.pop(owner, None)
-        if not pending:
-            self._pending.pop(key, None)
-        return True
+        ...
 
     async def versions(self, model: str) -> list[int]:
-        return sorted(self._manifests.get(model, {}))
+        """The retained versions of `model`, oldest first."""
+        ...
 
     async def manifest(self, model: str, version: int) -> str | None:
-        entry = self._manifests.get(model, {}).get(version)
-        return entry[1] if entry else None
+        """A retained version's manifest as recorded (see `manifest_from_registry`), or None."""
+        ...
 
     async def models(self) -> list[str]:
-        return sorted(m for m, vs in self._manifests.items() if vs)
+        """The models with a retained version."""
+        ...
 
-    async def events(self, model: str, after: int) -> AsyncIterator[int]:
+    def events(self, model: str, after: int) -> AsyncIterator[int]:
         """Each committed version above `after`, in order, as it commits (retained ones first)."""
-        last = after
-        while True:
-            async with self._changed:
-                await self._changed.wait_for(functools.partial(self._has_above, model, last))
-                newer = sorted(v for v in self._manifests[model] if v > last)
-            for v in newer:
-                yield v
-                last = v
-
-    def _has_above(self, model: str, version: int) -> bool:
-        return any(v > version for v in self._manifests.get(model, {}))
+        ...
 
     async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
-        self._acks.setdefault(model, {})[client_id] = (version, unix)
+        """Record the version a client serves."""
+        ...
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
-        return dict(self._acks.get(model, {}))
-
-    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
-        self._replicas[replica.id] = replica
-
-    async def deregister(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
-
-    async def replicas(self) -> list[Replica]:
-        return sorted(self._replicas.values())
-
-    async def close(self) -> None:
-        pass
-
-
-# Every script's KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set),
-# and for parts: the pending parts of the version (hash). `finish` applies the commit rules.
-_FINISH = """
--- Drop all but the newest `retain` versions; the ones dropped, oldest first.
-local function retain_newest(retain)
-  local dropped = {}
-  local extra = redis.call('ZCARD', KEYS[1]) - tonumber(retain)
-  if extra > 0 then
-    dropped = redis.call('ZRANGE', KEYS[1], 0, extra - 1)
-    for _, o in ipairs(dropped) do
-      redis.call('ZREM', KEYS[1], o)
-      redis.call('HDEL', KEYS[2], o)
-      redis.call('HDEL', KEYS[3], o)
-    end
-  end
-  return dropped
-end
-
-local function finish(model, v, digest, manifest, retain, kept)
-  local existing = redis.call('HGET', KEYS[3], v)
-  if existing then
-    if existing == digest then return {'exists'} end
-    return {'conflict', existing}
-  end
-  local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
-  if top[1] and tonumber(top[1]) > tonumber(v) then return {'not_above', top[1]} end
-  redis.call('ZADD', KEYS[1], tonumber(v), v)
-  redis.call('HSET', KEYS[2], v, manifest)
-  redis.call('HSET', KEYS[3], v, digest)
-  redis.call('SADD', KEYS[5], model)
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', kept, '*', 'version', v)
-  local result = {'created'}
-  for _, o in ipairs(retain_newest(retain)) do
-    table.insert(result, o)
-  end
-  return result
-end
-"""
-# ARGV: model, version, digest, manifest, retain, events kept
-_COMMIT = _FINISH + "return finish(ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6])"
-# ARGV: model, version, digest, manifest, retain. A version a server holds and the registry lost: added
-# below the latest too, without an event; retention applies.
-_RESTORE = _FINISH + """
-local v, digest = ARGV[2], ARGV[3]
-local existing = redis.call('HGET', KEYS[3], v)
-if existing then
-  if existing == digest then return {'held'} end
-  return {'conflict', existing}
-end
-redis.call('ZADD', KEYS[1], tonumber(v), v)
-redis.call('HSET', KEYS[2], v, ARGV[4])
-redis.call('HSET', KEYS[3], v, digest)
-redis.call('SADD', KEYS[5], ARGV[1])
-for _, o in ipairs(retain_newest(ARGV[5])) do
-  if o == v then return {'evicted'} end
-end
-return {'held'}
-"""
-# ARGV: model, version, owner, owners (JSON list, sorted), part digest, part manifest, retain, events kept,
-# ms the pending parts live, the digests of the part's groups (JSON object). The parts of one set of
-# owners are gathered (KEYS[6] is theirs); the last one commits the version if the owners of each group
-# agree on its bytes.
-_COMMIT_PART = (
-    _FINISH
-    + """
-local v, owner = ARGV[2], ARGV[3]
-local committed = redis.call('HGET', KEYS[2], v)
-if committed then
-  local part = cjson.decode(committed)[owner]
-  if part and part['digest'] == ARGV[5] then return {'exists'} end
-  return {'conflict', redis.call('HGET', KEYS[3], v)}
-end
-local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
-if top[1] and tonumber(top[1]) > tonumber(v) then return {'not_above', top[1]} end
-local record = {digest = ARGV[5], manifest = ARGV[6], groups = cjson.decode(ARGV[10])}
-redis.call('HSET', KEYS[6], owner, cjson.encode(record))
-redis.call('PEXPIRE', KEYS[6], ARGV[9])
-local owners, parts, lines, seen = cjson.decode(ARGV[4]), {}, {}, {}
-for _, o in ipairs(owners) do
-  local raw = redis.call('HGET', KEYS[6], o)
-  if not raw then return {'pending'} end
-  parts[o] = cjson.decode(raw)
-  table.insert(lines, o .. ':' .. parts[o]['digest'])
-end
-redis.call('DEL', KEYS[6])
-for _, o in ipairs(owners) do
-  for group, digest in pairs(parts[o]['groups']) do
-    if seen[group] and seen[group] ~= digest then return {'diverged', group} end
-    seen[group] = digest
-  end
-end
-return finish(ARGV[1], v, 'sha1:' .. redis.sha1hex(table.concat(lines, '\\n')), cjson.encode(parts), ARGV[7], ARGV[8])
-"""
-)
-# ARGV: version, owner. 1: the part is withdrawn; 0: too late, the version committed.
-_WITHDRAW_PART = """
-if redis.call('HGET', KEYS[3], ARGV[1]) then return 0 end
-redis.call('HDEL', KEYS[6], ARGV[2])
-return 1
-"""
-
-
-def _honour_cancel() -> None:
-    """Raise the cancel of the running task if a redis-py call let it pass: cancelled mid-XREAD BLOCK,
-    the read ended as if it had not been (or as a lost connection), and a loop that reads again, or
-    retries on UNAVAILABLE, would never end."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-class RedisRegistry:
-    """The registry shared by replicas, in Redis. Losing Redis raises UNAVAILABLE; redis-py
-    reconnects by itself on the next call."""
-
-    def __init__(self, url: str, prefix: str = "weightsvc", socket_timeout: float = 5.0) -> None:
-        import redis.asyncio as aioredis
-
-        self.url = url
-        self.prefix = prefix
-        self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=socket_timeout,
-                                              health_check_interval=10)
-        # A blocking read of a model's events waits well under the socket timeout, which would
-        # otherwise end an idle watch (and a part waiting for the other owners') with UNAVAILABLE.
-        self._block_ms = max(1, int(socket_timeout * 400))
-        self._commit = self._redis.register_script(_COMMIT)
-        self._restore = self._redis.register_script(_RESTORE)
-        self._commit_part = self._redis.register_script(_COMMIT_PART)
-        self._withdraw_part = self._redis.register_script(_WITHDRAW_PART)
-
-    def _key(self, model: str, what: str) -> str:
-        return f"{self.prefix}:{{{model}}}:{what}"  # one hash slot per model: the script's keys on a cluster
-
-    def _unavailable(self, what: str, e: Exception) -> Unavailable:
-        return Unavailable(f"registry {self.url} unreachable while {what}: {e}", reason="registry")
-
-    async def _call(self, what: str, coro: Any) -> Any:
-        from redis.exceptions import ConnectionError, TimeoutError
-
-        try:
-            result = await coro
-        except (ConnectionError, TimeoutError, OSError) as e:
-            _honour_cancel()
-            raise self._unavailable(what, e) from None
-        _honour_cancel()
-        return result
-
-    async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
-        args: list[str | int] = [model, version, digest, manifest, retain, EVENTS_KEPT]
-        out = await self._call(f"committing model {model!r} version {version}",
-                               self._commit(keys=self._keys(model), args=args))
-        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
-        return self._decided(model, version, digest, status, rest)
-
-    @staticmethod
-    def _decided(model: str, version: int, digest: str, status: str, rest: list[str]) -> CommitResult:
-        if status == "exists":
-            return CommitResult(created=False)
-        if status == "conflict":
-            raise _conflict(model, version, rest[0], digest)
-        if status == "not_above":
-            raise _not_above(model, version, int(rest[0]))
-        return CommitResult(created=True, evicted=tuple(int(v) for v in rest))
-
-    def _keys(self, model: str, version: int | None = None, owners: Sequence[str] = ()) -> list[str]:
-        keys = [self._key(model, k) for k in ("versions", "manifests", "digests", "events")] + [f"{self.prefix}:models"]
-        if version is None:
-            return keys
-        of = hashlib.sha1(json.dumps(sorted(owners)).encode()).hexdigest()[:16]
-        return [*keys, self._key(model, f"pending:{version}:{of}")]
-
-    async def commit_part(
-        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
-        groups: Mapping[str, str] | None = None,
-    ) -> CommitResult | None:
-        owners_json = json.dumps(sorted(owners))
-        ttl_ms = int(PART_TTL_S * 1000)
-        args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms,
-                                 json.dumps(dict(groups or {}))]
-        out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
-                               self._commit_part(keys=self._keys(model, version, owners), args=args))
-        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
-        if status == "pending":
-            return None
-        if status == "diverged":
-            raise _diverged_error(model, version, rest[0])
-        return self._decided(model, version, digest, status, rest)
-
-    async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
-        args: list[str | int] = [model, version, digest, manifest, retain]
-        out = await self._call(f"restoring model {model!r} version {version}",
-                               self._restore(keys=self._keys(model), args=args))
-        status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
-        if status == "conflict":
-            raise _conflict(model, version, rest[0], digest)
-        return status == "held"
-
-    async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
-        out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
-                               self._withdraw_part(keys=self._keys(model, version, owners),
-                                                   args=[version, owner]))
-        return bool(int(out))
-
-    async def versions(self, model: str) -> list[int]:
-        raw = await self._call(f"listing model {model!r}", self._redis.zrange(self._key(model, "versions"), 0, -1))
-        return sorted(int(v) for v in raw)  # type: ignore[attr-defined]
-
-    async def manifest(self, model: str, version: int) -> str | None:
-        raw = await self._call(f"reading model {model!r} version {version}",
-                               self._redis.hget(self._key(model, "manifests"), str(version)))
-        return raw.decode() if isinstance(raw, bytes) else None
-
-    async def models(self) -> list[str]:
-        raw = await self._call("listing models", self._redis.smembers(f"{self.prefix}:models"))
-        return sorted(m.decode() for m in raw)  # type: ignore[attr-defined]
-
-    async def events(self, model: str, after: int) -> AsyncIterator[int]:
-        """Retained versions above `after`, then each new one from the model's stream (XREAD BLOCK)."""
-        stream = self._key(model, "events")
-        info = await self._call(f"watching model {model!r}", self._redis.xrevrange(stream, count=1))
-        cursor = info[0][0] if info else b"0-0"  # type: ignore[index]
-        last = after
-        for v in await self.versions(model):
-            if v > last:
-                yield v
-                last = v
-        while True:
-            read = self._redis.xread({stream: cursor}, block=self._block_ms)
-            got = await self._call(f"watching model {model!r}", read)
-            for _, entries in got or []:  # type: ignore[attr-defined]
-                for entry_id, fields in entries:
-                    cursor = entry_id
-                    v = int(fields[b"version"])
-                    if v > last:
-                        yield v
-                        last = v
-
-    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
-        await self._call(f"acking model {model!r}", self._redis.hset(self._key(model, "acks"), client_id,
-                                                                    json.dumps([version, unix])))
-
-    async def acks(self, model: str) -> dict[str, tuple[int, float]]:
-        raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
-        return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
+        """Each client's last ack of `model`: (version, unix time)."""
+        ...
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
         """Announce (or renew) a replica; it expires unless renewed within `ttl` seconds."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(f"{self.prefix}:replica:{replica.id}", json.dumps(dataclasses.asdict(replica)), px=int(ttl * 1000))
-            pipe.sadd(f"{self.prefix}:replicas", replica.id)
-            await self._call(f"registering replica {replica.id!r}", pipe.execute())
+        ...
 
     async def deregister(self, replica_id: str) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(f"{self.prefix}:replica:{replica_id}")
-            pipe.srem(f"{self.prefix}:replicas", replica_id)
-            await self._call(f"deregistering replica {replica_id!r}", pipe.execute())
+        ...
 
     async def replicas(self) -> list[Replica]:
-        """The live replicas; ones whose registration expired are dropped from the set."""
-        members = await self._call("listing replicas", self._redis.smembers(f"{self.prefix}:replicas"))
-        ids = sorted(m.decode() for m in members)
-        if not ids:
-            return []
-        raw = await self._call("listing replicas", self._redis.mget([f"{self.prefix}:replica:{i}" for i in ids]))
-        live, gone = [], []
-        for replica_id, value in zip(ids, raw, strict=True):
-            if value is None:
-                gone.append(replica_id)
-            else:
-                live.append(Replica(**json.loads(value)))
-        if gone:
-            await self._call("pruning replicas", self._redis.srem(f"{self.prefix}:replicas", *gone))
-        return live
+        """The live replicas."""
+        ...
 
     async def close(self) -> None:
-        await self._redis.aclose()
-
-
-Registry = MemoryRegistry | RedisRegistry
+        ...

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from weightsvc.errors import InvalidArgument, NotFound
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.clients import ClientStatus
 from weightsvc.service.replicas.registry import Registry
 from weightsvc.service.versions.index import VersionIndex
 
@@ -30,17 +31,6 @@ class ClientAck:
     client_id: str
     version: int
     acked_unix: float
-
-
-@dataclass(frozen=True)
-class ClientStatus:
-    """An inference client as its acks describe it."""
-
-    client_id: str
-    version: int  # the version it acked last
-    lag_versions: int  # committed versions newer than that one
-    last_seen_unix: float
-    connected: bool  # acked within CLIENT_TIMEOUT_S; older clients count as gone
 
 
 class Acks:

@@ -2,8 +2,10 @@
 
 A push's version is written to the data dir first (durable before visible), then the registry
 decides (with Redis, across replicas) and announces it, then the index shows it. At a restart the
-files are read back and made to agree with the registry. The state one version hands to the next
-(the ef residual and the lag tracker of each model) lives here.
+files are read back and made to agree with the registry (`_restore`); a full disk makes room by
+evicting old versions (`_eviction`); a sharded replica shows what the registry committed without it
+(`Follower`). The state one version hands to the next (the ef residual and the lag tracker of each
+model) lives here.
 
 Loop-owned: every method runs on the service's event loop, except `restore`, which runs before
 the service serves anything; file I/O goes to a worker thread.
@@ -21,21 +23,25 @@ from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 from weightsvc._faults import crash_point
-from weightsvc.errors import AlreadyExists, DiskFull, FailedPrecondition, Unavailable
+from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest, check_header_size
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.protocol.selection import holders_by_tensor
 from weightsvc.protocol.topology import Group
 from weightsvc.rounding import PACKED_SUFFIX, Residual
+from weightsvc.service.replicas.follow import Follower
 from weightsvc.service.replicas.parts import PartOf, Parts
-from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, manifest_from_registry
+from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, not_above
+from weightsvc.service.versions import _restore
+from weightsvc.service.versions._eviction import make_room, named
+from weightsvc.service.versions._restore import kept_residual
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionFile, VersionIndex
 from weightsvc.service.versions.lag import LagTracker, Sample
 
 log = logging.getLogger("weightsvc.store")
-FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
 T = TypeVar("T")
 
 
@@ -60,16 +66,14 @@ class Committer:
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
+        self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks)
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
         self._parts.check_not_waiting(model, step)
         latest = self._index.latest(model)
         if latest is not None and step < latest and self._index.find(model, step) is None:
-            raise FailedPrecondition(
-                f"model {model!r}: step {step} is not above the latest version {latest}",
-                reason="step_not_above_latest",
-            )
+            raise not_above(model, step, latest)
 
     def residual(self, model: str, format: str, scaling: str, groups: Mapping[str, Group] | None = None) -> Residual:
         """The EF residual an `ef` push of `model` continues from: the one of the latest committed
@@ -192,7 +196,7 @@ class Committer:
         if self._files is not None and (evicted or residual is not None):
             # Outside the lock, so the next commit may be writing its residual meanwhile: bounded by
             # the latest version, the prune leaves that file alone.
-            kept, latest = self._kept_residual(m.model), self._index.latest(m.model)
+            kept, latest = kept_residual(self._residuals, m.model), self._index.latest(m.model)
             await asyncio.to_thread(self._files.prune, m.model, evicted, kept, latest)
         return version, created
 
@@ -201,7 +205,7 @@ class Committer:
         timeout after its script ran): it is asked whether it holds this very content before the
         commit counts as failed, so the file of a version it announced is never deleted."""
         try:
-            return await self._register(m, text)
+            return await self._registry.commit(m.model, m.version, m.master_digest, text, self._index.retain)
         except Unavailable:
             try:
                 raw = await self._registry.manifest(m.model, m.version)
@@ -213,192 +217,31 @@ class Committer:
                         m.version)
             return CommitResult(created=True)
 
-    async def _register(self, m: Manifest, text: str | None = None) -> CommitResult:
-        raw = text if text is not None else await asyncio.to_thread(m.json)
-        return await self._registry.commit(m.model, m.version, m.master_digest, raw, self._index.retain)
-
-    async def follow(self) -> None:
-        """Sharded replicas: show every version the registry commits, also one this replica holds no
-        part of (it was down, or left out of the push): it serves its manifest, and clients fetch
-        the bytes from the replicas that hold them. A replica that returns thus catches up at once."""
-        following: dict[str, asyncio.Task[None]] = {}
-        try:
-            while True:
-                try:
-                    for model in await self._registry.models():
-                        if model not in following or following[model].done():
-                            following[model] = asyncio.create_task(self._follow(model), name=f"follow-{model}")
-                except Unavailable:
-                    pass  # the registry is away: the models it knows are followed once it is back
-                await asyncio.sleep(FOLLOW_MODELS_S)  # (no event announces a new model)
-        finally:
-            for task in following.values():
-                task.cancel()
-
-    async def catch_up(self, model: str | None = None) -> None:
-        """Show now every version the registry committed above what this replica shows (of `model`,
-        or of every model): before it joins the topology, and before a sharded push exports, so that
-        it decides from the latest version (which ef residuals go on) as the other owners do."""
-        for m in [model] if model is not None else await self._registry.models():
-            latest = self._index.latest(m)
-            for v in await self._registry.versions(m):
-                if (latest is None or v > latest) and self._index.find(m, v) is None:
-                    await self._learn(m, v, held_too=True)
-
-    async def _follow(self, model: str) -> None:
-        while True:
-            try:
-                async for v in self._registry.events(model, -1):
-                    if self._index.find(model, v) is None:
-                        await self._learn(model, v)
-            except Unavailable:
-                await asyncio.sleep(1.0)
-
-    async def _learn(self, model: str, v: int, held_too: bool = False) -> None:
-        """Show version `v`, which the registry committed, if this replica holds no part of it (or,
-        `held_too`, if it shows nothing of it: its part's file was lost)."""
-        raw = await self._registry.manifest(model, v)
-        if raw is None:
-            return
-        whole = await asyncio.to_thread(manifest_from_registry, raw, f"model {model!r} version {v}")
-        if not whole.parts:
-            return  # one server holds it whole: clients pull it there
-        if not held_too and self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
-            return  # this replica holds a part: its own commit (or restore) shows the version
-        header = await asyncio.to_thread(whole.safetensors_header)
-        nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())
-        version = Version(whole, header, memoryview(b""), part=nothing)
-        async with self._locks.setdefault(model, asyncio.Lock()):
-            if self._index.find(model, v) is not None:
-                return  # its own commit showed it meanwhile
-            self._index.add(version)
-            self._acks.committed(model, v, whole.committed_unix)
-        log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
-                 model, v)
-        await self._index.announce()
-
     async def on_disk(self, model: str, step: int, write: Callable[[], T], *, locked: bool = False) -> T:
         """Run `write` (blocking I/O putting a file of `step` in the data dir) in a worker thread. If the
-        disk is full, the model's oldest versions that nothing needs make room (`_make_room`), and it
+        disk is full, the model's oldest versions that nothing needs make room (`make_room`), and it
         runs once more. `locked`: the caller holds the model's lock (a commit)."""
         try:
             return await asyncio.to_thread(write)
         except DiskFull as e:
             full = e
         async with contextlib.nullcontext() if locked else self._locks.setdefault(model, asyncio.Lock()):
-            evicted = await self._make_room(model, step, full)
+            assert self._files is not None
+            evicted = await make_room(self._index, self._files, model, step, full)
             try:
                 return await asyncio.to_thread(write)
             except DiskFull as again:
-                raise DiskFull(f"{again.message}, after evicting {_named(evicted)} of model {model!r}",
+                raise DiskFull(f"{again.message}, after evicting {named(evicted)} of model {model!r}",
                                needed=again.needed) from None
-
-    async def _make_room(self, model: str, step: int, full: DiskFull) -> list[int]:
-        """Evict the model's oldest versions, deleting their files, until `full.needed` bytes are free
-        (or, under a quota the free space does not show, were freed). The latest version stays (an ef
-        push continues from it), and so does one that a pull holds (its blocks stay taken until the
-        pull ends). Nothing goes when all that may go would not make room. Returns the versions evicted."""
-        assert self._files is not None
-        files, latest = self._files, self._index.latest(model)
-        retained = self._index.versions(model) if latest is not None else []
-        victims = [v.manifest.version for v in retained if v.manifest.version not in (latest, step) and not v.readers]
-        kept = "the latest version and versions being pulled stay"
-        if not victims:
-            raise DiskFull(f"{full.message}; no version of model {model!r} may go to make room ({kept})",
-                           needed=full.needed)
-        sizes = await asyncio.to_thread(lambda: [files.allocated(model, v) for v in victims])
-        free = await asyncio.to_thread(files.free_bytes)
-        if free + sum(sizes) < full.needed:
-            raise DiskFull(f"{full.message}; evicting {_named(victims)} would free only {sum(sizes):,} bytes, "
-                           f"so none was evicted ({kept})", needed=full.needed)
-        evicted: list[int] = []
-        freed = 0
-        for v, size in zip(victims, sizes, strict=True):
-            if evicted and (free >= full.needed or freed >= full.needed):
-                break
-            version = self._index.find(model, v)
-            if version is None or version.readers:  # gone meanwhile, or a pull started
-                continue
-            try:  # the file first: from here on a restart does not bring the version back
-                await asyncio.to_thread(files.evict, model, v)
-            except OSError as e:
-                log.error("model %s version %d: cannot delete its file to make room: %s", model, v, e)
-                break
-            self._index.drop(model, [v])
-            evicted.append(v)
-            freed += size
-            free = await asyncio.to_thread(files.free_bytes)
-        if evicted:
-            log.warning("model %s: the data dir is full: evicted %s (%d bytes) to make room for version %d",
-                        model, _named(evicted), freed, step)
-        return evicted
-
-    def _kept_residual(self, model: str) -> int | None:
-        """The version whose residual file is the model's current ef state (the others go)."""
-        r = self._residuals.get(model)
-        return None if r is None else r.version
 
     def restore(self) -> int:
         """Load committed versions from the data dir; returns how many. Skips damaged files."""
         if self._files is None:
             return 0
-        count = 0
-        for model, versions, residual in self._files.restore():
-            if not versions:
-                continue
-            evicted = []
-            for version in versions:
-                evicted += self._index.add(version)
-                self._acks.committed(model, version.manifest.version, version.manifest.committed_unix)
-            if residual is not None:
-                self._residuals[model] = residual
-            self._files.prune(model, evicted, self._kept_residual(model))
-            count += len(versions)
+        count = _restore.restore(self._files, self._index, self._acks, self._residuals)
         self._metrics.damaged_files.set(len(self._files.damaged))
         return count
 
     async def sync_registry(self) -> None:
-        """After a restart, make the registry and the restored versions agree. A version the registry
-        never committed (a crash between the file and the registry) above its latest is dropped; one
-        below its latest that it does not know (it lost its data) is given back to it, and dropped
-        only if retention leaves it out or the registry holds other content under its number; a
-        registry that knows nothing of a model (a fresh one, or the embedded one) takes the files."""
-        for model in self._index.models():
-            known = await self._registry.versions(model)
-            dropped = []
-            for version in self._index.versions(model):
-                v = version.manifest.version
-                if version.manifest.parts:  # a part: served again only as part of what the registry holds
-                    whole = await self._parts.restored(version)
-                    if whole is None:
-                        dropped.append(v)
-                    else:
-                        self._index.add(whole)
-                    continue
-                if v in known:
-                    continue
-                if known and v > known[-1]:
-                    dropped.append(v)
-                    continue
-                if known:  # below its latest: the registry lost it (its data), or retention let it go
-                    m = version.manifest
-                    try:
-                        text = await asyncio.to_thread(m.json)
-                        if not await self._registry.restore(model, v, m.master_digest, text, self._index.retain):
-                            dropped.append(v)  # older than what retention keeps
-                    except AlreadyExists:
-                        dropped.append(v)  # the registry holds other content under that number
-                    continue
-                try:
-                    await self._register(version.manifest)
-                except (AlreadyExists, FailedPrecondition):
-                    dropped.append(v)  # retired meanwhile, or replaced: the registry decides
-            for v in dropped:
-                log.warning("model %s version %d: restored, but not committed in the registry; dropped", model, v)
-            self._index.drop(model, dropped)
-            if dropped and self._files is not None:
-                await asyncio.to_thread(self._files.prune, model, dropped, self._kept_residual(model))
-
-
-def _named(versions: list[int]) -> str:
-    return f"version{'s' if len(versions) > 1 else ''} {', '.join(map(str, versions))}" if versions else "no version"
+        """After a restart, make the registry and the restored versions agree (`_restore.sync_registry`)."""
+        await _restore.sync_registry(self._index, self._files, self._parts, self._registry, self._residuals)

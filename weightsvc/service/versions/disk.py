@@ -16,7 +16,6 @@ import json
 import logging
 import mmap
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +23,9 @@ import numpy as np
 
 from weightsvc._faults import crash_point
 from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
-from weightsvc.protocol.manifest import MAX_HEADER_BYTES, manifest_from_header, read_safetensors_header, verify
+from weightsvc.protocol.digest import verify
+from weightsvc.protocol.manifest import manifest_from_header
+from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, framed, header_length, read_safetensors_header
 from weightsvc.rounding import Residual
 from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
 from weightsvc.service.versions.index import Version, VersionFile
@@ -105,11 +106,7 @@ class VersionFiles:
                     os.fsync(f.fileno())
             crash_point("commit.version-written")
             os.replace(tmp, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _sync_dir(path.parent)
             file = _open(path)
         except OSError as e:
             with contextlib.suppress(OSError):
@@ -151,7 +148,7 @@ class VersionFiles:
         except OSError as e:
             raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
                            e, 8 + len(raw) + end, self.data_dir) from None
-        mapping[: 8 + len(raw)] = struct.pack("<Q", len(raw)) + raw
+        mapping[: 8 + len(raw)] = framed(raw)
         staged = VersionFile(tmp, f, mapping, 8 + len(raw))
         start = staged.data_start
         arrays = {n: np.frombuffer(mapping, np.float32, numels[n], start + o[0]) for n, o in offsets.items()}
@@ -170,11 +167,7 @@ class VersionFiles:
             staged.mapping.flush()
             os.fsync(staged.file.fileno())
             os.replace(staged.path, path)
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _sync_dir(path.parent)
         except OSError as e:
             needed = sum(r.nbytes for r in residual.tensors.values())
             raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
@@ -203,11 +196,7 @@ class VersionFiles:
         """Delete a committed version's file to make room, durably: a restart does not bring it back."""
         path = self.path(model, version)
         path.unlink(missing_ok=True)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _sync_dir(path.parent)
 
     def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
         """Remove the files of `versions` (evicted, or not committed) and every residual file but the
@@ -304,7 +293,7 @@ def _open(path: Path) -> VersionFile:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if len(mapping) < 8:
             raise ValueError(f"{len(mapping)} bytes: not a safetensors file")
-        (header_len,) = struct.unpack("<Q", mapping[:8])
+        header_len = header_length(mapping)
         if header_len > min(len(mapping) - 8, MAX_HEADER_BYTES):
             raise ValueError(f"header length {header_len} is out of range")
     except BaseException:
@@ -318,8 +307,7 @@ def _map_residual(path: Path) -> Residual:
     big model's residual is read from the page cache, and the kernels may take the arrays as writable."""
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    (n,) = struct.unpack("<Q", mapping[:8])
-    start, header = read_safetensors_header(mapping[: 8 + min(n, MAX_HEADER_BYTES)])
+    start, header = read_safetensors_header(mapping[: 8 + min(header_length(mapping), MAX_HEADER_BYTES)])
     meta = header.pop("__metadata__", None) or {}
     tensors = {}
     for name, entry in header.items():
@@ -332,9 +320,18 @@ def _map_residual(path: Path) -> Residual:
                     meta.get(RESIDUAL_SCALING_KEY, ""))
 
 
+def _sync_dir(directory: Path) -> None:
+    """Make a rename or delete in `directory` durable."""
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def _padded(header: bytes, size: int) -> bytes:
     """A safetensors prefix grown to `size` bytes: its JSON padded with spaces, as the format allows."""
-    return struct.pack("<Q", size - 8) + header[8:].ljust(size - 8, b" ")
+    return framed(header[8:], size)
 
 
 def _failure(where: str, e: OSError, needed: int, data_dir: Path) -> WeightsvcError:

@@ -20,7 +20,8 @@ from typing import BinaryIO
 from weightsvc.errors import NotFound
 from weightsvc.memory import BufferPool
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest, Segment, held_span
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.parts import Segment, held_span
 
 
 @dataclass(frozen=True)

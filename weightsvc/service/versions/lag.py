@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from weightsvc.protocol.manifest import LagMetrics
+from weightsvc.protocol.lag import LagMetrics
 
 SAMPLE_TARGET = 1 << 18
 VISIBILITY_WINDOWS = (1, 16, 256)  # anchor refresh periods in versions, shortest window first

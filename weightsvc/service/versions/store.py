@@ -18,8 +18,9 @@ from pathlib import Path
 
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import PartOf, Parts
-from weightsvc.service.replicas.registry import MemoryRegistry, Registry
+from weightsvc.service.replicas.registry import Registry
 from weightsvc.service.versions.acks import CLIENT_TIMEOUT_S, Acks, ClientAck, ClientStatus
 from weightsvc.service.versions.commit import Committer
 from weightsvc.service.versions.disk import VersionFiles

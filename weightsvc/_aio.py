@@ -1,0 +1,45 @@
+"""Keeping the event loop free: big work goes to a worker thread, repeated work is done once.
+
+The event loop serves every transport; it must never wait seconds on one push or pull."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable, Sized
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
+K = TypeVar("K")
+
+BIG_MANIFEST = 2000  # tensors: work on a manifest this size takes milliseconds, and goes off the loop
+
+
+class _Listing(Protocol):
+    @property
+    def tensors(self) -> Sized: ...
+
+
+async def in_thread(big: bool, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`: in a worker thread when `big`, else inline (a thread costs more than small work)."""
+    return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
+
+async def off_loop(fn: Callable[..., T], m: _Listing, *args: Any) -> T:
+    """`fn(m, *args)`, off the event loop for a big manifest."""
+    return await in_thread(len(m.tensors) >= BIG_MANIFEST, fn, m, *args)
+
+
+_memos: dict[tuple[int, str], Any] = {}
+
+
+def memo(obj: K, kind: str, make: Callable[[K], T]) -> T:
+    """`make(obj)`, computed once per object and kind while the object lives: the encodings a
+    transport sends of a version's manifest (a fleet pulls the same one; they cost 0.1-0.7 s at
+    100,000 tensors). Safe from any thread (two first callers may both compute it)."""
+    key = (id(obj), kind)
+    got = _memos.get(key)
+    if got is None:
+        got = _memos[key] = make(obj)
+        weakref.finalize(obj, _memos.pop, key, None)
+    return got  # type: ignore[no-any-return]

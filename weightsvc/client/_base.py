@@ -1,0 +1,288 @@
+"""`InferenceClient`, the base of each transport's client: pulls (whole, delta, selected, of parts),
+version files, watch and ack, over the transport's calls.
+
+Nothing here imports torch: the CLI's `status`, `pull` to a file and `push` start without it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from weightsvc.client._common import (
+    Credentials,
+    Progress,
+    Receiver,
+    RetryPolicy,
+    VersionInfo,
+    check_pull,
+    is_http,
+    pull_selection_by_part,
+    read_base_file,
+    verify_data,
+    write_version_file,
+)
+from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError
+from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.selection import Select
+from weightsvc.protocol.topology import Replica
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+
+class InferenceClient:
+    """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC,
+    "http://host:port" (or "https://...") for HTTP.
+
+    `InferenceClient(target)` returns the transport's client (`GrpcInferenceClient` or
+    `HttpInferenceClient`); both offer every operation, and both are `InferenceClient`s."""
+
+    transport: str = ""  # "grpc" or "http"
+    # Each transport's class, loaded when first asked for: `weightsvc.client` fills this in (the
+    # transports import this module, so it cannot import them).
+    transports: ClassVar[dict[str, Callable[[], type[InferenceClient]]]] = {}
+
+    def __new__(cls, target: str, **kwargs: Any) -> InferenceClient:
+        if cls is InferenceClient:
+            cls = cls.transports["http" if is_http(target) else "grpc"]()
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = None,
+        resume_attempts: int = 3,
+        token: str | None = None,
+        ca_cert: str | Path | bytes | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        """`token`: a bearer token with role pull (default: $WEIGHTSVC_TOKEN); `ca_cert`: a PEM
+        bundle to trust for `grpcs://` and `https://` targets (default: $WEIGHTSVC_CA_CERT).
+        A pull broken mid-stream resumes from its offset up to `resume_attempts` times (`retry`:
+        the whole policy)."""
+        self.target = target
+        self.timeout = timeout
+        self.credentials = Credentials.resolve(token, ca_cert)
+        self.retry = retry or RetryPolicy(attempts=resume_attempts)
+        self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
+        self.last_pull_bytes = 0  # payload bytes the last pull received (a delta is smaller)
+        self._count_lock = threading.Lock()
+        self._closed = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def _own(self, release: Callable[[], None]) -> None:
+        """`release` frees what this client opened, at `close` or when the client is garbage.
+        It must not refer to the client itself, or the client would never be garbage."""
+        self._finalizer = weakref.finalize(self, release)
+
+    # ---- the transport's part (each transport's class defines all of these) ---------------------
+
+    def _pull(
+        self,
+        model: str,
+        version: str,
+        held: tuple[Manifest, memoryview] | None,
+        moved: Progress,
+        *,
+        select: Select | None = None,
+        owner: str | None = None,
+    ) -> tuple[Manifest, memoryview]:
+        """A version's manifest and data section; with `held`, as a delta on it when the server sends one;
+        with `select`, the selection's manifest and data section, from the replica `owner` if given."""
+        raise NotImplementedError
+
+    def _pull_part(self, manifest: Manifest, source: str, rx: Receiver) -> None:
+        """One try at the bytes `rx` still wants of a part, from the replica `source` that holds it."""
+        raise NotImplementedError
+
+    def _events(self, model: str, after: int | None) -> Iterator[VersionInfo]:
+        """One watch stream: the versions above `after` (all when None), then each new one."""
+        raise NotImplementedError
+
+    def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
+        raise NotImplementedError
+
+    def versions(self, model: str = "default") -> list[VersionInfo]:
+        raise NotImplementedError
+
+    def models(self) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def damaged_files(self) -> list[dict[str, str]]:
+        """The files the server found damaged at start-up and set aside: `model`, `file` (where it is
+        now) and `reason`, of every model."""
+        raise NotImplementedError
+
+    def topology(self) -> list[Replica]:
+        """The replicas of the deployment, as its registry knows them (sorted by id)."""
+        raise NotImplementedError
+
+    def _ack(self, model: str, version: int, client_id: str) -> int:
+        raise NotImplementedError
+
+    def clients(self, model: str = "default") -> list[ClientStatus]:
+        """The inference clients that acked versions of `model`."""
+        raise NotImplementedError
+
+    # ---- pulls ---------------------------------------------------------------------------------
+
+    def pull(
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        base: int | None = None,
+        select: Select | None = None,
+        progress: Progress | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """The served tensors of a version (checksums verified), by name; `base`, `select`: see `pull_data`."""
+        from weightsvc.client._tensors import tensors_from_data
+
+        return tensors_from_data(*self.pull_data(model, version, base=base, select=select, progress=progress))
+
+    def iter_weights(
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        select: Select | None = None,
+        progress: Progress | None = None,
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """`(name, tensor)` pairs of a version, checksums verified, as vLLM's `model.load_weights`
+        and SGLang's `update_weights_from_tensor` take them (fp8 scales come as `<name>_scale_inv`)."""
+        yield from self.pull(model, version, select=select, progress=progress).items()
+
+    def pull_file(
+        self,
+        path: str | Path,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        base: int | None = None,
+        progress: Progress | None = None,
+    ) -> Manifest:
+        """Write a version as a safetensors file (checksums verified first); returns its manifest.
+
+        With `base`, the file at `path` must hold that version (as written by a previous pull): only
+        the changes are pulled, and the file is replaced by the new version."""
+        if base is not None:
+            self.hold(*read_base_file(path, model, base))
+        manifest, data = self.pull_data(model, version, base=base, progress=progress)
+        verify_data(manifest, data)
+        write_version_file(path, manifest, data)
+        return manifest
+
+    def pull_data(
+        self,
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        base: int | None = None,
+        select: Select | None = None,
+        progress: Progress | None = None,
+    ) -> tuple[Manifest, memoryview]:
+        """The manifest and the raw data section of a version (not yet verified).
+
+        With `base`, only the changes from that version are sent when that is smaller: the client
+        must hold it, from its previous pull of the model (or `hold`).
+
+        With `select` (tensor name -> `Slice(dim, start, stop)`, or None for the whole tensor), only
+        those tensors, sliced: the manifest is the selection's (each tensor with the slice's shape, the
+        checksum of the slice's bytes and its `slice`), and the selection is not held as a delta base."""
+        held = self._held.get(model)
+        check_pull(model, base, select, held)
+        self.last_pull_bytes = 0
+
+        def moved(n: int) -> None:  # part pulls call this from their threads
+            with self._count_lock:
+                self.last_pull_bytes += n
+            if progress:
+                progress(n)
+
+        if select is not None:
+            return self._pull_selection(model, str(version), select, moved)
+        manifest, data = self._pull(model, str(version), held if base is not None else None, moved)
+        self._held[model] = (manifest, data)
+        return manifest, data
+
+    def _pull_selection(self, model: str, version: str, select: Select, moved: Progress) -> tuple[Manifest, memoryview]:
+        """A selection of a version, checked to be the one asked for. A replica of a sharded version
+        refuses a selection of tensors it does not hold: each owner's tensors then come from it, all
+        at once, and are joined in owner order."""
+        try:
+            manifest, data = self._pull(model, version, None, moved, select=select)
+        except FailedPrecondition:
+            whole = self.manifest(model, version)
+            if not whole.parts:
+                raise
+            manifest, data = pull_selection_by_part(self.retry, whole, select, lambda group, source: self._pull(
+                model, str(whole.version), None, moved, select=group, owner=source))
+        sent = {t.name: t.slice for t in manifest.tensors}
+        if sent != dict(select):
+            raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
+                           f"({sorted(sent)}) than the one asked for ({sorted(select)})")
+        return manifest, data
+
+    def held(self, model: str = "default") -> Manifest | None:
+        """The manifest of the version this client holds of `model` (its last pull): a delta base."""
+        held = self._held.get(model)
+        return held[0] if held is not None else None
+
+    def hold(self, manifest: Manifest, data: memoryview) -> None:
+        """Remember a version this client has (the base of a later delta pull of its model)."""
+        self._held[manifest.model] = (manifest, data)
+
+    # ---- watch and ack -------------------------------------------------------------------------
+
+    def watch(
+        self, model: str = "default", after: int | None = None, *, reconnect: bool = True, max_backoff: float = 5.0
+    ) -> Iterator[VersionInfo]:
+        """Each retained version above `after` (all when None), then each new one as it commits.
+
+        With `reconnect`, a lost server (restart, network) is retried with exponential backoff, and
+        the watch resumes after the last version it yielded: the latest version is never missed.
+        The watch ends when the client is closed."""
+        last, lost = after, 0
+        while True:
+            try:
+                for info in self._events(model, last):
+                    lost = 0
+                    last = info.version
+                    yield info
+            except WeightsvcError as e:
+                if self._closed:
+                    return
+                if not (reconnect and self.retry.retryable(e)):
+                    raise
+            if not reconnect or self._closed:
+                return
+            time.sleep(self.retry.delay(lost, max_backoff))  # then a new stream (the connection too)
+            lost += 1
+
+    def ack(self, model: str, version: int, client_id: str | None = None) -> int:
+        """Tell the service this client has loaded `version`; returns the latest version."""
+        return self._ack(model, version, client_id or f"{socket.gethostname()}-{id(self):x}")
+
+    # ---- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the client's connections; a watch in progress ends."""
+        self._closed = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __enter__(self) -> InferenceClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

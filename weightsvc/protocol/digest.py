@@ -1,0 +1,59 @@
+"""Checksums of served tensors, and the digest of a version's masters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import xxhash
+
+from weightsvc.errors import DataLoss
+
+
+def checksum(data: Any) -> str:
+    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+
+
+def verify(name: str, data: Any, expected: str, *, where: str) -> None:
+    got = checksum(data)
+    if got != expected:
+        raise DataLoss(f"{where}: tensor {name!r} checksum mismatch (got {got}, manifest says {expected})")
+
+
+DIGEST_BLOCK = 1 << 20
+
+
+class MasterDigest:
+    """Digest of one master tensor's bytes that does not depend on how they were chunked or split
+    across learner ranks: xxh3-128 over the xxh3-128 of each aligned 1 MiB block. Pieces of a block
+    that arrive separately (a rank boundary or an unaligned chunk inside it) are gathered first."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._blocks: dict[int, bytes] = {}
+        self._partial: dict[int, tuple[bytearray, int]] = {}  # block -> (bytes so far, count filled)
+
+    def update(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        pos, end = offset, offset + len(view)
+        while pos < end:
+            block = pos // DIGEST_BLOCK
+            start = block * DIGEST_BLOCK
+            stop = min(start + DIGEST_BLOCK, self.nbytes)
+            piece = view[pos - offset : min(end, stop) - offset]
+            if pos == start and len(piece) == stop - start:
+                self._blocks[block] = xxhash.xxh3_128_digest(piece)
+            else:
+                entry = self._partial.pop(block, None)
+                buf, filled = entry if entry is not None else (bytearray(stop - start), 0)
+                buf[pos - start : pos - start + len(piece)] = piece
+                filled += len(piece)
+                if filled == len(buf):
+                    self._blocks[block] = xxhash.xxh3_128_digest(buf)
+                else:
+                    self._partial[block] = (buf, filled)
+            pos += len(piece)
+
+    def hexdigest(self) -> str:
+        count = -(-self.nbytes // DIGEST_BLOCK)
+        assert len(self._blocks) == count and not self._partial, "digest of an incomplete tensor"
+        return xxhash.xxh3_128_hexdigest(b"".join(self._blocks[i] for i in range(count)))

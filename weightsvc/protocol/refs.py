@@ -1,0 +1,36 @@
+"""How a model and a version are named: model names become file names and URL segments, versions are
+the learner's steps, asked for by number or as "latest"."""
+
+from __future__ import annotations
+
+import re
+
+from weightsvc.errors import InvalidArgument
+
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+# Steps, so versions, are 0 ... MAX_STEP: each one can be asked for by number (18 digits), and a
+# model at the last step can still take the pushes above it that int64 leaves room for.
+MAX_STEP = 10**18 - 1
+_VERSION = re.compile(r"[0-9]{1,18}")
+
+
+def check_model_name(model: str) -> str:
+    # Model names become file names and URL segments: keep them plain.
+    if not _MODEL_NAME.fullmatch(model):
+        raise InvalidArgument(
+            f"model name {model!r} is invalid: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit",
+            reason="invalid_header",
+        )
+    return model
+
+
+def parse_version_ref(ref: str | int | None) -> int | None:
+    """`None` for latest; a positive int for a version number."""
+    if ref is None or ref == "" or ref == "latest":
+        return None
+    if isinstance(ref, int):
+        return ref
+    if _VERSION.fullmatch(ref):
+        return int(ref)
+    raise InvalidArgument(f"version {ref!r} is neither a version number nor 'latest'")

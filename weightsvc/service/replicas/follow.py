@@ -1,0 +1,94 @@
+"""Sharded replicas: following the registry. Every version the registry commits is shown, also one
+this replica holds no part of (it was down, or left out of the push): it serves its manifest, and
+clients fetch the bytes from the replicas that hold them. A replica that returns thus catches up.
+
+Loop-owned: every method runs on the service's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+
+from weightsvc.errors import Unavailable
+from weightsvc.service.replicas.parts import Parts
+from weightsvc.service.replicas.registry import Registry, manifest_from_registry
+from weightsvc.service.versions.acks import Acks
+from weightsvc.service.versions.index import Version, VersionIndex
+
+log = logging.getLogger("weightsvc.store")
+FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
+RETRY_S = 1.0  # how soon a model's events are read again after the registry went away
+
+
+class Follower:
+    """Shows in the index what the registry committed without this replica. `locks` are the
+    committer's, per model: a version is added under its model's lock, as a commit adds one."""
+
+    def __init__(
+        self, *, index: VersionIndex, parts: Parts, acks: Acks, registry: Registry, locks: dict[str, asyncio.Lock]
+    ) -> None:
+        self._index = index
+        self._parts = parts
+        self._acks = acks
+        self._registry = registry
+        self._locks = locks
+
+    async def follow(self) -> None:
+        """Show every version the registry commits, of every model, until cancelled."""
+        following: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                try:
+                    for model in await self._registry.models():
+                        if model not in following or following[model].done():
+                            following[model] = asyncio.create_task(self._follow(model), name=f"follow-{model}")
+                except Unavailable:
+                    pass  # the registry is away: the models it knows are followed once it is back
+                await asyncio.sleep(FOLLOW_MODELS_S)  # (no event announces a new model)
+        finally:
+            for task in following.values():
+                task.cancel()
+
+    async def catch_up(self, model: str | None = None) -> None:
+        """Show now every version the registry committed above what this replica shows (of `model`,
+        or of every model): before it joins the topology, and before a sharded push exports, so that
+        it decides from the latest version (which ef residuals go on) as the other owners do."""
+        for m in [model] if model is not None else await self._registry.models():
+            latest = self._index.latest(m)
+            for v in await self._registry.versions(m):
+                if (latest is None or v > latest) and self._index.find(m, v) is None:
+                    await self._learn(m, v, held_too=True)
+
+    async def _follow(self, model: str) -> None:
+        while True:
+            try:
+                async for v in self._registry.events(model, -1):
+                    if self._index.find(model, v) is None:
+                        await self._learn(model, v)
+            except Unavailable:
+                await asyncio.sleep(RETRY_S)
+
+    async def _learn(self, model: str, v: int, held_too: bool = False) -> None:
+        """Show version `v`, which the registry committed, if this replica holds no part of it (or,
+        `held_too`, if it shows nothing of it: its part's file was lost)."""
+        raw = await self._registry.manifest(model, v)
+        if raw is None:
+            return
+        whole = await asyncio.to_thread(manifest_from_registry, raw, f"model {model!r} version {v}")
+        if not whole.parts:
+            return  # one server holds it whole: clients pull it there
+        if not held_too and self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
+            return  # this replica holds a part: its own commit (or restore) shows the version
+        header = await asyncio.to_thread(whole.safetensors_header)
+        nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())
+        version = Version(whole, header, memoryview(b""), part=nothing)
+        async with self._locks.setdefault(model, asyncio.Lock()):
+            if self._index.find(model, v) is not None:
+                return  # its own commit showed it meanwhile
+            self._index.add(version)
+            self._acks.committed(model, v, whole.committed_unix)
+        log.info("model %s version %d: committed without this replica; served from the replicas that hold it",
+                 model, v)
+        await self._index.announce()

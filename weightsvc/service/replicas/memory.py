@@ -1,0 +1,145 @@
+"""The registry of one process: the embedded default, when no Redis is configured."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
+from weightsvc.service.replicas.registry import (
+    CommitResult,
+    check_commit,
+    combined_digest,
+    conflict,
+    diverged_error,
+    not_above,
+)
+
+
+class MemoryRegistry:
+    """The registry of one process: its state in dicts, its events a condition."""
+
+    def __init__(self) -> None:
+        self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
+        self._acks: dict[str, dict[str, tuple[int, float]]] = {}
+        self._replicas: dict[str, Replica] = {}
+        self._pending: dict[tuple[str, int, str], dict[str, str]] = {}  # parts of versions not yet complete
+        self._changed = asyncio.Condition()
+
+    async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
+        vs = self._manifests.setdefault(model, {})
+        if not check_commit(model, version, digest, vs[version][0] if version in vs else None, max(vs, default=None)):
+            return CommitResult(created=False)
+        vs[version] = (digest, manifest)
+        evicted = _retain(vs, retain)
+        async with self._changed:
+            self._changed.notify_all()
+        return CommitResult(created=True, evicted=evicted)
+
+    async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
+        vs = self._manifests.setdefault(model, {})
+        if version in vs:
+            if vs[version][0] != digest:
+                raise conflict(model, version, vs[version][0], digest)
+            return True
+        vs[version] = (digest, manifest)
+        return version not in _retain(vs, retain)
+
+    async def commit_part(
+        self, model: str, version: int, owner: str, owners: Sequence[str], digest: str, manifest: str, retain: int,
+        groups: Mapping[str, str] | None = None,
+    ) -> CommitResult | None:
+        owners = sorted(owners)
+        committed = self._manifests.get(model, {}).get(version)
+        if committed is not None:
+            part = json.loads(committed[1]).get(owner)  # (a plain version's manifest has no such key)
+            if isinstance(part, dict) and part.get("digest") == digest:
+                return CommitResult(created=False)
+            raise conflict(model, version, committed[0], digest)
+        latest = max(self._manifests.get(model, {}), default=None)
+        if latest is not None and version < latest:
+            raise not_above(model, version, latest)
+        key = (model, version, json.dumps(owners))
+        pending = self._pending.setdefault(key, {})
+        pending[owner] = json.dumps({"digest": digest, "manifest": manifest, "groups": dict(groups or {})})
+        if any(o not in pending for o in owners):
+            return None
+        del self._pending[key]
+        parts = {o: json.loads(pending[o]) for o in owners}
+        diverged = _diverged(parts)
+        if diverged:
+            raise diverged_error(model, version, diverged)
+        combined = combined_digest(owners, {o: p["digest"] for o, p in parts.items()})
+        return await self.commit(model, version, combined, json.dumps(parts), retain)
+
+    async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
+        if version in self._manifests.get(model, {}):
+            return False
+        key = (model, version, json.dumps(sorted(owners)))
+        pending = self._pending.get(key, {})
+        pending.pop(owner, None)
+        if not pending:
+            self._pending.pop(key, None)
+        return True
+
+    async def versions(self, model: str) -> list[int]:
+        return sorted(self._manifests.get(model, {}))
+
+    async def manifest(self, model: str, version: int) -> str | None:
+        entry = self._manifests.get(model, {}).get(version)
+        return entry[1] if entry else None
+
+    async def models(self) -> list[str]:
+        return sorted(m for m, vs in self._manifests.items() if vs)
+
+    async def events(self, model: str, after: int) -> AsyncIterator[int]:
+        last = after
+        while True:
+            async with self._changed:
+                await self._changed.wait_for(functools.partial(self._has_above, model, last))
+                newer = sorted(v for v in self._manifests[model] if v > last)
+            for v in newer:
+                yield v
+                last = v
+
+    def _has_above(self, model: str, version: int) -> bool:
+        return any(v > version for v in self._manifests.get(model, {}))
+
+    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
+        self._acks.setdefault(model, {})[client_id] = (version, unix)
+
+    async def acks(self, model: str) -> dict[str, tuple[int, float]]:
+        return dict(self._acks.get(model, {}))
+
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+        self._replicas[replica.id] = replica
+
+    async def deregister(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    async def replicas(self) -> list[Replica]:
+        return sorted(self._replicas.values())
+
+    async def close(self) -> None:
+        pass
+
+
+def _diverged(parts: Mapping[str, Any]) -> str:
+    """A group of tensors whose owners' parts hold different bytes, or "" (parts: owner -> record)."""
+    seen: dict[str, str] = {}
+    for p in parts.values():
+        for group, digest in (p.get("groups") or {}).items():
+            if seen.setdefault(group, digest) != digest:
+                return str(group)
+    return ""
+
+
+def _retain(versions: dict[int, Any], retain: int) -> tuple[int, ...]:
+    """Drop all but the newest `retain` versions; the ones dropped, oldest first."""
+    evicted = tuple(sorted(versions)[: max(0, len(versions) - retain)])
+    for v in evicted:
+        del versions[v]
+    return evicted
