@@ -8,7 +8,9 @@ import queue
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,11 +51,36 @@ def acked(server: BackgroundServer, model: str) -> dict[str, int]:
     return {c.client_id: c.version for c in server.service.clients(model)}
 
 
-def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, learner: LearnerClient,
-                                                    tmp_path: Path) -> None:
-    module, _ = masters("llama")
-    start = checkpoint(module, tmp_path / "v0")
+# An engine start (two processes spawned, each importing vLLM) is most of what these tests take. The
+# tests that load versions into a bf16 engine in place share one per model shape, for as long as
+# their class runs: each pushes its own versions, loads them, and compares with a fresh engine
+# started from what it loaded, so none depends on what another left in the engine. The fresh
+# engines stay per test: they are the reference.
+
+
+@pytest.fixture(scope="class")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """A bf16 Llama engine (head untied) started from `masters("llama")`: its checkpoint and the engine."""
+    start = checkpoint(masters("llama")[0], tmp_path_factory.mktemp("llama") / "v0")
     with engine(start) as llm:
+        yield start, llm
+
+
+@pytest.fixture(scope="class")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
+    """A bf16 Qwen2 engine (head tied to the embeddings) started from `masters("qwen2")`."""
+    start = checkpoint(masters("qwen2")[0], tmp_path_factory.mktemp("qwen2") / "v0")
+    with engine(start) as llm:
+        yield start, llm
+
+
+class TestLlamaInPlace:
+    """Versions loaded in place into one bf16 Llama engine (head untied)."""
+
+    def test_untied_llama_follows_two_versions_in_a_row(self, server: BackgroundServer, learner: LearnerClient,
+                                                        tmp_path: Path, llama: tuple[Path, Any]) -> None:
+        start, llm = llama
+        module, _ = masters("llama")  # the masters the engine started from
         before = generate(llm)
         for version in (1, 2):
             learner.push(version, step(module, version), model="llama")
@@ -66,22 +93,44 @@ def test_untied_llama_follows_two_versions_in_a_row(server: BackgroundServer, le
             assert [g[0] for g in got] != [b[0] for b in before]  # the update did change the policy
             before = got
 
+    def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(self, server: BackgroundServer, learner: LearnerClient,
+                                                                 tmp_path: Path, llama: tuple[Path, Any]) -> None:
+        # vLLM's CPU backend runs block-scaled fp8 only on CPUs with AMX tiles ("CPUFp8BlockScaledMMKernel
+        # requires AMX tile support (Sapphire Rapids or newer)"): here fp8 versions load as values.
+        start, llm = llama
+        module, _ = masters("llama", seed=13)
+        learner.push(1, step(module, 1), model="llama-fp8", format="fp8_e4m3")
+        before = generate(llm)
+        with pytest.raises(Mismatch, match=r"is served as F8_E4M3; the engine runs BF16"):
+            update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8")
+        assert generate(llm) == before and acked(server, "llama-fp8") == {}
+        update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8", dequantize=True)
+        got = generate(llm)
+        values = dequantize(InferenceClient(server.grpc_target).pull("llama-fp8", 1))
+        reference = served_checkpoint(start, server.grpc_target, "llama-fp8", 1, tmp_path / "v1")
+        save_file({n: t.to(torch.bfloat16) for n, t in values.items()}, str(reference / "model.safetensors"))
+        with engine(reference) as fresh:
+            assert got == generate(fresh)
+        assert acked(server, "llama-fp8") == {"fp8": 1}
 
-def test_tied_model_travels_once_and_its_head_follows(server: BackgroundServer, learner: LearnerClient,
-                                                      tmp_path: Path) -> None:
-    module, state = masters("qwen2")
-    start = checkpoint(module, tmp_path / "v0")
-    state = step(module, 1)
-    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
-    info = learner.push(1, state, model="qwen2")
-    with InferenceClient(server.grpc_target) as client:
-        manifest = client.manifest("qwen2", 1)
-        served = client.pull("qwen2", 1)
-    assert manifest.aliases == (("lm_head.weight", "model.embed_tokens.weight"),)
-    assert "lm_head.weight" not in {t.name for t in manifest.tensors}
-    assert info.data_bytes == sum(v.numel() * 2 for n, v in state.items() if n != "lm_head.weight")
-    assert np.array_equal(bits(served["lm_head.weight"]), bits(served["model.embed_tokens.weight"]))
-    with engine(start) as llm:
+
+class TestTiedQwen2InPlace:
+    """Versions loaded in place into one bf16 Qwen2 engine (head tied to the embeddings)."""
+
+    def test_tied_model_travels_once_and_its_head_follows(self, server: BackgroundServer, learner: LearnerClient,
+                                                          tmp_path: Path, qwen2: tuple[Path, Any]) -> None:
+        start, llm = qwen2
+        module, _ = masters("qwen2")
+        state = step(module, 1)
+        assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+        info = learner.push(1, state, model="qwen2")
+        with InferenceClient(server.grpc_target) as client:
+            manifest = client.manifest("qwen2", 1)
+            served = client.pull("qwen2", 1)
+        assert manifest.aliases == (("lm_head.weight", "model.embed_tokens.weight"),)
+        assert "lm_head.weight" not in {t.name for t in manifest.tensors}
+        assert info.data_bytes == sum(v.numel() * 2 for n, v in state.items() if n != "lm_head.weight")
+        assert np.array_equal(bits(served["lm_head.weight"]), bits(served["model.embed_tokens.weight"]))
         before = generate(llm)
         update_vllm(llm, server.grpc_target, "qwen2", client_id="vllm-tied")
         got = generate(llm)
@@ -98,15 +147,13 @@ def test_tied_model_travels_once_and_its_head_follows(server: BackgroundServer, 
         assert generate(llm) == got
         assert acked(server, "other-shape") == {}
 
-
-def test_a_checkpoint_without_the_tied_head_loads_into_a_tied_engine(
-    server: BackgroundServer, learner: LearnerClient, tmp_path: Path
-) -> None:
-    module, _ = masters("qwen2", seed=3)
-    start = checkpoint(module, tmp_path / "v0")
-    state = {n: v for n, v in step(module, 7).items() if n != "lm_head.weight"}  # as save_pretrained writes it
-    learner.push(5, state, model="qwen2-file")
-    with engine(start) as llm:
+    def test_a_checkpoint_without_the_tied_head_loads_into_a_tied_engine(
+        self, server: BackgroundServer, learner: LearnerClient, tmp_path: Path, qwen2: tuple[Path, Any]
+    ) -> None:
+        start, llm = qwen2
+        module, _ = masters("qwen2", seed=3)
+        state = {n: v for n, v in step(module, 7).items() if n != "lm_head.weight"}  # as save_pretrained writes it
+        learner.push(5, state, model="qwen2-file")
         assert update_vllm(llm, server.grpc_target, "qwen2-file", client_id="w") == 5
         got = generate(llm)
         with engine(served_checkpoint(start, server.grpc_target, "qwen2-file", 5, tmp_path / "v5")) as fresh:
@@ -160,28 +207,6 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
     assert acked(server, "llama-worker") and set(acked(server, "llama-worker").values()) == {2}
     with engine(served_checkpoint(start, server.grpc_target, "llama-worker", 2, tmp_path / "v2")) as fresh:
         assert done["generations"] == [g[0] for g in generate(fresh)]
-
-
-def test_an_fp8_version_loads_dequantized_into_a_bf16_engine(server: BackgroundServer, learner: LearnerClient,
-                                                             tmp_path: Path) -> None:
-    # vLLM's CPU backend runs block-scaled fp8 only on CPUs with AMX tiles ("CPUFp8BlockScaledMMKernel
-    # requires AMX tile support (Sapphire Rapids or newer)"): here fp8 versions load as values.
-    module, _ = masters("llama", seed=13)
-    start = checkpoint(module, tmp_path / "v0")
-    learner.push(1, step(module, 1), model="llama-fp8", format="fp8_e4m3")
-    with engine(start) as llm:
-        before = generate(llm)
-        with pytest.raises(Mismatch, match=r"is served as F8_E4M3; the engine runs BF16"):
-            update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8")
-        assert generate(llm) == before and acked(server, "llama-fp8") == {}
-        update_vllm(llm, server.grpc_target, "llama-fp8", client_id="fp8", dequantize=True)
-        got = generate(llm)
-    values = dequantize(InferenceClient(server.grpc_target).pull("llama-fp8", 1))
-    reference = served_checkpoint(start, server.grpc_target, "llama-fp8", 1, tmp_path / "v1")
-    save_file({n: t.to(torch.bfloat16) for n, t in values.items()}, str(reference / "model.safetensors"))
-    with engine(reference) as fresh:
-        assert got == generate(fresh)
-    assert acked(server, "llama-fp8") == {"fp8": 1}
 
 
 def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(

@@ -188,6 +188,23 @@ def test_a_version_that_does_not_fit_writes_nothing_and_is_not_acked(
     assert acked(server, model) == {}
 
 
+def test_loaders_is_the_public_face_of_the_integrations() -> None:
+    # The names users import from weightsvc.loaders, and the class paths they hand vLLM as
+    # `worker_extension_cls` (resolved as vLLM does: import the module, take the attribute).
+    from weightsvc.integrations.vllm.worker import VllmWorkerExtension as Extension
+
+    loaders = importlib.import_module("weightsvc.loaders")
+    assert all(getattr(loaders, name) is not None for name in loaders.__all__)
+    assert loaders.VllmWorkerExtension is Extension
+    if importlib.util.find_spec("vllm") is None:  # the CPU extension imports vLLM, in vLLM's workers only
+        with pytest.raises(ModuleNotFoundError, match="vllm"):
+            _ = loaders.VllmCpuEmulationExtension
+    else:
+        assert issubclass(loaders.VllmCpuEmulationExtension, Extension)
+    with pytest.raises(AttributeError, match="has no attribute 'VllmOther'"):
+        _ = loaders.VllmOther
+
+
 # A Llama-shaped checkpoint: vocabulary, width, MLP width, attention heads, KV heads, layers.
 LLAMA = SimpleNamespace(vocab_size=1000, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)

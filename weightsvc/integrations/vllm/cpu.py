@@ -1,5 +1,5 @@
-"""`VllmCpuEmulationExtension`, resolved through `weightsvc.loaders` (the one module of weightsvc that
-imports vLLM: it runs inside vLLM's workers).
+"""`VllmCpuEmulationExtension`, for vLLM's CPU backend. This module imports vLLM at import time; it
+is imported only in vLLM's workers, which resolve it through `weightsvc.loaders`.
 
 vLLM's CPU platform lists no linear kernel for MXFP8 or NVFP4, so an engine started from such a
 checkpoint fails while it builds the model ("Failed to find a kernel that can implement the MXFP8
@@ -16,7 +16,9 @@ from vllm.model_executor.kernels.linear.mxfp8.emulation import EmulationMxfp8Lin
 from vllm.model_executor.kernels.linear.nvfp4.emulation import EmulationNvFp4LinearKernel
 from vllm.platforms import PlatformEnum
 
-from weightsvc.loaders import VllmWorkerExtension
+from weightsvc.integrations.vllm.worker import VllmWorkerExtension
+
+__all__ = ["VllmCpuEmulationExtension"]
 
 register_linear_kernel(EmulationMxfp8LinearKernel, PlatformEnum.CPU, "mxfp8")
 register_linear_kernel(EmulationNvFp4LinearKernel, PlatformEnum.CPU, "nvfp4")  # W4A4 configs only
