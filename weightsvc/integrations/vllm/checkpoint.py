@@ -84,32 +84,16 @@ def _checkpoint(model_dir: str) -> dict[str, tuple[list[int], str]] | None:
     return out
 
 
-def _served_masters(manifest: Manifest) -> dict[str, tuple[tuple[int, ...], list[str]]]:
-    """Master name -> (its shape, the served tensors that carry it) of a version, by the names
-    `rounding.served_tensors` gives them: fp8's `_scale_inv`, the microscaled formats' `_packed`
-    elements (two per byte), `_scale` block scales and NVFP4's `_global_scale`."""
-    from weightsvc.rounding import BLOCK_SCALE_SUFFIX, GLOBAL_SCALE_SUFFIX, PACKED_SUFFIX
-    from weightsvc.rounding import SCALE_SUFFIX as FP8_SCALE_SUFFIX
+def served_masters(manifest: Manifest) -> dict[str, tuple[tuple[int, ...], list[str]]]:
+    """Master name -> (its shape, the served tensors that carry it) of a version: the inverse of the
+    served naming (`rounding.served_masters`), with each master's shape from its elements'."""
+    from weightsvc import rounding
 
     shapes = {t.name: tuple(t.shape) for t in manifest.tensors}
-
-    def owner(name: str) -> str | None:  # the master of a scale tensor
-        for suffix in (FP8_SCALE_SUFFIX, BLOCK_SCALE_SUFFIX, GLOBAL_SCALE_SUFFIX):
-            master = name.removesuffix(suffix)
-            if name.endswith(suffix) and (master in shapes or master + PACKED_SUFFIX in shapes):
-                return master
-        return None
-
-    out: dict[str, tuple[tuple[int, ...], list[str]]] = {}
-    for name, shape in shapes.items():
-        if name.endswith(PACKED_SUFFIX):
-            out[name.removesuffix(PACKED_SUFFIX)] = ((shape[0], 2 * shape[1]), [name])
-        elif owner(name) is None:
-            out[name] = (shape, [name])
-    for name in shapes:
-        master = owner(name)
-        if master is not None:
-            out[master][1].append(name)
+    out = {}
+    for master, served in rounding.served_masters(shapes).items():
+        _, role = rounding.master_of(served[0], shapes)
+        out[master] = (rounding.master_shape(role, shapes[served[0]]), served)
     return out
 
 
@@ -121,7 +105,7 @@ def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]]
     may be absent from either, and so may the engine's activation calibration (`CALIBRATION`)."""
     where = f"model {manifest.model!r} version {manifest.version}"
     if dequantize:
-        served = {m: (list(shape), "values (dequantize=True)") for m, (shape, _) in _served_masters(manifest).items()}
+        served = {m: (list(shape), "values (dequantize=True)") for m, (shape, _) in served_masters(manifest).items()}
     else:
         served = {t.name: (list(t.shape), t.dtype) for t in manifest.tensors}
     served_names = set(served) | {a for a, _ in manifest.aliases}

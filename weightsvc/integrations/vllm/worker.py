@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsvc.client import InferenceClient, dequantize
-from weightsvc.integrations.vllm.checkpoint import _served_masters, calibration, check_engine_fits
+from weightsvc.integrations.vllm.checkpoint import calibration, check_engine_fits, served_masters
 from weightsvc.integrations.vllm.layout import placed, tp_select
 
 __all__ = ["VllmWorkerExtension"]
@@ -36,7 +36,7 @@ class VllmWorkerExtension:
             select = tp_select(manifest, rank, size, num_kv_heads=getattr(hf, "num_key_value_heads", None),
                                head_dim=head_dim)
             if dequantize_fp8:  # a scaled master is dequantized whole (an fp8 block spans several ranks' rows)
-                select.update({n: None for _, parts in _served_masters(manifest).values() if len(parts) > 1
+                select.update({n: None for _, parts in served_masters(manifest).values() if len(parts) > 1
                                for n in parts})
             sliced = {n: s for n, s in select.items() if s is not None}
             weights = client.pull(model, version, select=select) if sliced else client.pull(model, version)
