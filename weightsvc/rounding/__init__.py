@@ -57,7 +57,7 @@ from weightsvc.rounding._microscale import (
     nvfp4_global_scale,
     scales_from_block_amax,
 )
-from weightsvc.rounding._residual import Residual
+from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY, Residual
 from weightsvc.rounding._scales import element_scales, fp8_scales, fp8_scales_torch, group_amax, scales_from_amax
 from weightsvc.rounding._spec import ExportSpec, ExportStats, check_export, run_keys
 from weightsvc.rounding._torch import dequantize, export, export_state_dict, fair_cast
@@ -71,6 +71,9 @@ __all__ = [
     "GLOBAL_SCALE_SUFFIX",
     "MICROSCALED",
     "PACKED_SUFFIX",
+    "RESIDUAL_FORMAT_KEY",
+    "RESIDUAL_SCALING_KEY",
+    "RESIDUAL_VERSION_KEY",
     "ROLES",
     "ROUNDINGS",
     "SCALE_SUFFIX",

@@ -26,8 +26,7 @@ from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.manifest import manifest_from_header
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, framed, header_length, read_safetensors_header
-from weightsvc.rounding import Residual
-from weightsvc.rounding._residual import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY
+from weightsvc.rounding import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY, Residual
 from weightsvc.service.versions.index import Version, VersionFile
 
 log = logging.getLogger("weightsvc.store")
