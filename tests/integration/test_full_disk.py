@@ -1,11 +1,14 @@
 """--data-dir on a disk that fills: a push makes room by evicting the model's oldest versions that
 nothing needs, and a file that still does not fit (a version's or an ef residual's) is
-RESOURCE_EXHAUSTED with the bytes it needs and those free, leaving nothing behind.
+RESOURCE_EXHAUSTED with the bytes it needs and those free, leaving nothing behind. A sharded
+replica never evicts its part of a version the registry retains: the push that does not fit is
+refused.
 
 The disk is a tmpfs of its own, resized between pushes (mounting one needs root on Linux)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,8 +19,10 @@ import pytest
 import torch
 
 from tests.conftest import serving
+from tests.helpers import REDIS_URL, assert_served, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound, ResourceExhausted
+from weightsvc.protocol.topology import assign
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
 MIB = 1 << 20
@@ -45,11 +50,11 @@ class Disk:
         return st.f_bavail * st.f_frsize
 
 
-@pytest.fixture
-def disk(tmp_path: Path) -> Iterator[Disk]:
+@contextlib.contextmanager
+def mounted(path: Path) -> Iterator[Disk]:
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("a disk that fills is a tmpfs of its own: mounting one needs root on Linux")
-    d = Disk(tmp_path / "disk")
+    d = Disk(path)
     d.path.mkdir()
     done = d._mount("-t", "tmpfs", "-o", f"size={64 * MIB},mode=0700", "weightsvc-test")
     if done.returncode != 0:
@@ -58,6 +63,12 @@ def disk(tmp_path: Path) -> Iterator[Disk]:
         yield d
     finally:
         subprocess.run(["umount", "--lazy", str(d.path)], check=False)
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Disk]:
+    with mounted(tmp_path / "disk") as d:
+        yield d
 
 
 def masters(mib: int) -> dict[str, torch.Tensor]:
@@ -161,3 +172,39 @@ def test_an_ef_push_makes_room_for_its_residual_and_the_chain_goes_on(disk: Disk
     for step in (1, 2, 3, 4):
         want = export_state_dict(weights, spec, version=step, residual=own)
     assert all(want[n].view(torch.int16).equal(served[n].view(torch.int16)) for n in weights)
+
+
+@needs_redis
+@pytest.mark.parametrize("full", [1, 2])
+def test_a_sharded_replica_on_a_full_disk_refuses_the_push_and_keeps_every_retained_part(
+    tmp_path: Path, redis_prefix: str, full: int
+) -> None:
+    """Three replicas, each tensor on two of them; the disk of one (or two) fills. The next push is
+    RESOURCE_EXHAUSTED naming the replica's data dir and the bytes, and every listed version keeps both
+    holders of each group of tensors: their files, and every tensor pullable bit for bit from each replica."""
+    weights = masters(6)
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "replication": 2, "retain": 4}
+    with contextlib.ExitStack() as stack:
+        disks = {r: stack.enter_context(mounted(tmp_path / f"disk-{r}")) for r in ("r2", "r1")[:full]}
+        data = {r: (disks[r].path if r in disks else tmp_path / r) / "data" for r in ("r0", "r1", "r2")}
+        replicas = [stack.enter_context(serving(**shared, replica_id=r, data_dir=d)) for r, d in data.items()]
+        assert sorted(assign(weights, InferenceClient(replicas[0].grpc_target).topology(), 2)) == sorted(data)
+        learner = LearnerClient(replicas[0].grpc_target)
+        learner.push(1, weights, model="m")
+        for r, d in disks.items():  # room for one more part and a half
+            one = allocated(data[r] / "models" / "m" / named(1)[0])
+            d.resize(d.used() + one + one // 2)
+        learner.push(2, weights, model="m")
+        full_dir = rf"cannot persist to {data['r1' if full == 2 else 'r2']}/models/m|cannot persist to {data['r2']}"
+        with pytest.raises(ResourceExhausted, match=rf"model 'm' version 3: ({full_dir}): No space left on device: it "
+                           rf"needs [\d,]+ bytes, [\d,]+ are free.*this replica's parts of retained versions stay"):
+            learner.push(3, weights, model="m")
+        for srv in replicas:
+            puller = InferenceClient(srv.grpc_target)
+            assert [v.version for v in puller.versions("m")] == [1, 2]
+            for step in (1, 2):
+                whole = puller.manifest("m", step)
+                assert all(len(p.holders) == 2 for p in whole.parts)
+                holders = {h for p in whole.parts for h in p.holders}
+                assert all((data[r] / "models" / "m" / named(step)[0]).exists() for r in holders), step
+                assert_served(puller.pull("m", step), weights, step)

@@ -20,7 +20,7 @@ from weightsvc.client._common import Credentials, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.protocol.manifest import MASTER_DTYPE
-from weightsvc.protocol.names import PUSH
+from weightsvc.protocol.names import PUSH, REASON_KEY
 from weightsvc.protocol.topology import Replica, groups
 from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -234,8 +234,12 @@ class LearnerClient:
                 raise Unavailable(f"{where}: no replica of the deployment can be reached (left out: "
                                   f"{sorted(self._replicas.left_out)})")
             if len(replicas) <= 1 and not self._replicas.left_out:
-                header.aliases.update(aliases)
-                streams: list[Stream] = [("", self._channel, header, dict(parts))]
+                whole = pb.PushHeader()
+                whole.CopyFrom(header)  # (without the owners of an earlier try to several replicas)
+                whole.ClearField("owners")
+                whole.replication = 0
+                whole.aliases.update(aliases)
+                streams: list[Stream] = [("", self._channel, whole, dict(parts))]
             else:
                 streams = self._sharded(header, parts, aliases, replicas, where)
             try:
@@ -310,7 +314,9 @@ class LearnerClient:
                 failure = call.exception()
                 if failure is not None:
                     err = error(failure, self.target)
-                    if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE:
+                    # (a replica that answers that the registry is away is up: the learner retries later)
+                    if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
+                            (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
                         raise _ReplicaDown(replica_of[id(call)], err) from None
                     raise err from None
             return calls[0].result()

@@ -13,6 +13,11 @@ _DESCRIPTOR = pb.DESCRIPTOR.services_by_name["WeightService"]
 SERVICE = _DESCRIPTOR.full_name
 
 
+# Trailing metadata of an error answer: the error's reason (`WeightsvcError.reason`), so that a client
+# tells a replica that answered UNAVAILABLE because the registry is away from one it cannot reach.
+REASON_KEY = "weightsvc-reason"
+
+
 def method(name: str) -> str:
     """The full gRPC method path of `name` (e.g. "Push" -> "/weightsvc.v1.WeightService/Push")."""
     return f"/{SERVICE}/{name}"

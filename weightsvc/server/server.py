@@ -131,6 +131,8 @@ class Server:
         if sharded:
             await self.service.committer.follower.catch_up()  # before it takes part in pushes
         await self.service.registry.register(self.replica)
+        if sharded:
+            self.service.replica = self.replica  # (its registration vanishing tells a registry that lost its data)
         self._heartbeat = asyncio.create_task(self._renew(self.replica))
         if sharded:
             self._follow = asyncio.create_task(self.service.committer.follower.follow(), name="follow")
@@ -158,11 +160,13 @@ class Server:
 
     async def _renew(self, replica: Replica) -> None:
         """Keep this replica's registration alive (it expires if the process dies)."""
-        registry = self.service.registry if self.service else None
-        while registry is not None:
+        service = self.service
+        while service is not None:
             await asyncio.sleep(REPLICA_TTL_S / 3)
             try:
-                await registry.register(replica)
+                if not await service.registry.register(replica) and service.replica is not None:
+                    service.registry_lost()  # it forgot this replica: it lost its data, or was away too long
+                await service.topology()  # (kept fresh: what the topology was, should the registry lose it)
             except WeightsvcError as e:  # the registry is away: keep serving, try again
                 log.warning("cannot renew replica %s: %s", replica.id, e)
 
@@ -174,6 +178,7 @@ class Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if self.service is not None and self.replica is not None:
+            self.service.replica = None  # (gone from the registry now, not to register again)
             with contextlib.suppress(WeightsvcError):
                 await self.service.registry.deregister(self.replica.id)
         if self._relay is not None:

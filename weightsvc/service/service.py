@@ -26,7 +26,7 @@ from weightsvc.errors import (
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import check_model_name
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.device import Exporter, exporter_for
 from weightsvc.service.pull import Pulls, events, watching
 from weightsvc.service.push.context import PushContext
@@ -108,6 +108,11 @@ class Service:
         ))
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
         self._topology: list[Replica] | None = None  # the last the registry gave
+        self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
+        # After the registry lost its data, until the replicas have registered again: the topology as
+        # it was before, so that no push goes to fewer owners than hold each tensor.
+        self._lost_until = 0.0
+        self._before_loss: list[Replica] = []
         self._stopping = asyncio.Event()  # set when the server stops: watches end
 
     def close(self) -> None:
@@ -184,13 +189,33 @@ class Service:
 
     async def topology(self) -> list[Replica]:
         """The replicas as the registry knows them; while it is unreachable, as it last knew them
-        (clients keep pulling from the owners; pushes fail at their commit, with UNAVAILABLE)."""
+        (clients keep pulling from the owners; pushes fail at their commit, with UNAVAILABLE). A
+        registry that no longer knows this replica lost its data: this replica registers again, and
+        until every replica had the time to (`REPLICA_TTL_S`), the topology is also what it was before."""
         try:
-            self._topology = await self.registry.replicas()
+            live = await self.registry.replicas()
+            if self.replica is not None and self.replica not in live:
+                await self.registry.register(self.replica)
+                self.registry_lost()
+                live = sorted({*live, self.replica})
         except Unavailable:
             if self._topology is None:
                 raise
-        return self._topology
+            return self._topology
+        if self.loop.time() < self._lost_until:
+            return sorted({*live, *self._before_loss})
+        self._topology = live
+        return live
+
+    def registry_lost(self) -> None:
+        """The registry lost its data (this replica's registration vanished): the topology holds what
+        it was for a while, and this replica gives the registry back the versions it holds."""
+        if self.loop.time() >= self._lost_until:
+            self._before_loss = list(self._topology or [])
+            log.warning("the registry lost this replica's registration (its data): registered again; giving it "
+                        "back the versions held here")
+        self._lost_until = self.loop.time() + REPLICA_TTL_S
+        self.committer.registry_lost()
 
     def clients(self, model: str) -> list[ClientStatus]:
         """The clients that acked a version of `model`: what each holds, how far behind, whether it is

@@ -17,7 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.protocol.manifest import TensorSpec
-from weightsvc.protocol.names import METHODS, SERVICE
+from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
@@ -47,7 +47,7 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
         if isinstance(e, WeightsvcError):
-            await context.abort(grpc_status(e), e.message)
+            await context.abort(grpc_status(e), e.message, trailing_metadata=((REASON_KEY, e.reason),))
         log.exception("internal error in %s", fn.__name__)
         await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 

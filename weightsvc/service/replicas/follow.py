@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 
 from weightsvc.errors import Unavailable
 from weightsvc.service.replicas.parts import Parts
@@ -24,16 +25,19 @@ RETRY_S = 1.0  # how soon a model's events are read again after the registry wen
 
 class Follower:
     """Shows in the index what the registry committed without this replica. `locks` are the
-    committer's, per model: a version is added under its model's lock, as a commit adds one."""
+    committer's, per model: a version is added under its model's lock, as a commit adds one. `lost`
+    is called when the registry no longer knows a model this replica shows (it lost its data)."""
 
     def __init__(
-        self, *, index: VersionIndex, parts: Parts, acks: Acks, registry: Registry, locks: dict[str, asyncio.Lock]
+        self, *, index: VersionIndex, parts: Parts, acks: Acks, registry: Registry, locks: dict[str, asyncio.Lock],
+        lost: Callable[[], None],
     ) -> None:
         self._index = index
         self._parts = parts
         self._acks = acks
         self._registry = registry
         self._locks = locks
+        self._lost = lost
 
     async def follow(self) -> None:
         """Show every version the registry commits, of every model, until cancelled."""
@@ -41,9 +45,13 @@ class Follower:
         try:
             while True:
                 try:
-                    for model in await self._registry.models():
+                    models = await self._registry.models()
+                    if set(self._index.models()) - set(models):
+                        self._lost()
+                    for model in models:
                         if model not in following or following[model].done():
                             following[model] = asyncio.create_task(self._follow(model), name=f"follow-{model}")
+                        await self._show_given_back(model)
                 except Unavailable:
                     pass  # the registry is away: the models it knows are followed once it is back
                 await asyncio.sleep(FOLLOW_MODELS_S)  # (no event announces a new model)
@@ -60,6 +68,15 @@ class Follower:
             for v in await self._registry.versions(m):
                 if (latest is None or v > latest) and self._index.find(m, v) is None:
                     await self._show_committed_elsewhere(m, v, held_too=True)
+
+    async def _show_given_back(self, model: str) -> None:
+        """Show the versions the registry holds again and this replica lacks: versions given back by
+        their holders after the registry lost its data come with no event."""
+        shown = self._index.versions(model) if model in self._index.models() else []
+        oldest = shown[0].manifest.version if len(shown) >= self._index.retain else -1
+        for v in await self._registry.versions(model):
+            if v > oldest and self._index.find(model, v) is None:
+                await self._show_committed_elsewhere(model, v)
 
     async def _follow(self, model: str) -> None:
         while True:

@@ -85,6 +85,9 @@ class MemoryRegistry:
             self._pending.pop(key, None)
         return True
 
+    async def part_pending(self, model: str, version: int, owner: str, owners: Sequence[str]) -> bool:
+        return owner in self._pending.get((model, version, json.dumps(sorted(owners))), {})
+
     async def versions(self, model: str) -> list[int]:
         return sorted(self._manifests.get(model, {}))
 
@@ -114,8 +117,10 @@ class MemoryRegistry:
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         return dict(self._acks.get(model, {}))
 
-    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
+        renewed = replica.id in self._replicas
         self._replicas[replica.id] = replica
+        return renewed
 
     async def deregister(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)

@@ -17,14 +17,23 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from weightsvc.errors import Aborted, DataLoss, DeadlineExceeded, FailedPrecondition, Unavailable
+from weightsvc.errors import (
+    Aborted,
+    AlreadyExists,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Unavailable,
+    WeightsvcError,
+)
 from weightsvc.protocol.manifest import Manifest, Part
 from weightsvc.protocol.parts import Segment
-from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry
+from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry, record_digest
 from weightsvc.service.versions.index import Version
 
 log = logging.getLogger("weightsvc.store")
 SETTLE_S = 5.0  # how long a push waits for the part a cancelled push left waiting to be settled
+RECORD_AGAIN_S = 1.0  # how often a waiting part checks that the registry still holds it
 T = TypeVar("T")
 
 
@@ -88,9 +97,11 @@ class Parts:
             m = dataclasses.replace(m, parts=(Part(self.replica_id, 0, m.data_bytes),))
         return dataclasses.replace(version, manifest=m, header=b"")  # its header is made at commit
 
-    async def commit(self, part: Version, part_of: PartOf, text: str | None = None) -> tuple[CommitResult, Version]:
+    async def commit(self, part: Version, part_of: PartOf, text: str | None = None
+                     ) -> tuple[CommitResult, Version, str]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
-        registry's decision and the version as served (the whole manifest, this part's bytes).
+        registry's decision, the version as served (the whole manifest, this part's bytes) and the
+        registry's record of it (to keep beside the part: `Records`).
         Raises only while the version is not committed: once it is, this replica keeps its part.
         `text`: the part's manifest as JSON, when the caller has made it."""
         m = part.manifest
@@ -98,25 +109,22 @@ class Parts:
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         mine = text if text is not None else await asyncio.to_thread(m.json)
+        groups = group_digests(m)
+
+        def record() -> Awaitable[CommitResult | None]:
+            return self._registry.commit_part(m.model, m.version, self.replica_id, part_of.owners, m.master_digest,
+                                              mine, self._retain, groups)
+
         self._waiting[m.model] = waiting = _Waiting(m.version, part_of)
         try:
             try:
-                decided = await self._registry.commit_part(
-                    m.model,
-                    m.version,
-                    self.replica_id,
-                    part_of.owners,
-                    m.master_digest,
-                    mine,
-                    self._retain,
-                    group_digests(m),
-                )
+                decided = await record()
             except Unavailable as e:  # recorded or not: the registry's answer to a withdraw settles it
                 if await self._withdraw(m.model, m.version, part_of.owners):
                     raise e from None
                 decided = CommitResult(created=True)
             if decided is None:
-                arrived = await self._other_parts(m.model, m.version, part_of)
+                arrived = await self._other_parts(m.model, m.version, part_of, record)
                 if not arrived and await self._withdraw(m.model, m.version, part_of.owners):
                     if part_of.abandoned.is_set():
                         raise Aborted(
@@ -137,34 +145,52 @@ class Parts:
             waiting.settled.set()
         raw = await _registry_answer(lambda: self._registry.manifest(m.model, m.version), f"reading {where}")
         if raw is None:
-            raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
+            latest = max(await _registry_answer(lambda: self._registry.versions(m.model), f"listing {where}"),
+                         default=None)
+            if latest is not None and latest > m.version:
+                raise FailedPrecondition(f"{where}: committed, and already retired by newer versions", reason="other")
+            raise Unavailable(f"{where}: the registry lost the version (its data) as it committed; push again",
+                              reason="registry")
         served = await asyncio.to_thread(_served, part, raw)  # parses the whole manifest, makes its header
         if served is None:
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
-        return decided, served
+        return decided, served, raw
 
-    async def restored(self, part: Version) -> Version | None:
-        """A part restored from this replica's file after a restart, served under the registry's
-        manifest of the whole version if that committed; else withdrawn (written before a crash and
-        not committed, it could still complete) and None."""
+    async def restored(self, part: Version, record: str | None) -> tuple[Version | None, str | None]:
+        """A part restored from this replica's file, served under the registry's record of the whole
+        version, and that record; (None, None) where the registry decided against it.
+
+        `record`: the registry's record kept beside the part when its version committed. The registry
+        that does not know the version lost it (its data): the record gives it back, the same digest
+        and manifest as before, unless retention leaves it out. Without a record the version never
+        committed as far as this replica knows (written before a crash): the part is withdrawn, and
+        goes only if the registry takes it back (it could still complete). A part whose version the
+        registry holds with other content goes."""
         m = part.manifest
-        whole = await self._whole_of(part)
-        if whole is None and not await self._registry.withdraw_part(m.model, m.version, m.parts[0].owner, m.owners):
-            whole = await self._whole_of(part)  # the last part came in meanwhile
-        return whole
-
-    async def _whole_of(self, part: Version) -> Version | None:
-        raw = await self._registry.manifest(part.manifest.model, part.manifest.version)
-        return None if raw is None else _served(part, raw)
+        raw = await self._registry.manifest(m.model, m.version)
+        if raw is None and record is not None:
+            try:
+                if not await self._registry.restore(m.model, m.version, record_digest(record), record, self._retain):
+                    return None, None  # older than what retention keeps
+            except AlreadyExists:
+                pass  # restored meanwhile with other content: told apart below
+            raw = await self._registry.manifest(m.model, m.version)
+        if raw is None and not await self._registry.withdraw_part(m.model, m.version, m.parts[0].owner, m.owners):
+            raw = await self._registry.manifest(m.model, m.version)  # the last part came in meanwhile
+        whole = None if raw is None else await asyncio.to_thread(_served, part, raw)
+        return (whole, raw) if whole is not None else (None, None)
 
     async def _withdraw(self, model: str, version: int, owners: tuple[str, ...]) -> bool:
         """Take this replica's part back: True, or False if the version committed first."""
         return await _registry_answer(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
                               f"withdrawing its part of model {model!r} version {version}")
 
-    async def _other_parts(self, model: str, version: int, part_of: PartOf) -> bool:
+    async def _other_parts(self, model: str, version: int, part_of: PartOf,
+                           record: Callable[[], Awaitable[CommitResult | None]]) -> bool:
         """Wait until the registry commits `version` (True), or until the timeout or the learner
-        abandons the push (False)."""
+        abandons the push (False). A registry that lost its data (restarted empty, failed over) lost
+        this part too: it is recorded again (`record`), so the version still commits once every
+        owner's part is in, or is told that it committed (given back by its holders)."""
 
         async def committed() -> bool:
             while True:
@@ -174,14 +200,24 @@ class Parts:
                 except Unavailable:
                     await asyncio.sleep(0.5)  # the deadline still holds
 
-        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(part_of.abandoned.wait())]
+        async def recorded() -> bool:
+            while True:
+                await asyncio.sleep(RECORD_AGAIN_S)
+                with contextlib.suppress(Unavailable):
+                    if not await self._registry.part_pending(model, version, self.replica_id, part_of.owners):
+                        with contextlib.suppress(WeightsvcError):  # (refused: the deadline decides)
+                            if await record() is not None:
+                                return True
+
+        waiting = [asyncio.ensure_future(committed()), asyncio.ensure_future(recorded()),
+                   asyncio.ensure_future(part_of.abandoned.wait())]
         try:
             done, _ = await asyncio.wait(waiting, timeout=part_of.timeout, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for w in waiting:
                 w.cancel()
             await asyncio.gather(*waiting, return_exceptions=True)
-        return waiting[0] in done and waiting[0].result() is True
+        return any(w in done and w.result() is True for w in waiting[:2])
 
 
 def group_digests(m: Manifest) -> dict[str, str]:

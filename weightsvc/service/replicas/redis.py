@@ -225,6 +225,11 @@ class RedisRegistry:
                                                    args=[version, owner]))
         return bool(int(out))
 
+    async def part_pending(self, model: str, version: int, owner: str, owners: Sequence[str]) -> bool:
+        pending = self._keys(model, version, owners)[-1]
+        return bool(await self._call(f"reading the parts of model {model!r} version {version}",
+                                     self._redis.hexists(pending, owner)))
+
     async def versions(self, model: str) -> list[int]:
         raw = await self._call(f"listing model {model!r}", self._redis.zrange(self._key(model, "versions"), 0, -1))
         return sorted(int(v) for v in raw)  # type: ignore[attr-defined]
@@ -267,11 +272,14 @@ class RedisRegistry:
         raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
         return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
 
-    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
+        key = f"{self.prefix}:replica:{replica.id}"
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(f"{self.prefix}:replica:{replica.id}", json.dumps(dataclasses.asdict(replica)), px=int(ttl * 1000))
+            pipe.exists(key)
+            pipe.set(key, json.dumps(dataclasses.asdict(replica)), px=int(ttl * 1000))
             pipe.sadd(f"{self.prefix}:replicas", replica.id)
-            await self._call(f"registering replica {replica.id!r}", pipe.execute())
+            renewed, _, _ = await self._call(f"registering replica {replica.id!r}", pipe.execute())
+        return bool(renewed)
 
     async def deregister(self, replica_id: str) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:

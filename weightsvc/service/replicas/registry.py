@@ -49,6 +49,19 @@ def combined_digest(owners: Sequence[str], digests: Mapping[str, str]) -> str:
     return "sha1:" + hashlib.sha1("\n".join(f"{o}:{digests[o]}" for o in owners).encode()).hexdigest()
 
 
+def record_digest(raw: str) -> str:
+    """The master digest the registry records with a version (as `manifest_from_registry` reads it):
+    a plain manifest's own, or for a version made of parts, the one combined from its parts'."""
+    try:
+        d = json.loads(raw)
+        if "model" in d:
+            return str(d["master_digest"])
+        owners = sorted(d)
+        return combined_digest(owners, {o: d[o]["digest"] for o in owners})
+    except (ValueError, KeyError, TypeError) as e:
+        raise DataLoss(f"the registry's record holds no readable digest ({e})") from None
+
+
 def manifest_from_registry(raw: str, where: str) -> Manifest:
     """A committed version's manifest as the registry records it: a manifest, or for a version made
     of parts, each owner's part (digest and manifest), combined here."""
@@ -111,6 +124,11 @@ class Registry(Protocol):
         """Take back a part of a version that never completed; False: too late, it committed."""
         ...
 
+    async def part_pending(self, model: str, version: int, owner: str, owners: Sequence[str]) -> bool:
+        """Whether `owner`'s part of a version of `owners` waits in the registry for the other parts
+        (False once the version committed, and after the registry lost its data)."""
+        ...
+
     async def versions(self, model: str) -> list[int]:
         """The retained versions of `model`, oldest first."""
         ...
@@ -135,8 +153,10 @@ class Registry(Protocol):
         """Each client's last ack of `model`: (version, unix time)."""
         ...
 
-    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> None:
-        """Announce (or renew) a replica; it expires unless renewed within `ttl` seconds."""
+    async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
+        """Announce (or renew) a replica; it expires unless renewed within `ttl` seconds. True if it
+        was registered already (a renewal); False if not: a first registration, or one the registry
+        forgot (it expired, or the registry lost its data)."""
         ...
 
     async def deregister(self, replica_id: str) -> None:

@@ -19,12 +19,15 @@ async def make_room(index: VersionIndex, files: VersionFiles, model: str, step: 
     """Evict the model's oldest versions, deleting their files, until `full.needed` bytes are free
     (or, under a quota the free space does not show, were freed). The latest version stays (an ef
     push continues from it), and so do `step` (the one being written) and one that a pull holds (its
-    blocks stay taken until the pull ends). Nothing goes when all that may go would not make room.
-    Returns the versions evicted."""
+    blocks stay taken until the pull ends). A sharded replica's part of a version stays too: the
+    registry retains that version, and its other holders count on this one (the push that does not
+    fit is refused instead, as where nothing else may go). Nothing goes when all that may go would
+    not make room. Returns the versions evicted."""
     latest = index.latest(model)
     retained = index.versions(model) if latest is not None else []
-    victims = [v.manifest.version for v in retained if v.manifest.version not in (latest, step) and not v.readers]
-    kept = "the latest version and versions being pulled stay"
+    victims = [v.manifest.version for v in retained
+               if v.manifest.version not in (latest, step) and not v.readers and v.part is None]
+    kept = "the latest version, versions being pulled and this replica's parts of retained versions stay"
     if not victims:
         raise DiskFull(f"{full.message}; no version of model {model!r} may go to make room ({kept})",
                        needed=full.needed)

@@ -35,7 +35,7 @@ from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, not_above
 from weightsvc.service.versions import _restore
 from weightsvc.service.versions._eviction import make_room, named
-from weightsvc.service.versions._restore import kept_residual
+from weightsvc.service.versions._restore import Records, kept_residual
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionFile, VersionIndex
@@ -66,7 +66,10 @@ class Committer:
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
         self._residuals: dict[str, Residual] = {}
         self._lag: dict[str, LagTracker] = {}
-        self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks)
+        self._records = Records(files)
+        self._giving_back: asyncio.Task[None] | None = None
+        self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
+                                 lost=self.registry_lost)
 
     def check_step(self, model: str, step: int) -> None:
         """A push may target a step above the latest, or an existing one (idempotent re-push)."""
@@ -156,6 +159,7 @@ class Committer:
             text = await asyncio.to_thread(m.json)
             header = await asyncio.to_thread(m.safetensors_header, text)
             version = dataclasses.replace(version, manifest=m, header=header)
+            record = None
             try:
                 check_header_size(len(version.header) - 8, f"model {m.model!r} step {m.version}")
                 if self._files is not None:
@@ -173,7 +177,7 @@ class Committer:
                 if part_of is None:
                     decided = await self._registered(m, text)
                 else:
-                    decided, version = await self._parts.commit(version, part_of, text)
+                    decided, version, record = await self._parts.commit(version, part_of, text)
             except BaseException:
                 self._lag[m.model] = before
                 if self._files is not None:
@@ -185,7 +189,10 @@ class Committer:
             if not decided.created and held is not None:
                 return held, False
             created = decided.created or part_of is not None
+            if record is not None:  # should the registry lose the version, this replica gives it back
+                await self._records.keep(m.model, m.version, record)
             evicted = self._index.add(version)
+            self._records.forget(m.model, {v.manifest.version for v in self._index.versions(m.model)})
             self._acks.committed(m.model, m.version, m.committed_unix)
             if residual is not None:
                 self._residuals[m.model] = residual[1]
@@ -245,4 +252,29 @@ class Committer:
 
     async def sync_registry(self) -> None:
         """After a restart, make the registry and the restored versions agree (`_restore.sync_registry`)."""
-        await _restore.sync_registry(self._index, self._files, self._parts, self._registry, self._residuals)
+        await _restore.sync_registry(self._index, self._files, self._parts, self._registry, self._residuals,
+                                     self._records)
+
+    def registry_lost(self) -> None:
+        """The registry lost its data (this replica's registration, or a model it holds, vanished):
+        give it back every version this replica holds (`_restore.give_back`), in the background."""
+        if self._giving_back is None or self._giving_back.done():
+            self._giving_back = asyncio.create_task(self.give_back(), name="give-back")
+
+    async def give_back(self) -> None:
+        """Give the registry back the versions it lost that this replica holds; those it decides
+        against (retention, other content) go."""
+        for model in self._index.models():
+            try:
+                async with self._locks.setdefault(model, asyncio.Lock()):
+                    against = await _restore.give_back(self._index, model, self._registry, self._records)
+                    self._index.drop(model, [v for v in against if self._index.find(model, v) is not None])
+            except Unavailable as e:
+                log.warning("model %s: cannot give the registry its versions back yet: %s", model, e)
+                continue
+            if against:
+                log.warning("model %s: the registry decided against %s (retention, or other content); dropped",
+                            model, named(against))
+                if self._files is not None:
+                    await asyncio.to_thread(self._files.prune, model, against, kept_residual(self._residuals, model),
+                                            self._index.latest(model))

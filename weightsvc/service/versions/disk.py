@@ -54,6 +54,10 @@ class VersionFiles:
     def residual_path(self, model: str, version: int) -> Path:
         return self.path(model, version).with_name(f"residual-{version:020d}.safetensors")
 
+    def record_path(self, model: str, version: int) -> Path:
+        """Beside a sharded replica's part: the registry's record of the version it committed in."""
+        return self.path(model, version).with_name(f"{version:020d}.record.json")
+
     def stage(self, model: str, version: int, header_bytes: int, data_bytes: int) -> VersionFile:
         """A temporary file in the model's directory for a push to export into: room for a header of
         up to `header_bytes`, then the data section (page-aligned), mapped read-write. Its blocks are
@@ -176,6 +180,7 @@ class VersionFiles:
         """The files of a version that did not commit (best effort: the failure itself is reported)."""
         with contextlib.suppress(OSError):
             self.path(model, version).unlink(missing_ok=True)
+            self.record_path(model, version).unlink(missing_ok=True)
             if residual:
                 self.residual_path(model, version).unlink(missing_ok=True)
 
@@ -195,6 +200,7 @@ class VersionFiles:
         """Delete a committed version's file to make room, durably: a restart does not bring it back."""
         path = self.path(model, version)
         path.unlink(missing_ok=True)
+        self.record_path(model, version).unlink(missing_ok=True)
         _sync_dir(path.parent)
 
     def prune(self, model: str, versions: list[int], residual: int | None, upto: int | None = None) -> None:
@@ -203,6 +209,7 @@ class VersionFiles:
         committed version), a residual file above it stays: the next commit has just written it."""
         for v in versions:
             self.path(model, v).unlink(missing_ok=True)
+            self.record_path(model, v).unlink(missing_ok=True)
         kept = None if residual is None else self.residual_path(model, residual)
         for path in self.path(model, 0).parent.glob("residual-*.safetensors"):
             number = path.stem.removeprefix("residual-")
@@ -283,6 +290,34 @@ class VersionFiles:
             file.close()
             raise
         return Version(manifest, prefix, data, file=file)
+
+
+def write_record(files: VersionFiles, model: str, version: int, record: str) -> None:
+    """Keep the registry's record of a committed version of parts beside this replica's part, durably:
+    should the registry lose it, the version is given back from it (`_restore`)."""
+    path = files.record_path(model, version)
+    tmp = files._tmp(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(record)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _sync_dir(path.parent)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise _failure(f"model {model!r} version {version}: cannot keep the registry's record in {path.parent}",
+                       e, len(record), files.data_dir) from None
+
+
+def read_record(files: VersionFiles, model: str, version: int) -> str | None:
+    """The registry's record kept beside a part (`write_record`), or None: none was kept (its version
+    never committed as far as this replica knows) or it cannot be read."""
+    try:
+        return files.record_path(model, version).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _open(path: Path) -> VersionFile:
