@@ -177,10 +177,13 @@ def test_registry_flushed_while_idle_gets_its_versions_back_from_the_running_rep
         for step in (1, 2, 3):
             push(learner, step, acknowledged)
         cluster.flush()
-        # The replicas notice (the model set and their registrations vanished) and give their versions back.
-        assert cluster.given_back([1, 2, 3]) == [1, 2, 3]
-        assert cluster.lost(acknowledged) == []
+        # At once, before the replicas registered again: the push still goes to both owners of each tensor
+        # (the learner's way in answers the topology as it was), never to fewer.
         push(learner, 4, acknowledged)
+        # The replicas notice (the model set and their registrations vanished) and give their versions back.
+        assert cluster.given_back([1, 2, 3, 4]) == [1, 2, 3, 4]
+        assert cluster.lost(acknowledged) == []
+        push(learner, 5, acknowledged)
     # And a restart of each replica keeps them all.
     cluster.rolling_restart()
     assert cluster.lost(acknowledged) == []

@@ -26,7 +26,7 @@ from weightsvc.errors import (
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import check_model_name
-from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
+from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Exporter, exporter_for
 from weightsvc.service.pull import Pulls, events, watching
 from weightsvc.service.push.context import PushContext
@@ -111,7 +111,6 @@ class Service:
         self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
         # After the registry lost its data, until the replicas have registered again: the topology as
         # it was before, so that no push goes to fewer owners than hold each tensor.
-        self._lost_until = 0.0
         self._before_loss: list[Replica] = []
         self._stopping = asyncio.Event()  # set when the server stops: watches end
 
@@ -202,7 +201,7 @@ class Service:
             if self._topology is None:
                 raise
             return self._topology
-        if self.loop.time() < self._lost_until:
+        if self.parts.recovering():
             return sorted({*live, *self._before_loss})
         self._topology = live
         return live
@@ -210,11 +209,10 @@ class Service:
     def registry_lost(self) -> None:
         """The registry lost its data (this replica's registration vanished): the topology holds what
         it was for a while, and this replica gives the registry back the versions it holds."""
-        if self.loop.time() >= self._lost_until:
+        if not self.parts.recovering():
             self._before_loss = list(self._topology or [])
             log.warning("the registry lost this replica's registration (its data): registered again; giving it "
                         "back the versions held here")
-        self._lost_until = self.loop.time() + REPLICA_TTL_S
         self.committer.registry_lost()
 
     def clients(self, model: str) -> list[ClientStatus]:

@@ -343,6 +343,9 @@ class Pushes:
                 f"not one of the owners {list(header.owners)}; push each part to its owner (GetTopology)",
                 reason="invalid_header",
             )
+        if self.settings.redis_url:
+            holders = header.replication if header.owners else 1
+            context.parts.check_holders(header.model, header.step, holders, self.settings.replication)
         context.committer.check_step(header.model, header.step)
         held = set(context.index.models())
         if header.model not in held and header.model not in self.pushing:

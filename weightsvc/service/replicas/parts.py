@@ -28,6 +28,7 @@ from weightsvc.errors import (
 )
 from weightsvc.protocol.manifest import Manifest, Part
 from weightsvc.protocol.parts import Segment
+from weightsvc.protocol.topology import REPLICA_TTL_S
 from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry, record_digest
 from weightsvc.service.versions.index import Version
 
@@ -65,6 +66,25 @@ class Parts:
         self._registry = registry
         self._retain = retain
         self._waiting: dict[str, _Waiting] = {}  # model -> its part that waits for the other owners'
+        self._lost_at: float | None = None  # (loop time) when the registry was last found to have lost its data
+
+    def registry_lost(self) -> None:
+        """The registry lost its data: the replicas' registrations with it, for as long as they take to
+        register again (`REPLICA_TTL_S`)."""
+        self._lost_at = asyncio.get_running_loop().time()
+
+    def recovering(self) -> bool:
+        """Whether the registry lost its data so lately that some replicas may not have registered again."""
+        return self._lost_at is not None and asyncio.get_running_loop().time() < self._lost_at + REPLICA_TTL_S
+
+    def check_holders(self, model: str, step: int, holders: int, replication: int) -> None:
+        """While replicas may still be registering again after the registry lost its data, a push to
+        fewer holders of each tensor than `replication` (a learner that saw too few) is UNAVAILABLE."""
+        if holders < replication and self.recovering():
+            raise Unavailable(
+                f"model {model!r} step {step}: the registry lost its data lately and the replicas are registering "
+                f"again; a push to {holders} holder(s) of each tensor, fewer than the {replication} of the deployment, "
+                "waits for them: push again in a few seconds", reason="registry")
 
     async def settled(self, model: str, step: int, owners: tuple[str, ...]) -> None:
         """Wait a little for a part of `model` that waits for the other owners to be settled (committed

@@ -109,6 +109,8 @@ async def sync_registry(
                 index.add(whole)
                 if record is None:  # (committed before records were kept, or a crash before it was)
                     await records.keep(model, m.version, raw)
+                elif m.version not in known:
+                    parts.registry_lost()  # given back: the other replicas may not have registered again yet
                 continue
             if m.version in known:
                 continue

@@ -258,6 +258,7 @@ class Committer:
     def registry_lost(self) -> None:
         """The registry lost its data (this replica's registration, or a model it holds, vanished):
         give it back every version this replica holds (`_restore.give_back`), in the background."""
+        self._parts.registry_lost()
         if self._giving_back is None or self._giving_back.done():
             self._giving_back = asyncio.create_task(self.give_back(), name="give-back")
 
