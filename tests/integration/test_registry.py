@@ -24,7 +24,7 @@ from weightsvc.protocol.topology import Replica
 from weightsvc.server.server import BackgroundServer
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.redis import RedisRegistry
-from weightsvc.service.replicas.registry import Registry, combined_digest
+from weightsvc.service.replicas.registry import Registry, combined_digest, record_digest
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
@@ -215,12 +215,47 @@ def test_restart_drops_a_version_the_registry_never_committed(
 
 async def test_replicas_register_renew_and_leave(registry: Registry) -> None:
     a, b = Replica("a", "a:1", "http://a:2"), Replica("b", "b:1", "http://b:2")
-    await registry.register(b)
-    await registry.register(a)
-    await registry.register(a)  # a renewal
+    assert await registry.register(b) is False
+    assert await registry.register(a) is False
+    assert await registry.register(a) is True  # a renewal (a registry that forgot `a` would say False)
     assert await registry.replicas() == [a, b]
     await registry.deregister("b")
     assert await registry.replicas() == [a]
+    assert await registry.register(b) is False
+
+
+async def test_a_part_is_pending_until_its_version_commits(registry: Registry) -> None:
+    owners = ["r1", "r0"]
+    assert not await registry.part_pending("m", 3, "r0", owners)
+    assert await registry.commit_part("m", 3, "r0", owners, "d0", '{"p": 0}', retain=4) is None
+    assert await registry.part_pending("m", 3, "r0", ["r0", "r1"])
+    assert not await registry.part_pending("m", 3, "r1", owners)
+    assert not await registry.part_pending("m", 3, "r0", ["r0", "r2"])  # (another set of owners)
+    assert await registry.commit_part("m", 3, "r1", owners, "d1", '{"p": 1}', retain=4) is not None
+    assert not await registry.part_pending("m", 3, "r0", owners)
+
+
+async def test_a_version_of_parts_restored_from_its_record_is_the_same_version(registry: Registry) -> None:
+    """A registry that lost its data takes a version back from the record a holder kept (what
+    `manifest` returned): the same digest and manifest, and its owners' parts are its parts again."""
+    owners = ["r0", "r1"]
+    await registry.commit_part("m", 3, "r0", owners, "d0", '{"p": 0}', retain=4)
+    await registry.commit_part("m", 3, "r1", owners, "d1", '{"p": 1}', retain=4)
+    await registry.commit("m", 4, "d4", manifest(4), retain=4)
+    record = await registry.manifest("m", 3)
+    assert record is not None and record_digest(record) == combined_digest(owners, {"r0": "d0", "r1": "d1"})
+    if isinstance(registry, RedisRegistry):  # its data lost: this test's own keys
+        client = redis.Redis.from_url(REDIS_URL)
+        for key in client.scan_iter(f"{registry.prefix}:*"):
+            client.delete(key)
+    else:
+        registry = MemoryRegistry()
+    assert await registry.restore("m", 3, record_digest(record), record, retain=4)
+    assert (await registry.versions("m"), await registry.manifest("m", 3)) == ([3], record)
+    again = await registry.commit_part("m", 3, "r1", owners, "d1", '{"p": 1}', retain=4)  # an owner that retries
+    assert again is not None and not again.created
+    with pytest.raises(AlreadyExists):
+        await registry.restore("m", 3, "sha1:other", record, retain=4)
 
 
 @needs_redis

@@ -102,6 +102,12 @@ class Parts:
     def check_not_waiting(self, model: str, step: int) -> None:
         """One part of a model waits for the other owners at a time: what follows builds on it."""
         waiting = self._waiting.get(model)
+        if waiting is not None and waiting.part_of.abandoned.is_set():  # (withdrawn once the registry answers)
+            raise Unavailable(
+                f"model {model!r} step {step}: this replica's part of version {waiting.version}, which its learner "
+                "abandoned, is still being withdrawn from the registry; push again shortly",
+                reason="registry",
+            )
         if waiting is not None:
             raise FailedPrecondition(
                 f"model {model!r} step {step}: this replica's part of version {waiting.version} is waiting for the "
