@@ -180,6 +180,8 @@ def test_registry_flushed_while_idle_gets_its_versions_back_from_the_running_rep
         # At once, before the replicas registered again: the push still goes to both owners of each tensor
         # (the learner's way in answers the topology as it was), never to fewer.
         push(learner, 4, acknowledged)
+        holders = [p.holders for p in InferenceClient(cluster.procs["r1"].target).manifest(MODEL, 4).parts]
+        assert holders and all(len(h) == 2 for h in holders), holders
         # The replicas notice (the model set and their registrations vanished) and give their versions back.
         assert cluster.given_back([1, 2, 3, 4]) == [1, 2, 3, 4]
         assert cluster.lost(acknowledged) == []
