@@ -107,11 +107,8 @@ class Service:
             parts=self.parts, index=self.index, changed=self.changed,
         ))
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
-        self._topology: list[Replica] | None = None  # the last the registry gave
+        self._topology: list[Replica] | None = None  # the last the registry gave (before it lost its data)
         self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
-        # After the registry lost its data, until the replicas have registered again: the topology as
-        # it was before, so that no push goes to fewer owners than hold each tensor.
-        self._before_loss: list[Replica] = []
         self._stopping = asyncio.Event()  # set when the server stops: watches end
 
     def close(self) -> None:
@@ -201,18 +198,16 @@ class Service:
             if self._topology is None:
                 raise
             return self._topology
-        if self.parts.recovering():
-            return sorted({*live, *self._before_loss})
+        if self.parts.recovering():  # so that no push goes to fewer owners than hold each tensor
+            return sorted({*live, *(self._topology or [])})
         self._topology = live
         return live
 
     def registry_lost(self) -> None:
         """The registry lost its data (this replica's registration vanished): the topology holds what
         it was for a while, and this replica gives the registry back the versions it holds."""
-        if not self.parts.recovering():
-            self._before_loss = list(self._topology or [])
-            log.warning("the registry lost this replica's registration (its data): registered again; giving it "
-                        "back the versions held here")
+        log.warning("the registry lost this replica's registration (its data): registered again; giving it back "
+                    "the versions held here")
         self.committer.registry_lost()
 
     def clients(self, model: str) -> list[ClientStatus]:
