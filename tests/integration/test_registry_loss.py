@@ -16,15 +16,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 import torch
 
-from tests.conftest import ServeProcess
+from tests.conftest import ServeProcess, serving
 from tests.helpers import assert_served
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound, Unavailable, WeightsvcError
 from weightsvc.protocol.topology import assign
+from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 REPLICAS = ("r0", "r1", "r2")
 PREFIX = "weightsvc"
@@ -271,3 +274,34 @@ def test_registry_lost_while_the_learner_pushes(cluster: Cluster) -> None:
     assert lost == []
     print(f"registry loss mid-push: {cluster.faults} faults, {len(steps)} versions acknowledged, {retried} "
           f"pushes answered UNAVAILABLE and retried, {len(lost)} versions lost")
+
+
+def _part(name: str, owners: list[str]) -> Iterator[pb.PushRequest]:
+    """A replica's part of step 4 as the learner client sends it: one tensor, the owners declared."""
+    spec = pb.TensorSpec(name=name, shape=[2], dtype="F32")
+    yield pb.PushRequest(header=pb.PushHeader(model=MODEL, step=4, owners=owners, tensors=[spec]))
+    yield pb.PushRequest(chunk=pb.Chunk(tensor=name, offset=0, data=torch.ones(2).numpy().tobytes()))
+    yield pb.PushRequest(commit=pb.PushCommit())
+
+
+def test_a_part_waiting_for_the_other_owners_is_recorded_again_after_the_registry_lost_it(
+    private_redis: PrivateRedis,
+) -> None:
+    """r0's part waits in the registry for r1's; the registry loses it (flushed); r1's part comes: the
+    version commits all the same, well before the owners' deadline."""
+    shared = {"redis_url": private_redis.url, "redis_prefix": PREFIX, "replication": 1, "push_rank_timeout_s": 60}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
+            grpc.insecure_channel(r0.grpc_target) as ch0, grpc.insecure_channel(r1.grpc_target) as ch1:
+        waiting = pb_grpc.WeightServiceStub(ch0).Push.future(_part("w0", ["r0", "r1"]), timeout=60)
+        pending = f"{PREFIX}:{{{MODEL}}}:pending:*"
+        deadline = time.monotonic() + 20
+        while not list(private_redis.client().scan_iter(pending)) and time.monotonic() < deadline:
+            time.sleep(0.02)  # Redis: nothing to wait on
+        private_redis.client().flushall()
+        started = time.monotonic()
+        last = pb_grpc.WeightServiceStub(ch1).Push(_part("w1", ["r0", "r1"]), timeout=60)
+        assert (last.version.version, waiting.result().version.version) == (4, 4)
+        assert time.monotonic() - started < 30
+        assert private_redis.versions() == [4]
+        for srv in (r0, r1):
+            assert [p.owner for p in srv.service.index.get(MODEL, 4).manifest.parts] == ["r0", "r1"]
