@@ -201,8 +201,9 @@ async def test_the_owners_parts_commit_as_one_version_each_served_under_the_whol
 
     decided = await asyncio.gather(*(parts[o].commit(mine[o], PartOf(owners, timeout=30)) for o in owners))
 
-    assert all(d.created for d, _ in decided)
-    served = {o: v for o, (_, v) in zip(owners, decided, strict=True)}
+    assert all(d.created for d, _, _ in decided)
+    assert {record for _, _, record in decided} == {await registry.manifest("m", 1)}  # each keeps the record
+    served = {o: v for o, (_, v, _) in zip(owners, decided, strict=True)}
     assert served["r0"].manifest == served["r1"].manifest
     assert [t.name for t in served["r0"].manifest.tensors] == ["w0", "w1"]
     assert [[(s.start, s.nbytes) for s in served[o].spans] for o in ("r0", "r1")] == [[(0, 64)], [(64, 64)]]
