@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from weightsvc.errors import Unavailable
+from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import Registry, manifest_from_registry
 from weightsvc.service.versions.acks import Acks
@@ -54,6 +54,8 @@ class Follower:
                         await self._show_given_back(model)
                 except Unavailable:
                     pass  # the registry is away: the models it knows are followed once it is back
+                except WeightsvcError as e:  # (one unreadable manifest must not end the following)
+                    log.error("following the registry: %s", e)
                 await asyncio.sleep(FOLLOW_MODELS_S)  # (no event announces a new model)
         finally:
             for task in following.values():
