@@ -201,6 +201,7 @@ class Service:
         if self.parts.recovering():  # so that no push goes to fewer owners than hold each tensor
             return sorted({*live, *(self._topology or [])})
         self._topology = live
+        self.parts.replicas_seen = len(live)
         return live
 
     def registry_lost(self) -> None:

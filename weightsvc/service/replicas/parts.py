@@ -67,6 +67,7 @@ class Parts:
         self._retain = retain
         self._waiting: dict[str, _Waiting] = {}  # model -> its part that waits for the other owners'
         self._lost_at: float | None = None  # (loop time) when the registry was last found to have lost its data
+        self.replicas_seen = 0  # how many replicas the topology last held (before the registry lost its data)
 
     def registry_lost(self) -> None:
         """The registry lost its data: the replicas' registrations with it, for as long as they take to
@@ -79,8 +80,9 @@ class Parts:
 
     def check_holders(self, model: str, step: int, holders: int, replication: int) -> None:
         """While replicas may still be registering again after the registry lost its data, a push to
-        fewer holders of each tensor than `replication` (a learner that saw too few) is UNAVAILABLE."""
-        if holders < replication and self.recovering():
+        fewer holders of each tensor than `replication` (a learner that saw too few) is UNAVAILABLE,
+        unless there were not as many replicas before either."""
+        if holders < min(replication, self.replicas_seen) and self.recovering():
             raise Unavailable(
                 f"model {model!r} step {step}: the registry lost its data lately and the replicas are registering "
                 f"again; a push to {holders} holder(s) of each tensor, fewer than the {replication} of the deployment, "

@@ -109,8 +109,10 @@ async def sync_registry(
                 index.add(whole)
                 if record is None:  # (committed before records were kept, or a crash before it was)
                     await records.keep(model, m.version, raw)
-                elif m.version not in known:
-                    parts.registry_lost()  # given back: the other replicas may not have registered again yet
+                elif m.version not in known:  # given back: the other replicas may not have registered again yet
+                    parts.registry_lost()
+                    parts.replicas_seen = max(parts.replicas_seen, len({h for p in whole.manifest.parts
+                                                                        for h in p.sources}))
                 continue
             if m.version in known:
                 continue
