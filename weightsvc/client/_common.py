@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
-from weightsvc.memory import alloc
+from weightsvc.memory import alloc, physical_memory
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header
@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Progress = Callable[[int], None]
 READ_BYTES = 4 << 20  # one read of a response body into the buffer
+
+
+MAX_TENSORS = 1_000_000  # tensors of a version a client takes by default: the server's default --max-tensors
+
+
+def default_max_bytes() -> int:
+    """Half the memory this process may use: the default of `--max-version-bytes` on the server, and
+    a version of that size pulled as a delta needs its base beside it."""
+    return physical_memory() // 2
 
 
 @dataclass(frozen=True)
@@ -231,8 +240,20 @@ def write_version_file(path: str | Path, manifest: Manifest, data: bytearray | m
         tmp.unlink(missing_ok=True)
 
 
+def check_delta(manifest: Manifest, nbytes: object, where: str) -> int:
+    """The size of the delta a server announced for `manifest`: a delta is sent only where it is
+    smaller than the data section."""
+    if type(nbytes) is not int or not 0 <= nbytes <= manifest.data_bytes:
+        raise DataLoss(f"{where}: the server announced a delta of {nbytes!r} bytes for a data section of "
+                       f"{manifest.data_bytes}")
+    return nbytes
+
+
 def patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memoryview) -> memoryview:
     """The data section of `manifest`: the held version's, with `delta` applied."""
+    if len(held[1]) != manifest.data_bytes:  # (a server sends a delta only between versions of one layout)
+        raise DataLoss(f"model {manifest.model!r} version {manifest.version}: a delta on version {held[0].version} "
+                       f"of {len(held[1])} bytes cannot make a data section of {manifest.data_bytes}")
     full = alloc(manifest.data_bytes)
     full[:] = held[1]
     try:

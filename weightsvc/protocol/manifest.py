@@ -16,8 +16,9 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from weightsvc.errors import InvalidArgument
+from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import framed
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
@@ -248,6 +249,79 @@ def layout(tensors: list[tuple[str, tuple[int, ...], str]], start: int = 0) -> t
         out.append(ServedTensor(name, shape, dtype, offset, nbytes))
         offset += nbytes
     return out, offset
+
+
+def check_manifest(m: Manifest, *, model: str | None = None, version: int | None = None,
+                   max_bytes: int | None = None, max_tensors: int | None = None) -> Manifest:
+    """`m`, a manifest that came from the network (a server's answer to a client, an upstream's to a
+    relay), checked before anything is allocated, pulled or written by it: a model name that can be
+    one, the `model` and `version` asked for (None: any), tensors with names, dtypes and shapes that
+    can be, laid out back to back from byte 0 without gaps or overlaps (as safetensors requires), a
+    `data_bytes` equal to what they take, aliases of its tensors and parts within its data section.
+
+    DataLoss names the rule a manifest breaks (no weightsvc server commits one like it);
+    ResourceExhausted a sound one larger than `max_bytes` (its data section) or `max_tensors`."""
+    try:
+        check_model_name(m.model)
+    except InvalidArgument as e:
+        raise DataLoss(f"the manifest the server sent is not one weightsvc makes: {e.message}") from None
+    where = f"model {m.model!r} version {m.version}"
+    bad = f"{where}: the manifest the server sent is not one weightsvc makes"
+    if model is not None and m.model != model:
+        raise DataLoss(f"{bad}: model {model!r} was asked for")
+    if not (_is_int(m.version) and 0 <= m.version <= MAX_STEP):
+        raise DataLoss(f"{bad}: versions are steps in [0, {MAX_STEP}]")
+    if version is not None and m.version != version:
+        raise DataLoss(f"{bad}: version {version} was asked for")
+    if max_tensors is not None and len(m.tensors) > max_tensors:
+        raise ResourceExhausted(f"{where}: {len(m.tensors)} tensors, more than the {max_tensors} this side takes",
+                                reason="too_large")
+    if not _is_int(m.data_bytes) or m.data_bytes < 0:
+        raise DataLoss(f"{bad}: data_bytes {m.data_bytes!r} is not a size")
+    names: set[str] = set()
+    end = 0  # where the tensors placed so far end
+    for t in sorted(m.tensors, key=_offset):  # (in order already: the sort only checks it)
+        try:
+            check_tensor_name(bad, t.name, names)
+        except InvalidArgument as e:
+            raise DataLoss(e.message) from None
+        if t.dtype not in DTYPE_SIZES or not all(_is_int(d) and d >= 0 for d in t.shape):
+            raise DataLoss(f"{bad}: tensor {t.name!r} has dtype {t.dtype!r} and shape {list(t.shape)} "
+                           f"(known dtypes: {', '.join(DTYPE_SIZES)}; dimensions ≥ 0)")
+        size = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
+        if not _is_int(t.nbytes) or t.nbytes != size:
+            raise DataLoss(f"{bad}: tensor {t.name!r} ({t.dtype}, shape {list(t.shape)}) takes {size} bytes, "
+                           f"the manifest says {t.nbytes!r}")
+        if not _is_int(t.offset) or t.offset != end:
+            raise DataLoss(f"{bad}: tensor {t.name!r} starts at byte {t.offset!r} of the data section, where the "
+                           f"tensors before it end at {end}: tensors lie back to back, without gaps or overlaps")
+        end += size
+    if m.data_bytes != end:
+        raise DataLoss(f"{bad}: data_bytes is {m.data_bytes}, and its {len(m.tensors)} tensors take {end}")
+    if max_bytes is not None and m.data_bytes > max_bytes:
+        raise ResourceExhausted(f"{where}: its data section of {m.data_bytes} bytes is more than the {max_bytes} "
+                                "bytes this side takes", reason="too_large")
+    aliases: set[str] = set(names)
+    for alias, target in m.aliases:
+        try:
+            check_tensor_name(bad, alias, aliases)
+        except InvalidArgument as e:
+            raise DataLoss(e.message) from None
+        if target not in names:
+            raise DataLoss(f"{bad}: alias {alias!r} is of {target!r}, not a tensor of the version")
+    for p in m.parts:
+        if not (_is_int(p.offset) and _is_int(p.nbytes) and 0 <= p.offset <= p.offset + p.nbytes <= m.data_bytes):
+            raise DataLoss(f"{bad}: a part of replica {p.owner!r} lies at [{p.offset!r}, +{p.nbytes!r}), "
+                           f"not within its data section of {m.data_bytes} bytes")
+    return m
+
+
+def _offset(t: ServedTensor) -> int:
+    return t.offset if _is_int(t.offset) else -1
+
+
+def _is_int(n: object) -> bool:
+    return type(n) is int  # (JSON's true and 1.0 are no sizes)
 
 
 def manifest_from_header(header: dict[str, Any]) -> Manifest:
