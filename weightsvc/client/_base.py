@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -264,7 +264,7 @@ class InferenceClient:
 
     def watch(
         self, model: str = "default", after: int | None = None, *, reconnect: bool = True, max_backoff: float = 5.0
-    ) -> Iterator[VersionInfo]:
+    ) -> Generator[VersionInfo, None, None]:
         """Each retained version above `after` (all when None), then each new one as it commits.
 
         With `reconnect`, a lost server (restart, network) is retried with exponential backoff, and

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -18,7 +19,7 @@ import xxhash
 
 from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 from weightsvc.protocol.lag import LagMetrics
-from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
+from weightsvc.protocol.refs import MAX_NAME_CHARS, MAX_STEP, RESERVED_NAME, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import framed
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
@@ -208,6 +209,7 @@ class Manifest:
         return framed(("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode())
 
 
+_OFFSET = operator.attrgetter("offset")
 JSON_SLICE = 2000  # tensors per slice of JSON made at once (each holds the GIL for a few milliseconds)
 _string = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it (in C)
 
@@ -262,7 +264,7 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
     DataLoss names the rule a manifest breaks (no weightsvc server commits one like it);
     ResourceExhausted a sound one larger than `max_bytes` (its data section) or `max_tensors`."""
     try:
-        check_model_name(m.model)
+        check_model_name(m.model if type(m.model) is str else repr(m.model))
     except InvalidArgument as e:
         raise DataLoss(f"the manifest the server sent is not one weightsvc makes: {e.message}") from None
     where = f"model {m.model!r} version {m.version}"
@@ -278,22 +280,21 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
                                 reason="too_large")
     if not _is_int(m.data_bytes) or m.data_bytes < 0:
         raise DataLoss(f"{bad}: data_bytes {m.data_bytes!r} is not a size")
-    names: set[str] = set()
+    names = _tensor_names(m.tensors, bad)
+    # Types and signs in bulk (100,000 tensors are checked in ~0.1 s), the rest tensor by tensor.
+    numbers = [n for t in m.tensors for n in (t.offset, t.nbytes, *t.shape)]
+    if {type(n) for n in numbers} - {int} or min(numbers, default=0) < 0:
+        t = next(t for t in m.tensors if not all(type(n) is int and n >= 0 for n in (t.offset, t.nbytes, *t.shape)))
+        raise DataLoss(f"{bad}: tensor {t.name!r} has offset {t.offset!r}, {t.nbytes!r} bytes and shape "
+                       f"{list(t.shape)}: sizes are whole numbers ≥ 0")
     end = 0  # where the tensors placed so far end
-    for t in sorted(m.tensors, key=_offset):  # (in order already: the sort only checks it)
-        try:
-            check_tensor_name(bad, t.name, names)
-        except InvalidArgument as e:
-            raise DataLoss(e.message) from None
-        if t.dtype not in DTYPE_SIZES or not all(_is_int(d) and d >= 0 for d in t.shape):
-            raise DataLoss(f"{bad}: tensor {t.name!r} has dtype {t.dtype!r} and shape {list(t.shape)} "
-                           f"(known dtypes: {', '.join(DTYPE_SIZES)}; dimensions ≥ 0)")
-        size = math.prod(t.shape) * DTYPE_SIZES[t.dtype]
-        if not _is_int(t.nbytes) or t.nbytes != size:
-            raise DataLoss(f"{bad}: tensor {t.name!r} ({t.dtype}, shape {list(t.shape)}) takes {size} bytes, "
-                           f"the manifest says {t.nbytes!r}")
-        if not _is_int(t.offset) or t.offset != end:
-            raise DataLoss(f"{bad}: tensor {t.name!r} starts at byte {t.offset!r} of the data section, where the "
+    for t in sorted(m.tensors, key=_OFFSET):  # (in order already: the sort only checks it)
+        size = DTYPE_SIZES.get(t.dtype, -1) * math.prod(t.shape) if type(t.dtype) is str else -1
+        if t.nbytes != size:
+            raise DataLoss(f"{bad}: tensor {t.name!r} has dtype {t.dtype!r}, shape {list(t.shape)} and {t.nbytes} "
+                           f"bytes (known dtypes: {', '.join(DTYPE_SIZES)}; bytes as the shape takes)")
+        if t.offset != end:
+            raise DataLoss(f"{bad}: tensor {t.name!r} starts at byte {t.offset} of the data section, where the "
                            f"tensors before it end at {end}: tensors lie back to back, without gaps or overlaps")
         end += size
     if m.data_bytes != end:
@@ -316,8 +317,20 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
     return m
 
 
-def _offset(t: ServedTensor) -> int:
-    return t.offset if _is_int(t.offset) else -1
+def _tensor_names(tensors: Sequence[ServedTensor], bad: str) -> set[str]:
+    """The tensors' names, each checked (`check_tensor_name`: one by one only to name a bad one)."""
+    names = [t.name for t in tensors]
+    unique = set(names) if all(type(n) is str for n in names) else set()
+    if (len(unique) == len(names) and RESERVED_NAME not in unique
+            and all(0 < len(n) <= MAX_NAME_CHARS for n in names)):
+        return unique
+    seen: set[str] = set()
+    for name in names:
+        try:
+            check_tensor_name(bad, name, seen)
+        except InvalidArgument as e:
+            raise DataLoss(e.message) from None
+    raise AssertionError("unreachable")
 
 
 def _is_int(n: object) -> bool:
