@@ -78,9 +78,10 @@ class _Recorder:
 class HostileGrpc(_Recorder, pb_grpc.WeightServiceServicer):
     """The gRPC one, on 127.0.0.1, port 0; `with HostileGrpc(...) as up: up.target`."""
 
-    def __init__(self, served: dict[str, Served], listed: list[str] | None = None) -> None:
+    def __init__(self, served: dict[str, Served], listed: list[str] | None = None, threads: int = 64) -> None:
+        """`threads`: calls answered at once (each watch held open takes one)."""
         super().__init__(served, listed)
-        self.server = grpc.server(ThreadPoolExecutor(64), options=[("grpc.max_send_message_length", 64 << 20)])
+        self.server = grpc.server(ThreadPoolExecutor(threads), options=[("grpc.max_send_message_length", 64 << 20)])
         pb_grpc.add_WeightServiceServicer_to_server(self, self.server)
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.target = f"127.0.0.1:{self.port}"

@@ -20,6 +20,7 @@ from tests.helpers import http_get
 from tests.hostile import HostileGrpc, HostileHttp, Served, altered, claiming, established
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli._server import ServeProcess
+from weightsvc.client import Limits
 from weightsvc.errors import DataLoss, ResourceExhausted, WeightsvcError
 from weightsvc.memory import physical_memory, process_status
 from weightsvc.protocol.manifest import Manifest
@@ -94,10 +95,10 @@ def test_a_client_takes_what_its_max_bytes_allow(hostile: Callable[[Manifest], s
                                                  template: tuple[Manifest, bytes]) -> None:
     target = hostile(altered(template[0], model="evil", version=5))
     with InferenceClient(target) as client:
-        assert client.max_bytes == physical_memory() // 2  # the default: half the memory it may use
+        assert client.limits.max_bytes == physical_memory() // 2  # the default: half the memory it may use
         assert client.pull_data("evil", 5)[0].data_bytes == template[0].data_bytes
     size = template[0].data_bytes
-    with InferenceClient(target, max_bytes=size - 1) as client, pytest.raises(
+    with InferenceClient(target, limits=Limits(max_bytes=size - 1)) as client, pytest.raises(
             ResourceExhausted, match=f"of {size} bytes is more than the {size - 1} bytes"):
         client.pull_data("evil", 5)
 

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from weightsvc.client._common import (
-    MAX_TENSORS,
     Credentials,
+    Limits,
     Progress,
     Receiver,
     RetryPolicy,
     VersionInfo,
     check_pull,
-    default_max_bytes,
     is_http,
     pull_selection_by_part,
     read_base_file,
@@ -31,8 +30,7 @@ from weightsvc.client._common import (
 )
 from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError
 from weightsvc.protocol.clients import ClientStatus
-from weightsvc.protocol.manifest import Manifest, check_manifest
-from weightsvc.protocol.refs import parse_version_ref
+from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import Replica
 
@@ -68,24 +66,18 @@ class InferenceClient:
         token: str | None = None,
         ca_cert: str | Path | bytes | None = None,
         retry: RetryPolicy | None = None,
-        max_bytes: int | None = None,
-        max_tensors: int = MAX_TENSORS,
+        limits: Limits | None = None,
     ) -> None:
         """`token`: a bearer token with role pull (default: $WEIGHTSVC_TOKEN); `ca_cert`: a PEM
         bundle to trust for `grpcs://` and `https://` targets (default: $WEIGHTSVC_CA_CERT).
         A pull broken mid-stream resumes from its offset up to `resume_attempts` times (`retry`:
-        the whole policy).
-
-        What a server answers is checked before it is trusted (`check_manifest`): a version whose
-        data section is over `max_bytes` (default: half the memory this process may use), or with
-        more than `max_tensors` tensors, is refused with RESOURCE_EXHAUSTED before anything is
-        allocated for it (a delta pull holds as much again for the delta's encoding)."""
+        the whole policy). Every manifest a server sends is checked, and refused over `limits`
+        (default `Limits()`: half the memory this process may use), before anything is allocated for it."""
         self.target = target
         self.timeout = timeout
         self.credentials = Credentials.resolve(token, ca_cert)
         self.retry = retry or RetryPolicy(attempts=resume_attempts)
-        self.max_bytes = default_max_bytes() if max_bytes is None else max_bytes
-        self.max_tensors = max_tensors
+        self.limits = limits or Limits()
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
         self.last_pull_bytes = 0  # payload bytes the last pull received (a delta is smaller)
         self._count_lock = threading.Lock()
@@ -96,12 +88,6 @@ class InferenceClient:
         """`release` frees what this client opened, at `close` or when the client is garbage.
         It must not refer to the client itself, or the client would never be garbage."""
         self._finalizer = weakref.finalize(self, release)
-
-    def _checked(self, manifest: Manifest, model: str, version: int | str) -> Manifest:
-        """A manifest as the server sent it, checked to be a sound one of the version asked for, within
-        this client's limits (DATA_LOSS, RESOURCE_EXHAUSTED)."""
-        return check_manifest(manifest, model=model, version=parse_version_ref(version), max_bytes=self.max_bytes,
-                              max_tensors=self.max_tensors)
 
     # ---- the transport's part (each transport's class defines all of these) ---------------------
 

@@ -22,7 +22,8 @@ from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, W
 from weightsvc.memory import alloc, physical_memory
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.lag import LagMetrics
-from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, check_manifest, manifest_from_header
+from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
 from weightsvc.protocol.wire import lag_from_proto
@@ -44,6 +45,22 @@ def default_max_bytes() -> int:
     """Half the memory this process may use: the default of `--max-version-bytes` on the server, and
     a version of that size pulled as a delta needs its base beside it."""
     return physical_memory() // 2
+
+
+@dataclass
+class Limits:
+    """What a client takes of a server: versions whose data section is at most `max_bytes` (a delta
+    pull holds as much again for the delta's encoding) and that have at most `max_tensors` tensors."""
+
+    max_bytes: int = field(default_factory=default_max_bytes)
+    max_tensors: int = MAX_TENSORS
+
+    def check(self, manifest: Manifest, model: str, version: int | str) -> Manifest:
+        """A manifest as a server sent it, checked (`check_manifest`) to be a sound one of the version
+        asked for and within these limits, before anything is allocated for it (DATA_LOSS,
+        RESOURCE_EXHAUSTED)."""
+        return check_manifest(manifest, model=model, version=parse_version_ref(version), max_bytes=self.max_bytes,
+                              max_tensors=self.max_tensors)
 
 
 @dataclass(frozen=True)

@@ -273,10 +273,10 @@ class GrpcInferenceClient(InferenceClient):
                                      base="" if held is None else str(held[0].version), select=selected)
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
-                got = _read_manifest(stream, f"model {model!r} version {pinned}", self.max_tensors)
+                got = _read_manifest(stream, f"model {model!r} version {pinned}", self.limits.max_tensors)
                 if got is None:
                     raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
-                got = self._checked(got, model, pinned)  # before anything is allocated for it
+                got = self.limits.check(got, model, pinned)  # before anything is allocated for it
                 if manifest is not None and got.master_digest != manifest.master_digest:
                     raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
                 manifest = got
@@ -316,7 +316,7 @@ class GrpcInferenceClient(InferenceClient):
         request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
         with errors_of(self.target):
             stream = pull(request, timeout=self.timeout)
-            first = _read_manifest(stream, rx.where, self.max_tensors)
+            first = _read_manifest(stream, rx.where, self.limits.max_tensors)
             if first is None or first.master_digest != manifest.master_digest:
                 raise DataLoss(f"{rx.where}: the replica answered with another version")
             for chunk in stream:
@@ -328,7 +328,7 @@ class GrpcInferenceClient(InferenceClient):
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         head = self._call(self._stub.GetManifest, pb.GetManifestRequest(model=model, version=str(version)))
-        _check_count(head, f"model {model!r} version {head.version}", self.max_tensors)
+        _check_count(head, f"model {model!r} version {head.version}", self.limits.max_tensors)
         more, got = [], len(head.tensors)
         while got < head.tensor_count:  # a big manifest comes in pieces: ask from where we got to
             piece = self._call(self._stub.GetManifest, pb.GetManifestRequest(
@@ -338,7 +338,7 @@ class GrpcInferenceClient(InferenceClient):
                                f"{got} of {head.tensor_count} tensors")
             more.append(piece.tensors)
             got += len(piece.tensors)
-        return self._checked(manifest_from_proto(head, itertools.chain.from_iterable(more)), model, version)
+        return self.limits.check(manifest_from_proto(head, itertools.chain.from_iterable(more)), model, version)
 
     def versions(self, model: str = "default") -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))

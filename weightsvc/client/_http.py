@@ -216,7 +216,7 @@ class HttpInferenceClient(InferenceClient):
                         raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
                     where = f"model {model!r} version {version}"
                     start, header = _parsed(lambda: read_safetensors_header(head + resp.read(header_len)), where)
-                    m = self._checked(_parsed(lambda: manifest_from_header(header), where), model, version)
+                    m = self.limits.check(_parsed(lambda: manifest_from_header(header), where), model, version)
                     manifest_of.append(m)
                     rx = Receiver(alloc(m.data_bytes), 0, m.data_bytes, moved, f"model {model!r} version {m.version}")
                     rx.read(resp)
@@ -296,7 +296,7 @@ class HttpInferenceClient(InferenceClient):
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         got = self._json(f"/v1/models/{_quote(model)}/versions/{_quote(str(version))}/manifest")
-        return self._checked(_parsed(lambda: Manifest.from_dict(got), f"model {model!r} version {version}"),
+        return self.limits.check(_parsed(lambda: Manifest.from_dict(got), f"model {model!r} version {version}"),
                              model, version)
 
     def versions(self, model: str = "default") -> list[VersionInfo]:

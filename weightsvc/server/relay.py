@@ -30,7 +30,7 @@ from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from weightsvc.client import InferenceClient, VersionInfo, verify_data
+from weightsvc.client import InferenceClient, Limits, VersionInfo, verify_data
 from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, WeightsvcError
 from weightsvc.memory import anonymous_bytes
 from weightsvc.protocol.refs import check_model_name
@@ -50,7 +50,8 @@ class Relay:
         self.upstream = upstream
         self.service = service
         s = service.settings
-        self._client = InferenceClient(upstream, max_tensors=s.max_tensors)  # every model's calls share its channel
+        # Every model's calls share its channel; its limits are set before each pull (`_room`).
+        self._client = InferenceClient(upstream, limits=Limits(s.max_version_bytes, s.max_tensors))
         # A thread per watch (it blocks while it waits), two more for the other calls; not the loop's
         # default executor, which the service's file I/O needs.
         self._threads = ThreadPoolExecutor(s.max_models + 2, thread_name_prefix="weightsvc-relay")
@@ -150,7 +151,7 @@ class Relay:
                 return
             held = self._client.held(model)
             limit, flag = self._room()
-            self._client.max_bytes = limit
+            self._client.limits.max_bytes = limit
             try:
                 manifest, data = await self._run(self._client.pull_data, model, version,
                                                  base=held.version if held is not None else None)
@@ -164,7 +165,7 @@ class Relay:
                     raise  # the upstream's own answer (busy): not a refusal
                 self.service.metrics.relay_refused.labels(e.reason).inc()
                 if e.reason == "too_large":
-                    limits = f"{limit} bytes: {flag}; {self._client.max_tensors} tensors: --max-tensors"
+                    limits = f"{limit} bytes: {flag}; {self._client.limits.max_tensors} tensors: --max-tensors"
                     raise ResourceExhausted(f"{e.message} (this relay takes {limits})", reason=e.reason) from None
                 raise
             log.info("relayed model=%s version=%d bytes=%d pulled=%d", model, version, len(data),
