@@ -2,7 +2,8 @@
 protocol) answers manifests that name paths, other models and versions, absurd sizes and 3,000
 models. Clients refuse them over both transports before allocating anything for them; a relay refuses
 them with a logged and counted reason, writes nothing outside its data dir, keeps its memory, holds
-one connection to its upstream and follows at most --max-models models."""
+one connection to its upstream and follows at most --max-models models; the data dir refuses every
+path outside it."""
 
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from tests.hostile import HostileGrpc, HostileHttp, Served, altered, claiming, e
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli._server import ServeProcess
 from weightsvc.client import Limits
-from weightsvc.errors import DataLoss, ResourceExhausted, WeightsvcError
+from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.memory import physical_memory, process_status
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.service.versions.disk import VersionFiles
 
 MiB = 1 << 20
 
@@ -210,3 +212,22 @@ def test_a_relay_follows_at_most_max_models_over_one_connection(
     assert len(followed) == 20 and held == followed and sorted(upstream.models("Watch")) == followed
     assert counted["weightsvc_relay_models_followed", ""] == 20
     assert counted["weightsvc_relay_models_unfollowed", "max_models"] == 3000 - 20
+
+
+def test_the_data_dir_refuses_every_path_outside_it(tmp_path: Path) -> None:
+    """The last check before the disk, whatever named the model: a name that is a path, or a model's
+    directory that leads out of the data dir (a symlink), is refused, and nothing is written there."""
+    files = VersionFiles(tmp_path / "data")
+    for model in ("../../escape", "a/../../b", "..", ".hidden", "a/b", ""):
+        with pytest.raises(InvalidArgument, match="is invalid"):
+            files.path(model, 1)
+    with pytest.raises(InvalidArgument, match="is not a step"):
+        files.path("m", -1)
+    (tmp_path / "data" / "models").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "data" / "models" / "linked").symlink_to(tmp_path / "outside")
+    with pytest.raises(InvalidArgument, match=r"00000000000000000001.safetensors is not under the data dir"):
+        files.stage("linked", 1, 100, 100)
+    with pytest.raises(InvalidArgument, match="is not under the data dir"):
+        files.residual_path("linked", 1)
+    assert list((tmp_path / "outside").iterdir()) == []
