@@ -93,7 +93,7 @@ def test_a_client_refuses_a_bad_manifest_before_allocating_for_it(
     assert process_status()["VmHWM"] - peak < 256 * MiB  # nothing of what was claimed was taken
 
 
-def test_a_client_takes_what_its_max_bytes_allow(hostile: Callable[[Manifest], str],
+def test_a_client_takes_what_its_limits_allow(hostile: Callable[[Manifest], str],
                                                  template: tuple[Manifest, bytes]) -> None:
     target = hostile(altered(template[0], model="evil", version=5))
     with InferenceClient(target) as client:

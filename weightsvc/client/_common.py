@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
+from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.memory import alloc, physical_memory
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.lag import LagMetrics
@@ -59,8 +59,11 @@ class Limits:
         """A manifest as a server sent it, checked (`check_manifest`) to be a sound one of the version
         asked for and within these limits, before anything is allocated for it (DATA_LOSS,
         RESOURCE_EXHAUSTED)."""
-        return check_manifest(manifest, model=model, version=parse_version_ref(version), max_bytes=self.max_bytes,
-                              max_tensors=self.max_tensors)
+        try:
+            return check_manifest(manifest, model=model, version=parse_version_ref(version),
+                                  max_bytes=self.max_bytes, max_tensors=self.max_tensors)
+        except ResourceExhausted as e:
+            raise ResourceExhausted(f"{e.message} (this client's {self})", reason=e.reason) from None
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,7 @@ def _check_count(head: pb.Manifest, where: str, max_tensors: int) -> None:
     """A manifest that announces more tensors than a client takes is refused before they are read."""
     if head.tensor_count > max_tensors or len(head.tensors) > max_tensors:
         raise ResourceExhausted(f"{where}: the manifest announces {max(head.tensor_count, len(head.tensors))} "
-                                f"tensors, more than the {max_tensors} this client takes (max_tensors)",
+                                f"tensors, more than the {max_tensors} this client takes (Limits.max_tensors)",
                                 reason="too_large")
 
 

@@ -276,7 +276,7 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
     if version is not None and m.version != version:
         raise DataLoss(f"{bad}: version {version} was asked for")
     if max_tensors is not None and len(m.tensors) > max_tensors:
-        raise ResourceExhausted(f"{where}: {len(m.tensors)} tensors, more than the {max_tensors} this side takes",
+        raise ResourceExhausted(f"{where}: {len(m.tensors)} tensors, more than the {max_tensors} taken here",
                                 reason="too_large")
     if not _is_int(m.data_bytes) or m.data_bytes < 0:
         raise DataLoss(f"{bad}: data_bytes {m.data_bytes!r} is not a size")
@@ -301,7 +301,7 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
         raise DataLoss(f"{bad}: data_bytes is {m.data_bytes}, and its {len(m.tensors)} tensors take {end}")
     if max_bytes is not None and m.data_bytes > max_bytes:
         raise ResourceExhausted(f"{where}: its data section of {m.data_bytes} bytes is more than the {max_bytes} "
-                                "bytes this side takes", reason="too_large")
+                                "bytes taken here", reason="too_large")
     aliases: set[str] = set(names)
     for alias, target in m.aliases:
         try:
