@@ -136,12 +136,17 @@ class HostileHttp(_Recorder):
 
     def __init__(self, served: dict[str, Served]) -> None:
         super().__init__(served, None)
+        self.event = b"event: version\ndata: {}\n\n"  # what a watch of any model is sent, then the stream ends
         hostile = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
             def do_GET(self) -> None:
+                if self.path.split("?")[0].endswith("/watch"):
+                    hostile.called("watch")
+                    self._send(200, hostile.event)
+                    return
                 route = hostile._ROUTE.fullmatch(self.path)
                 if route is None or route[1] not in hostile.served:
                     self._send(404, b'{"error": {"code": "NOT_FOUND", "message": "no such route"}}')

@@ -105,6 +105,16 @@ def test_a_client_takes_what_its_limits_allow(hostile: Callable[[Manifest], str]
         client.pull_data("evil", 5)
 
 
+def test_an_http_watch_refuses_an_endless_event() -> None:
+    with HostileHttp({}) as server, InferenceClient(server.url) as client:
+        server.event = b"event: version\ndata: " + b"9" * (16 << 20) + b"\n\n"
+        with pytest.raises(DataLoss, match="sent an event over 65536 bytes a line"):
+            next(iter(client.watch("evil", reconnect=False)))
+        server.event = b"event: version\n" + b"data: 9\n" * 100_000 + b"\n"
+        with pytest.raises(DataLoss, match="or 64 lines"):
+            next(iter(client.watch("evil", reconnect=False)))
+
+
 # ---- the relay ------------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from weightsvc.protocol.selection import Select, selector
 from weightsvc.protocol.topology import Replica
 
 T = TypeVar("T")
+MAX_EVENT_LINE = 64 << 10  # a version's event is a few hundred bytes of JSON
 _quote = urllib.parse.quote
 Origin = urllib.parse.SplitResult
 
@@ -325,7 +326,10 @@ class HttpInferenceClient(InferenceClient):
             headers["Last-Event-ID"] = str(after)
         with self._open("GET", path, headers=headers) as resp:
             event, data = "message", list[bytes]()
-            while line := resp.readline():
+            while line := resp.readline(MAX_EVENT_LINE + 1):
+                if len(line) > MAX_EVENT_LINE or len(data) > 64:
+                    raise DataLoss(f"{self.target}: the watch of model {model!r} sent an event over {MAX_EVENT_LINE} "
+                                   "bytes a line or 64 lines")
                 line = line.rstrip(b"\r\n")
                 if not line:  # a blank line ends an event
                     if event == "version" and data:
