@@ -7,6 +7,7 @@ path outside it."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections import Counter
@@ -24,7 +25,8 @@ from weightsvc.cli._server import ServeProcess
 from weightsvc.client import Limits
 from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.memory import physical_memory, process_status
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.manifest import Manifest, ServedTensor
 from weightsvc.service.versions.disk import VersionFiles
 
 MiB = 1 << 20
@@ -222,6 +224,30 @@ def test_a_relay_follows_at_most_max_models_over_one_connection(
     assert len(followed) == 20 and held == followed and sorted(upstream.models("Watch")) == followed
     assert counted["weightsvc_relay_models_followed", ""] == 20
     assert counted["weightsvc_relay_models_unfollowed", "max_models"] == 3000 - 20
+
+
+def test_a_relay_with_a_data_dir_keeps_no_version_per_model_in_its_memory(
+    tmp_path: Path, template: tuple[Manifest, bytes]
+) -> None:
+    """Each followed model's delta base is its committed version's file (its pages the kernel's to
+    drop), not the pulled buffer: the relay's own memory does not grow by a version per model."""
+    data = os.urandom(16 * MiB)
+    tensor = ServedTensor("w", (len(data) // 2,), "BF16", 0, len(data), checksum(data))
+    models = [f"m-{i}" for i in range(8)]
+    served = {m: Served(1, altered(template[0], model=m, tensors=(tensor,), data_bytes=len(data), aliases=()), data)
+              for m in models}
+    with HostileGrpc(served, listed=[]) as upstream:
+        relay = ServeProcess("--relay-from", upstream.target, "--data-dir", str(tmp_path / "data"))
+        try:
+            before = relay.memory()["RssAnon"]
+            upstream.listed = models
+            for model in models:
+                assert relayed(relay, model) == 1
+            after = relay.memory()["RssAnon"]
+        finally:
+            relay.stop()
+    print(f"relay of 8 x 16 MiB: RssAnon {before / MiB:.0f} -> {after / MiB:.0f} MiB")
+    assert after - before < 48 * MiB  # 8 versions held in memory would be 128 MiB
 
 
 def test_the_data_dir_refuses_every_path_outside_it(tmp_path: Path) -> None:

@@ -168,6 +168,11 @@ class Relay:
                     limits = f"{limit} bytes: {flag}; {self._client.limits.max_tensors} tensors: --max-tensors"
                     raise ResourceExhausted(f"{e.message} (this relay takes {limits})", reason=e.reason) from None
                 raise
+            # The next pull's delta base: the committed version (with a data dir, its file's pages),
+            # so the pulled buffer goes, and the relay holds no version per model in its own memory.
+            committed = self.service.index.find(model, version)
+            if committed is not None:
+                self._client.hold(committed.manifest, committed.data)
             log.info("relayed model=%s version=%d bytes=%d pulled=%d", model, version, len(data),
                      self._client.last_pull_bytes)
 
