@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import os
+from pathlib import Path
 
 _POPULATE_MIN = 1 << 20
 _MADV_POPULATE_WRITE = 23  # linux/mman.h; not in Python's mmap module before 3.13
@@ -105,3 +107,16 @@ def anonymous_bytes() -> int:
         return process_status().get("RssAnon", 0)
     except (OSError, ValueError):
         return 0
+
+
+def physical_memory() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit when lower (a pod)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total

@@ -41,6 +41,12 @@ _EXPORT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # What a relay was doing when something failed (it logs the failure and retries).
 RELAY_STAGES = ("discover", "follow", "mirror")
+# Why a relay refused a version of its upstream (it retries it): its manifest or bytes are not what
+# they must be (invalid), or it is over the relay's own limits (too_large, too_many models).
+RELAY_REFUSALS = ("invalid", "too_large", "too_many")
+# Why a relay does not follow a model its upstream lists: no model can have its name, or the relay
+# follows --max-models already.
+RELAY_UNFOLLOWED = ("invalid_name", "max_models")
 
 
 class Metrics:
@@ -134,6 +140,19 @@ class Metrics:
         )
         for stage in RELAY_STAGES:
             self.relay_failures.labels(stage)
+        self.relay_refused = Counter(
+            "weightsvc_relay_refused", "Versions of its upstream a relay refused (each retried), by reason",
+            ["reason"], registry=r,
+        )
+        for reason in RELAY_REFUSALS:
+            self.relay_refused.labels(reason)
+        self.relay_followed = Gauge("weightsvc_relay_models_followed", "Models a relay follows", registry=r)
+        self.relay_unfollowed = Gauge(
+            "weightsvc_relay_models_unfollowed", "Models a relay's upstream lists that it does not follow, by reason",
+            ["reason"], registry=r,
+        )
+        for reason in RELAY_UNFOLLOWED:
+            self.relay_unfollowed.labels(reason)
         r.register(_ClientCollector(self))
         self._clients: Callable[[], dict[str, list[ClientStatus]]] = dict
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels

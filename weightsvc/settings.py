@@ -7,33 +7,21 @@ to print `serve --help` and to reject a bad value before anything heavy loads.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from weightsvc.memory import physical_memory
 
 # The choices a deployment may set are what the rounding package implements (importing it loads
 # no kernel).
 from weightsvc.rounding import DEFAULT_FP8_PATTERN, DEVICES, FORMATS, ROUNDINGS, SCALINGS, check_choice
 
 
-def _physical_memory() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit when lower (a pod)."""
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            limit = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if limit.isdigit():
-            total = min(total, int(limit))
-    return total
-
-
 def _half_memory() -> int:
     """half the memory this process may use"""  # shown as the default in `serve --help`
-    return _physical_memory() // 2
+    return physical_memory() // 2
 
 
 class Settings(BaseSettings):
@@ -155,7 +143,7 @@ class Settings(BaseSettings):
 
     @property
     def rss_high_water(self) -> int:
-        return self.max_rss_bytes or int(_physical_memory() * 0.9)
+        return self.max_rss_bytes or int(physical_memory() * 0.9)
 
     def tokens(self) -> dict[str, str | None]:
         """The bearer tokens of each role as set (comma-separated); the server builds its `Auth`

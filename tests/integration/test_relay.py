@@ -20,11 +20,14 @@ def upstream_pull_bytes(server: BackgroundServer, model: str) -> float:
     return server.service.metrics.pull_bytes.labels(model, "grpc")._value.get()  # type: ignore[attr-defined]
 
 
-def test_relay_mirrors_each_version_bit_for_bit_and_pulls_deltas(tmp_path: Path, model: str) -> None:
+@pytest.mark.parametrize("relay_data_dir", [False, True], ids=["in-memory", "data-dir"])
+def test_relay_mirrors_each_version_bit_for_bit_and_pulls_deltas(tmp_path: Path, model: str,
+                                                                  relay_data_dir: bool) -> None:
     masters = make_masters()
     with serving() as upstream, LearnerClient(upstream.grpc_target) as learner:
         learner.push(1, masters, model=model, rounding="sr-sticky")
-        with serving(relay_from=upstream.grpc_target) as relay:
+        # (with a data dir, the delta's base is the committed version's file)
+        with serving(relay_from=upstream.grpc_target, data_dir=tmp_path / "relay" if relay_data_dir else None) as relay:
             assert relayed(relay, model, after=None) == 1
             # Same file: the manifest (commit time and lag metrics included) and every served byte.
             assert served_file(relay, model, 1, tmp_path / "r1") == served_file(upstream, model, 1, tmp_path / "u1")

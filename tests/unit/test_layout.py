@@ -122,7 +122,7 @@ MAY_IMPORT = {
     "v1": set(),
     "memory": FLOOR,
     "rounding": FLOOR,
-    "settings": FLOOR | {"rounding"},
+    "settings": FLOOR | {"memory", "rounding"},
     "protocol": FLOOR | {"memory", "rounding"},
     "metrics": FLOOR | {"protocol"},
     "service": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics"},

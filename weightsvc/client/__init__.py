@@ -19,7 +19,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Credentials, RetryPolicy, VersionInfo, read_version_file, verify_data
+from weightsvc.client._common import Credentials, Limits, RetryPolicy, VersionInfo, read_version_file, verify_data
 from weightsvc.protocol.clients import ClientStatus as ClientInfo
 from weightsvc.protocol.manifest import Slice
 
@@ -36,6 +36,7 @@ __all__ = [
     "HttpInferenceClient",
     "InferenceClient",
     "LearnerClient",
+    "Limits",
     "RetryPolicy",
     "Shard",
     "Slice",

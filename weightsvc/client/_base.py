@@ -10,12 +10,13 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from weightsvc.client._common import (
     Credentials,
+    Limits,
     Progress,
     Receiver,
     RetryPolicy,
@@ -65,15 +66,18 @@ class InferenceClient:
         token: str | None = None,
         ca_cert: str | Path | bytes | None = None,
         retry: RetryPolicy | None = None,
+        limits: Limits | None = None,
     ) -> None:
         """`token`: a bearer token with role pull (default: $WEIGHTSVC_TOKEN); `ca_cert`: a PEM
         bundle to trust for `grpcs://` and `https://` targets (default: $WEIGHTSVC_CA_CERT).
         A pull broken mid-stream resumes from its offset up to `resume_attempts` times (`retry`:
-        the whole policy)."""
+        the whole policy). Every manifest a server sends is checked, and refused over `limits`
+        (default `Limits()`: half the memory this process may use), before anything is allocated for it."""
         self.target = target
         self.timeout = timeout
         self.credentials = Credentials.resolve(token, ca_cert)
         self.retry = retry or RetryPolicy(attempts=resume_attempts)
+        self.limits = limits or Limits()
         self._held: dict[str, tuple[Manifest, memoryview]] = {}  # the last version pulled, per model
         self.last_pull_bytes = 0  # payload bytes the last pull received (a delta is smaller)
         self._count_lock = threading.Lock()
@@ -246,7 +250,7 @@ class InferenceClient:
 
     def watch(
         self, model: str = "default", after: int | None = None, *, reconnect: bool = True, max_backoff: float = 5.0
-    ) -> Iterator[VersionInfo]:
+    ) -> Generator[VersionInfo, None, None]:
         """Each retained version above `after` (all when None), then each new one as it commits.
 
         With `reconnect`, a lost server (restart, network) is retried with exponential backoff, and

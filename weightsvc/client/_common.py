@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.errors import DataLoss, InvalidArgument, NotFound, Unavailable, WeightsvcError
-from weightsvc.memory import alloc
+from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.memory import alloc, physical_memory
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.lag import LagMetrics
-from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, manifest_from_header
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, check_manifest, manifest_from_header
+from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
 from weightsvc.protocol.wire import lag_from_proto
@@ -35,6 +36,34 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 Progress = Callable[[int], None]
 READ_BYTES = 4 << 20  # one read of a response body into the buffer
+
+
+MAX_TENSORS = 1_000_000  # tensors of a version a client takes by default: the server's default --max-tensors
+
+
+def default_max_bytes() -> int:
+    """Half the memory this process may use: the default of `--max-version-bytes` on the server, and
+    a version of that size pulled as a delta needs its base beside it."""
+    return physical_memory() // 2
+
+
+@dataclass
+class Limits:
+    """What a client takes of a server: versions whose data section is at most `max_bytes` (a delta
+    pull holds as much again for the delta's encoding) and that have at most `max_tensors` tensors."""
+
+    max_bytes: int = field(default_factory=default_max_bytes)
+    max_tensors: int = MAX_TENSORS
+
+    def check(self, manifest: Manifest, model: str, version: int | str) -> Manifest:
+        """A manifest as a server sent it, checked (`check_manifest`) to be a sound one of the version
+        asked for and within these limits, before anything is allocated for it (DATA_LOSS,
+        RESOURCE_EXHAUSTED)."""
+        try:
+            return check_manifest(manifest, model=model, version=parse_version_ref(version),
+                                  max_bytes=self.max_bytes, max_tensors=self.max_tensors)
+        except ResourceExhausted as e:
+            raise ResourceExhausted(f"{e.message} (this client's {self})", reason=e.reason) from None
 
 
 @dataclass(frozen=True)
@@ -231,8 +260,20 @@ def write_version_file(path: str | Path, manifest: Manifest, data: bytearray | m
         tmp.unlink(missing_ok=True)
 
 
+def check_delta(manifest: Manifest, nbytes: object, where: str) -> int:
+    """The size of the delta a server announced for `manifest`: a delta is sent only where it is
+    smaller than the data section."""
+    if type(nbytes) is not int or not 0 <= nbytes <= manifest.data_bytes:
+        raise DataLoss(f"{where}: the server announced a delta of {nbytes!r} bytes for a data section of "
+                       f"{manifest.data_bytes}")
+    return nbytes
+
+
 def patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memoryview) -> memoryview:
     """The data section of `manifest`: the held version's, with `delta` applied."""
+    if len(held[1]) != manifest.data_bytes:  # (a server sends a delta only between versions of one layout)
+        raise DataLoss(f"model {manifest.model!r} version {manifest.version}: a delta on version {held[0].version} "
+                       f"of {len(held[1])} bytes cannot make a data section of {manifest.data_bytes}")
     full = alloc(manifest.data_bytes)
     full[:] = held[1]
     try:

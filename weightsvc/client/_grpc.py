@@ -13,8 +13,17 @@ from typing import Any, TypeVar
 import grpc
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Credentials, Progress, Receiver, VersionInfo, is_http, patched, pull_parts
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.client._common import (
+    Credentials,
+    Progress,
+    Receiver,
+    VersionInfo,
+    check_delta,
+    is_http,
+    patched,
+    pull_parts,
+)
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest
@@ -195,20 +204,30 @@ def _pull_method(ch: grpc.Channel) -> Any:
                            response_deserializer=decode_pull_response)
 
 
-def _read_manifest(stream: Iterator[object], where: str) -> Manifest | None:
+def _read_manifest(stream: Iterator[object], where: str, max_tensors: int) -> Manifest | None:
     """The manifest a Pull stream starts with, and its pieces (None: it did not start with one)."""
     first = next(stream, None)
     if not (isinstance(first, pb.PullResponse) and first.HasField("manifest")):
         return None
     head, more = first.manifest, []
+    _check_count(head, where, max_tensors)
     got = len(head.tensors)
     while got < head.tensor_count:
         piece = next(stream, None)
-        if not (isinstance(piece, pb.PullResponse) and piece.HasField("manifest_tensors")):
+        if not (isinstance(piece, pb.PullResponse) and piece.HasField("manifest_tensors")
+                and piece.manifest_tensors.tensors):
             raise DataLoss(f"{where}: the manifest ended after {got} of its {head.tensor_count} tensors")
         more.append(piece.manifest_tensors.tensors)
         got += len(piece.manifest_tensors.tensors)
     return manifest_from_proto(head, itertools.chain.from_iterable(more))
+
+
+def _check_count(head: pb.Manifest, where: str, max_tensors: int) -> None:
+    """A manifest that announces more tensors than a client takes is refused before they are read."""
+    if head.tensor_count > max_tensors or len(head.tensors) > max_tensors:
+        raise ResourceExhausted(f"{where}: the manifest announces {max(head.tensor_count, len(head.tensors))} "
+                                f"tensors, more than the {max_tensors} this client takes (Limits.max_tensors)",
+                                reason="too_large")
 
 
 class GrpcInferenceClient(InferenceClient):
@@ -254,9 +273,10 @@ class GrpcInferenceClient(InferenceClient):
                                      base="" if held is None else str(held[0].version), select=selected)
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
-                got = _read_manifest(stream, f"model {model!r} version {pinned}")
+                got = _read_manifest(stream, f"model {model!r} version {pinned}", self.limits.max_tensors)
                 if got is None:
                     raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
+                got = self.limits.check(got, model, pinned)  # before anything is allocated for it
                 if manifest is not None and got.master_digest != manifest.master_digest:
                     raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
                 manifest = got
@@ -265,8 +285,8 @@ class GrpcInferenceClient(InferenceClient):
                     if isinstance(chunk, pb.PullResponse) and chunk.HasField("delta"):
                         if rx is None:  # the bytes that follow encode changes from the held version
                             delta = True
-                            rx = Receiver(alloc(chunk.delta.delta_bytes), 0, chunk.delta.delta_bytes, moved,
-                                          f"{where} (delta on version {request.base})")
+                            size = check_delta(manifest, chunk.delta.delta_bytes, where)
+                            rx = Receiver(alloc(size), 0, size, moved, f"{where} (delta on version {request.base})")
                         continue
                     if not isinstance(chunk, ChunkView):
                         raise DataLoss(f"{where}: unexpected message in the pull stream")
@@ -296,7 +316,7 @@ class GrpcInferenceClient(InferenceClient):
         request = pb.PullRequest(model=manifest.model, version=str(manifest.version), offset=rx.pos)
         with errors_of(self.target):
             stream = pull(request, timeout=self.timeout)
-            first = _read_manifest(stream, rx.where)
+            first = _read_manifest(stream, rx.where, self.limits.max_tensors)
             if first is None or first.master_digest != manifest.master_digest:
                 raise DataLoss(f"{rx.where}: the replica answered with another version")
             for chunk in stream:
@@ -308,6 +328,7 @@ class GrpcInferenceClient(InferenceClient):
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         head = self._call(self._stub.GetManifest, pb.GetManifestRequest(model=model, version=str(version)))
+        _check_count(head, f"model {model!r} version {head.version}", self.limits.max_tensors)
         more, got = [], len(head.tensors)
         while got < head.tensor_count:  # a big manifest comes in pieces: ask from where we got to
             piece = self._call(self._stub.GetManifest, pb.GetManifestRequest(
@@ -317,7 +338,7 @@ class GrpcInferenceClient(InferenceClient):
                                f"{got} of {head.tensor_count} tensors")
             more.append(piece.tensors)
             got += len(piece.tensors)
-        return manifest_from_proto(head, itertools.chain.from_iterable(more))
+        return self.limits.check(manifest_from_proto(head, itertools.chain.from_iterable(more)), model, version)
 
     def versions(self, model: str = "default") -> list[VersionInfo]:
         resp = self._call(self._stub.ListVersions, pb.ListVersionsRequest(model=model))

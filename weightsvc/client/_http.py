@@ -9,12 +9,12 @@ import socket
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Progress, Receiver, VersionInfo, patched, pull_parts
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, Unavailable, WeightsvcError
+from weightsvc.client._common import Progress, Receiver, VersionInfo, check_delta, patched, pull_parts
+from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest, manifest_from_header
@@ -22,6 +22,8 @@ from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length, read
 from weightsvc.protocol.selection import Select, selector
 from weightsvc.protocol.topology import Replica
 
+T = TypeVar("T")
+MAX_EVENT_LINE = 64 << 10  # a version's event is a few hundred bytes of JSON
 _quote = urllib.parse.quote
 Origin = urllib.parse.SplitResult
 
@@ -90,6 +92,14 @@ class _Connections:
                     conn.sock.shutdown(socket.SHUT_RDWR)
 
 
+def _parsed(parse: Callable[[], T], where: str) -> T:
+    """`parse()`, whose input came from the server: what it cannot read is DATA_LOSS."""
+    try:
+        return parse()
+    except (KeyError, TypeError, ValueError, AttributeError, InvalidArgument) as e:
+        raise DataLoss(f"{where}: the server's manifest cannot be read: {type(e).__name__}: {e}") from None
+
+
 def _error(resp: http.client.HTTPResponse) -> WeightsvcError:
     """The domain error of an error response (`{"error": {"code", "message"}}`)."""
     body = resp.read()
@@ -154,10 +164,17 @@ class HttpInferenceClient(InferenceClient):
                 self._connections.drop(conn)
 
     def _json(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        """GET `path` (POST `payload`) and the JSON it answers."""
+        """GET `path` (POST `payload`) and the JSON it answers (no larger than a version's header, the
+        largest answer a server makes: a manifest)."""
         body = None if payload is None else json.dumps(payload).encode()
         with self._open("GET" if body is None else "POST", path, body=body) as resp:
-            return json.loads(resp.read())
+            raw = resp.read(MAX_HEADER_BYTES + 1)
+            if len(raw) > MAX_HEADER_BYTES:
+                raise DataLoss(f"{self.target}: the answer to {path} is over {MAX_HEADER_BYTES} bytes")
+            try:
+                return json.loads(raw)
+            except ValueError as e:
+                raise DataLoss(f"{self.target}: the answer to {path} is not JSON: {e}") from None
 
     # ---- pulls ---------------------------------------------------------------------------------
 
@@ -198,9 +215,10 @@ class HttpInferenceClient(InferenceClient):
                     head = resp.read(8)
                     if len(head) < 8 or (header_len := header_length(head)) > MAX_HEADER_BYTES:
                         raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
-                    start, header = read_safetensors_header(head + resp.read(header_len))
-                    manifest_of.append(manifest_from_header(header))
-                    m = manifest_of[0]
+                    where = f"model {model!r} version {version}"
+                    start, header = _parsed(lambda: read_safetensors_header(head + resp.read(header_len)), where)
+                    m = self.limits.check(_parsed(lambda: manifest_from_header(header), where), model, version)
+                    manifest_of.append(m)
                     rx = Receiver(alloc(m.data_bytes), 0, m.data_bytes, moved, f"model {model!r} version {m.version}")
                     rx.read(resp)
                 return
@@ -239,6 +257,7 @@ class HttpInferenceClient(InferenceClient):
                 size = resp.length
                 if size is None:
                     raise DataLoss(f"{where}: the delta came without a length")
+                check_delta(manifest, size, where)
                 rx = Receiver(alloc(size), 0, size, moved, where)
                 rx.read(resp)
                 return rx.data
@@ -277,7 +296,9 @@ class HttpInferenceClient(InferenceClient):
     # ---- metadata ------------------------------------------------------------------------------
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
-        return Manifest.from_dict(self._json(f"/v1/models/{_quote(model)}/versions/{_quote(str(version))}/manifest"))
+        got = self._json(f"/v1/models/{_quote(model)}/versions/{_quote(str(version))}/manifest")
+        return self.limits.check(_parsed(lambda: Manifest.from_dict(got), f"model {model!r} version {version}"),
+                             model, version)
 
     def versions(self, model: str = "default") -> list[VersionInfo]:
         return [VersionInfo.from_dict(v) for v in self._json(f"/v1/models/{_quote(model)}/versions")["versions"]]
@@ -305,7 +326,10 @@ class HttpInferenceClient(InferenceClient):
             headers["Last-Event-ID"] = str(after)
         with self._open("GET", path, headers=headers) as resp:
             event, data = "message", list[bytes]()
-            while line := resp.readline():
+            while line := resp.readline(MAX_EVENT_LINE + 1):
+                if len(line) > MAX_EVENT_LINE or len(data) > 64:
+                    raise DataLoss(f"{self.target}: the watch of model {model!r} sent an event over {MAX_EVENT_LINE} "
+                                   "bytes a line or 64 lines")
                 line = line.rstrip(b"\r\n")
                 if not line:  # a blank line ends an event
                     if event == "version" and data:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import xxhash
 
-from weightsvc.errors import InvalidArgument
+from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
 from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.refs import MAX_NAME_CHARS, MAX_STEP, RESERVED_NAME, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import framed
 
 # safetensors dtype name -> bytes per element. Masters are F32; served copies are the rest.
@@ -207,6 +209,7 @@ class Manifest:
         return framed(("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode())
 
 
+_OFFSET = operator.attrgetter("offset")
 JSON_SLICE = 2000  # tensors per slice of JSON made at once (each holds the GIL for a few milliseconds)
 _string = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it (in C)
 
@@ -248,6 +251,90 @@ def layout(tensors: list[tuple[str, tuple[int, ...], str]], start: int = 0) -> t
         out.append(ServedTensor(name, shape, dtype, offset, nbytes))
         offset += nbytes
     return out, offset
+
+
+def check_manifest(m: Manifest, *, model: str | None = None, version: int | None = None,
+                   max_bytes: int | None = None, max_tensors: int | None = None) -> Manifest:
+    """`m`, a manifest that came from the network (a server's answer to a client, an upstream's to a
+    relay), checked before anything is allocated, pulled or written by it: a model name that can be
+    one, the `model` and `version` asked for (None: any), tensors with names, dtypes and shapes that
+    can be, laid out back to back from byte 0 without gaps or overlaps (as safetensors requires), a
+    `data_bytes` equal to what they take, aliases of its tensors and parts within its data section.
+
+    DataLoss names the rule a manifest breaks (no weightsvc server commits one like it);
+    ResourceExhausted a sound one larger than `max_bytes` (its data section) or `max_tensors`."""
+    try:
+        check_model_name(m.model if type(m.model) is str else repr(m.model))
+    except InvalidArgument as e:
+        raise DataLoss(f"the manifest the server sent is not one weightsvc makes: {e.message}") from None
+    where = f"model {m.model!r} version {m.version}"
+    bad = f"{where}: the manifest the server sent is not one weightsvc makes"
+    if model is not None and m.model != model:
+        raise DataLoss(f"{bad}: model {model!r} was asked for")
+    if not (_is_int(m.version) and 0 <= m.version <= MAX_STEP):
+        raise DataLoss(f"{bad}: versions are steps in [0, {MAX_STEP}]")
+    if version is not None and m.version != version:
+        raise DataLoss(f"{bad}: version {version} was asked for")
+    if max_tensors is not None and len(m.tensors) > max_tensors:
+        raise ResourceExhausted(f"{where}: {len(m.tensors)} tensors, more than the {max_tensors} taken here",
+                                reason="too_large")
+    if not _is_int(m.data_bytes) or m.data_bytes < 0:
+        raise DataLoss(f"{bad}: data_bytes {m.data_bytes!r} is not a size")
+    names = _tensor_names(m.tensors, bad)
+    # Types and signs in bulk (100,000 tensors are checked in ~0.1 s), the rest tensor by tensor.
+    numbers = [n for t in m.tensors for n in (t.offset, t.nbytes, *t.shape)]
+    if {type(n) for n in numbers} - {int} or min(numbers, default=0) < 0:
+        t = next(t for t in m.tensors if not all(type(n) is int and n >= 0 for n in (t.offset, t.nbytes, *t.shape)))
+        raise DataLoss(f"{bad}: tensor {t.name!r} has offset {t.offset!r}, {t.nbytes!r} bytes and shape "
+                       f"{list(t.shape)}: sizes are whole numbers ≥ 0")
+    end = 0  # where the tensors placed so far end
+    for t in sorted(m.tensors, key=_OFFSET):  # (in order already: the sort only checks it)
+        size = DTYPE_SIZES.get(t.dtype, -1) * math.prod(t.shape) if type(t.dtype) is str else -1
+        if t.nbytes != size:
+            raise DataLoss(f"{bad}: tensor {t.name!r} has dtype {t.dtype!r}, shape {list(t.shape)} and {t.nbytes} "
+                           f"bytes (known dtypes: {', '.join(DTYPE_SIZES)}; bytes as the shape takes)")
+        if t.offset != end:
+            raise DataLoss(f"{bad}: tensor {t.name!r} starts at byte {t.offset} of the data section, where the "
+                           f"tensors before it end at {end}: tensors lie back to back, without gaps or overlaps")
+        end += size
+    if m.data_bytes != end:
+        raise DataLoss(f"{bad}: data_bytes is {m.data_bytes}, and its {len(m.tensors)} tensors take {end}")
+    if max_bytes is not None and m.data_bytes > max_bytes:
+        raise ResourceExhausted(f"{where}: its data section of {m.data_bytes} bytes is more than the {max_bytes} "
+                                "bytes taken here", reason="too_large")
+    aliases: set[str] = set(names)
+    for alias, target in m.aliases:
+        try:
+            check_tensor_name(bad, alias, aliases)
+        except InvalidArgument as e:
+            raise DataLoss(e.message) from None
+        if target not in names:
+            raise DataLoss(f"{bad}: alias {alias!r} is of {target!r}, not a tensor of the version")
+    for p in m.parts:
+        if not (_is_int(p.offset) and _is_int(p.nbytes) and 0 <= p.offset <= p.offset + p.nbytes <= m.data_bytes):
+            raise DataLoss(f"{bad}: a part of replica {p.owner!r} lies at [{p.offset!r}, +{p.nbytes!r}), "
+                           f"not within its data section of {m.data_bytes} bytes")
+    return m
+
+
+def _tensor_names(tensors: Sequence[ServedTensor], bad: str) -> set[str]:
+    """The tensors' names, each checked (`check_tensor_name`: one by one only to name a bad one)."""
+    names = [t.name for t in tensors]
+    unique = set(names) if all(type(n) is str for n in names) else set()
+    if (len(unique) == len(names) and RESERVED_NAME not in unique
+            and all(0 < len(n) <= MAX_NAME_CHARS for n in names)):
+        return unique
+    seen: set[str] = set()
+    for name in names:
+        try:
+            check_tensor_name(bad, name, seen)
+        except InvalidArgument as e:
+            raise DataLoss(e.message) from None
+    raise AssertionError("unreachable")
+
+
+def _is_int(n: object) -> bool:
+    return type(n) is int  # (JSON's true and 1.0 are no sizes)
 
 
 def manifest_from_header(header: dict[str, Any]) -> Manifest:

@@ -20,11 +20,13 @@ from typing import overload
 
 from weightsvc import rounding
 from weightsvc.errors import (
+    DataLoss,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.manifest import Manifest, check_manifest
 from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Exporter, exporter_for
@@ -154,7 +156,18 @@ class Service:
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
-        version of sharded replicas is whole here: the relay serves all of it."""
+        version of sharded replicas is whole here: the relay serves all of it. What the upstream sent
+        is checked again here, against this server's limits, before anything touches the disk."""
+        s = self.settings
+        await asyncio.to_thread(check_manifest, manifest, max_bytes=s.max_version_bytes, max_tensors=s.max_tensors)
+        if len(data) != manifest.data_bytes:
+            raise DataLoss(f"model {manifest.model!r} version {manifest.version}: {len(data)} bytes of data for a "
+                           f"data section of {manifest.data_bytes}")
+        held = self.index.models()
+        if manifest.model not in held and len(held) >= s.max_models:
+            raise ResourceExhausted(f"model {manifest.model!r} version {manifest.version}: this server holds "
+                                    f"{len(held)} models, the most it takes (--max-models {s.max_models})",
+                                    reason="too_many")
         manifest = dataclasses.replace(manifest, parts=())
         await self.committer.commit(Version(manifest, b"", data))  # its header is made at commit
 

@@ -4,14 +4,11 @@ from __future__ import annotations
 
 from weightsvc.errors import InvalidArgument, ResourceExhausted
 from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE
-from weightsvc.protocol.refs import MAX_STEP, check_model_name
+from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.service.push.messages import PushHeader
 from weightsvc.service.push.shards import MAX_WORLD_SIZE
 from weightsvc.settings import Settings
-
-MAX_NAME_CHARS = 1024
-RESERVED_NAME = "__metadata__"
 
 
 def validate_header(header: PushHeader, settings: Settings) -> None:
@@ -44,7 +41,7 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
     seen: set[str] = set()
     total = 0
     for t in header.tensors:
-        _check_name(where, t.name, seen)
+        check_tensor_name(where, t.name, seen)
         if t.dtype not in DTYPE_SIZES:
             raise InvalidArgument(
                 f"{where}: tensor {t.name!r} has unknown dtype {t.dtype!r} (known: {', '.join(DTYPE_SIZES)})",
@@ -87,16 +84,5 @@ def validate_header(header: PushHeader, settings: Settings) -> None:
         if alias in seen:
             raise InvalidArgument(f"{where}: alias {alias!r} (of {target!r}) is also a tensor of the push",
                                   reason="invalid_header")
-        _check_name(where, alias, seen)
+        check_tensor_name(where, alias, seen)
 
-
-def _check_name(where: str, name: str, seen: set[str]) -> None:
-    """Refuse a tensor or alias name that is empty, too long, reserved or already used; else add it."""
-    if not name or len(name) > MAX_NAME_CHARS:
-        raise InvalidArgument(f"{where}: tensor names must have 1-{MAX_NAME_CHARS} characters", reason="invalid_header")
-    if name in seen:
-        raise InvalidArgument(f"{where}: tensor {name!r} is declared twice", reason="invalid_header")
-    if name == RESERVED_NAME:
-        raise InvalidArgument(f"{where}: {RESERVED_NAME!r} is reserved by the safetensors format",
-                              reason="invalid_header")
-    seen.add(name)

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from weightsvc._faults import crash_point
-from weightsvc.errors import DiskFull, Unavailable, WeightsvcError
+from weightsvc.errors import DiskFull, InvalidArgument, Unavailable, WeightsvcError
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.manifest import manifest_from_header
+from weightsvc.protocol.refs import MAX_STEP, check_model_name
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, framed, header_length, read_safetensors_header
 from weightsvc.rounding import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY, Residual
 from weightsvc.service.versions.index import Version, VersionFile
@@ -49,7 +50,16 @@ class VersionFiles:
         self.damaged: list[DamagedFile] = []  # what restore set aside, for the metric, `status` and listings
 
     def path(self, model: str, version: int) -> Path:
-        return self.data_dir / "models" / model / f"{version:020d}.safetensors"
+        """Where a version's file lies; refused unless under the data dir, whatever named the model (a
+        learner, a relay's upstream): names are checked where they arrive, and here before any file."""
+        check_model_name(model)
+        if not (isinstance(version, int) and 0 <= version <= MAX_STEP):
+            raise InvalidArgument(f"model {model!r}: version {version!r} is not a step in [0, {MAX_STEP}]")
+        path = self.data_dir / "models" / model / f"{version:020d}.safetensors"
+        if not path.resolve().is_relative_to(self.data_dir.resolve()):
+            raise InvalidArgument(f"model {model!r} version {version}: {path} is not under the data dir "
+                                  f"{self.data_dir}: refused")
+        return path
 
     def residual_path(self, model: str, version: int) -> Path:
         return self.path(model, version).with_name(f"residual-{version:020d}.safetensors")
