@@ -113,10 +113,10 @@ def _ue8m0_exponents(amax: np.ndarray, elem_max: float) -> np.ndarray:
     e = e.astype(np.int32)  # the exact checks below settle it either way
     e = np.where(np.ldexp(elem_max, e - 1) >= a, e - 1, e)
     e = np.where(np.ldexp(elem_max, e) < a, e + 1, e)
-    return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, mx_max_exponent(elem_max))
+    return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, _mx_max_exponent(elem_max))
 
 
-def mx_max_exponent(elem_max: float) -> int:
+def _mx_max_exponent(elem_max: float) -> int:
     """The largest e whose elem_max * 2^e is a finite fp32 (119 for e4m3's 448, 125 for e2m1's 6):
     above it, the block's largest element values would serve as 2^128, which is Inf in fp32."""
     return int(np.floor(np.log2(np.finfo(np.float32).max / elem_max)))
