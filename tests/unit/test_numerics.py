@@ -13,12 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.unit.exact_rounding import differences, grid, half_even_codes
 from weightsvc.rounding import (
     FORMATS,
     ExportSpec,
     Residual,
     Scales,
     _cpu,
+    dequantize,
     export_array,
     export_state_dict,
     fair_cast,
@@ -26,7 +28,7 @@ from weightsvc.rounding import (
 )
 
 ML_DTYPES = {"fp8_e4m3": ml_dtypes.float8_e4m3fn, "fp8_e5m2": ml_dtypes.float8_e5m2}
-UNIT_SCALE = Scales(np.ones((), np.float32), np.ones(1, np.float32), _cpu.SCALE_TENSOR, 1, 1)
+UNIT_SCALE = Scales(np.ones((), np.float32), _cpu.SCALE_TENSOR, 1, 1)
 
 
 def export_bits(
@@ -87,6 +89,67 @@ def test_fp8_rtn_is_ml_dtypes_after_saturation(fmt: str, patterns: list[int]) ->
     assert np.array_equal(ours, ref), (clamped[ours != ref][:5], ours[ours != ref][:5], ref[ours != ref][:5])
 
 
+def scaled_ties(fmt: str, scale: np.float32, amax: np.float32) -> np.ndarray:
+    """Every value and midpoint of the format (both signs) times `scale`, rounded to fp32, and the
+    fp32 numbers beside each, up to amax: exact ties where the products are exact, near ties
+    around them."""
+    values = np.array([float(v) for v in grid(fmt)])
+    quotients = np.concatenate([values, (values[:-1] + values[1:]) / 2])
+    exact = (np.concatenate([quotients, -quotients]) * np.float64(scale)).astype(np.float32)
+    probes = np.concatenate([exact, np.nextafter(exact, np.float32(np.inf)), np.nextafter(exact, np.float32(-np.inf))])
+    return probes[np.abs(probes) <= amax]
+
+
+# amax 784: e4m3 scale 1.75 (exact ties); the others: scales of 20-odd bits (near ties)
+AMAXES = (784.0, 0.0123, 3.1e-5, 2.0)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("scaling", ["tensor", "channel", "block"])
+def test_fp8_rtn_under_a_scale_is_half_to_even_of_the_exact_quotient(fmt: str, scaling: str) -> None:
+    """Each group (the tensor, a row, a 128x128 block) holds one of AMAXES, which sets its scale,
+    and every tie and near tie of the format under that scale."""
+    f = FORMATS[fmt]
+    groups = {"tensor": 1, "channel": len(AMAXES), "block": len(AMAXES)}[scaling]
+    rows, cols = {"tensor": (1, 2048), "channel": (len(AMAXES), 2048), "block": (128, 128 * len(AMAXES))}[scaling]
+    master = np.zeros((rows, cols), np.float32)
+    for j, amax in enumerate(AMAXES[:groups]):
+        a = np.float32(amax)
+        scale = fp8_scales(np.full((1, 1), a), f, "tensor").scale_inv.reshape(-1)[0]
+        group = np.zeros(2048 if scaling != "block" else 128 * 128, np.float32)
+        probes = scaled_ties(fmt, scale, a)
+        group[0] = a
+        group[1 : 1 + probes.size] = probes
+        if scaling == "block":
+            master[:, 128 * j : 128 * (j + 1)] = group.reshape(128, 128)
+        else:
+            master[j] = group
+    scales = fp8_scales(master, f, scaling)
+    served = export_bits(master, fmt, scales=scales).reshape(master.shape)
+    scale = np.broadcast_to(scales.scale_inv, master.shape) if scaling != "block" else np.repeat(
+        scales.scale_inv, 128, axis=1)
+    expected = half_even_codes(master, scale, fmt)
+    assert np.array_equal(served, expected), differences(master, served, expected)
+    if fmt == "fp8_e4m3":  # 6.5 * 2^-9 (a subnormal midpoint) times 1.75: to the even 6 * 2^-9
+        assert scale[0, 0] == 1.75 and served[master == np.float32(6.5 * 2**-9 * 1.75)][0] == 0x06
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_ef_near_the_fp32_max_serves_finite_values(fmt: str, scaling: str) -> None:
+    gen = np.random.default_rng(13)
+    master = (gen.uniform(-1, 1, (130, 200)) * 3.4e38).astype(np.float32)
+    master[0, 0], master[129, 199] = np.finfo(np.float32).max, -np.finfo(np.float32).max
+    residual = Residual()
+    big = np.abs(master) > 1e37
+    for step in range(1, 5):
+        out = export_state_dict({"x.weight": torch.from_numpy(master)}, ExportSpec(fmt, "ef", scaling=scaling),
+                                version=step, residual=residual)
+        back = dequantize(out, "x.weight", FORMATS[fmt], master.shape, scaling)
+        assert np.isfinite(back).all() and np.isfinite(residual.tensors["x.weight"]).all()
+        assert np.array_equal(np.signbit(back[big]), np.signbit(master[big]))
+
+
 @pytest.mark.parametrize("rounding", ["rtn", "sr"])
 def test_generic_kernel_agrees_with_the_bf16_kernel(rounding: str) -> None:
     gen = np.random.default_rng(0)
@@ -98,7 +161,7 @@ def test_generic_kernel_agrees_with_the_bf16_kernel(rounding: str) -> None:
     k0, k1 = ExportSpec("bf16", rounding).key(1, "w")
     _cpu.float_export(master, generic, np.uint32(k0), np.uint32(k1), np.uint64(0), rounding == "sr",
                       bf16.mantissa, bf16.bias, bf16.emin, bf16.max_bits, bf16.nan_bits, bf16.inf_bits, 16,
-                      np.ones(1, np.float32), np.ones(1, np.float32), 0, 1, 1,
+                      np.ones(1, np.float32), 0, 1, 1,
                       np.zeros(0, np.float32), np.zeros(0, np.float32), False)
     finite = np.isfinite(master)
     assert np.array_equal(fast[finite], generic[finite])

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from weightsvc.rounding import FORMATS, ExportSpec, _cpu, export_array, fp8_scales
+from tests.unit.exact_rounding import grid
+from weightsvc.rounding import FORMATS, ExportSpec, _cpu, export_array, export_tensor, fp8_scales
 
 triton_kernels = pytest.importorskip("weightsvc.rounding._triton", reason="needs triton (the dev extra, Linux x86_64)")
 
@@ -110,7 +111,6 @@ def test_float_kernel(fmt: str, scaling: str | None, rounding: str, cols: int) -
     one = torch.ones(1)
     triton_kernels.float_export(
         torch.from_numpy(m.copy()), gpu, k0, k1, at, spec.stochastic, f,
-        torch.from_numpy(scales.inverse) if scales else one,
         torch.from_numpy(scales.scale_inv.reshape(-1).copy()) if scales else one,
         scales.mode if scales else 0, scales.cols if scales else 1, scales.block_cols if scales else 1,
         torch.from_numpy(res) if ef else None, gpu_res if ef else None,
@@ -139,7 +139,54 @@ def test_far_subnormal_sr_agrees(fmt: str) -> None:
     gpu = torch.empty(m.size, dtype=torch.int16 if f.width == 16 else torch.uint8)
     k0, k1 = spec.key(1, "w")
     one = torch.ones(1)
-    triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one, one,
+    triton_kernels.float_export(torch.from_numpy(m), gpu, k0, k1, 0, True, f, one,
                                 scales.mode if scales else 0, 1, 1)
     assert np.array_equal(cpu.view(gpu.numpy().dtype), gpu.numpy())
     assert np.count_nonzero(cpu.view(gpu.numpy().dtype)[1:]) > 100  # some did round up, away from 0
+
+
+def ties_under_scales(fmt: str, amaxes: tuple[float, ...], width: int) -> np.ndarray:
+    """Rows of `width`: row j's max is amaxes[j], with every value and midpoint of the format times
+    amax / format max (the row's scale, or near it), rounded to fp32, and the fp32 numbers beside
+    them."""
+    values = np.array([float(v) for v in grid(fmt)])
+    quotients = np.concatenate([values, (values[:-1] + values[1:]) / 2])
+    rows = np.zeros((len(amaxes), width), np.float32)
+    for j, amax in enumerate(amaxes):
+        exact = (np.concatenate([quotients, -quotients]) * (amax / values[-1])).astype(np.float32)
+        with np.errstate(over="ignore"):  # beside the fp32 max: Inf, left out below
+            probes = np.concatenate([exact, np.nextafter(exact, np.float32(np.inf)),
+                                     np.nextafter(exact, np.float32(-np.inf))])
+        probes = np.resize(probes[np.abs(probes) <= np.float32(amax)], width - 1)
+        rows[j] = np.concatenate([[amax], probes])
+    return rows
+
+
+@pytest.mark.parametrize("fmt, scaling, amaxes", [
+    ("fp8_e4m3", "channel", (784.0, 0.0123, 3.1e-5, 2.0)),
+    ("fp8_e5m2", "block", (1e4, 0.0123)),
+    ("nvfp4", "block", (10.5, 10.5, 10.0, 1.3)),  # the max's blocks: scale 448 / gs (1.75 where amax is 10.5)
+    ("mxfp8", "block", (3.4028235e38, 3.3e38, 3.0e38, 1.0)),  # near the fp32 max: the capped scales
+    ("mxfp4", "block", (3.4028235e38, 3.3e38, 2.9e38, 1.0)),
+])
+@pytest.mark.parametrize("rounding", ["rtn", "sr", "ef"])
+def test_ties_under_scales_agree(fmt: str, scaling: str, amaxes: tuple[float, ...], rounding: str) -> None:
+    """The exact rounding of u / scale (the division, its remainder in float64, the step to odd) and
+    the capped MX scales give the CPU kernel's bits on ties, near ties and values near the fp32 max."""
+    f = FORMATS[fmt]
+    m = ties_under_scales(fmt, amaxes, 2048)
+    res = np.random.default_rng(3).normal(0, 1e-3, m.size).astype(np.float32)
+    ef = rounding == "ef"
+    spec = ExportSpec(fmt, rounding, seed=2, scaling=scaling, fp8_pattern=".*")
+    scales = fp8_scales(m + res.reshape(m.shape) if ef else m, f, scaling)
+    flat = m.reshape(-1)
+    cpu = np.empty(f.nbytes(flat.size), np.uint8)
+    cpu_res = np.empty_like(res)
+    export_array(flat, cpu, spec, version=3, name="w", fmt=f, scales=scales, residual=res, new_residual=cpu_res)
+    gpu = torch.empty(f.nbytes(flat.size), dtype=torch.uint8)
+    gpu_res = torch.empty(flat.size, dtype=torch.float32)
+    export_tensor(torch.from_numpy(flat.copy()), gpu, spec, f, version=3, name="w", scales=scales,
+                  residual=torch.from_numpy(res) if ef else None, new_residual=gpu_res if ef else None)
+    assert np.array_equal(cpu, gpu.numpy())
+    if ef:
+        assert np.array_equal(cpu_res.view(np.uint32), gpu_res.numpy().view(np.uint32))

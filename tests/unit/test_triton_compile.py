@@ -4,8 +4,9 @@ The interpreter that stands in for the GPU elsewhere runs the kernels as numpy: 
 the compiler rejects (mixed types in `tl.where`, a shift by a tensor of the wrong width) and says
 nothing of the machine code. Compiled here, a kernel that breaks the compiler breaks in CI, not in a
 GPU session; and the PTX shows what only a GPU could otherwise show: memory accesses 16 bytes wide
-(the launch's pointers and sizes are 16-aligned, as the CUDA caching allocator's are) and no FMA in
-the ef residual, whose last bit would then differ from the CPU's.
+(the launch's pointers and sizes are 16-aligned, as the CUDA caching allocator's are), no FMA in
+the ef residual, whose last bit would then differ from the CPU's, and the scaled formats' division
+rounded as IEEE says, as numpy's and numba's are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -65,7 +67,9 @@ def ptx() -> dict[str, str]:
     # The tests run the kernels under the interpreter, whose kernels do not compile: compile in a
     # process of its own.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    # (as a module from the repository's root: the weightsvc next to these tests, not an installed one)
+    done = subprocess.run([sys.executable, "-m", "tests.unit.test_triton_compile"], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-4000:]
     return dict(json.loads(done.stdout))
 
@@ -85,6 +89,8 @@ def test_every_kernel_compiles_with_wide_accesses_and_no_fma(ptx: dict[str, str]
     if rounding == "ef":
         assert "st.global.v4.b32" in ops, ops  # the new residual
     assert "fma" not in code
+    if mode != SCALE_NONE:  # u / scale: an IEEE division (not div.full's approximation), subnormals kept
+        assert "div.rn.f32" in code and "div.full" not in code and ".ftz" not in code
 
 
 def test_the_runs_kernel_compiles(ptx: dict[str, str]) -> None:

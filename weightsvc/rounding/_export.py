@@ -71,11 +71,11 @@ def export_array(
             master.view(np.uint32), served, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic
         )
         return ExportStats(int(nonfinite), int(saturated))
-    sc = scales or Scales(_NO_SCALES, _NO_SCALES)
+    sc = scales or Scales(_NO_SCALES)
     nonfinite, saturated = _cpu.float_export(
         master, served, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic,
         fmt.mantissa, fmt.bias, fmt.emin, fmt.max_bits, fmt.nan_bits, fmt.inf_bits, fmt.width,
-        sc.inverse, sc.scale_inv.reshape(-1), sc.mode, sc.cols, sc.block_cols,
+        sc.scale_inv.reshape(-1), sc.mode, sc.cols, sc.block_cols,
         residual if ef else _NO_RESIDUAL, new_residual if ef else _NO_RESIDUAL, ef,
     )
     if fmt.packed:
@@ -120,12 +120,12 @@ def export_tensor(
     bits = served.view(torch.int16) if fmt.width == 16 else served
     if fmt.name == "bf16":
         return _triton.bf16_export(master, bits, k0, k1, offset, spec.stochastic, residual, new_residual)
-    sc = scales or Scales(_NO_SCALES, _NO_SCALES)
+    sc = scales or Scales(_NO_SCALES)
     # Packed formats: the kernel writes one FP4 code per byte, packed two per byte below.
     codes = torch.empty(master.numel(), dtype=torch.uint8, device=master.device) if fmt.packed else bits
     counts = _triton.float_export(
-        master, codes, k0, k1, offset, spec.stochastic, fmt, _on(sc.inverse, master.device),
-        _on(sc.scale_inv, master.device), sc.mode, sc.cols, sc.block_cols, residual, new_residual,
+        master, codes, k0, k1, offset, spec.stochastic, fmt, _on(sc.scale_inv, master.device), sc.mode, sc.cols,
+        sc.block_cols, residual, new_residual,
     )
     if fmt.packed:
         bits.copy_(pack(codes))

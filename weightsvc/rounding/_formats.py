@@ -5,7 +5,7 @@ command line check a choice against these without loading numba."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,7 +74,7 @@ MICROSCALED = tuple(name for name, f in FORMATS.items() if f.block)
 
 @dataclass(frozen=True)
 class Scales:
-    """The scales of one 2-D tensor: the dequant multipliers and their fp32 reciprocals.
+    """The scales of one 2-D tensor: the dequant multipliers, which the kernels divide by.
 
     fp8: `scale_inv` is served as is (`<name>_scale_inv`). Microscaled formats: `scale_inv` holds
     the effective fp32 dequant multiplier of each block, (N, K / block); what is served is `codes`
@@ -83,7 +83,6 @@ class Scales:
     """
 
     scale_inv: np.ndarray  # DeepSeek-V3 layout: (), (N, 1) or (ceil(N/128), ceil(K/128)); fp32
-    inverse: np.ndarray = field(repr=False)  # 1 / scale_inv, flat, fp32: what the kernels multiply by
     mode: int = SCALE_NONE
     cols: int = 1
     block_cols: int = 1

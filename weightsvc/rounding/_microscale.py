@@ -9,14 +9,19 @@ path gets the same scales. They are rounded UP, so that no element of a block cl
 the format max would bias `sr` and `ef`.
 
 - MX (UE8M0): scale 2^e with the smallest e such that amax <= elem_max * 2^e (elem_max 448 for
-  e4m3, 6 for e2m1), e in [-127, 127]; an all-zero block gets e = 0. Served code: e + 127.
+  e4m3, 6 for e2m1), e in [-127, e_max]; an all-zero block gets e = 0. Served code: e + 127.
+  e_max (119 for e4m3, 125 for e2m1) is the largest e whose elem_max * 2^e is a finite fp32, so
+  that every served value is: a block whose max is above elem_max * 2^e_max (2.66e38, 2.55e38)
+  saturates there.
 - NVFP4: a global scale per tensor (see the convention below) and a float8_e4m3fn scale per block
   of 16, the smallest e4m3 at or above block_amax / 6 * gs, capped at 448; a zero block gets 0.
+  Only the block(s) holding the max of the tensor (or of its fused group) can need more than 448,
+  by less than 2^-24 relatively (the rounding of gs): they get 448, and their max lies above
+  6 * scale by less than 2^-23 relatively (rtn serves 6; sr serves 6 except with a probability
+  below 2^-21, when it rounds towards 8 and saturates).
 
 The kernels get per block `scale`, the effective fp32 dequant multiplier (2^e, or e4m3 / gs in
-fp32), and `inverse` = 1 / scale (0 where scale is 0). Where the fp32 rounding of 1 / scale would
-let the block max land just above elem_max, `inverse` is stepped down an ulp (a 2^-24 relative
-change, the size of the rounding of 1 / scale itself), so no element clips.
+fp32), and round u / scale exactly (`_cpu`).
 """
 
 from __future__ import annotations
@@ -85,8 +90,7 @@ def scales_from_block_amax(amax: np.ndarray, fmt: Format, group_amax: float | No
         global_scale = np.array([gs], np.float32)
         codes = _e4m3_at_or_above(_nvfp4_block_target(amax, gs, fmt.max_value))
     scale = block_scale_values(codes, fmt, global_scale)
-    inverse = _inverse_without_clipping(amax, scale, fmt.max_value)
-    return Scales(scale, inverse.reshape(-1), SCALE_ROW, fmt.block, 1, codes, global_scale)
+    return Scales(scale, SCALE_ROW, fmt.block, 1, codes, global_scale)
 
 
 def block_scale_values(codes: np.ndarray, fmt: Format, global_scale: np.ndarray | None = None) -> np.ndarray:
@@ -103,13 +107,19 @@ def block_scale_values(codes: np.ndarray, fmt: Format, global_scale: np.ndarray 
 
 def _ue8m0_exponents(amax: np.ndarray, elem_max: float) -> np.ndarray:
     """The smallest e with amax <= elem_max * 2^e, exactly (in float64, where elem_max * 2^e and
-    the comparison are exact), clamped to [-127, 127]; 0 for a zero block."""
+    the comparison are exact), clamped to [-127, e_max]; 0 for a zero block."""
     a = amax.astype(np.float64)
     _, e = np.frexp(a / elem_max)  # a / elem_max <= 2^e, up to the rounding of the division:
     e = e.astype(np.int32)  # the exact checks below settle it either way
     e = np.where(np.ldexp(elem_max, e - 1) >= a, e - 1, e)
     e = np.where(np.ldexp(elem_max, e) < a, e + 1, e)
-    return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, _UE8M0_BIAS)
+    return np.clip(np.where(a == 0, 0, e), -_UE8M0_BIAS, _mx_max_exponent(elem_max))
+
+
+def _mx_max_exponent(elem_max: float) -> int:
+    """The largest e whose elem_max * 2^e is a finite fp32 (119 for e4m3's 448, 125 for e2m1's 6):
+    above it, the block's largest element values would serve as 2^128, which is Inf in fp32."""
+    return int(np.floor(np.log2(np.finfo(np.float32).max / elem_max)))
 
 
 def _e4m3_at_or_above(target: np.ndarray) -> np.ndarray:
@@ -144,16 +154,3 @@ def _nvfp4_block_target(block_amax: np.ndarray, gs: np.float32, elem_max: float)
 def _nvfp4_dequant(block_scale: np.ndarray, gs: np.float32) -> np.ndarray:
     """The effective dequant multiplier of each block: e4m3 value / gs, one fp32 division."""
     return (np.asarray(block_scale, np.float32) / gs).astype(np.float32)
-
-
-def _inverse_without_clipping(amax: np.ndarray, scale: np.ndarray, elem_max: float) -> np.ndarray:
-    """fp32 1 / scale (0 where scale is 0), stepped down where amax * inverse > elem_max. The
-    product of two fp32 values is exact in float64, and fp32 rounding is monotone, so every
-    |u| <= amax then gives fp32 u * inverse <= elem_max."""
-    with np.errstate(divide="ignore"):
-        inverse = np.where(scale > 0, np.float32(1) / scale, np.float32(0)).astype(np.float32)
-    while True:
-        over = amax.astype(np.float64) * inverse.astype(np.float64) > elem_max
-        if not over.any():
-            return inverse
-        inverse[over] = np.nextafter(inverse[over], np.float32(0))

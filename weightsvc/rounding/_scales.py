@@ -44,12 +44,12 @@ def scales_from_amax(amax: np.ndarray, fmt: Format, scaling: str, cols: int) -> 
     if fmt.block:
         raise ValueError(f"{fmt.name} has block scales: use scales_from_block_amax")
     scale_inv = np.array(np.asarray(amax, np.float32) / np.float32(fmt.max_value), dtype=np.float32)
-    # A zero group gets 1; a tiny one at least the smallest normal, so its reciprocal stays finite.
+    # A zero group gets 1; a tiny one at least the smallest normal (its reciprocal, which an engine
+    # may take, stays finite).
     scale_inv[scale_inv == 0] = 1
     np.maximum(scale_inv, np.float32(2.0**-126), out=scale_inv)
-    inverse = (np.float32(1) / scale_inv).astype(np.float32).reshape(-1)
     mode = {"tensor": SCALE_TENSOR, "channel": SCALE_ROW, "block": SCALE_BLOCK}[scaling]
-    return Scales(scale_inv, inverse, mode, cols, -(-cols // BLOCK))
+    return Scales(scale_inv, mode, cols, -(-cols // BLOCK))
 
 
 def fp8_scales_torch(values: torch.Tensor, fmt: Format, scaling: str, group_amax: float | None = None) -> Scales:

@@ -128,7 +128,10 @@ def _group_amaxes(state_dict: Mapping[str, torch.Tensor], spec: ExportSpec,
 
     def values(name: str) -> np.ndarray:
         m = _master(state_dict[name], name).reshape(-1).numpy()
-        return m if residual is None or spec.rounding != "ef" else m + residual.tensor(name, m.size)
+        if residual is None or spec.rounding != "ef":
+            return m
+        with np.errstate(over="ignore"):  # m + e beyond the fp32 max: Inf, left out of the max
+            return m + residual.tensor(name, m.size)
 
     out = {}
     for members in groups.values():

@@ -121,7 +121,7 @@ def _bf16_runs_kernel(src, dst, blocks, keys, counts, STOCHASTIC: tl.constexpr, 
 
 
 @triton.jit
-def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, n, k0, k1, offset,
+def _float_kernel(src, dst, residual, new_residual, scales, counts, n, k0, k1, offset,
                   cols, block_cols, MANT: tl.constexpr, BIAS: tl.constexpr, EMIN: tl.constexpr,
                   MAX_BITS: tl.constexpr, NAN_BITS: tl.constexpr, INF_BITS: tl.constexpr, WIDTH: tl.constexpr,
                   SCALE_MODE: tl.constexpr, COLS_SHIFT: tl.constexpr, STOCHASTIC: tl.constexpr,
@@ -133,7 +133,8 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
     g0 = offset + base  # the block's first element in its tensor
     _, mbits, special, u = _load_master(src + base, residual + base, r, mask, EF)
     scale = tl.full([BLOCK], 1.0, tl.float32)
-    y = u
+    ybits = u.to(tl.uint32, bitcast=True)
+    overflow = (ybits & 0x7F800000) == 0x7F800000
     if SCALE_MODE != 0:
         if SCALE_MODE == 1:
             first_scale, k = 0, r * 0
@@ -151,11 +152,17 @@ def _float_kernel(src, dst, residual, new_residual, inv_scales, scales, counts, 
             g = g0 + r
             row = g // cols
             first_scale, k = 0, (row // 128) * block_cols + (g - row * cols) // 128
-        y = u * tl.load(inv_scales + first_scale + k, mask=mask, other=1.0)
         scale = tl.load(scales + first_scale + k, mask=mask, other=1.0)
-    ybits = y.to(tl.uint32, bitcast=True)
-    overflow = (ybits & 0x7F800000) == 0x7F800000
-    ybits = tl.where(overflow, (ybits & 0x80000000) | 0x7F7FFFFF, ybits)
+        # u / scale rounded to odd (`_cpu._quotient_bits`): div_rn, not `/` (an approximate division)
+        d = tl.where(scale > 0, scale, 1.0)
+        q = tl.math.div_rn(u, d)
+        qbits = q.to(tl.uint32, bitcast=True)
+        overflow = (qbits & 0x7F800000) == 0x7F800000
+        remainder = u.to(tl.float64) - q.to(tl.float64) * d.to(tl.float64)
+        step = (remainder != 0) & ((qbits & 1) == 0)
+        up = (remainder > 0) == (u > 0)
+        ybits = tl.where(step, tl.where(up, qbits + 1, qbits - 1), qbits)
+    ybits = tl.where(overflow, (u.to(tl.uint32, bitcast=True) & 0x80000000) | 0x7F7FFFFF, ybits)
     # 32-bit integers throughout (a 64-bit operation takes two or three instructions): sig < 2**24,
     # and the shifts are bounded where they would leave 32 bits.
     expf = ((ybits >> 23) & 0xFF).to(tl.int32)
@@ -285,7 +292,7 @@ def bf16_runs_export(master: torch.Tensor, served: torch.Tensor, blocks: torch.T
 
 
 def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, offset: int, stochastic: bool,
-                 fmt: Format, inv_scales: torch.Tensor, scales: torch.Tensor, scale_mode: int, cols: int,
+                 fmt: Format, scales: torch.Tensor, scale_mode: int, cols: int,
                  block_cols: int, residual: torch.Tensor | None = None,
                  new_residual: torch.Tensor | None = None) -> torch.Tensor:
     """Any format; served is an int16 (16-bit formats) or uint8 view. Returns the counters, as
@@ -295,7 +302,7 @@ def float_export(master: torch.Tensor, served: torch.Tensor, k0: int, k1: int, o
     ef = residual is not None
     dummy = master if not ef else residual
     _float_kernel[_grid(n)](
-        master, served, dummy, new_residual if ef else dummy, inv_scales, scales, counts, n, k0, k1, offset,
+        master, served, dummy, new_residual if ef else dummy, scales, counts, n, k0, k1, offset,
         cols, block_cols, **float_constexprs(fmt, scale_mode, stochastic, ef, cols), **launch_options(),
     )
     return counts

@@ -157,7 +157,7 @@ class Exporter:
                 shape, group_amax = whole
                 scales = rounding.fp8_scales_torch((m if res_in is None else m + res_in).reshape(shape), fmt,
                                                    spec.scaling, group_amax)
-            sc = scales or rounding.Scales(np.ones(1, np.float32), np.ones(1, np.float32))
+            sc = scales or rounding.Scales(np.ones(1, np.float32))
             counts = rounding.export_tensor(m, served, spec, fmt, version=version, name=name, offset=offset,
                                             scales=scales, residual=res_in, new_residual=res_out)
             # Into the version's slot (and the residual the service persists), with the counters.

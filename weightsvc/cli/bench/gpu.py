@@ -103,7 +103,7 @@ def cuda_kernel_profile(*, size_mib: float = 1024, repeat: int = 5, device: str 
         "sr": lambda: _triton.bf16_export(x, out16, 1, 2, 0, True),
         "sr_uncounted": lambda: _triton.bf16_export(x, out16, 1, 2, 0, True, count=False),
         "ef": lambda: _triton.bf16_export(x, out16, 1, 2, 0, False, res_in, res_out),
-        "fp8_sr": lambda: _triton.float_export(x, out8, 1, 2, 0, True, FORMATS["fp8_e4m3"], one, one,
+        "fp8_sr": lambda: _triton.float_export(x, out8, 1, 2, 0, True, FORMATS["fp8_e4m3"], one,
                                                _cpu.SCALE_TENSOR, 1, 1),
     }
     nbytes = x.numel() * 4

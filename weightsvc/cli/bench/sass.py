@@ -17,7 +17,7 @@ from weightsvc.cli.bench._common import row
 
 # How a launch specializes the kernels' arguments: pointer types, and which are 16-aligned (the CUDA
 # caching allocator's blocks, and sizes that are multiples of 16).
-_ARG_TYPES = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "inv_scales": "*fp32", "scales": "*fp32",
+_ARG_TYPES = {"src": "*fp32", "residual": "*fp32", "new_residual": "*fp32", "scales": "*fp32",
               "counts": "*i64", "blocks": "*i64", "keys": "*i64", "n": "i32"}
 _ALIGNED = ("src", "dst", "residual", "new_residual", "n")
 
