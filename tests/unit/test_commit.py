@@ -24,7 +24,7 @@ from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import CommitResult, Registry
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.commit import Committer
-from weightsvc.service.versions.disk import VersionFiles
+from weightsvc.service.versions.disk import VersionFiles, load_version
 from weightsvc.service.versions.index import Version, VersionIndex
 
 
@@ -118,7 +118,7 @@ async def test_the_same_step_again_is_idempotent_with_its_digest_and_refused_wit
     assert not created and again is first
     with pytest.raises(AlreadyExists, match=r"model 'm' version 1 is already committed with different content"):
         await r.committer.commit(make_version("m", 1, fill=9))
-    assert bytes(VersionFiles.load(files.path("m", 1)).data[:4]) == b"\x01" * 4  # its file was not overwritten
+    assert bytes(load_version(files.path("m", 1)).data[:4]) == b"\x01" * 4  # its file was not overwritten
     assert await r.registry.versions("m") == [1]
 
 

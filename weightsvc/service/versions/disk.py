@@ -237,7 +237,7 @@ class VersionFiles:
             versions = []
             for path in sorted(model_dir.glob("[0-9]*.safetensors")):
                 try:
-                    version = self.load(path)
+                    version = load_version(path)
                     m = version.manifest
                     if (m.model, f"{m.version:020d}.safetensors") != (model_dir.name, path.name):
                         raise ValueError(f"its manifest is of model {m.model!r} version {m.version}")
@@ -280,26 +280,26 @@ class VersionFiles:
             self._set_aside(path, e)
             return None
 
-    @staticmethod
-    def load(path: Path) -> Version:
-        """A version's file, mapped read-only, its tensors' checksums verified."""
-        file = _open(path)
-        try:
-            prefix = bytes(file.mapping[: file.data_start])
-            manifest = manifest_from_header(read_safetensors_header(prefix)[1])
-            # The whole header, not only the manifest it carries: its tensor entries (names, shapes,
-            # offsets) are what a plain safetensors reader of the download goes by.
-            if prefix[8:].rstrip(b" ") != manifest.safetensors_header()[8:].rstrip(b" "):
-                raise ValueError("its header differs from the one its manifest makes (tensor names, shapes or offsets)")
-            data = file.data
-            if len(data) != manifest.data_bytes:
-                raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
-            for t in manifest.tensors:
-                verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
-        except BaseException:
-            file.close()
-            raise
-        return Version(manifest, prefix, data, file=file)
+
+def load_version(path: Path) -> Version:
+    """A version's file, mapped read-only, its tensors' checksums verified."""
+    file = _open(path)
+    try:
+        prefix = bytes(file.mapping[: file.data_start])
+        manifest = manifest_from_header(read_safetensors_header(prefix)[1])
+        # The whole header, not only the manifest it carries: its tensor entries (names, shapes,
+        # offsets) are what a plain safetensors reader of the download goes by.
+        if prefix[8:].rstrip(b" ") != manifest.safetensors_header()[8:].rstrip(b" "):
+            raise ValueError("its header differs from the one its manifest makes (tensor names, shapes or offsets)")
+        data = file.data
+        if len(data) != manifest.data_bytes:
+            raise ValueError(f"data section is {len(data)} bytes, manifest says {manifest.data_bytes}")
+        for t in manifest.tensors:
+            verify(t.name, data[t.offset : t.offset + t.nbytes], t.checksum, where=str(path))
+    except BaseException:
+        file.close()
+        raise
+    return Version(manifest, prefix, data, file=file)
 
 
 def write_record(files: VersionFiles, model: str, version: int, record: str) -> None:
