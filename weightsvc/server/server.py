@@ -110,7 +110,7 @@ class Server:
             app,
             ssl_certfile=s.tls_cert,
             ssl_keyfile=s.tls_key,
-            http=limited_http(s.max_connections, s.connect_timeout_s),
+            http=limited_http(s.max_connections, s.connect_timeout_s, self._dropped_http),
             lifespan="off",
             log_config=None,
             access_log=False,
@@ -145,6 +145,10 @@ class Server:
             s.data_dir,
             s.relay_from,
         )
+
+    def _dropped_http(self, reason: str) -> None:
+        if self.service is not None:
+            self.service.metrics.connections_dropped.labels("http", reason).inc()
 
     def _describe(self) -> Replica:
         """This replica as clients reach it."""
