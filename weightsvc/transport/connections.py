@@ -173,6 +173,7 @@ class GrpcConnections:
                 await self.sweep()
             except Exception:  # keep sweeping: a failed sweep only leaves connections open
                 log.exception("sweeping the gRPC connections failed")
+            await asyncio.sleep(ANSWER_S)  # a flood of refusals is swept in batches, not one scan each
 
     async def sweep(self) -> None:
         """Close the refused connections, and those without a call beyond the limit."""
@@ -189,9 +190,11 @@ class GrpcConnections:
         for p in answered:
             del self._refused[p]
         over = len(held) - len(close) - self.limit
-        if over > 0:  # idle longest first: a connection just made has not had the time to call
+        if over > 0:
+            # Those that never made a call (a refused one does not count) first, then those idle
+            # longest: a connection just made has not had the time to call.
             idle = sorted((p for p in held if p not in close and not self._calls.get(p)),
-                          key=lambda p: max(self._last.get(p, 0.0), self._seen[p]))
+                          key=lambda p: (p in self._last, max(self._last.get(p, 0.0), self._seen[p])))
             close.update((p, "over_limit") for p in idle[:over])
         if close:
             shut = await asyncio.to_thread(lambda: [(p, r) for p, r in close.items() if _shut(held[p], self.port, p)])
