@@ -286,14 +286,20 @@ class Flood:
         return sock
 
     def _run(self) -> None:
-        next_byte = time.monotonic()
+        next_byte = last = time.monotonic()
+        allowance = dict.fromkeys(self.counts, 0.0)
         while not self.stop.is_set():
+            now = time.monotonic()
             for kind, count in self.counts.items():
                 # At first as fast as it can; then renewed up to RENEW_PER_S a second.
-                room = count - len(self.open[kind]) if not self.filled.is_set() else self.RENEW_PER_S // 20
-                for _ in range(min(count - len(self.open[kind]), room)):
+                allowance[kind] = min(self.RENEW_PER_S, allowance[kind] + (now - last) * self.RENEW_PER_S)
+                missing = count - len(self.open[kind])
+                room = missing if not self.filled.is_set() else min(missing, int(allowance[kind]))
+                allowance[kind] -= room if self.filled.is_set() else 0
+                for _ in range(room):
                     with contextlib.suppress(OSError):
                         self.open[kind][self._connect(kind)] = 0.0  # (for a watch: when to ask again)
+            last = now
             if all(len(self.open[k]) >= c for k, c in self.counts.items()):
                 self.filled.set()
             for key, _ in self._selector.select(0.05):
