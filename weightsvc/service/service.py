@@ -166,7 +166,7 @@ class Service:
     def watch(self, model: str, after: int | None, *, idle: float | None = None) -> AsyncIterator[Manifest | None]:
         """Every retained version above `after` (all when None), then each new one as it commits. With
         `idle`, None after each `idle` seconds without one (for a transport's keepalive). Ends with
-        UNAVAILABLE when the server stops (`end_watches`)."""
+        UNAVAILABLE when the server stops (`end_watches`) or newer watches take its place (`Watches`)."""
         check_model_name(model)  # here, not at the first event: a transport answers the error itself
         return self.watches.follow(events(self.registry, self.index, model, after), idle)
 
