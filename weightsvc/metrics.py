@@ -39,6 +39,15 @@ _SYNC_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _LAG_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64)
 _EXPORT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _LOOP_LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Why a connection was closed by the server (`connections_dropped`).
+DROP_REASONS = (
+    ("grpc", "unauthenticated"),
+    ("grpc", "over_limit"),
+    ("http", "over_limit"),
+    ("http", "head_timeout"),
+    ("http", "body_timeout"),
+    ("http", "head_too_large"),
+)
 # What a relay was doing when something failed (it logs the failure and retries).
 RELAY_STAGES = ("discover", "follow", "mirror")
 # Why a relay refused a version of its upstream (it retries it): its manifest or bytes are not what
@@ -94,6 +103,17 @@ class Metrics:
             ["source"], registry=r,
         )
         self.pulls_in_flight = Gauge("weightsvc_pulls_in_flight", "Pulls being streamed", ["transport"], registry=r)
+        self.watches = Gauge("weightsvc_watches", "Watch streams open, gRPC and HTTP", registry=r)
+        self.watches_evicted = Counter(
+            "weightsvc_watches_evicted", "Watch streams ended to make room for a newer one (--max-watches)", registry=r
+        )
+        self.request_body_bytes = Gauge(
+            "weightsvc_request_body_bytes", "Bytes of HTTP request bodies being read (--max-body-bytes)", registry=r
+        )
+        self.connections_dropped = Counter(
+            "weightsvc_connections_dropped", "Connections the server closed to protect others, by transport and reason",
+            ["transport", "reason"], registry=r,
+        )
         self.export_seconds = Histogram(
             "weightsvc_export_seconds",
             "Time the export worker spent on one version (Fair Cast + checksums)",
@@ -160,6 +180,8 @@ class Metrics:
             self.pushes_rejected.labels(reason)
         for source in ("device", "host"):
             self.gpu_residual_chunks.labels(source)
+        for transport, reason in DROP_REASONS:
+            self.connections_dropped.labels(transport, reason)
 
     def observe_lag(self, model: str, format: str, rounding: str, lag: LagMetrics) -> None:
         labels = (model, format, rounding)

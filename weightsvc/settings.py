@@ -74,7 +74,19 @@ class Settings(BaseSettings):
         10.0,
         gt=0,
         description="Close a connection that has not sent a whole HTTP request head (or finished the gRPC "
-        "handshake) this long after it opened or after its last response.",
+        "handshake) this long after it opened or after its last response, or a request body this long after its "
+        "head (plus 1 s per MiB of it).",
+    )
+    max_watches: int = Field(
+        250,
+        ge=1,
+        description="Watch streams at once, gRPC and HTTP (at most half of --max-connections); one more ends the "
+        "oldest, whose client resumes after the last version it received.",
+    )
+    max_body_bytes: int = Field(
+        64 << 20,
+        ge=4096,
+        description="Request bodies (selections, acks) being read at once, in bytes; beyond it HTTP 429.",
     )
     max_pulls: int = Field(1024, ge=1, description="Pulls at once, gRPC and HTTP.")
     max_rss_bytes: int = Field(
@@ -140,6 +152,11 @@ class Settings(BaseSettings):
         extra = cls.model_fields[info.field_name].json_schema_extra
         assert isinstance(extra, dict) and isinstance(extra["choices"], list)
         return check_choice(info.field_name, v, tuple(map(str, extra["choices"])))
+
+    @property
+    def watch_limit(self) -> int:
+        """Watch streams at once: well below the connection bound, so watchers never fill it."""
+        return max(1, min(self.max_watches, self.max_connections // 2))
 
     @property
     def rss_high_water(self) -> int:

@@ -212,3 +212,34 @@ def test_tls_on_grpc_and_http_with_a_self_signed_certificate(certificate: tuple[
 def test_tls_needs_both_files(certificate: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="--tls-cert and --tls-key go together"):
         serving(tls_cert=certificate[0])
+
+
+def test_several_authorization_values_are_refused_not_picked(authed: BackgroundServer) -> None:
+    u = urllib.parse.urlsplit(authed.http_url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.putrequest("GET", "/v1/models")
+    conn.putheader("Authorization", "Bearer not-a-token")
+    conn.putheader("Authorization", f"Bearer {TOKENS['pull']}")
+    conn.endheaders()
+    resp = conn.getresponse()
+    assert resp.status == 401 and b"2 authorization values; send one bearer token" in resp.read()
+    conn.close()
+    with grpc.insecure_channel(authed.grpc_target) as channel:
+        metadata = [("authorization", "Bearer not-a-token"), ("authorization", f"Bearer {TOKENS['pull']}")]
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.WeightServiceStub(channel).ListModels(pb.ListModelsRequest(), metadata=metadata)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "2 authorization values" in (e.value.details() or "")
+
+
+def test_an_http_request_without_a_valid_token_loses_its_connection(authed: BackgroundServer) -> None:
+    u = urllib.parse.urlsplit(authed.http_url)
+    for token in (None, "not-a-token", TOKENS["pull"]):
+        conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+        conn.request("GET", "/v1/models", headers={"Authorization": f"Bearer {token}"} if token else {})
+        resp = conn.getresponse()
+        resp.read()
+        assert (resp.status, resp.getheader("connection")) == ((200, None) if token == TOKENS["pull"] else
+                                                               (401, "close"))
+        assert (conn.sock is None) == (token != TOKENS["pull"])  # http.client closes on "connection: close"
+        conn.close()

@@ -352,3 +352,28 @@ def test_the_http_server_sends_small_responses_without_waiting_nagle(server: Bac
         assert flags and all(flags), flags
     finally:
         conn.close()
+
+
+# ---- what a request sends is echoed bounded, and read as ASCII -------------------------------------
+
+
+def test_an_unsatisfiable_range_is_echoed_as_a_short_excerpt(server: BackgroundServer, model: str) -> None:
+    LearnerClient(server.grpc_target).push(1, {"w": torch.ones(4)}, model=model)
+    long_range = "bytes=99999999-" + "9" * 5000  # 5 KB, unsatisfiable
+    status, _, body = http_get(server.http_url, f"/v1/models/{model}/versions/1/safetensors", {"Range": long_range})
+    assert status == 416
+    message = json.loads(body)["error"]["message"]
+    assert len(message) < 300 and "bytes=99999999-999" in message and "(5015 characters)" in message
+
+
+def test_selectors_and_ranges_take_ascii_digits_only(server: BackgroundServer, model: str) -> None:
+    """"\u0661" is a digit to Python's int(): a selector with such digits is the name of a tensor
+    (none here), and such a Range is no range (the whole file)."""
+    LearnerClient(server.grpc_target).push(1, {"w": torch.ones(4, 4)}, model=model)
+    path = f"/v1/models/{model}/versions/1/safetensors"
+    status, _, body = http_get(server.http_url, f"{path}?select=" + urllib.parse.quote("w@0:\u0660:\u0662"))
+    assert status == 400 and "has no tensor 'w@0:\u0660:\u0662'" in json.loads(body)["error"]["message"]
+    assert http_get(server.http_url, f"{path}?select=" + urllib.parse.quote("w@0:0:2"))[0] == 200
+    whole = http_get(server.http_url, path)[2]
+    status, _, body = http_get(server.http_url, path, {"Range": "bytes=\u0661-".encode().decode("latin-1")})
+    assert (status, body) == (200, whole)

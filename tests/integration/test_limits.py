@@ -5,8 +5,11 @@ held, and leaves the server serving."""
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import socket
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -198,3 +201,106 @@ def _get(base: str, path: str) -> tuple[int, bytes]:
         return resp.status, resp.read()
     finally:
         conn.close()
+
+
+def _exchange(base: str, request: bytes, timeout: float = 10) -> bytes:
+    """Send `request` whole on a socket of its own, then read the answer until the server closes."""
+    u = urllib.parse.urlsplit(base)
+    answer = b""
+    with socket.create_connection(("127.0.0.1", u.port or 80), timeout=timeout) as s:
+        s.sendall(request)
+        with contextlib.suppress(TimeoutError):
+            while chunk := s.recv(65536):
+                answer += chunk
+                head, ended, body = answer.partition(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length: *([0-9]+)", head)
+                if ended and length and len(body) >= int(length.group(1)):
+                    break  # the whole answer, on a connection kept alive
+    return answer
+
+
+def _head_of(size: int) -> bytes:
+    """A GET /healthz request head of exactly `size` bytes."""
+    start, end = b"GET /healthz HTTP/1.1\r\nhost: x\r\nx-pad: ", b"\r\n\r\n"
+    return start + b"a" * (size - len(start) - len(end)) + end
+
+
+def test_the_head_limit_is_exact_and_a_large_head_is_answered_not_reset() -> None:
+    """A head a few bytes over the limit is 431 (it used to pass when it ended in the same read), and a
+    1 MiB head sent whole is answered 431 too (closed at once, the client used to see a reset)."""
+    from weightsvc.transport.limits import MAX_HEAD_BYTES
+
+    with serving() as srv:
+        assert _exchange(srv.http_url, _head_of(MAX_HEAD_BYTES)).startswith(b"HTTP/1.1 200 ")
+        for size in (MAX_HEAD_BYTES + 5, 1 << 20):
+            answer = _exchange(srv.http_url, _head_of(size))
+            assert answer.startswith(b"HTTP/1.1 431 "), (size, answer[:100])
+            assert f"the request head is larger than {MAX_HEAD_BYTES} bytes".encode() in answer
+
+
+def _post_head(path: str, length: int, *, chunked: bool = False) -> bytes:
+    size = "transfer-encoding: chunked" if chunked else f"content-length: {length}"
+    return f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{size}\r\n\r\n".encode()
+
+
+def test_request_bodies_over_what_they_can_need_are_413_before_they_are_read(model: str) -> None:
+    """A selection's body cannot need more than the version's tensor names with their slices, an
+    ack's more than a version and a client id: 413 from the declared size, before reading a byte of
+    it (the body is never sent here), or as soon as a chunked body passes the cap."""
+    from weightsvc.transport.http import ACK_BODY_BYTES, selection_body_bytes
+
+    with serving() as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=model)
+        cap = selection_body_bytes(srv.service.index.get(model, 1).manifest)
+        selection = f"/v1/models/{model}/versions/1/safetensors"
+        answer = _exchange(srv.http_url, _post_head(selection, 100 << 20))
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
+        assert f"a body of {100 << 20} bytes, more than the {cap} bytes it can need".encode() in answer
+        assert f"the selection of model {model!r} version 1".encode() in answer
+        answer = _exchange(srv.http_url, _post_head(f"/v1/models/{model}/acks", ACK_BODY_BYTES + 1))
+        assert answer.startswith(b"HTTP/1.1 413 ") and f"more than the {ACK_BODY_BYTES} bytes".encode() in answer
+        chunk = b"x" * 8192
+        chunked = _post_head(f"/v1/models/{model}/acks", 0, chunked=True) + b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        assert _exchange(srv.http_url, chunked).startswith(b"HTTP/1.1 413 ")
+        # what fits is served as before
+        whole = json.dumps({"select": [f"{name}@0:0:1" for name in make_masters() if name != "scalar"]})
+        status, body = _post(srv.http_url, selection, whole.encode())
+        assert status == 200, body
+        assert _post(srv.http_url, f"/v1/models/{model}/acks", b'{"version": 1, "client_id": "a"}')[0] == 200
+
+
+def _post(base: str, path: str, body: bytes) -> tuple[int, bytes]:
+    import http.client
+
+    u = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(u.hostname or "127.0.0.1", u.port, timeout=10)
+    try:
+        conn.request("POST", path, body=body, headers={"content-type": "application/json"})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_bodies_being_read_count_in_a_budget(model: str) -> None:
+    """--max-body-bytes bounds the bodies held at once: while one holds most of it, another that
+    would pass it is told to retry (429), and the budget comes back when the first ends."""
+    with serving(max_body_bytes=6000, connect_timeout_s=30.0) as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=model)
+        acks = f"/v1/models/{model}/acks"
+        slow = socket.create_connection(("127.0.0.1", urllib.parse.urlsplit(srv.http_url).port), timeout=10)
+        try:
+            slow.sendall(_post_head(acks, 4000) + b"{")  # and the rest later
+            reading = srv.service.metrics.request_body_bytes
+            deadline = time.monotonic() + 10
+            while reading._value.get() != 4000 and time.monotonic() < deadline:
+                time.sleep(0.01)  # until the route holds it (nothing to await from here)
+            answer = _exchange(srv.http_url, _post_head(acks, 4000))
+            assert answer.startswith(b"HTTP/1.1 429 "), answer[:200]
+            assert b"would pass --max-body-bytes 6000; retry later" in answer
+        finally:
+            slow.close()
+        deadline = time.monotonic() + 10
+        while reading._value.get() != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _post(srv.http_url, acks, b'{"version": 1, "client_id": "a"}' + b" " * 3900)[0] == 200

@@ -25,7 +25,7 @@ from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, ServedTenso
 from weightsvc.protocol.parts import Segment, held_span
 
 Select = Mapping[str, Slice | None]  # tensor name -> the slice of it, or None for the whole tensor
-_SLICED = re.compile(r"(-?\d{1,19}):(-?\d{1,19}):(-?\d{1,19})")
+_SLICED = re.compile(r"(-?[0-9]{1,19}):(-?[0-9]{1,19}):(-?[0-9]{1,19})")  # ASCII: int() reads any digits
 
 
 def selection(pairs: Iterable[tuple[str, Slice | None]]) -> dict[str, Slice | None]:

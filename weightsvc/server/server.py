@@ -28,6 +28,7 @@ from weightsvc.server.relay import Relay
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import Auth, HttpAuth
+from weightsvc.transport.connections import GrpcConnections
 from weightsvc.transport.grpc import start_grpc, stop_grpc
 from weightsvc.transport.http import Sendfile, create_app
 from weightsvc.transport.limits import limited_http
@@ -60,6 +61,7 @@ class Server:
         self.grpc_port = 0
         self.http_port = 0
         self._grpc: grpc.aio.Server | None = None
+        self._grpc_connections: GrpcConnections | None = None
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._relay: Relay | None = None
@@ -94,7 +96,10 @@ class Server:
         await self.service.committer.sync_registry()
         auth = Auth.load(s.tokens(), s.auth_file)
         tls = (s.tls_cert.read_bytes(), s.tls_key.read_bytes()) if s.tls_cert and s.tls_key else None
-        self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port, auth=auth, tls=tls)
+        self._grpc_connections = GrpcConnections(s.max_connections, self._dropped_grpc)
+        self._grpc, self.grpc_port = await start_grpc(self.service, s.host, s.grpc_port, auth=auth, tls=tls,
+                                                      connections=self._grpc_connections)
+        self._grpc_connections.start(self.grpc_port)
         # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when their protocol
         # says TCP, and without it a small response on a kept-alive connection waits ~40 ms (Nagle).
         sock = socket.socket(socket.AF_INET6 if ":" in s.host else socket.AF_INET, socket.SOCK_STREAM,
@@ -110,7 +115,7 @@ class Server:
             app,
             ssl_certfile=s.tls_cert,
             ssl_keyfile=s.tls_key,
-            http=limited_http(s.max_connections, s.connect_timeout_s),
+            http=limited_http(s.max_connections, s.connect_timeout_s, self._dropped_http),
             lifespan="off",
             log_config=None,
             access_log=False,
@@ -147,6 +152,14 @@ class Server:
             s.data_dir,
             s.relay_from,
         )
+
+    def _dropped_http(self, reason: str) -> None:
+        if self.service is not None:
+            self.service.metrics.connections_dropped.labels("http", reason).inc()
+
+    def _dropped_grpc(self, reason: str) -> None:
+        if self.service is not None:
+            self.service.metrics.connections_dropped.labels("grpc", reason).inc()
 
     def _describe(self) -> Replica:
         """This replica as clients reach it."""
@@ -189,6 +202,8 @@ class Server:
             self._http.should_exit = True
             await self._http_task
             await self._http.shutdown()
+        if self._grpc_connections is not None:
+            await self._grpc_connections.stop()
         if self._grpc is not None:
             await stop_grpc(self._grpc)
         if self.service is not None:

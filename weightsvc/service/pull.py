@@ -253,16 +253,48 @@ async def events(registry: Registry, index: VersionIndex, model: str, after: int
             yield version.manifest
 
 
+class Watches:
+    """The watch streams open, on every transport, bounded (`Settings.watch_limit`): a fleet of
+    watchers must not take every connection the server has. One more ends the oldest with
+    UNAVAILABLE; its client watches again after the last version it received, and misses nothing."""
+
+    def __init__(self, limit: int, metrics: Metrics) -> None:
+        self.limit = limit
+        self.metrics = metrics
+        self.stopping = asyncio.Event()  # set when the server stops: every watch ends
+        self._open: dict[object, asyncio.Event] = {}  # in the order they opened: the oldest first
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    async def follow(self, events: AsyncIterator[Manifest], idle: float | None) -> AsyncIterator[Manifest | None]:
+        """`events` as `watching` gives them, while this watch is among the newest `limit`."""
+        key, evicted = object(), asyncio.Event()
+        self._open[key] = evicted
+        while len(self._open) > self.limit:
+            self._open.pop(next(iter(self._open))).set()
+            self.metrics.watches_evicted.inc()
+        self.metrics.watches.set(len(self._open))
+        try:
+            async for manifest in watching(events, (self.stopping, evicted), idle):
+                yield manifest
+        finally:
+            self._open.pop(key, None)
+            self.metrics.watches.set(len(self._open))
+
+
 async def watching(
-    events: AsyncIterator[Manifest], stopping: asyncio.Event, idle: float | None
+    events: AsyncIterator[Manifest], ends: tuple[asyncio.Event, asyncio.Event], idle: float | None
 ) -> AsyncIterator[Manifest | None]:
-    """`events`, with None after each `idle` seconds without one; ends with UNAVAILABLE once `stopping`
-    is set, so that no watch holds up the server's shutdown."""
+    """`events`, with None after each `idle` seconds without one; ends with UNAVAILABLE once the server
+    stops (`ends[0]`, so that no watch holds up its shutdown) or a newer watch takes its place (`ends[1]`)."""
+    stopping, evicted = ends
     stop = asyncio.ensure_future(stopping.wait())
+    evict = asyncio.ensure_future(evicted.wait())
     upcoming = asyncio.ensure_future(anext(events))
     try:
         while True:
-            done, _ = await asyncio.wait((upcoming, stop), timeout=idle, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait((upcoming, stop, evict), timeout=idle, return_when=asyncio.FIRST_COMPLETED)
             if upcoming in done:
                 try:
                     manifest = upcoming.result()
@@ -272,8 +304,12 @@ async def watching(
                 upcoming = asyncio.ensure_future(anext(events))
             elif stop in done:
                 raise Unavailable("the server is stopping: watch again, after the last version received")
+            elif evict in done:
+                raise Unavailable("more watch streams than this server keeps (--max-watches): this one, the oldest, "
+                                  "ends; watch again, after the last version received")
             else:
                 yield None
     finally:
         stop.cancel()
+        evict.cancel()
         upcoming.cancel()  # a pending read ends the events with it

@@ -30,7 +30,7 @@ from weightsvc.protocol.manifest import Manifest, check_manifest
 from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Exporter, exporter_for
-from weightsvc.service.pull import Pulls, events, watching
+from weightsvc.service.pull import Pulls, Watches, events
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.pushes import Pushes
 from weightsvc.service.replicas.memory import MemoryRegistry
@@ -111,7 +111,7 @@ class Service:
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
         self._topology: list[Replica] | None = None  # the last the registry gave (before it lost its data)
         self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
-        self._stopping = asyncio.Event()  # set when the server stops: watches end
+        self.watches = Watches(settings.watch_limit, self.metrics)
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -180,13 +180,13 @@ class Service:
     def watch(self, model: str, after: int | None, *, idle: float | None = None) -> AsyncIterator[Manifest | None]:
         """Every retained version above `after` (all when None), then each new one as it commits. With
         `idle`, None after each `idle` seconds without one (for a transport's keepalive). Ends with
-        UNAVAILABLE when the server stops (`end_watches`)."""
+        UNAVAILABLE when the server stops (`end_watches`) or newer watches take its place (`Watches`)."""
         check_model_name(model)  # here, not at the first event: a transport answers the error itself
-        return watching(events(self.registry, self.index, model, after), self._stopping, idle)
+        return self.watches.follow(events(self.registry, self.index, model, after), idle)
 
     def end_watches(self) -> None:
         """The server is stopping: every watch stream ends now rather than hold up the shutdown."""
-        self._stopping.set()
+        self.watches.stopping.set()
 
     def current_exporter(self) -> Exporter:
         """The exporter a new push exports with: after a GPU error, the CPU's from then on."""

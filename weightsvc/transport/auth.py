@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,17 +72,31 @@ class Auth:
             )
 
 
+def _one(values: list[str], what: str) -> str | None:
+    """The one authorization value of a request; several are refused rather than one of them picked."""
+    if len(values) > 1:
+        raise Unauthenticated(f"{what}: {len(values)} authorization values; send one bearer token",
+                              reason="unauthenticated")
+    return values[0] if values else None
+
+
 # ---- gRPC ---------------------------------------------------------------------------------------
 
 
-def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionDenied) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that only answers with `error`."""
+def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionDenied,
+            refused: Callable[[str], None] | None) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that only answers with `error` (and, when the call
+    failed authentication, has its connection closed by `refused`: it may not hold one)."""
     code = grpc_status(error)
 
     async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if refused is not None and isinstance(error, Unauthenticated):
+            refused(context.peer())
         await context.abort(code, error.message)
 
     async def streaming(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if refused is not None and isinstance(error, Unauthenticated):
+            refused(context.peer())
         await context.abort(code, error.message)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
@@ -96,19 +110,21 @@ def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionD
 class GrpcAuth(grpc.aio.ServerInterceptor):
     """Checks the `authorization` metadata of every WeightService call before its handler runs."""
 
-    def __init__(self, auth: Auth) -> None:
+    def __init__(self, auth: Auth, refused: Callable[[str], None] | None = None) -> None:
         self.auth = auth
+        self.refused = refused  # called with the peer of a call that failed authentication
 
     async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(details)
         method = details.method
         if handler is None or not method.startswith(f"/{SERVICE}/"):
             return handler  # the health service stays open
-        metadata = dict(details.invocation_metadata or ())
+        values = [v for k, v in details.invocation_metadata or () if k == "authorization"]
+        name = method.rsplit("/", 1)[1]
         try:
-            self.auth.check(metadata.get("authorization"), METHOD_ROLES.get(method, "pull"), method.rsplit("/", 1)[1])
+            self.auth.check(_one(values, name), METHOD_ROLES.get(method, "pull"), name)
         except (Unauthenticated, PermissionDenied) as e:
-            return _denied(handler, e)
+            return _denied(handler, e, self.refused)
         return handler
 
 
@@ -127,12 +143,15 @@ class HttpAuth:
         if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or ())
-        value = headers.get(b"authorization")
+        values = [v.decode("latin-1") for k, v in scope.get("headers") or () if k == b"authorization"]
+        what = f"{scope['method']} {scope['path']}"
         try:
-            self.auth.check(value.decode("latin-1") if value else None, "pull", f"{scope['method']} {scope['path']}")
+            self.auth.check(_one(values, what), "pull", what)
         except (Unauthenticated, PermissionDenied) as e:
-            challenge = {"www-authenticate": 'Bearer realm="weightsvc"'} if isinstance(e, Unauthenticated) else None
-            await http_domain_error(e, challenge)(scope, receive, send)
+            # The connection goes with the answer: a client without a valid token may not hold one.
+            headers = {"connection": "close"}
+            if isinstance(e, Unauthenticated):
+                headers["www-authenticate"] = 'Bearer realm="weightsvc"'
+            await http_domain_error(e, headers)(scope, receive, send)
             return
         await self.app(scope, receive, send)

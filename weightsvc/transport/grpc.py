@@ -34,6 +34,7 @@ from weightsvc.protocol.wire import (
 from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.service import Service
 from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.connections import GrpcConnections, headroom
 from weightsvc.transport.status import grpc_status
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -255,18 +256,23 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 async def start_grpc(
-    service: Service, host: str, port: int, *, auth: Auth | None = None, tls: tuple[bytes, bytes] | None = None
+    service: Service, host: str, port: int, *, auth: Auth | None = None, tls: tuple[bytes, bytes] | None = None,
+    connections: GrpcConnections | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC server (WeightService + health); returns it and the bound port.
-    `tls` is (certificate chain, private key) in PEM."""
+    `tls` is (certificate chain, private key) in PEM; `connections` bounds the connections (and
+    closes those that fail authentication)."""
     s = service.settings
     # Connections are bounded, and one that never finishes its handshake, or holds no call for
-    # CONNECTION_IDLE_S, is closed (a client's channel reconnects when it next calls).
-    limits = [("grpc.max_allowed_incoming_connections", s.max_connections),
+    # CONNECTION_IDLE_S, is closed (a client's channel reconnects when it next calls). gRPC admits
+    # some beyond the bound: `connections` trims them back, the idle ones first.
+    admitted = s.max_connections + (headroom(s.max_connections) if connections is not None else 0)
+    limits = [("grpc.max_allowed_incoming_connections", admitted),
               ("grpc.server_handshake_timeout_ms", int(s.connect_timeout_s * 1000)),
               ("grpc.max_connection_idle_ms", int(CONNECTION_IDLE_S * 1000))]
     server = grpc.aio.server(
-        options=grpc_options(s.max_message_bytes) + limits, interceptors=[GrpcAuth(auth)] if auth else None
+        options=grpc_options(s.max_message_bytes) + limits,
+        interceptors=[GrpcAuth(auth, connections.refused if connections else None)] if auth else None,
     )
     servicer = WeightServicer(service)
     # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
@@ -274,7 +280,9 @@ async def start_grpc(
     handlers = {}
     for name, m in METHODS.items():
         decode, encode = framing.get(name, (None, None))
-        handlers[name] = m.handler(getattr(servicer, name), request_deserializer=decode or m.request.FromString,
+        method = getattr(servicer, name)
+        handlers[name] = m.handler(connections.tracked(method) if connections else method,
+                                   request_deserializer=decode or m.request.FromString,
                                    response_serializer=encode or m.response.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     health = HealthServicer()

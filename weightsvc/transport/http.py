@@ -18,12 +18,13 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from weightsvc._aio import memo, off_loop
-from weightsvc.errors import DeadlineExceeded, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc._aio import in_thread, memo, off_loop
+from weightsvc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
@@ -31,14 +32,21 @@ from weightsvc.protocol.topology import HASHING
 from weightsvc.service.pull import Pull
 from weightsvc.service.service import Service
 from weightsvc.service.versions.index import FileRange
-from weightsvc.transport.status import http_domain_error, http_error
+from weightsvc.transport.limits import BodyBudget
+from weightsvc.transport.status import excerpt, http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
 # Pieces handed to the server per send: large enough to keep per-call overhead low, small enough
 # to keep the event loop responsive.
 PIECE_BYTES = 4 << 20
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
-_INT = re.compile(r"-?\d{1,19}")
+_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$", re.ASCII)
+_INT = re.compile(r"-?[0-9]{1,19}")
+# The most a request body can need: an ack is a version and a client id; a selection names each
+# tensor of the version once, its name JSON-escaped, with "@DIM:START:STOP" (at most 63 characters),
+# quotes, a comma and some spaces.
+ACK_BODY_BYTES = 4 << 10
+SELECTOR_BYTES = 80
+SELECTION_BODY_BYTES = 1 << 10  # beyond the selectors: {"select": [...]} and spaces
 # The OpenAPI description of the streamed answers (what the fuzz tests and client generators read).
 _DELTA: dict[int | str, dict[str, Any]] = {
     200: {"content": {"application/octet-stream": {}}, "description": "The delta encoding (proto: Delta)"}
@@ -52,6 +60,7 @@ _SELECT = (
 )
 SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
 ABORT = "weightsvc.abort"
+BIG_BODY = 1 << 20  # bytes: a body this large is parsed off the loop
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
 
@@ -189,8 +198,50 @@ def _json(m: Manifest) -> bytes:
     return m.json((",", ":")).encode()
 
 
+def selection_body_bytes(m: Manifest) -> int:
+    """The largest body a selection of version `m` can need (each tensor selected once, sliced)."""
+    return SELECTION_BODY_BYTES + sum(len(json.dumps(t.name)) + SELECTOR_BYTES for t in m.tensors)
+
+
+async def read_body(request: Request, cap: int, budget: BodyBudget, what: str) -> bytes:
+    """The request's body, read only while it stays within `cap` bytes (413 before reading one that
+    declares more) and within the budget of all bodies being read (429)."""
+    declared = request.headers.get("content-length")
+    size = int(declared) if declared is not None and declared.isascii() and declared.isdigit() else None
+    too_large = f"{what}: a body of %s bytes, more than the {cap} bytes it can need"
+    if size is not None and size > cap:
+        raise ResourceExhausted(too_large % size, reason="too_large")
+    with budget.hold(what) as held:
+        held.grow_to(size or 0)
+        pieces, received = [], 0
+        try:
+            async for piece in request.stream():
+                received += len(piece)
+                if received > cap:
+                    raise ResourceExhausted(too_large % f"over {received}", reason="too_large")
+                held.grow_to(received)  # a chunked body: as it comes
+                pieces.append(piece)
+        except ClientDisconnect:  # gone, or too slow (`limits`): nobody reads the answer
+            raise DeadlineExceeded(f"{what}: the client went away after {received} bytes of the body") from None
+        return b"".join(pieces)
+
+
+def parse_body(model: type[BaseModel], body: bytes, what: str) -> Any:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
+        raise InvalidArgument(f"{what}: {problems}") from None
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its body itself (to bound it first)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
 def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     app = FastAPI(title="weightsvc", version="1", docs_url="/docs", redoc_url=None)
+    bodies = BodyBudget(service.settings.max_body_bytes, service.metrics.request_body_bytes)
 
     @app.exception_handler(WeightsvcError)
     async def _domain(_: Request, e: WeightsvcError) -> JSONResponse:
@@ -253,10 +304,15 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         return await _file(model, version, request, select)
 
     @app.post("/v1/models/{model}/versions/{version}/safetensors", response_model=None,
-              operation_id="post_safetensors_selection")
-    async def safetensors_selection(model: str, version: str, request: Request, body: SelectBody) -> Response:
+              operation_id="post_safetensors_selection", openapi_extra=_body_schema(SelectBody))
+    async def safetensors_selection(model: str, version: str, request: Request) -> Response:
         """The selection's file, as `GET ...?select=` answers it, for a selection too long for a URL
         (a tensor-parallel worker's slices of 100,000 tensors): the selectors in a JSON body."""
+        m = service.index.get(model, parse_version_ref(version)).manifest
+        what = f"the selection of model {model!r} version {m.version}"
+        cap = await off_loop(memo, m, "selection_body_bytes", selection_body_bytes)
+        raw = await read_body(request, cap, bodies, what)
+        body = await in_thread(len(raw) > BIG_BODY, parse_body, SelectBody, raw, what)
         if not body.select:
             raise InvalidArgument("the selection is empty: select at least one tensor")
         return await _file(model, version, request, body.select)
@@ -278,7 +334,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
             return http_error(
                 416,
                 "OUT_OF_RANGE",
-                f"range {request.headers.get('range')!r} is outside the {size} bytes of "
+                f"range {excerpt(request.headers.get('range') or '')} is outside the {size} bytes of "
                 f"model {model!r} version {pull.manifest.version}",
                 {"content-range": f"bytes */{size}"},
             )
@@ -315,8 +371,10 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
-    @app.post("/v1/models/{model}/acks")
-    async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
+    @app.post("/v1/models/{model}/acks", openapi_extra=_body_schema(AckBody))
+    async def ack(model: str, request: Request) -> dict[str, int]:
+        what = f"the ack of model {model!r}"
+        body = parse_body(AckBody, await read_body(request, ACK_BODY_BYTES, bodies, what), what)
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
         return {"latest_version": service.acks.ack(model, body.version, client_id)}

@@ -22,3 +22,12 @@ def http_error(status: int, code: str, message: str, headers: Mapping[str, str] 
 
 def http_domain_error(error: WeightsvcError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return http_error(error.http_status, error.grpc_code, error.message, headers)
+
+
+EXCERPT_CHARS = 64
+
+
+def excerpt(text: str) -> str:
+    """A request's value as an error message quotes it: the start of it, never all of a long one."""
+    short = text if len(text) <= EXCERPT_CHARS else f"{text[:EXCERPT_CHARS]}... ({len(text)} characters)"
+    return repr(short)
