@@ -33,7 +33,7 @@ from weightsvc.protocol.wire import (
 )
 from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.service import Service
-from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.auth import Auth, GrpcAuth, peer_caller, token_caller
 from weightsvc.transport.status import grpc_status
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -78,8 +78,9 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, authenticated: bool = False) -> None:
         self.service = service
+        self.authenticated = authenticated  # every call carries a valid token (GrpcAuth let it in)
 
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
@@ -139,7 +140,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
-        latest = self.service.acks.ack(request.model, request.version, request.client_id or context.peer())
+        metadata = dict(context.invocation_metadata() or ())
+        caller = token_caller(metadata.get("authorization")) if self.authenticated else peer_caller(context.peer())
+        client_id = request.client_id or context.peer()
+        latest = await self.service.acks.ack(request.model, request.version, client_id, caller)
         return pb.AckResponse(latest_version=latest)
 
     @_abort_on_domain_error
@@ -268,7 +272,7 @@ async def start_grpc(
     server = grpc.aio.server(
         options=grpc_options(s.max_message_bytes) + limits, interceptors=[GrpcAuth(auth)] if auth else None
     )
-    servicer = WeightServicer(service)
+    servicer = WeightServicer(service, authenticated=auth is not None)
     # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
     framing: dict[str, tuple[Any, Any]] = {"Push": (decode_push_request, None), "Pull": (None, encode_message)}
     handlers = {}

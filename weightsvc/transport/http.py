@@ -31,6 +31,7 @@ from weightsvc.protocol.topology import HASHING
 from weightsvc.service.pull import Pull
 from weightsvc.service.service import Service
 from weightsvc.service.versions.index import FileRange
+from weightsvc.transport.auth import CALLER, peer_caller
 from weightsvc.transport.status import http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
@@ -319,7 +320,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def ack(model: str, body: AckBody, request: Request) -> dict[str, int]:
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
-        return {"latest_version": service.acks.ack(model, body.version, client_id)}
+        caller = request.scope.get(CALLER) or peer_caller(peer.host if peer else "")
+        return {"latest_version": await service.acks.ack(model, body.version, client_id, caller)}
 
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:
