@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
+from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.protocol.names import METHODS, SERVICE
@@ -161,7 +161,8 @@ async def _push_messages(
     layout: _RankLayout | None = None
     async for req in it:
         if isinstance(req, ChunkView):  # the bulk path: views into the received message
-            yield _unpacked(layout, req.tensor, req.offset, req.data)
+            many = layout is not None and len(layout.order) >= BIG_MANIFEST  # one chunk may pack thousands
+            yield await in_thread(many, _unpacked, layout, req.tensor, req.offset, req.data)
             continue
         if isinstance(req, Malformed):
             raise InvalidArgument(req.reason, reason="bad_chunk")
@@ -186,7 +187,8 @@ async def _push_messages(
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
                                       f"{count}", reason="invalid_header")
-            header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
+            with no_full_collections(count >= BIG_MANIFEST):  # (and the push, from the header on)
+                header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
             yield header
         elif kind == "commit":
             yield PushCommit()

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from weightsvc._aio import BIG_MANIFEST, in_thread
+from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -116,7 +116,8 @@ class Push:
             turn = time.monotonic() + FAIR_TURN_S
             # A stream that trickles would hold its staging forever: its bytes must come at a rate.
             # (Twice the idle timeout on top: one that stops altogether is told it stalled.)
-            rank_bytes = session.rank_bytes(rank)
+            big = len(session.shards[rank]) >= BIG_MANIFEST  # (the rank's shards are walked: off the loop)
+            rank_bytes = await in_thread(big, session.rank_bytes, rank)
             allowed = 2 * settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
             deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
                         f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
@@ -133,7 +134,7 @@ class Push:
                 if isinstance(msg, list):
                     await session.add_chunks(rank, msg)
                 elif isinstance(msg, PushCommit):
-                    session.check_rank_complete(rank)
+                    await in_thread(big, session.check_rank_complete, rank)
                     return await self._commit(rank, session)
                 elif msg is None:
                     raise Aborted(f"{session.where(rank)}: the stream ended without a commit", reason="aborted")
@@ -195,7 +196,8 @@ class Push:
         try:
             count = sum(len(tensors) for tensors in self.shards.values())
             whole = await in_thread(count >= BIG_MANIFEST, self._whole, header)
-            reserved = pushes.budget.reserve(whole)
+            needed = await in_thread(count >= BIG_MANIFEST, pushes.budget.needed, whole)
+            reserved = pushes.budget.reserve(whole, needed)
             try:
                 session = await open_session(pushes.context, whole, self.shards)
             except BaseException:
@@ -300,18 +302,19 @@ class Pushes:
             header = await next_message(messages, settings.push_idle_timeout_s)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
-            await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
-            if header.owners:
-                await self.context.parts.settled(header.model, header.step, header.owners)
-            self._check(header)
-            self.pushing[header.model] += 1
-            try:
-                push = self._join(header)
-                version, created = await push.run(header.rank, messages)
-            finally:
-                self.pushing[header.model] -= 1
-                if not self.pushing[header.model]:
-                    del self.pushing[header.model]
+            with no_full_collections(len(header.tensors) >= BIG_MANIFEST):
+                await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
+                if header.owners:
+                    await self.context.parts.settled(header.model, header.step, header.owners)
+                self._check(header)
+                self.pushing[header.model] += 1
+                try:
+                    push = self._join(header)
+                    version, created = await push.run(header.rank, messages)
+                finally:
+                    self.pushing[header.model] -= 1
+                    if not self.pushing[header.model]:
+                        del self.pushing[header.model]
             if header.rank == 0:
                 log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
                          "committed" if created else "idempotent push of", header.model, header.step,

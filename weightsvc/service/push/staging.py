@@ -22,7 +22,7 @@ from prometheus_client import Gauge
 
 from weightsvc import rounding
 from weightsvc._aio import BIG_MANIFEST, in_thread
-from weightsvc.errors import InvalidArgument
+from weightsvc.errors import Aborted, InvalidArgument
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
@@ -37,6 +37,8 @@ from weightsvc.service.versions.lag import Sample, sample_stride
 MAX_PENDING_CHUNKS = 8
 # Small chunks are handed to the export thread together, up to this many bytes or chunks.
 BATCH_JOBS = 512
+# The chunks of one message accepted between two turns of the event loop (a few milliseconds' work).
+ACCEPT_SLICE = 256
 NewResidual = tuple[VersionFile, dict[str, np.ndarray]]  # with a data dir: its file, and its arrays
 
 
@@ -93,6 +95,7 @@ class PushSession:
         self.batch: list[Job] = []
         self.batch_bytes = 0
         self.committed = False
+        self.closed = False
         self.reserved = 0  # of the staging budget, returned when the session closes
         for t in plan.empty:  # no chunk comes for them
             if t.fmt.scaled:
@@ -124,7 +127,12 @@ class PushSession:
         if self.context.on_chunks is not None:
             self.context.on_chunks(rank, chunks)
         n = 0
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            if i and not i % ACCEPT_SLICE:  # a message of many small tensors: give way to the other requests
+                await asyncio.sleep(0)
+                if self.closed:
+                    raise Aborted(f"{self.where(rank)}: the push ended while its chunks were accepted",
+                                  reason="aborted")
             n += self._accept(rank, chunk)
         self.context.metrics.push_bytes.labels(self.header.model).inc(n)
         while self.pending and self.pending[0].done():
@@ -136,14 +144,14 @@ class PushSession:
 
     def _accept(self, rank: int, chunk: PushChunk) -> int:
         """Check one chunk against its rank's shard and queue its export; its size."""
-        where = self.where(rank)
         shard = self.shards[rank].get(chunk.tensor)
         if shard is None:
-            raise InvalidArgument(f"{where}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
+            raise InvalidArgument(f"{self.where(rank)}: chunk for undeclared tensor {chunk.tensor!r}",
+                                  reason="bad_chunk")
         t = shard.tensor
         if chunk.offset != shard.received:
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
                 f"{shard.received} (the chunks of a tensor or part arrive in order, without gaps or overlaps)",
                 reason="bad_chunk",
             )
@@ -151,7 +159,7 @@ class PushSession:
         if shard.received + n > shard.end:
             whole = shard.end - shard.start == t.nbytes
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: "
                 + (f"{shard.received + n} bytes received, more than its declared shape {list(t.spec.shape)} of "
                    f"{t.spec.dtype} holds ({t.nbytes} bytes)" if whole else
                    f"a chunk ends at byte {shard.received + n}, beyond the part this rank declared "
@@ -160,7 +168,7 @@ class PushSession:
             )
         if n % MASTER_ITEMSIZE:
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
                 f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
                 reason="bad_chunk",
             )
@@ -209,6 +217,21 @@ class PushSession:
         self.pending.append(fut)
 
     async def commit(self) -> Committed:
+        big = len(self.tensors) >= BIG_MANIFEST  # the checks below are linear in the tensors
+        await in_thread(big, self._check_complete)
+        self._flush()
+        await asyncio.gather(*self.pending)
+        self.pending.clear()
+        self.context.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.jobs.seconds)
+        await in_thread(big, self._check_finite)
+        version, residual, lag_input = await in_thread(big, self._prepared)
+        committed, created = await self.context.committer.commit(version, residual, lag_input, self.part_of)
+        self.committed = created
+        if created and self.jobs.device_residuals:
+            self.jobs.exporter.keep_resident(self.header.model, self.jobs.device_residuals)
+        return committed, created
+
+    def _check_complete(self) -> None:
         missing = [t for t in self.tensors.values() if t.received < t.nbytes]
         if missing:
             shown = [f"{t.spec.name!r} has {t.received} of {t.nbytes} bytes" for t in missing[:5]]
@@ -217,10 +240,8 @@ class PushSession:
                 f"{self.where()}: commit of an incomplete push: {'; '.join(shown)}{more}",
                 reason="incomplete",
             )
-        self._flush()
-        await asyncio.gather(*self.pending)
-        self.pending.clear()
-        self.context.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.jobs.seconds)
+
+    def _check_finite(self) -> None:
         bad = [(t.spec.name, t.nonfinite) for t in self.tensors.values() if t.nonfinite]
         if bad and not self.context.settings.allow_nonfinite:
             listed = ", ".join(f"{n!r} ({c} NaN/Inf)" for n, c in bad[:10])
@@ -230,12 +251,6 @@ class PushSession:
                 "rejected (serve with --allow-nonfinite to accept)",
                 reason="nonfinite",
             )
-        version, residual, lag_input = await in_thread(len(self.tensors) >= BIG_MANIFEST, self._prepared)
-        committed, created = await self.context.committer.commit(version, residual, lag_input, self.part_of)
-        self.committed = created
-        if created and self.jobs.device_residuals:
-            self.jobs.exporter.keep_resident(self.header.model, self.jobs.device_residuals)
-        return committed, created
 
     def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,
                                  tuple[Sample, int, bool] | None]:
@@ -255,6 +270,7 @@ class PushSession:
 
     async def close(self) -> None:
         """Release the staging memory; waits for exports already running so none writes after."""
+        self.closed = True
         self.batch.clear()
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
