@@ -89,6 +89,36 @@ def test_a_version_whose_views_were_shared_is_never_recycled() -> None:
     assert index.pool.free_bytes == 0
 
 
+
+async def test_the_pool_keeps_buffers_of_retained_sizes_only_a_few_and_not_for_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightsvc import memory
+
+    index = VersionIndex(retain=1, metrics=Metrics())
+    pool = index.pool
+    pool.give(alloc(2 * SIZE))  # an aborted push of a size no version has: let go
+    assert pool.free_bytes == 0
+    index.add(make_version("m", 1))
+    index.add(make_version("m", 2))  # version 1's buffer: the size of version 2, the next push's
+    assert pool.free_bytes == SIZE
+    for i in range(2, 8):  # more sizes than the pool keeps (each retained by a model of its own)
+        index.add(make_version(f"m{i}", 1, size=i * SIZE))
+        pool.give(alloc(i * SIZE))
+    assert len(pool._free) == memory.BufferPool.MAX_BUFFERS and pool.take(SIZE) is None  # the oldest went
+
+    now = time.monotonic()
+    monkeypatch.setattr(memory.time, "monotonic", lambda: now + memory.BufferPool.IDLE_S)
+    assert pool._timer is not None  # the idle check is due then
+    pool._timer.cancel()
+    pool._expire()  # (what the timer runs)
+    assert pool.free_bytes == 0
+
+    monkeypatch.setattr(memory.time, "monotonic", lambda: now)
+    pool.give(alloc(7 * SIZE))
+    index.add(make_version("m7", 2, size=SIZE))  # m7's versions are now of another size: its buffer goes
+    assert pool.free_bytes == 0
+
 async def test_a_watcher_waiting_for_a_version_gets_it_once_the_index_shows_it() -> None:
     index = VersionIndex(retain=2, metrics=Metrics())
     shown = asyncio.ensure_future(index.shown("m", 1))

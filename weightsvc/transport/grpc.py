@@ -47,9 +47,14 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
         if isinstance(e, WeightsvcError):
-            await context.abort(grpc_status(e), e.message)
-        log.exception("internal error in %s", fn.__name__)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            code, message = grpc_status(e), e.message
+        else:
+            log.exception("internal error in %s", fn.__name__)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+        # gRPC keeps the abort, and so this error (its context), with the call's state: its traceback's
+        # frames would keep what the call held alive (a refused push's header of 400,000 tensors).
+        e.__traceback__ = None
+        await context.abort(code, message)
 
     if inspect.isasyncgenfunction(fn):
 

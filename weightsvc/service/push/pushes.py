@@ -30,6 +30,7 @@ from weightsvc.errors import (
     TooManyRequests,
     WeightsvcError,
 )
+from weightsvc.memory import trim_heap
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.budget import StagingBudget
 from weightsvc.service.push.context import PushContext
@@ -41,6 +42,7 @@ from weightsvc.service.push.validate import validate_header
 log = logging.getLogger("weightsvc.push")
 
 FAIR_TURN_S = 0.01  # the longest a push stream holds the event loop before it gives way
+TRIM_AFTER_S = 1.0  # after a big push, once the transport has let go of its messages, the heap is trimmed
 
 
 class Push:
@@ -284,12 +286,14 @@ class Pushes:
         self.joining: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
         self._releasing: set[asyncio.Future[None]] = set()
         self.pushing: collections.Counter[str] = collections.Counter()  # models with push streams open
+        self._trim: asyncio.TimerHandle | None = None
 
     async def run(self, messages: AsyncIterator[PushMessage]) -> Committed:
         """Run one push stream: header, chunks, commit. Nothing is visible unless it commits.
 
         The stream of one rank of a multi-rank push returns when the whole version commits."""
         settings = self.settings
+        big = False  # a push of many tensors (known from its header)
         self.metrics.pushes_in_flight.inc()
         self.streams += 1
         try:
@@ -302,8 +306,9 @@ class Pushes:
             header = await next_message(messages, settings.push_idle_timeout_s)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
-            with no_full_collections(len(header.tensors) >= BIG_MANIFEST):
-                await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
+            big = len(header.tensors) >= BIG_MANIFEST
+            with no_full_collections(big):
+                await in_thread(big, validate_header, header, settings)
                 if header.owners:
                     await self.context.parts.settled(header.model, header.step, header.owners)
                 self._check(header)
@@ -329,6 +334,18 @@ class Pushes:
         finally:
             self.metrics.pushes_in_flight.dec()
             self.streams -= 1
+            if big:
+                self._trim_heap_soon()
+
+    def _trim_heap_soon(self) -> None:
+        """A big push is over, committed or not: give the heap's free pages back to the system (its
+        header's and plan's objects, its messages), in a worker thread, once."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(TRIM_AFTER_S, self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        self._trim = None
+        asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
     def _check(self, header: PushHeader) -> None:
         """Refuse a header (already validated) before it joins anything."""
