@@ -27,7 +27,15 @@ from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
 from weightsvc.service.push.messages import Committed, PushChunk, PushHeader
-from weightsvc.service.push.plan import MASTER_ITEMSIZE, Plan, PushedTensor, exported_manifest, header_room, make_plan
+from weightsvc.service.push.plan import (
+    MASTER_ITEMSIZE,
+    Plan,
+    PushedTensor,
+    Shard,
+    exported_manifest,
+    header_room,
+    make_plan,
+)
 from weightsvc.service.replicas.parts import PartOf
 from weightsvc.service.versions.index import Version, VersionFile
 from weightsvc.service.versions.lag import Sample, sample_stride
@@ -274,8 +282,7 @@ class PushSession:
         self.batch.clear()
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
-        for t in self.tensors.values():
-            t.master = t.new_residual = None
+        await in_thread(len(self.tensors) >= BIG_MANIFEST, _let_go, self.tensors, self.shards)
         self.held.add(-self.held.nbytes)
         files = self.context.files
         if self.residual_file is not None and files is not None:
@@ -290,6 +297,18 @@ class PushSession:
         elif not self.committed:  # nobody else ever saw this buffer
             self.context.pool.give(self.data)
         self.data = self.jobs.data = memoryview(b"")
+
+
+def _let_go(tensors: dict[str, PushedTensor], shards: dict[int, dict[str, Shard]]) -> None:
+    """Drop a push's objects of each tensor (its gathered master, its residual, its digest, samples
+    and shards) one tensor at a time: a few hundred thousand freed at once would hold the GIL, and so
+    the event loop, for most of a second."""
+    for by_name in shards.values():
+        while by_name:
+            by_name.popitem()
+    while tensors:
+        _, t = tensors.popitem()
+        t.master = t.new_residual = None
 
 
 async def open_session(context: PushContext, header: PushHeader,
