@@ -44,7 +44,7 @@ def peer_caller(peer: str) -> str:
     "10.0.0.7"), not its port, which changes with every connection."""
     scheme, _, rest = peer.partition(":")
     if scheme in ("ipv4", "ipv6"):
-        return "peer:" + rest.rpartition(":")[0]
+        return "peer:" + rest.rpartition(":")[0].strip("[]")  # ("[::1]": HTTP's host has no brackets)
     return "peer:" + (rest if scheme == "unix" else peer)
 
 
