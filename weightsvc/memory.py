@@ -9,10 +9,13 @@ faulted on first write. A kernel without MADV_POPULATE_WRITE (before 5.14) gets 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import mmap
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 _POPULATE_MIN = 1 << 20
@@ -48,18 +51,26 @@ class BufferPool:
 
     A learner pushes a model of the same size every step: reusing the buffer of the version that
     retention just dropped skips mapping fresh pages (measured above). The store gives a buffer
-    back only once no pull holds its version, so no reader ever sees it change. The pool holds one
-    buffer per size and at most `max_bytes` in all (the oldest go first); a push that needs the
-    memory it holds has it freed (`free`).
+    back only once no pull holds its version, so no reader ever sees it change. The pool keeps only
+    what the next push can use: a buffer of the size of a version still retained (`wanted`: the
+    next push of that model), one per size, `MAX_BUFFERS` and at most `max_bytes` in all (the
+    oldest go first); one not taken within `IDLE_S` goes back to the system, and a push that needs
+    the memory it holds has it freed (`free`).
     """
 
-    def __init__(self, max_bytes: int | None = None) -> None:
+    MAX_BUFFERS = 4
+    IDLE_S = 120.0
+
+    def __init__(self, max_bytes: int | None = None, wanted: Callable[[int], bool] = lambda nbytes: True) -> None:
         self.max_bytes = max_bytes
-        self._free: dict[int, memoryview] = {}  # size -> buffer, oldest first
+        self.wanted = wanted
+        self._free: dict[int, tuple[memoryview, float]] = {}  # size -> (buffer, when given), oldest first
+        self._timer: asyncio.TimerHandle | None = None
 
     def take(self, nbytes: int) -> memoryview | None:
         """A recycled buffer of exactly `nbytes`, or None (then `alloc` one, off the event loop)."""
-        return self._free.pop(nbytes, None)
+        kept = self._free.pop(nbytes, None)
+        return kept[0] if kept is not None else None
 
     def give(self, buf: memoryview) -> None:
         # Only our own anonymous mappings: restored versions are read-only file mappings.
@@ -67,9 +78,17 @@ class BufferPool:
             return
         if len(buf) in self._free or (self.max_bytes is not None and len(buf) > self.max_bytes):
             return
-        self._free[len(buf)] = buf
-        while self.max_bytes is not None and self.free_bytes > self.max_bytes:
+        if not self.wanted(len(buf)):
+            return
+        self._free[len(buf)] = (buf, time.monotonic())
+        while len(self._free) > self.MAX_BUFFERS or (self.max_bytes is not None and self.free_bytes > self.max_bytes):
             self._free.pop(next(iter(self._free)))
+        self._expire_later()
+
+    def prune(self) -> None:
+        """Let go of the buffers no retained version's size wants any more."""
+        for nbytes in [n for n in self._free if not self.wanted(n)]:
+            del self._free[nbytes]
 
     def free(self) -> int:
         """Let go of every buffer (their memory returns to the system); the bytes let go of."""
@@ -79,7 +98,35 @@ class BufferPool:
 
     @property
     def free_bytes(self) -> int:
-        return sum(len(b) for b in self._free.values())
+        return sum(len(b) for b, _ in self._free.values())
+
+    def _expire_later(self) -> None:
+        """Check for idle buffers when the oldest has been idle for `IDLE_S` (on the running loop; a pool
+        used without one only lets go when it is full)."""
+        if self._timer is not None or not self._free:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        oldest = min(since for _, since in self._free.values())
+        self._timer = loop.call_later(max(0.0, oldest + self.IDLE_S - time.monotonic()), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        idle = time.monotonic() - self.IDLE_S
+        for nbytes in [n for n, (_, since) in self._free.items() if since <= idle]:
+            del self._free[nbytes]
+        self._expire_later()
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). What a big push freed
+    (its header's and plan's objects, its messages) stays with the allocator otherwise: 100 MiB and
+    more after a push of 400,000 tensors. Releases the GIL: call it in a worker thread."""
+    fn = getattr(_libc, "malloc_trim", None)
+    if fn is not None:
+        fn(0)
 
 
 def resident_bytes() -> int:

@@ -154,6 +154,13 @@ class Metrics:
             "How late the event loop woke a timer: time it was blocked and could serve nobody",
             buckets=_LOOP_LAG_BUCKETS, registry=r,
         )
+        self.gc_pause = Histogram(
+            "weightsvc_gc_pause_seconds",
+            "Collections of the cyclic garbage collector, by generation: each holds the GIL, and so the event loop",
+            ["generation"], buckets=_LOOP_LAG_BUCKETS, registry=r,
+        )
+        for generation in ("0", "1", "2"):
+            self.gc_pause.labels(generation)
         self.relay_failures = Counter(
             "weightsvc_relay_failures", "Failures of a relay following its upstream (each retried), by stage",
             ["stage"], registry=r,

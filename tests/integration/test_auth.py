@@ -57,7 +57,7 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     "GetManifest": lambda s, md: s.GetManifest(pb.GetManifestRequest(model=MODEL), metadata=md),
     "Pull": lambda s, md: next(iter(s.Pull(pb.PullRequest(model=MODEL), metadata=md))),
     "Watch": lambda s, md: next(iter(s.Watch(pb.WatchRequest(model=MODEL), metadata=md))),
-    "Ack": lambda s, md: s.Ack(pb.AckRequest(model=MODEL, version=1, client_id="c"), metadata=md),
+    "Ack": lambda s, md: s.Ack(pb.AckRequest(model=MODEL, version=1, client_id=f"c-{md}"), metadata=md),  # one a token
     "Push": lambda s, md: s.Push(_push_requests(next(_steps)), metadata=md),
     "GetTopology": lambda s, md: s.GetTopology(pb.GetTopologyRequest(), metadata=md),
     "ListClients": lambda s, md: s.ListClients(pb.ListClientsRequest(model=MODEL), metadata=md),
@@ -147,8 +147,9 @@ def test_every_http_route_checks_the_token_and_probes_stay_open(authed: Backgrou
 
 
 def test_http_ack_needs_role_pull(authed: BackgroundServer) -> None:
-    path, ack = f"/v1/models/{MODEL}/acks", json.dumps({"version": 1, "client_id": "pod-a"}).encode()
+    path = f"/v1/models/{MODEL}/acks"
     for token, status in [(None, 401), ("not-a-token", 401), *((TOKENS[role], 200) for role in TOKENS)]:
+        ack = json.dumps({"version": 1, "client_id": f"pod-{token}"}).encode()  # a client id of each token's own
         got, _, body = _get(authed.http_url, path, token, "POST", ack)
         assert got == status, (token, body)
     assert json.loads(body) == {"latest_version": authed.service.index.get(MODEL, None).manifest.version}

@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -107,10 +108,23 @@ async def test_an_idle_watch_outlives_the_socket_timeout(redis_prefix: str) -> N
 
 
 async def test_acks(registry: Registry) -> None:
-    await registry.ack("m", "pod-a", 3, 100.0)
-    await registry.ack("m", "pod-b", 2, 101.0)
-    await registry.ack("m", "pod-a", 4, 102.0)
-    assert await registry.acks("m") == {"pod-a": (4, 102.0), "pod-b": (2, 101.0)}
+    now = time.time()
+    assert await registry.ack("m", "pod-a", 3, now, "token:a", 60.0)
+    assert await registry.ack("m", "pod-b", 2, now + 1, "token:b", 60.0)
+    assert await registry.ack("m", "pod-a", 4, now + 2, "token:a", 60.0)
+    assert not await registry.ack("m", "pod-a", 5, now + 3, "token:b", 60.0)  # pod-a is token a's
+    assert await registry.acks("m") == {"pod-a": (4, now + 2), "pod-b": (2, now + 1)}
+
+
+async def test_acks_are_bounded_and_expire(registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(f"{type(registry).__module__}.ACKS_KEPT", 3)
+    now = time.time()
+    for i in range(5):
+        assert await registry.ack("m", f"pod-{i}", 1, now + i, "token:a", 60.0)
+    assert sorted(await registry.acks("m")) == ["pod-2", "pod-3", "pod-4"]  # the newest 3
+    assert await registry.ack("m", "late", 1, now + 100, "token:a", 60.0)  # the others are silent for 60 s
+    assert sorted(await registry.acks("m")) == ["late"]
+    assert await registry.ack("m", "pod-0", 1, now + 101, "token:b", 60.0)  # forgotten: anyone's again
 
 
 # ---- the service on Redis ----------------------------------------------------------------------
@@ -130,7 +144,6 @@ def test_service_on_redis_commits_watches_and_acks_through_it(model: str) -> Non
             digest = puller.manifest(model, 1).master_digest
         assert [int(v) for v in client.zrange(f"weightsvc:{{{model}}}:versions", 0, -1)] == [1]
         assert json.loads(client.hget(f"weightsvc:{{{model}}}:manifests", "1") or b"")["master_digest"] == digest
-        srv.call(srv.service.acks.flush())  # the ack's write to Redis
         assert json.loads(client.hget(f"weightsvc:{{{model}}}:acks", "pod-0") or b"")[0] == 1
     for key in client.scan_iter(prefix_keys):
         client.delete(key)

@@ -13,7 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from weightsvc.errors import Aborted, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    TooManyRequests,
+)
 from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.digest import checksum
@@ -80,6 +88,36 @@ def test_a_version_whose_views_were_shared_is_never_recycled() -> None:
     assert index.add(make_version("m", 2)) == [1]
     assert index.pool.free_bytes == 0
 
+
+
+async def test_the_pool_keeps_buffers_of_retained_sizes_only_a_few_and_not_for_long(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from weightsvc import memory
+
+    index = VersionIndex(retain=1, metrics=Metrics())
+    pool = index.pool
+    pool.give(alloc(2 * SIZE))  # an aborted push of a size no version has: let go
+    assert pool.free_bytes == 0
+    index.add(make_version("m", 1))
+    index.add(make_version("m", 2))  # version 1's buffer: the size of version 2, the next push's
+    assert pool.free_bytes == SIZE
+    for i in range(2, 8):  # more sizes than the pool keeps (each retained by a model of its own)
+        index.add(make_version(f"m{i}", 1, size=i * SIZE))
+        pool.give(alloc(i * SIZE))
+    assert len(pool._free) == memory.BufferPool.MAX_BUFFERS and pool.take(SIZE) is None  # the oldest went
+
+    now = time.monotonic()
+    monkeypatch.setattr(memory.time, "monotonic", lambda: now + memory.BufferPool.IDLE_S)
+    assert pool._timer is not None  # the idle check is due then
+    pool._timer.cancel()
+    pool._expire()  # (what the timer runs)
+    assert pool.free_bytes == 0
+
+    monkeypatch.setattr(memory.time, "monotonic", lambda: now)
+    pool.give(alloc(7 * SIZE))
+    index.add(make_version("m7", 2, size=SIZE))  # m7's versions are now of another size: its buffer goes
+    assert pool.free_bytes == 0
 
 async def test_a_watcher_waiting_for_a_version_gets_it_once_the_index_shows_it() -> None:
     index = VersionIndex(retain=2, metrics=Metrics())
@@ -173,20 +211,70 @@ async def test_an_ack_counts_the_versions_behind_even_past_retention_and_reaches
         index.add(make_version("m", v, size=8))
         acks.committed("m", v, time.time())
 
-    assert acks.ack("m", 2, "sampler-0") == 5
-    await acks.flush()
+    assert await acks.ack("m", 2, "sampler-0", "token:a") == 5
 
     assert acks.versions_behind("m", 2) == 3  # versions 3, 4 and 5, though only 5 is retained
     assert {m: [c.lag_versions for c in cs] for m, cs in acks.tracked().items()} == {"m": [3]}
     assert [(c.client_id, c.version) for c in acks.clients("m")] == [("sampler-0", 2)]
     assert (await registry.acks("m"))["sampler-0"][0] == 2
     with pytest.raises(InvalidArgument, match=r"model 'm': cannot ack version 6, the latest committed is 5"):
-        acks.ack("m", 6, "sampler-0")
+        await acks.ack("m", 6, "sampler-0", "token:a")
     with pytest.raises(NotFound, match=r"unknown model 'other'"):
-        acks.ack("other", 1, "sampler-0")
+        await acks.ack("other", 1, "sampler-0", "token:a")
     with pytest.raises(InvalidArgument, match="client_id of 1-256 characters"):
-        acks.ack("m", 5, "")
+        await acks.ack("m", 5, "", "token:a")
 
+
+
+async def test_a_flood_of_new_client_ids_never_pushes_out_a_stale_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsvc.service.versions import acks as acks_module
+
+    monkeypatch.setattr(acks_module, "ACKS_KEPT", 3)
+    index, registry = VersionIndex(retain=2, metrics=Metrics()), MemoryRegistry()
+    acks = Acks(index, registry, Metrics())
+    for v in (1, 2):
+        index.add(make_version("m", v, size=8))
+        acks.committed("m", v, time.time())
+    await acks.ack("m", 1, "stuck-0", "token:a")  # one version behind
+    for i in range(100):  # fresh ids at the latest version take each other's place, not the stuck one's
+        await acks.ack("m", 2, f"flood-{i}", "token:b")
+    assert sorted(c.client_id for c in acks.clients("m")) == ["flood-98", "flood-99", "stuck-0"]
+    assert max(c.lag_versions for c in acks.tracked()["m"]) == 1  # its alert still fires
+
+    await acks.ack("m", 1, "flood-98", "token:b")
+    await acks.ack("m", 1, "flood-99", "token:b")  # every place held by a stale client: a new one waits
+    with pytest.raises(TooManyRequests, match=r"model 'm': 3 clients are tracked, every one behind version 2"):
+        await acks.ack("m", 2, "new", "token:b")
+    await acks.ack("m", 2, "stuck-0", "token:a")  # one catches up: its place may go to a new client
+    await acks.ack("m", 2, "new", "token:b")
+    assert sorted(c.client_id for c in acks.clients("m")) == ["flood-98", "flood-99", "new"]
+    assert len(await registry.acks("m")) == 102  # (the registry's own bound, ACKS_KEPT of its module, is 10,000)
+
+
+async def test_a_client_id_belongs_to_the_caller_that_acked_under_it_first() -> None:
+    index = VersionIndex(retain=2, metrics=Metrics())
+    acks = Acks(index, MemoryRegistry(), Metrics())
+    index.add(make_version("m", 1, size=8))
+    acks.committed("m", 1, time.time())
+    await acks.ack("m", 1, "pod-7", "token:a")
+    with pytest.raises(PermissionDenied, match=r"model 'm': client id 'pod-7' acks for another caller"):
+        await acks.ack("m", 1, "pod-7", "token:b")
+    assert await acks.ack("m", 1, "pod-7", "token:a") == 1
+
+
+async def test_a_client_silent_past_forget_s_leaves_the_table_and_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    from weightsvc.service.versions import acks as acks_module
+
+    index = VersionIndex(retain=2, metrics=Metrics())
+    acks = Acks(index, MemoryRegistry(), Metrics())
+    acks.forget_s = 60.0
+    index.add(make_version("m", 1, size=8))
+    start = time.time()
+    acks.committed("m", 1, start)
+    await acks.ack("m", 1, "pod-7", "token:a")
+    monkeypatch.setattr(acks_module.time, "time", lambda: start + 61)
+    await acks.ack("m", 1, "pod-7", "token:b")  # forgotten by both: the id is free again
+    assert [(c.client_id, c.last_seen_unix) for c in acks.clients("m")] == [("pod-7", start + 61)]
 
 # ---- a sharded replica's parts -----------------------------------------------------------------
 
@@ -268,8 +356,7 @@ async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_i
     start = time.time()
     index.add(make_version("m", 1, size=8))
     acks.committed("m", 1, start)
-    acks.ack("m", 1, "stuck-0")
-    await acks.flush()
+    await acks.ack("m", 1, "stuck-0", "token:a")
 
     def scraped(now: float) -> dict[str, float]:
         monkeypatch.setattr(acks_module.time, "time", lambda: now)

@@ -202,15 +202,18 @@ class Manifest:
         """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes.
         Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header.
         `text`: this manifest's `json()`, when the caller has made it already."""
-        meta = json.dumps({"__metadata__": {METADATA_KEY: self.json() if text is None else text}},
-                          separators=(",", ":"))
+        text = self.json() if text is None else text
+        # The text as a JSON string, escaped in slices too (escaping is per character).
+        escaped = "".join(_string(text[i : i + TEXT_SLICE])[1:-1] for i in range(0, len(text), TEXT_SLICE))
+        meta = f'"__metadata__":{{{_string(METADATA_KEY)}:"{escaped}"}}'
         entries = ",".join(_entries_json(self.tensors[i : i + JSON_SLICE])
                            for i in range(0, len(self.tensors), JSON_SLICE))
-        return framed(("{" + meta[1:-1] + ("," + entries if entries else "") + "}").encode())
+        return framed(("{" + meta + ("," + entries if entries else "") + "}").encode())
 
 
 _OFFSET = operator.attrgetter("offset")
 JSON_SLICE = 2000  # tensors per slice of JSON made at once (each holds the GIL for a few milliseconds)
+TEXT_SLICE = 1 << 19  # characters of a manifest's text escaped at once, likewise
 _string = json.encoder.encode_basestring_ascii  # a JSON string, as json.dumps writes it (in C)
 
 

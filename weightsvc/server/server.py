@@ -208,7 +208,6 @@ class Server:
             await stop_grpc(self._grpc)
         if self.service is not None:
             await asyncio.to_thread(self.service.close)
-            await self.service.acks.flush()
             await self.service.registry.close()
 
 

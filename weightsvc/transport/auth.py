@@ -23,12 +23,29 @@ from weightsvc.protocol.names import PUSH, SERVICE, handler_factory
 from weightsvc.transport.status import grpc_status, http_domain_error
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
+CALLER = "weightsvc.caller"  # the ASGI scope key where HttpAuth leaves `token_caller` of a request it let in
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
 METHOD_ROLES = {PUSH: "push"}
 
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
+
+
+def token_caller(authorization: str | None) -> str:
+    """Who a request comes from, with auth on: its token (a digest, never the token). A client id
+    belongs to the caller that acked under it first."""
+    token = (authorization or "").partition(" ")[2].strip()
+    return "token:" + hashlib.sha256(b"caller\0" + token.encode()).hexdigest()[:32]
+
+
+def peer_caller(peer: str) -> str:
+    """Who a request comes from, with auth off: its host (gRPC's "ipv4:10.0.0.7:53412" or HTTP's
+    "10.0.0.7"), not its port, which changes with every connection."""
+    scheme, _, rest = peer.partition(":")
+    if scheme in ("ipv4", "ipv6"):
+        return "peer:" + rest.rpartition(":")[0].strip("[]")  # ("[::1]": HTTP's host has no brackets)
+    return "peer:" + (rest if scheme == "unix" else peer)
 
 
 class Auth:
@@ -146,7 +163,8 @@ class HttpAuth:
         values = [v.decode("latin-1") for k, v in scope.get("headers") or () if k == b"authorization"]
         what = f"{scope['method']} {scope['path']}"
         try:
-            self.auth.check(_one(values, what), "pull", what)
+            value = _one(values, what)
+            self.auth.check(value, "pull", what)
         except (Unauthenticated, PermissionDenied) as e:
             # The connection goes with the answer: a client without a valid token may not hold one.
             headers = {"connection": "close"}
@@ -154,4 +172,4 @@ class HttpAuth:
                 headers["www-authenticate"] = 'Bearer realm="weightsvc"'
             await http_domain_error(e, headers)(scope, receive, send)
             return
-        await self.app(scope, receive, send)
+        await self.app({**scope, CALLER: token_caller(value)}, receive, send)

@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
+from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
@@ -33,7 +33,7 @@ from weightsvc.protocol.wire import (
 )
 from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.service import Service
-from weightsvc.transport.auth import Auth, GrpcAuth
+from weightsvc.transport.auth import Auth, GrpcAuth, peer_caller, token_caller
 from weightsvc.transport.connections import GrpcConnections, headroom
 from weightsvc.transport.status import grpc_status
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -48,9 +48,16 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     async def abort(context: grpc.aio.ServicerContext, e: Exception) -> None:
         if isinstance(e, WeightsvcError):
-            await context.abort(grpc_status(e), e.message, trailing_metadata=((REASON_KEY, e.reason),))
-        log.exception("internal error in %s", fn.__name__)
-        await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            code, message = grpc_status(e), e.message
+            trailing: tuple[tuple[str, str], ...] = ((REASON_KEY, e.reason),)
+        else:
+            log.exception("internal error in %s", fn.__name__)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+            trailing = ()
+        # gRPC keeps the abort, and so this error (its context), with the call's state: its traceback's
+        # frames would keep what the call held alive (a refused push's header of 400,000 tensors).
+        e.__traceback__ = None
+        await context.abort(code, message, trailing_metadata=trailing)
 
     if inspect.isasyncgenfunction(fn):
 
@@ -79,8 +86,9 @@ def _abort_on_domain_error(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class WeightServicer(pb_grpc.WeightServiceServicer):
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, authenticated: bool = False) -> None:
         self.service = service
+        self.authenticated = authenticated  # every call carries a valid token (GrpcAuth let it in)
 
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
@@ -140,7 +148,10 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Ack(self, request: pb.AckRequest, context: Any) -> pb.AckResponse:
-        latest = self.service.acks.ack(request.model, request.version, request.client_id or context.peer())
+        metadata = dict(context.invocation_metadata() or ())
+        caller = token_caller(metadata.get("authorization")) if self.authenticated else peer_caller(context.peer())
+        client_id = request.client_id or context.peer()
+        latest = await self.service.acks.ack(request.model, request.version, client_id, caller)
         return pb.AckResponse(latest_version=latest)
 
     @_abort_on_domain_error
@@ -158,7 +169,8 @@ async def _push_messages(
     layout: _RankLayout | None = None
     async for req in it:
         if isinstance(req, ChunkView):  # the bulk path: views into the received message
-            yield _unpacked(layout, req.tensor, req.offset, req.data)
+            many = layout is not None and len(layout.order) >= BIG_MANIFEST  # one chunk may pack thousands
+            yield await in_thread(many, _unpacked, layout, req.tensor, req.offset, req.data)
             continue
         if isinstance(req, Malformed):
             raise InvalidArgument(req.reason, reason="bad_chunk")
@@ -183,7 +195,8 @@ async def _push_messages(
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
                                       f"{count}", reason="invalid_header")
-            header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
+            with no_full_collections(count >= BIG_MANIFEST):  # (and the push, from the header on)
+                header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
             yield header
         elif kind == "commit":
             yield PushCommit()
@@ -274,7 +287,7 @@ async def start_grpc(
         options=grpc_options(s.max_message_bytes) + limits,
         interceptors=[GrpcAuth(auth, connections.refused if connections else None)] if auth else None,
     )
-    servicer = WeightServicer(service)
+    servicer = WeightServicer(service, authenticated=auth is not None)
     # The bulk methods use the zero-copy chunk framing of `wire`; the others, the generated code's.
     framing: dict[str, tuple[Any, Any]] = {"Push": (decode_push_request, None), "Pull": (None, encode_message)}
     handlers = {}

@@ -32,6 +32,7 @@ from weightsvc.protocol.topology import HASHING
 from weightsvc.service.pull import Pull
 from weightsvc.service.service import Service
 from weightsvc.service.versions.index import FileRange
+from weightsvc.transport.auth import CALLER, peer_caller
 from weightsvc.transport.limits import BodyBudget
 from weightsvc.transport.status import excerpt, http_domain_error, http_error
 
@@ -377,7 +378,8 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         body = parse_body(AckBody, await read_body(request, ACK_BODY_BYTES, bodies, what), what)
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
-        return {"latest_version": service.acks.ack(model, body.version, client_id)}
+        caller = request.scope.get(CALLER) or peer_caller(peer.host if peer else "")
+        return {"latest_version": await service.acks.ack(model, body.version, client_id, caller)}
 
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:

@@ -36,9 +36,8 @@ class StagingBudget:
             nbytes += 4 * sum(matrices)
         return nbytes
 
-    def reserve(self, header: PushHeader) -> int:
-        """Reserve the memory a push will stage (`needed`), or refuse it if over the memory budget."""
-        nbytes = self.needed(header)
+    def reserve(self, header: PushHeader, nbytes: int) -> int:
+        """Reserve `nbytes`, the memory a push will stage (`needed`), or refuse it if over the memory budget."""
         rss, mark, budget = anonymous_bytes(), self.settings.rss_high_water, self.settings.max_staged_bytes
         if (rss + nbytes > mark or self.reserved + nbytes + self.pool.free_bytes > budget) and self.pool.free():
             rss = anonymous_bytes()

@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from weightsvc._aio import BIG_MANIFEST, in_thread
+from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -30,6 +30,7 @@ from weightsvc.errors import (
     TooManyRequests,
     WeightsvcError,
 )
+from weightsvc.memory import trim_heap
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.budget import StagingBudget
 from weightsvc.service.push.context import PushContext
@@ -41,6 +42,7 @@ from weightsvc.service.push.validate import validate_header
 log = logging.getLogger("weightsvc.push")
 
 FAIR_TURN_S = 0.01  # the longest a push stream holds the event loop before it gives way
+TRIM_AFTER_S = 1.0  # after a big push, once the transport has let go of its messages, the heap is trimmed
 
 
 class Push:
@@ -116,7 +118,8 @@ class Push:
             turn = time.monotonic() + FAIR_TURN_S
             # A stream that trickles would hold its staging forever: its bytes must come at a rate.
             # (Twice the idle timeout on top: one that stops altogether is told it stalled.)
-            rank_bytes = session.rank_bytes(rank)
+            big = len(session.shards[rank]) >= BIG_MANIFEST  # (the rank's shards are walked: off the loop)
+            rank_bytes = await in_thread(big, session.rank_bytes, rank)
             allowed = 2 * settings.push_idle_timeout_s + rank_bytes / settings.push_min_bytes_per_s
             deadline = (time.monotonic() + allowed, f"{session.where(rank)}: push too slow: not done "
                         f"{allowed:.0f} s after its staging opened (its {rank_bytes} bytes at --push-min-bytes-per-s "
@@ -133,7 +136,7 @@ class Push:
                 if isinstance(msg, list):
                     await session.add_chunks(rank, msg)
                 elif isinstance(msg, PushCommit):
-                    session.check_rank_complete(rank)
+                    await in_thread(big, session.check_rank_complete, rank)
                     return await self._commit(rank, session)
                 elif msg is None:
                     raise Aborted(f"{session.where(rank)}: the stream ended without a commit", reason="aborted")
@@ -195,7 +198,8 @@ class Push:
         try:
             count = sum(len(tensors) for tensors in self.shards.values())
             whole = await in_thread(count >= BIG_MANIFEST, self._whole, header)
-            reserved = pushes.budget.reserve(whole)
+            needed = await in_thread(count >= BIG_MANIFEST, pushes.budget.needed, whole)
+            reserved = pushes.budget.reserve(whole, needed)
             try:
                 session = await open_session(pushes.context, whole, self.shards)
             except BaseException:
@@ -282,12 +286,14 @@ class Pushes:
         self.joining: dict[tuple[str, int], Push] = {}  # multi-rank pushes whose ranks are joining
         self._releasing: set[asyncio.Future[None]] = set()
         self.pushing: collections.Counter[str] = collections.Counter()  # models with push streams open
+        self._trim: asyncio.TimerHandle | None = None
 
     async def run(self, messages: AsyncIterator[PushMessage]) -> Committed:
         """Run one push stream: header, chunks, commit. Nothing is visible unless it commits.
 
         The stream of one rank of a multi-rank push returns when the whole version commits."""
         settings = self.settings
+        big = False  # a push of many tensors (known from its header)
         self.metrics.pushes_in_flight.inc()
         self.streams += 1
         try:
@@ -300,18 +306,20 @@ class Pushes:
             header = await next_message(messages, settings.push_idle_timeout_s)
             if not isinstance(header, PushHeader):
                 raise InvalidArgument("a push must start with its header", reason="invalid_header")
-            await in_thread(len(header.tensors) >= BIG_MANIFEST, validate_header, header, settings)
-            if header.owners:
-                await self.context.parts.settled(header.model, header.step, header.owners)
-            self._check(header)
-            self.pushing[header.model] += 1
-            try:
-                push = self._join(header)
-                version, created = await push.run(header.rank, messages)
-            finally:
-                self.pushing[header.model] -= 1
-                if not self.pushing[header.model]:
-                    del self.pushing[header.model]
+            big = len(header.tensors) >= BIG_MANIFEST
+            with no_full_collections(big):
+                await in_thread(big, validate_header, header, settings)
+                if header.owners:
+                    await self.context.parts.settled(header.model, header.step, header.owners)
+                self._check(header)
+                self.pushing[header.model] += 1
+                try:
+                    push = self._join(header)
+                    version, created = await push.run(header.rank, messages)
+                finally:
+                    self.pushing[header.model] -= 1
+                    if not self.pushing[header.model]:
+                        del self.pushing[header.model]
             if header.rank == 0:
                 log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
                          "committed" if created else "idempotent push of", header.model, header.step,
@@ -326,6 +334,18 @@ class Pushes:
         finally:
             self.metrics.pushes_in_flight.dec()
             self.streams -= 1
+            if big:
+                self._trim_heap_soon()
+
+    def _trim_heap_soon(self) -> None:
+        """A big push is over, committed or not: give the heap's free pages back to the system (its
+        header's and plan's objects, its messages), in a worker thread, once."""
+        if self._trim is None:
+            self._trim = asyncio.get_running_loop().call_later(TRIM_AFTER_S, self._trim_heap)
+
+    def _trim_heap(self) -> None:
+        self._trim = None
+        asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
     def _check(self, header: PushHeader) -> None:
         """Refuse a header (already validated) before it joins anything."""

@@ -22,12 +22,20 @@ from prometheus_client import Gauge
 
 from weightsvc import rounding
 from weightsvc._aio import BIG_MANIFEST, in_thread
-from weightsvc.errors import InvalidArgument
+from weightsvc.errors import Aborted, InvalidArgument
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
 from weightsvc.service.push.messages import Committed, PushChunk, PushHeader
-from weightsvc.service.push.plan import MASTER_ITEMSIZE, Plan, PushedTensor, exported_manifest, header_room, make_plan
+from weightsvc.service.push.plan import (
+    MASTER_ITEMSIZE,
+    Plan,
+    PushedTensor,
+    Shard,
+    exported_manifest,
+    header_room,
+    make_plan,
+)
 from weightsvc.service.replicas.parts import PartOf
 from weightsvc.service.versions.index import Version, VersionFile
 from weightsvc.service.versions.lag import Sample, sample_stride
@@ -37,6 +45,8 @@ from weightsvc.service.versions.lag import Sample, sample_stride
 MAX_PENDING_CHUNKS = 8
 # Small chunks are handed to the export thread together, up to this many bytes or chunks.
 BATCH_JOBS = 512
+# The chunks of one message accepted between two turns of the event loop (a few milliseconds' work).
+ACCEPT_SLICE = 256
 NewResidual = tuple[VersionFile, dict[str, np.ndarray]]  # with a data dir: its file, and its arrays
 
 
@@ -93,6 +103,7 @@ class PushSession:
         self.batch: list[Job] = []
         self.batch_bytes = 0
         self.committed = False
+        self.closed = False
         self.reserved = 0  # of the staging budget, returned when the session closes
         for t in plan.empty:  # no chunk comes for them
             if t.fmt.scaled:
@@ -124,7 +135,12 @@ class PushSession:
         if self.context.on_chunks is not None:
             self.context.on_chunks(rank, chunks)
         n = 0
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
+            if i and not i % ACCEPT_SLICE:  # a message of many small tensors: give way to the other requests
+                await asyncio.sleep(0)
+                if self.closed:
+                    raise Aborted(f"{self.where(rank)}: the push ended while its chunks were accepted",
+                                  reason="aborted")
             n += self._accept(rank, chunk)
         self.context.metrics.push_bytes.labels(self.header.model).inc(n)
         while self.pending and self.pending[0].done():
@@ -136,14 +152,14 @@ class PushSession:
 
     def _accept(self, rank: int, chunk: PushChunk) -> int:
         """Check one chunk against its rank's shard and queue its export; its size."""
-        where = self.where(rank)
         shard = self.shards[rank].get(chunk.tensor)
         if shard is None:
-            raise InvalidArgument(f"{where}: chunk for undeclared tensor {chunk.tensor!r}", reason="bad_chunk")
+            raise InvalidArgument(f"{self.where(rank)}: chunk for undeclared tensor {chunk.tensor!r}",
+                                  reason="bad_chunk")
         t = shard.tensor
         if chunk.offset != shard.received:
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: chunk at byte offset {chunk.offset}, expected "
                 f"{shard.received} (the chunks of a tensor or part arrive in order, without gaps or overlaps)",
                 reason="bad_chunk",
             )
@@ -151,7 +167,7 @@ class PushSession:
         if shard.received + n > shard.end:
             whole = shard.end - shard.start == t.nbytes
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: "
                 + (f"{shard.received + n} bytes received, more than its declared shape {list(t.spec.shape)} of "
                    f"{t.spec.dtype} holds ({t.nbytes} bytes)" if whole else
                    f"a chunk ends at byte {shard.received + n}, beyond the part this rank declared "
@@ -160,7 +176,7 @@ class PushSession:
             )
         if n % MASTER_ITEMSIZE:
             raise InvalidArgument(
-                f"{where}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
+                f"{self.where(rank)}: tensor {t.spec.name!r}: a chunk of {n} bytes splits an element "
                 f"(chunks carry whole {MASTER_DTYPE} elements of {MASTER_ITEMSIZE} bytes)",
                 reason="bad_chunk",
             )
@@ -209,6 +225,21 @@ class PushSession:
         self.pending.append(fut)
 
     async def commit(self) -> Committed:
+        big = len(self.tensors) >= BIG_MANIFEST  # the checks below are linear in the tensors
+        await in_thread(big, self._check_complete)
+        self._flush()
+        await asyncio.gather(*self.pending)
+        self.pending.clear()
+        self.context.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.jobs.seconds)
+        await in_thread(big, self._check_finite)
+        version, residual, lag_input = await in_thread(big, self._prepared)
+        committed, created = await self.context.committer.commit(version, residual, lag_input, self.part_of)
+        self.committed = created
+        if created and self.jobs.device_residuals:
+            self.jobs.exporter.keep_resident(self.header.model, self.jobs.device_residuals)
+        return committed, created
+
+    def _check_complete(self) -> None:
         missing = [t for t in self.tensors.values() if t.received < t.nbytes]
         if missing:
             shown = [f"{t.spec.name!r} has {t.received} of {t.nbytes} bytes" for t in missing[:5]]
@@ -217,10 +248,8 @@ class PushSession:
                 f"{self.where()}: commit of an incomplete push: {'; '.join(shown)}{more}",
                 reason="incomplete",
             )
-        self._flush()
-        await asyncio.gather(*self.pending)
-        self.pending.clear()
-        self.context.metrics.export_seconds.labels(self.spec.format, self.spec.rounding).observe(self.jobs.seconds)
+
+    def _check_finite(self) -> None:
         bad = [(t.spec.name, t.nonfinite) for t in self.tensors.values() if t.nonfinite]
         if bad and not self.context.settings.allow_nonfinite:
             listed = ", ".join(f"{n!r} ({c} NaN/Inf)" for n, c in bad[:10])
@@ -230,12 +259,6 @@ class PushSession:
                 "rejected (serve with --allow-nonfinite to accept)",
                 reason="nonfinite",
             )
-        version, residual, lag_input = await in_thread(len(self.tensors) >= BIG_MANIFEST, self._prepared)
-        committed, created = await self.context.committer.commit(version, residual, lag_input, self.part_of)
-        self.committed = created
-        if created and self.jobs.device_residuals:
-            self.jobs.exporter.keep_resident(self.header.model, self.jobs.device_residuals)
-        return committed, created
 
     def _prepared(self) -> tuple[Version, tuple[int | None, rounding.Residual, VersionFile | None] | None,
                                  tuple[Sample, int, bool] | None]:
@@ -255,11 +278,11 @@ class PushSession:
 
     async def close(self) -> None:
         """Release the staging memory; waits for exports already running so none writes after."""
+        self.closed = True
         self.batch.clear()
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
-        for t in self.tensors.values():
-            t.master = t.new_residual = None
+        await in_thread(len(self.tensors) >= BIG_MANIFEST, _let_go, self.tensors, self.shards)
         self.held.add(-self.held.nbytes)
         files = self.context.files
         if self.residual_file is not None and files is not None:
@@ -274,6 +297,18 @@ class PushSession:
         elif not self.committed:  # nobody else ever saw this buffer
             self.context.pool.give(self.data)
         self.data = self.jobs.data = memoryview(b"")
+
+
+def _let_go(tensors: dict[str, PushedTensor], shards: dict[int, dict[str, Shard]]) -> None:
+    """Drop a push's objects of each tensor (its gathered master, its residual, its digest, samples
+    and shards) one tensor at a time: a few hundred thousand freed at once would hold the GIL, and so
+    the event loop, for most of a second."""
+    for by_name in shards.values():
+        while by_name:
+            by_name.popitem()
+    while tensors:
+        _, t = tensors.popitem()
+        t.master = t.new_residual = None
 
 
 async def open_session(context: PushContext, header: PushHeader,

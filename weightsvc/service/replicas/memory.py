@@ -10,6 +10,7 @@ from typing import Any
 
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
+    ACKS_KEPT,
     CommitResult,
     check_commit,
     combined_digest,
@@ -24,7 +25,7 @@ class MemoryRegistry:
 
     def __init__(self) -> None:
         self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
-        self._acks: dict[str, dict[str, tuple[int, float]]] = {}
+        self._acks: dict[str, dict[str, tuple[int, float, str]]] = {}  # in order of last ack
         self._replicas: dict[str, Replica] = {}
         self._pending: dict[tuple[str, int, str], dict[str, str]] = {}  # parts of versions not yet complete
         self._changed = asyncio.Condition()
@@ -111,11 +112,20 @@ class MemoryRegistry:
     def _has_above(self, model: str, version: int) -> bool:
         return any(v > version for v in self._manifests.get(model, {}))
 
-    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
-        self._acks.setdefault(model, {})[client_id] = (version, unix)
+    async def ack(self, model: str, client_id: str, version: int, unix: float, caller: str, keep_s: float) -> bool:
+        acks = self._acks.setdefault(model, {})
+        held = acks.pop(client_id, None)  # (re-inserted: the oldest ack comes first)
+        if held is not None and held[2] != caller and held[1] >= unix - keep_s:
+            acks[client_id] = held
+            return False
+        acks[client_id] = (version, unix, caller)
+        # The oldest go: past the bound, or silent for `keep_s` (this one's own ack ends the loop).
+        while len(acks) > ACKS_KEPT or next(iter(acks.values()))[1] < unix - keep_s:
+            del acks[next(iter(acks))]
+        return True
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
-        return dict(self._acks.get(model, {}))
+        return {c: (v, t) for c, (v, t, _) in self._acks.get(model, {}).items()}
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
         renewed = replica.id in self._replicas

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import Any
 from weightsvc.errors import Unavailable
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
+    ACKS_KEPT,
     EVENTS_KEPT,
     PART_TTL_S,
     CommitResult,
@@ -131,6 +133,31 @@ def _honour_cancel() -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+# KEYS: the acks (hash: client id -> [version, unix, caller]), their times (zset). ARGV: client id, ack,
+# caller, unix, horizon (older acks go), acks kept, keep ms. 0: the id belongs to another caller.
+_ACK = """
+local held = redis.call('HGET', KEYS[1], ARGV[1])
+if held then
+  held = cjson.decode(held)  -- [version, unix, caller] (no caller in an ack recorded before callers were)
+  if held[3] and held[3] ~= ARGV[3] and held[2] >= tonumber(ARGV[5]) then return 0 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+local gone = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[5])
+local extra = redis.call('ZCARD', KEYS[2]) - #gone - tonumber(ARGV[6])
+if extra > 0 then
+  for _, id in ipairs(redis.call('ZRANGE', KEYS[2], #gone, #gone + extra - 1)) do table.insert(gone, id) end
+end
+for _, id in ipairs(gone) do
+  redis.call('HDEL', KEYS[1], id)
+  redis.call('ZREM', KEYS[2], id)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+redis.call('PEXPIRE', KEYS[2], ARGV[7])
+return 1
+"""
 
 
 class RedisRegistry:
@@ -264,13 +291,19 @@ class RedisRegistry:
                         yield v
                         last = v
 
-    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
-        await self._call(f"acking model {model!r}", self._redis.hset(self._key(model, "acks"), client_id,
-                                                                    json.dumps([version, unix])))
+    @functools.cached_property
+    def _ack(self) -> Any:
+        return self._redis.register_script(_ACK)
+
+    async def ack(self, model: str, client_id: str, version: int, unix: float, caller: str, keep_s: float) -> bool:
+        keys = [self._key(model, "acks"), self._key(model, "ack_times")]
+        args = [client_id, json.dumps([version, unix, caller]), caller, unix, unix - keep_s, ACKS_KEPT,
+                max(1, int(keep_s * 1000))]
+        return bool(await self._call(f"acking model {model!r}", self._ack(keys=keys, args=args)))
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
-        return {k.decode(): tuple(json.loads(v)) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
+        return {k.decode(): tuple(json.loads(v)[:2]) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
         key = f"{self.prefix}:replica:{replica.id}"

@@ -25,6 +25,7 @@ from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
 EVENTS_KEPT = 1000  # per model: a watcher further behind than this starts from the retained versions
 PART_TTL_S = 600.0  # parts of a version whose other parts never come are dropped after this
+ACKS_KEPT = 10_000  # clients' acks kept per model (by this server, and by the registry)
 
 
 @dataclass(frozen=True)
@@ -145,8 +146,9 @@ class Registry(Protocol):
         """Each committed version above `after`, in order, as it commits (retained ones first)."""
         ...
 
-    async def ack(self, model: str, client_id: str, version: int, unix: float) -> None:
-        """Record the version a client serves."""
+    async def ack(self, model: str, client_id: str, version: int, unix: float, caller: str, keep_s: float) -> bool:
+        """Record the version a client serves, unless its id belongs to another caller (False). The
+        acks of `model` are kept for `keep_s` after the last, the newest `ACKS_KEPT` of them."""
         ...
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:

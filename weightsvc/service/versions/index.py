@@ -121,7 +121,7 @@ class VersionIndex:
     def __init__(self, retain: int, metrics: Metrics) -> None:
         self.retain = retain
         self.metrics = metrics
-        self.pool = BufferPool()
+        self.pool = BufferPool(wanted=self._retained_size)
         self._versions: dict[str, dict[int, Version]] = {}
         self._changed = asyncio.Condition()
 
@@ -169,6 +169,7 @@ class VersionIndex:
         m = version.manifest
         self._versions.setdefault(m.model, {})[m.version] = version
         evicted = self._evict(m.model)
+        self.pool.prune()
         self._update_gauges(m.model)
         return evicted
 
@@ -178,6 +179,7 @@ class VersionIndex:
         vs = self._versions.get(model, {})
         for v in versions:
             self._retire(vs.pop(v))
+        self.pool.prune()
         self._update_gauges(model)
 
     async def announce(self) -> None:
@@ -215,6 +217,10 @@ class VersionIndex:
             version.file.close()
         elif not version.shared_views:
             self.pool.give(version.data)
+
+    def _retained_size(self, nbytes: int) -> bool:
+        """Whether a version of `nbytes` of data is retained: the next push of its model is likely that size."""
+        return any(len(v.data) == nbytes for vs in self._versions.values() for v in vs.values())
 
     def _update_gauges(self, model: str) -> None:
         vs = self._versions.get(model, {})
