@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import queue
 import socket
+import subprocess
 import threading
 import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -187,3 +188,37 @@ class CuttingProxy:
 
     def close(self) -> None:
         self.listener.close()
+
+
+class PrivateRedis:
+    """A redis-server of the test's own, which it can kill and restart: with `persist`, its
+    append-only file brings the data back; without, a restart comes back empty."""
+
+    def __init__(self, workdir: Path, persist: bool) -> None:
+        self.workdir = workdir
+        self.persist = persist
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.persist else "no", "--dir", str(self.workdir), "--logfile", ""],
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # its own log says when it serves
+            if "Ready to accept connections" in line:
+                return
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +16,7 @@ import pytest
 import redis
 
 from tests.conftest import make_masters, serving
-from tests.helpers import REDIS_URL, needs_redis
+from tests.helpers import REDIS_URL, PrivateRedis, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
 from weightsvc.protocol.topology import Replica
@@ -149,40 +147,11 @@ def test_service_on_redis_commits_watches_and_acks_through_it(model: str) -> Non
         client.delete(key)
 
 
-class PrivateRedis:
-    """A redis-server of this test's own, that the test can kill and restart (append-only file on)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "yes",
-             "--dir", str(self.workdir), "--logfile", ""],
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # its own log says when it serves
-            if "Ready to accept connections" in line:
-                return
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH: the test starts and kills a Redis of its own")
-    r = PrivateRedis(tmp_path)
+    r = PrivateRedis(tmp_path, persist=True)
     r.start()
     yield r
     r.kill()

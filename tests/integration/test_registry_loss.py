@@ -9,8 +9,6 @@ the learner sees only UNAVAILABLE (retry) while the registry is away or empty.""
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -18,11 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 import torch
 
 from tests.conftest import ServeProcess, serving
-from tests.helpers import assert_served
+from tests.helpers import PrivateRedis, assert_served
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound, Unavailable, WeightsvcError
 from weightsvc.protocol.topology import assign
@@ -34,50 +31,25 @@ PREFIX = "weightsvc"
 MODEL = "m"
 
 
-class PrivateRedis:
-    """A redis-server of this test's own, without persistence: a restart comes back empty."""
+class EmptiedRedis(PrivateRedis):
+    """The cluster's registry, without persistence: a restart comes back empty."""
 
     def __init__(self, workdir: Path) -> None:
-        self.workdir = workdir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.workdir), "--logfile", ""],
-            stdout=subprocess.PIPE, text=True,
-        )
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # its own log says when it serves
-            if "Ready to accept connections" in line:
-                return
-        raise RuntimeError("redis-server did not start")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
+        super().__init__(workdir, persist=False)
 
     def restart_empty(self) -> None:
         self.kill()
         self.start()
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
 
     def versions(self) -> list[int]:
         return sorted(int(v) for v in self.client().zrange(f"{PREFIX}:{{{MODEL}}}:versions", 0, -1))
 
 
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+def private_redis(tmp_path: Path) -> Iterator[EmptiedRedis]:
     if shutil.which("redis-server") is None:
         pytest.skip("needs redis-server on PATH: the test starts a Redis of its own and empties it")
-    r = PrivateRedis(tmp_path)
+    r = EmptiedRedis(tmp_path)
     r.start()
     yield r
     r.kill()
@@ -86,7 +58,7 @@ def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
 class Cluster:
     """Three replica processes on the private Redis, each with its data dir; faults counted."""
 
-    def __init__(self, registry: PrivateRedis, data: Path) -> None:
+    def __init__(self, registry: EmptiedRedis, data: Path) -> None:
         self.registry, self.data = registry, data
         self.procs = {r: self._start(r) for r in REPLICAS}
         self.faults = 0
@@ -160,7 +132,7 @@ def masters(step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def cluster(private_redis: PrivateRedis, tmp_path: Path) -> Iterator[Cluster]:
+def cluster(private_redis: EmptiedRedis, tmp_path: Path) -> Iterator[Cluster]:
     c = Cluster(private_redis, tmp_path / "data")
     owned = assign(masters(0), InferenceClient(c.procs["r0"].target).topology(), 2)
     assert sorted(owned) == list(REPLICAS)  # every replica holds a part of every version
@@ -285,7 +257,7 @@ def _part(name: str, owners: list[str]) -> Iterator[pb.PushRequest]:
 
 
 def test_a_part_waiting_for_the_other_owners_is_recorded_again_after_the_registry_lost_it(
-    private_redis: PrivateRedis,
+    private_redis: EmptiedRedis,
 ) -> None:
     """r0's part waits in the registry for r1's; the registry loses it (flushed); r1's part comes: the
     version commits all the same, well before the owners' deadline."""
