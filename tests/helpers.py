@@ -222,3 +222,18 @@ class PrivateRedis:
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url)
+
+
+def closed_by_server(sock: socket.socket, timeout: float | None = None) -> bool:
+    """True once the server has closed `sock` (or reset it), reading what it sends first (gRPC's
+    SETTINGS, then a GOAWAY); each read waits at most `timeout` (else the socket's own)."""
+    if timeout is not None:
+        sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False

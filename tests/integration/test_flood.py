@@ -23,6 +23,7 @@ import torch
 
 import weightsvc
 from tests.conftest import ServeProcess, make_masters, serving
+from tests.helpers import closed_by_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.protocol.names import SERVICE
 from weightsvc.server.server import BackgroundServer
@@ -83,18 +84,6 @@ def _answered(sock: socket.socket) -> bool:
         buffer += more
 
 
-def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
 def _grpc_port(srv: BackgroundServer) -> int:
     return int(srv.grpc_target.rsplit(":", 1)[1])
 
@@ -122,7 +111,7 @@ def test_connections_that_fail_authentication_are_closed_and_a_learner_pushes(mo
             for _ in range(2):  # the bound's worth, and again: the first ones' places came back
                 attackers += (batch := [_tokenless_call(_grpc_port(srv)) for _ in range(20)])
                 assert all(_answered(s) for s in batch)
-                assert all(_closed_by_server(s, 10) for s in batch)
+                assert all(closed_by_server(s, 10) for s in batch)
             with LearnerClient(srv.grpc_target, token=PUSH) as learner:
                 assert learner.push(1, make_masters(), model=model).version == 1
             dropped = srv.service.metrics.connections_dropped.labels("grpc", "unauthenticated")._value.get()
@@ -228,7 +217,7 @@ def test_slow_bodies_are_dropped_and_health_answers_while_they_hold_every_connec
                 assert _status(srv.http_url, path)[0] == 200
             status, body = _status(srv.http_url, "/v1/models")
             assert status == 503 and b"--max-connections" in body
-            assert all(_closed_by_server(s, 10) for s in slow)
+            assert all(closed_by_server(s, 10) for s in slow)
             assert time.monotonic() - started < 8  # a 100-byte body: 1 s past its head
         finally:
             for s in slow:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import make_masters, serving
+from tests.helpers import closed_by_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import ResourceExhausted
 from weightsvc.server.server import BackgroundServer
@@ -112,21 +113,8 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
             InferenceClient(stalling.http_url).pull("big")
         _pulls_done(stalling)
         sock.settimeout(10)
-        assert _closed_by_server(sock)  # the dropped pull's connection goes too
+        assert closed_by_server(sock)  # the dropped pull's connection goes too
     assert InferenceClient(stalling.http_url).pull("big")["w"].shape == (4096, 4096)
-
-
-def _closed_by_server(sock: socket.socket) -> bool:
-    """True once the server has closed `sock` (or reset it), reading what it sends first (gRPC's
-    SETTINGS, then a GOAWAY); each read waits at most the socket's timeout."""
-    try:
-        while sock.recv(65536):
-            pass
-        return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(model: str) -> None:
@@ -143,7 +131,7 @@ def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(mode
         try:
             connections = srv.server._http.server_state.connections  # type: ignore[union-attr]
             assert len(connections) <= 40
-            assert all(_closed_by_server(s) for s in [*idle, half])  # within the 5 s socket timeout
+            assert all(closed_by_server(s) for s in [*idle, half])  # within the 5 s socket timeout
             with LearnerClient(srv.grpc_target) as learner:
                 learner.push(1, make_masters(), model=model)
             for target in (srv.grpc_target, srv.http_url):
@@ -165,7 +153,7 @@ def test_at_the_connection_limit_a_request_takes_the_place_of_an_idle_connection
                 with urllib.request.urlopen(f"{srv.http_url}/healthz", timeout=5) as resp:
                     assert resp.status == 200
             assert len(connections) <= 20
-            assert _closed_by_server(idle[0])  # the oldest idle one made room
+            assert closed_by_server(idle[0])  # the oldest idle one made room
         finally:
             for s in idle:
                 s.close()
