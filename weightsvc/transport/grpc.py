@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections, off_loop
+from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
@@ -195,8 +195,7 @@ async def _push_messages(
             if h.tensor_count and count != h.tensor_count:
                 raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
                                       f"{count}", reason="invalid_header")
-            with no_full_collections(count >= BIG_MANIFEST):  # (and the push, from the header on)
-                header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
+            header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
             yield header
         elif kind == "commit":
             yield PushCommit()
