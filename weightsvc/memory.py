@@ -167,3 +167,8 @@ def physical_memory() -> int:
         if limit.isdigit():
             total = min(total, int(limit))
     return total
+
+
+def half_the_memory() -> int:
+    """half the memory this process may use"""  # shown as the default in `serve --help`
+    return physical_memory() // 2

@@ -12,16 +12,11 @@ from pathlib import Path
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsvc.memory import physical_memory
+from weightsvc.memory import half_the_memory, physical_memory
 
 # The choices a deployment may set are what the rounding package implements (importing it loads
 # no kernel).
 from weightsvc.rounding import DEFAULT_FP8_PATTERN, DEVICES, FORMATS, ROUNDINGS, SCALINGS, check_choice
-
-
-def _half_memory() -> int:
-    """half the memory this process may use"""  # shown as the default in `serve --help`
-    return physical_memory() // 2
 
 
 class Settings(BaseSettings):
@@ -56,14 +51,14 @@ class Settings(BaseSettings):
     # accepted, plus room for the header of a model with tens of thousands of tensors.
     chunk_bytes: int = Field(1 << 20, ge=4096, le=4 << 20, description="Bytes per gRPC chunk the service sends.")
     max_message_bytes: int = Field(8 << 20, ge=64 << 10, description="Largest gRPC message accepted.")
-    max_version_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one version.")
+    max_version_bytes: int = Field(default_factory=half_the_memory, ge=1, description="Master bytes of one version.")
     max_staged_bytes: int = Field(
-        default_factory=_half_memory,
+        default_factory=half_the_memory,
         ge=1,
         description="Served bytes staged in memory by all pushes in progress (with --data-dir: in their files).",
     )
     max_tensors: int = Field(1_000_000, ge=1, description="Tensors of one version.")
-    max_tensor_bytes: int = Field(default_factory=_half_memory, ge=1, description="Master bytes of one tensor.")
+    max_tensor_bytes: int = Field(default_factory=half_the_memory, ge=1, description="Master bytes of one tensor.")
     # Beyond these a new stream gets RESOURCE_EXHAUSTED (HTTP 429), not a slow death.
     max_pushes: int = Field(64, ge=1, description="Push streams at once (each rank of a multi-rank push is one).")
     max_models: int = Field(256, ge=1, description="Models this server holds (a push of one more is refused).")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable, WeightsvcError
-from weightsvc.memory import alloc, physical_memory
+from weightsvc.memory import alloc, half_the_memory
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, check_manifest, manifest_from_header
@@ -41,18 +41,13 @@ READ_BYTES = 4 << 20  # one read of a response body into the buffer
 MAX_TENSORS = 1_000_000  # tensors of a version a client takes by default: the server's default --max-tensors
 
 
-def default_max_bytes() -> int:
-    """Half the memory this process may use: the default of `--max-version-bytes` on the server, and
-    a version of that size pulled as a delta needs its base beside it."""
-    return physical_memory() // 2
-
-
 @dataclass
 class Limits:
-    """What a client takes of a server: versions whose data section is at most `max_bytes` (a delta
-    pull holds as much again for the delta's encoding) and that have at most `max_tensors` tensors."""
+    """What a client takes of a server: versions whose data section is at most `max_bytes` (by default
+    what a server takes, `--max-version-bytes`; a delta pull holds as much again for the delta's
+    encoding, as it needs its base beside it) and that have at most `max_tensors` tensors."""
 
-    max_bytes: int = field(default_factory=default_max_bytes)
+    max_bytes: int = field(default_factory=half_the_memory)
     max_tensors: int = MAX_TENSORS
 
     def check(self, manifest: Manifest, model: str, version: int | str) -> Manifest:
