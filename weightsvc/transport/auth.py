@@ -20,6 +20,7 @@ import grpc
 
 from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
 from weightsvc.protocol.names import PUSH, SERVICE, handler_factory
+from weightsvc.transport.connections import parse_peer
 from weightsvc.transport.status import grpc_status, http_domain_error
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
@@ -42,10 +43,8 @@ def token_caller(authorization: str | None) -> str:
 def peer_caller(peer: str) -> str:
     """Who a request comes from, with auth off: its host (gRPC's "ipv4:10.0.0.7:53412" or HTTP's
     "10.0.0.7"), not its port, which changes with every connection."""
-    scheme, _, rest = peer.partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        return "peer:" + rest.rpartition(":")[0].strip("[]")  # ("[::1]": HTTP's host has no brackets)
-    return "peer:" + (rest if scheme == "unix" else peer)
+    address = parse_peer(peer)
+    return "peer:" + (address[0] if address is not None else peer.removeprefix("unix:"))
 
 
 class Auth:
