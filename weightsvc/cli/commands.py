@@ -68,7 +68,9 @@ def pull(
         int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed.")
     ] = None,
     target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
-    url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080 (instead of --target).")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="HTTP base URL, e.g. http://HOST:8080, or an object store, s3://BUCKET/PREFIX (instead of --target)."
+    )] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     token: Token = None,
     ca_cert: CaCert = None,
@@ -76,7 +78,7 @@ def pull(
     """Pull a served version into a safetensors file (checksums verified)."""
     source = ctx.get_parameter_source("target")
     if url is not None and source is not None and source.name == "COMMANDLINE":
-        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
+        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP) or s3://BUCKET/PREFIX")
     if base is not None:
         check_base_file(output, model, base)
     from weightsvc.client import InferenceClient
