@@ -34,11 +34,20 @@ class StoreInferenceClient(InferenceClient):
 
     def __init__(self, target: str, *, poll_s: float = POLL_S, **kwargs: Any) -> None:
         super().__init__(target, **kwargs)
-        timeout = self.timeout if self.timeout is not None else 30.0
-        self._reader = StoreReader(Bucket(StoreUrl.parse(target), timeout=timeout))
+        self.url = StoreUrl.parse(target)
         self.poll_s = poll_s
+        self._opened: list[StoreReader] = []  # the reader, once opened (boto3 takes a second to load)
+        self._opening = threading.Lock()
         self._stop = threading.Event()
-        self._own(functools.partial(_release, self._stop, self._reader.bucket))
+        self._own(functools.partial(_release, self._stop, self._opened))
+
+    @property
+    def _reader(self) -> StoreReader:
+        with self._opening:
+            if not self._opened:
+                timeout = self.timeout if self.timeout is not None else 30.0
+                self._opened.append(StoreReader(Bucket(self.url, timeout=timeout)))
+            return self._opened[0]
 
     def _pull(self, model: str, version: str, held: tuple[Manifest, memoryview] | None, moved: Progress, *,
               select: Select | None = None, owner: str | None = None) -> tuple[Manifest, memoryview]:
@@ -101,6 +110,7 @@ class StoreInferenceClient(InferenceClient):
         raise FailedPrecondition(f"{self.target}: an object store takes no acks, so knows no clients; ask a server")
 
 
-def _release(stop: threading.Event, bucket: Bucket) -> None:
+def _release(stop: threading.Event, opened: list[StoreReader]) -> None:
     stop.set()  # a watch waiting to list the store again ends
-    bucket.close()
+    for reader in opened:
+        reader.bucket.close()

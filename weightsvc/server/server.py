@@ -162,6 +162,7 @@ class Server:
         assert service is not None
         if service.publisher is None:
             return
+        await service.publisher.open()
         sharded = bool(self.settings.redis_url) and not self.settings.relay_from
         if not service.index.models() and not sharded:
             restored = await restore_from_store(service.publisher, self.settings, service.mirror)

@@ -43,7 +43,7 @@ class Publisher:
     def __init__(self, settings: Settings, metrics: Metrics, index: VersionIndex) -> None:
         assert settings.object_store is not None
         self.url = StoreUrl.parse(settings.object_store)
-        self.bucket = Bucket(self.url)
+        self._bucket: Bucket | None = None  # opened by `open`, off the loop (boto3 takes a second to load)
         self.required = settings.object_store_required
         self.full_every = settings.full_every
         self.bound = settings.object_store_queue
@@ -63,6 +63,14 @@ class Publisher:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="weightsvc-store")
         self._task: asyncio.Task[None] | None = None
 
+    async def open(self) -> None:
+        self._bucket = await asyncio.to_thread(Bucket, self.url)
+
+    @property
+    def bucket(self) -> Bucket:
+        assert self._bucket is not None, "the publisher is not open"
+        return self._bucket
+
     def start(self) -> None:
         self._task = asyncio.create_task(self._drain(), name="store-uploads")
 
@@ -78,7 +86,8 @@ class Publisher:
         self._waiting.clear()
         self._bases.clear()
         self._thread.shutdown(wait=True)
-        self.bucket.close()
+        if self._bucket is not None:
+            self._bucket.close()
 
     # ---- the committer's calls ----------------------------------------------------------------
 
