@@ -121,6 +121,17 @@ def test_a_pull_from_the_store_alone_equals_the_replicas_bit_for_bit(store: str)
                 remote.pull(MODEL, 99)
 
 
+def test_a_version_larger_than_a_part_goes_up_in_parts(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("weightsvc.store.s3.PART_BYTES", 5 << 20)  # S3's smallest part
+    big = {"w": torch.randn(3 << 20) * 0.02, "b": torch.randn(1000) * 0.02}  # 6 MiB served + a header: two parts
+    with serving(object_store=store) as srv, LearnerClient(srv.grpc_target) as learner:
+        learner.push(1, big, model=MODEL)
+        drained(srv)
+        assert uploads(srv, "full") == 1
+        with InferenceClient(store) as remote, InferenceClient(srv.http_url) as replica:
+            same_bits(remote.pull(MODEL), replica.pull(MODEL))
+
+
 def test_store_retention_keeps_the_retained_versions_and_their_chains(store: str, seaweed: SeaweedS3) -> None:
     with serving(object_store=store, full_every=3, retain=2) as srv:
         push_steps(srv, range(1, 7))

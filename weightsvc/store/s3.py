@@ -193,14 +193,18 @@ class _Reader(io.RawIOBase):
         return True
 
     def readinto(self, b: Any) -> int:
+        """As many bytes as `b` takes, across pieces (a short read would be taken for a whole part)."""
+        out, filled = memoryview(b).cast("B"), 0
         for piece, start in zip(self._pieces, self._starts, strict=True):
+            if filled == len(out):
+                break
             if start <= self._pos < start + len(piece):
                 at = self._pos - start
-                n = min(len(b), len(piece) - at)
-                b[:n] = piece[at : at + n]
+                n = min(len(out) - filled, len(piece) - at)
+                out[filled : filled + n] = piece[at : at + n]
                 self._pos += n
-                return n
-        return 0
+                filled += n
+        return filled
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
