@@ -274,7 +274,7 @@ class SeaweedS3:
                                                        "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
         self.proc = subprocess.Popen(
             [weed, "server", f"-dir={self.workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
-             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=256",
+             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=1024", "-volume.max=64",
              *(f"{flag}={port}" for flag, port in ports.items())],
             stdout=(self.workdir / "weed.log").open("wb"), stderr=subprocess.STDOUT,
         )

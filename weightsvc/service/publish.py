@@ -98,8 +98,10 @@ class Publisher:
             await self._write(version)
 
     def committed(self, version: Version) -> None:
-        """`version` is committed (and in the index): queue its upload, unless it is made already."""
+        """`version` is committed (and in the index): queue its upload (with --object-store-required it
+        is in the store already: the next delta is on it)."""
         if self.required:
+            self._keep_base(version)
             return
         if len(self._waiting) >= self.bound:
             dropped = self._waiting.popleft()
@@ -139,6 +141,7 @@ class Publisher:
             version = self._uploading = self._waiting.popleft()
             try:
                 await self._write(version)
+                self._keep_base(version)
                 self.failures = 0
             except (AlreadyExists, DataLoss) as e:  # trying again cannot help
                 log.error("%s cannot go to the object store %s: %s", _named(version), self.url, e)
@@ -174,17 +177,25 @@ class Publisher:
         marker: Marker = await self._run(write_version, self.bucket, m, version.header, version.data,
                                          None if base is None or latest is None else (latest, base.data))
         stored.markers[m.version] = marker
-        self._index.hold(version)
-        before = self._bases.pop(m.model, None)
-        if before is not None:
-            self._index.release(before)
-        self._bases[m.model] = version
         self._metrics.store_uploads.labels(marker.kind).inc()
         self._metrics.store_bytes.labels(marker.kind).inc(marker.nbytes)
         log.info("object store: model=%s version=%d kind=%s bytes=%d", m.model, m.version, marker.kind, marker.nbytes)
         gone = expired(stored, self.retain)
         if gone:
             await self._run(remove, self.bucket, stored, gone)
+
+    def _keep_base(self, version: Version) -> None:
+        """Hold `version`, committed and the store's latest of its model, as the next delta's base (a
+        version that failed to commit after its upload is never one: its buffer goes back)."""
+        m = version.manifest
+        stored = self._stored.get(m.model)
+        if stored is None or stored.latest is None or stored.latest.version != m.version:
+            return
+        self._index.hold(version)
+        before = self._bases.pop(m.model, None)
+        if before is not None:
+            self._index.release(before)
+        self._bases[m.model] = version
 
     def _base(self, latest: Marker | None, m: Manifest) -> Version | None:
         """The version a delta of `m` is on: the store's latest of the model, when its chain is shorter
