@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,6 +121,16 @@ CUT_AFTER = 12 << 20
 HELD_BACK = max(1 << 20, READ_BYTES) + (1 << 20)
 
 
+def _accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Each connection `listener` accepts, until it is closed."""
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        yield client
+
+
 class CuttingProxy:
     """Forwards 127.0.0.1:port to `upstream`. The first connection stops after `cut_after` bytes
     down, waits until the client has read them (counted by `progress`, the pull's progress
@@ -151,21 +162,19 @@ class CuttingProxy:
         assert sum(self.down[1:]) < data_bytes - self.cut_after + HELD_BACK, (self.down, data_bytes)
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in _accepted(self.listener):
             self.down.append(0)
             upstream = socket.create_connection(self.upstream)
             threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._down, args=(upstream, client, len(self.down) - 1), daemon=True).start()
 
-    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+    @staticmethod
+    def _up(src: socket.socket, dst: socket.socket) -> None:
+        """Forward `src` to `dst` until either closes, then close both."""
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
-        self._hang_up(src, dst)
+        CuttingProxy._hang_up(src, dst)
 
     def _down(self, src: socket.socket, dst: socket.socket, i: int) -> None:
         limit = self.cut_after if i == 0 else None
@@ -333,11 +342,7 @@ class Gate:
         self.open = True
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in _accepted(self.listener):
             with self._lock:
                 if not self.open:
                     CuttingProxy._hang_up(client)
@@ -345,16 +350,7 @@ class Gate:
                 upstream = socket.create_connection(self.upstream)
                 self._held += [client, upstream]
             for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                dst.sendall(data)
-        except OSError:
-            pass
-        CuttingProxy._hang_up(src, dst)
+                threading.Thread(target=CuttingProxy._up, args=(src, dst), daemon=True).start()
 
     def close(self) -> None:
         self.close_gate()

@@ -85,8 +85,9 @@ class Publisher:
             self._index.release(version)
         self._waiting.clear()
         self._bases.clear()
-        self._thread.shutdown(wait=True)
-        if self._bucket is not None:
+        # An upload under way is not waited for (its version is not in the store: it has no marker).
+        self._thread.shutdown(wait=False, cancel_futures=True)
+        if self._bucket is not None and self._uploading is None:
             self._bucket.close()
 
     # ---- the committer's calls ----------------------------------------------------------------
