@@ -272,8 +272,10 @@ def test_wrong_credentials_are_a_clear_error_and_leak_nothing(store: str, seawee
     assert wrong not in str(e.value)
     with caplog.at_level(logging.DEBUG, "weightsvc"):
         # An empty server restores first: the wrong credentials stop it from starting, named.
-        with pytest.raises(Unauthenticated, match="SignatureDoesNotMatch"), serving(object_store=store):
-            pass
+        refused = serving(object_store=store)
+        with pytest.raises(Unauthenticated, match="SignatureDoesNotMatch"):
+            refused.__enter__()
+        refused.__exit__(None, None, None)  # (its loop thread, started before the start failed)
         # One with versions of its own starts; its commits go on, and each failed upload is logged.
         point_at(monkeypatch, seaweed.endpoint)
         with serving(object_store=store, data_dir=tmp_path) as srv:
