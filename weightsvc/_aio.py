@@ -115,7 +115,10 @@ def _reap() -> None:
     waiting: list[list[Any]] = []  # [container, deadline]: still held elsewhere
     while True:
         with contextlib.suppress(queue.Empty):
-            waiting.append([_reaped.get(timeout=_REAP_POLL_S if waiting else None), time.monotonic() + REAP_WAIT_S])
+            c = _reaped.get(timeout=_REAP_POLL_S if waiting else None)
+            if not any(entry[0] is c for entry in waiting):  # (one let go of twice: the entries would hold each other)
+                waiting.append([c, time.monotonic() + REAP_WAIT_S])
+            del c
         for entry in waiting:
             # Held by `entry` and getrefcount's argument alone: nothing else holds it.
             if sys.getrefcount(entry[0]) <= 2:
