@@ -167,6 +167,26 @@ def test_commits_go_on_while_the_store_is_down_and_uploads_catch_up(
         gate.close()
 
 
+def test_uploads_a_stop_cut_off_go_up_when_the_server_starts_again(
+        store: str, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    gate = Gate(("127.0.0.1", seaweed.port))
+    point_at(monkeypatch, f"http://127.0.0.1:{gate.port}")
+    try:
+        with serving(object_store=store, data_dir=tmp_path) as srv:
+            push_steps(srv, range(1, 2))
+            drained(srv)
+            gate.close_gate()
+            push_steps(srv, range(2, 4))  # committed to the data dir, never uploaded
+        gate.open_gate()
+        with serving(object_store=store, data_dir=tmp_path) as srv:
+            drained(srv)
+            assert (uploads(srv, "full"), uploads(srv, "delta")) == (0, 2)  # 1 was there: deltas on it
+            with InferenceClient(store) as remote, InferenceClient(srv.grpc_target) as replica:
+                same_bits(remote.pull(MODEL, 3), replica.pull(MODEL, 3))
+    finally:
+        gate.close()
+
+
 def test_a_full_queue_drops_the_oldest_waiting_version(
         store: str, seaweed: SeaweedS3, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     gate = Gate(("127.0.0.1", seaweed.port))

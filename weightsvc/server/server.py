@@ -157,7 +157,8 @@ class Server:
 
     async def _start_publisher(self) -> None:
         """--object-store: a server that starts with no versions (an empty or no data dir) first brings
-        back those the store retains (not a sharded replica: it holds parts); then uploads begin."""
+        back those the store retains (not a sharded replica: it holds parts); one that has versions
+        queues them (those in the store already are skipped); then uploads begin."""
         service = self.service
         assert service is not None
         if service.publisher is None:
@@ -167,6 +168,11 @@ class Server:
         if not service.index.models() and not sharded:
             restored = await restore_from_store(service.publisher, self.settings, service.mirror)
             log.info("restored %d committed versions from the object store %s", restored, service.publisher.url)
+        else:  # what the data dir holds and the store does not (uploads a stop or a crash cut off) goes up
+            for model in service.index.models():
+                for version in service.index.versions(model):
+                    if version.part is None:
+                        service.publisher.committed(version)
         service.publisher.start()
 
     def _dropped_http(self, reason: str) -> None:
