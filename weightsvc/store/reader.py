@@ -101,8 +101,9 @@ class StoreReader:
             spans, at = [], 0
             for t in picked:
                 start = marker.data_start + t.offset
-                self.bucket.get(marker.object, (start, start + t.nbytes), held[at : at + t.nbytes])
-                moved(t.nbytes)
+                if t.nbytes:  # (a tensor of no elements has no range to read)
+                    self.bucket.get(marker.object, (start, start + t.nbytes), held[at : at + t.nbytes])
+                    moved(t.nbytes)
                 spans.append(Segment(t.offset, at, t.nbytes))
                 at += t.nbytes
         else:
