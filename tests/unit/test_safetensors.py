@@ -17,8 +17,14 @@ def test_a_framed_header_reads_back_with_its_data_start() -> None:
     assert read_safetensors_header(prefix + b"\0" * 4) == (len(prefix), json.loads(header))
 
 
+def test_a_header_framed_in_pieces_is_the_header_framed_whole() -> None:
+    header = json.dumps({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}}).encode()
+    for size in (None, 96):
+        assert framed(header[:5], header[5:17], header[17:], size=size) == framed(header, size=size)
+
+
 def test_a_header_padded_to_a_size_keeps_its_json() -> None:
-    prefix = framed(b"{}", 64)
+    prefix = framed(b"{}", size=64)
     assert len(prefix) == 64 and header_length(prefix) == 56
     assert read_safetensors_header(prefix) == (64, {})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import mmap
 import time
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,12 @@ from weightsvc.memory import alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.digest import checksum
 from weightsvc.protocol.manifest import Manifest, layout
+from weightsvc.protocol.safetensors import framed, read_safetensors_header
 from weightsvc.rounding import Residual
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import CommitResult
+from weightsvc.service.versions import disk
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
@@ -373,3 +376,18 @@ async def test_a_client_that_stops_acking_stays_in_the_staleness_metrics_until_i
                                     "weightsvc_client_lag_versions": 3}
     assert scraped(start + 3700) == {"weightsvc_clients": 0, "weightsvc_clients_silent": 0,
                                      "weightsvc_client_lag_versions": 0}
+
+
+def test_a_staged_versions_header_is_written_in_slices_and_padded_to_its_room(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk, "COPY_SLICE", 7)  # many slices, the last one short
+    header = framed(b'{"__metadata__":{"k":"' + b"x" * 50 + b'"}}')
+    path = tmp_path / "staged"
+    path.write_bytes(b"\xff" * 200)
+    with path.open("r+b") as f, mmap.mmap(f.fileno(), 200) as mapping:
+        disk._write_padded(mapping, header, 128)
+        assert mapping[:128] == framed(header[8:], size=128)
+        assert read_safetensors_header(mapping[:128]) == (128, {"__metadata__": {"k": "x" * 50}})
+        assert mapping[128:] == b"\xff" * 72  # the data section is not touched
+        with pytest.raises(ValueError, match="does not fit"):
+            disk._write_padded(mapping, header, 16)

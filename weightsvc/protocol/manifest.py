@@ -203,12 +203,16 @@ class Manifest:
         Made in slices of tensors, as `json` is; the same bytes as one `json.dumps` of the header.
         `text`: this manifest's `json()`, when the caller has made it already."""
         text = self.json() if text is None else text
+        # Each piece encoded on its own and the whole joined once: each step over the whole header
+        # (~100 MB at 400,000 tensors: a concatenation, an encode) would hold the GIL for 0.1 s.
         # The text as a JSON string, escaped in slices too (escaping is per character).
-        escaped = "".join(_string(text[i : i + TEXT_SLICE])[1:-1] for i in range(0, len(text), TEXT_SLICE))
-        meta = f'"__metadata__":{{{_string(METADATA_KEY)}:"{escaped}"}}'
-        entries = ",".join(_entries_json(self.tensors[i : i + JSON_SLICE])
-                           for i in range(0, len(self.tensors), JSON_SLICE))
-        return framed(("{" + meta + ("," + entries if entries else "") + "}").encode())
+        pieces = [f'{{"__metadata__":{{{_string(METADATA_KEY)}:"'.encode()]
+        pieces += [_string(text[i : i + TEXT_SLICE])[1:-1].encode() for i in range(0, len(text), TEXT_SLICE)]
+        pieces.append(b'"}')
+        pieces += [b"," + _entries_json(self.tensors[i : i + JSON_SLICE]).encode()
+                   for i in range(0, len(self.tensors), JSON_SLICE)]
+        pieces.append(b"}")
+        return framed(*pieces)
 
 
 _OFFSET = operator.attrgetter("offset")

@@ -44,8 +44,9 @@ def read_safetensors_header(prefix: Prefix) -> tuple[int, dict[str, Any]]:
     return 8 + n, json.loads(bytes(prefix[8 : 8 + n]))
 
 
-def framed(header: bytes, size: int | None = None) -> bytes:
-    """The file prefix of a JSON `header`: its length and the header, padded with spaces to a multiple
-    of 8 bytes, or to `size` bytes in all."""
-    padded = header.ljust(size - 8, b" ") if size is not None else header + b" " * (-len(header) % 8)
-    return len(padded).to_bytes(8, "little") + padded
+def framed(*header: bytes, size: int | None = None) -> bytes:
+    """The file prefix of a JSON header (given whole or in consecutive pieces, joined once): its
+    length and the header, padded with spaces to a multiple of 8 bytes, or to `size` bytes in all."""
+    n = sum(map(len, header))
+    pad = max(0, size - 8 - n) if size is not None else -n % 8
+    return b"".join([(n + pad).to_bytes(8, "little"), *header, b" " * pad])

@@ -107,9 +107,8 @@ class VersionFiles:
         tmp = staged.path if staged is not None and in_place else self._tmp(path)
         try:
             if staged is not None and in_place:
-                staged.mapping[: staged.data_start] = _padded(version.header, staged.data_start)
-                staged.mapping.flush()
-                os.fsync(staged.file.fileno())
+                _write_padded(staged.mapping, version.header, staged.data_start)
+                os.fsync(staged.file.fileno())  # (the mapping's pages too, see `_write_padded`)
             else:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(tmp, "wb") as f:
@@ -177,8 +176,7 @@ class VersionFiles:
             if staged is None:
                 residual.save(path)
                 return
-            staged.mapping.flush()
-            os.fsync(staged.file.fileno())
+            os.fsync(staged.file.fileno())  # (the mapping's pages too, see `_write_padded`)
             os.replace(staged.path, path)
             _sync_dir(path.parent)
         except OSError as e:
@@ -373,9 +371,23 @@ def _sync_dir(directory: Path) -> None:
         os.close(dir_fd)
 
 
-def _padded(header: bytes, size: int) -> bytes:
-    """A safetensors prefix grown to `size` bytes: its JSON padded with spaces, as the format allows."""
-    return framed(header[8:], size)
+COPY_SLICE = 8 << 20  # bytes copied at once into a mapping (each copy holds the GIL)
+
+
+def _write_padded(mapping: mmap.mmap, header: bytes, size: int) -> None:
+    """Write the safetensors prefix `header` at the start of `mapping`, grown to `size` bytes (its JSON
+    padded with spaces, as the format allows), in slices: the header of 400,000 tensors is ~100 MB, and
+    one copy of it (page faults included) would hold the GIL, and so the event loop, for 0.1 s or more.
+    Made durable by the file's fsync: on Linux it writes a shared mapping's dirty pages too, and it
+    lets go of the GIL, where the mapping's own flush (msync) holds it: 2 s for a GiB of data."""
+    if len(header) > size:
+        raise ValueError(f"a header of {len(header)} bytes does not fit in {size}")
+    view = memoryview(header)
+    mapping[:8] = (size - 8).to_bytes(8, "little")
+    for start in range(8, len(header), COPY_SLICE):
+        end = min(start + COPY_SLICE, len(header))
+        mapping[start:end] = view[start:end]
+    mapping[len(header) : size] = b" " * (size - len(header))
 
 
 def _failure(where: str, e: OSError, needed: int, data_dir: Path) -> WeightsvcError:
