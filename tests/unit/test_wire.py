@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from weightsvc.protocol import wire
+from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.manifest import Manifest, ServedTensor, Slice
 from weightsvc.protocol.wire import ChunkView, Malformed, decode_chunk, decode_push_request, encode_chunk
 from weightsvc.v1 import weightsvc_pb2 as pb
 
@@ -55,3 +59,20 @@ def test_field_number_zero_is_malformed() -> None:
     inner = b"\x02\x01x"  # field 0, length-delimited
     raw = b"\x12" + bytes([len(inner)]) + inner
     assert isinstance(decode_push_request(raw), Malformed)
+
+
+def test_a_manifest_in_pieces_reads_back_whole_and_from_any_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(wire, "MESSAGE_PIECE_BYTES", 2000)  # a few dozen tensors a piece
+    tensors = tuple(ServedTensor(f"layers.{i}.w", (4, i % 5 + 1), "bfloat16", 64 * i, 8 * (i % 5 + 1),
+                                 f"xxh3_64:{i:016x}", Slice(1, 0, 1) if i % 7 == 0 else None) for i in range(500))
+    m = Manifest("m", 3, "bf16", "sr", 7, 1.5, 64 * 500, "xxh3_128:0", tensors,
+                 lag=LagMetrics(0.1, None, 3, 0.2, 0, 10, False), aliases=(("head", "layers.0.w"),))
+    pieces = [pb.PullResponse.FromString(p) for p in wire.manifest_pieces(m)]
+    assert len(pieces) > 5
+    more = [t for p in pieces[1:] for t in p.manifest_tensors.tensors]
+    assert wire.manifest_from_proto(pieces[0].manifest, more) == m
+    for start in (0, 1, len(pieces[0].manifest.tensors), 250, 499, 500):
+        got = wire.manifest_from(m, start)
+        assert got.tensor_count == 500 and got.model == "m"
+        assert wire.manifest_from_proto(got).tensors == tensors[start : start + len(got.tensors)]
+        assert len(got.tensors) or start == 500
