@@ -14,6 +14,7 @@ was, and an engine that loads it in place must then answer as the fresh engine s
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,7 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
-LONG = 1024  # the model length of the engine that answers a long request across an update
+LONG = 2048  # the model length of the engine that answers a long request across an update
 
 
 def acked(server: BackgroundServer, model: str) -> dict[str, int]:
@@ -74,6 +75,8 @@ def llama(service: BackgroundServer, learner: LearnerClient,
     tmp = tmp_path_factory.mktemp("llama")
     policy = Policy("llama", seed=31)
     start = checkpoint(policy.module, tmp / "v0")
+    config = json.loads((start / "config.json").read_text())  # room for a long request (RoPE: any length)
+    (start / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG}))
     for version in (1, 2):
         learner.push(version, policy.at(version), model="llama")
     v1 = served_checkpoint(start, service.grpc_target, "llama", 1, tmp / "v1")
@@ -185,7 +188,7 @@ def test_a_follower_killed_in_the_middle_of_an_update_converges_when_restarted(
         follower.stop()
     learner.push(8, llama["policy"].at(1), model="llama")  # and the learner went on meanwhile
     with following(engine, service.grpc_target, "llama") as again:
-        again.wait_for("update", 8)
+        again.wait_for("update", 8, timeout=200)
     assert http("GET", f"{engine.url}/is_paused")["is_paused"] is False
     assert engine.weight_version() == "8" and acked(service, "llama") == {"follow-llama": 8}
     assert engine.generate() == llama["fresh"][1]

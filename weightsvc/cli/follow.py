@@ -28,7 +28,8 @@ def follow(
     pause_mode: Annotated[str, typer.Option(help="How the engine pauses for a swap: keep (requests in flight "
                                                  "wait, then go on), wait (they finish first), abort.")] = "keep",
     listen: Annotated[str, typer.Option(help="HOST:PORT of the follower's own HTTP server (/metrics, /ready, "
-                                             "/staged); port 0 picks one.")] = "127.0.0.1:9401",
+                                             "/staged, which the engine's workers reach); port 0 picks one.")
+                      ] = "127.0.0.1:9401",
     notify: Annotated[str | None, typer.Option(help="The URL the engine's workers reach this follower's /staged "
                                                     "at (default: http://LISTEN/staged).")] = None,
     client_id: Annotated[str | None, typer.Option(help="The id the follower acks under (default: the host name "
@@ -63,11 +64,12 @@ def follow(
     except OSError as e:
         fail(f"cannot listen on {listen}: {e}")
     bound = f"{host}:{http.server_address[1]}"
+    local = f"127.0.0.1:{http.server_address[1]}" if host in ("0.0.0.0", "::", "") else bound  # (the workers are local)
     engine_port = engine.rstrip("/").rpartition(":")[2]
     config = FollowerConfig(
         engine=engine, model=model, target=url or target, max_lag=max_lag, pause_mode=pause_mode, path=path,
         client_id=client_id or f"{socket.gethostname()}-vllm-{engine_port}", timeout_s=timeout_s,
-        update_timeout_s=update_timeout_s, notify=notify or f"http://{bound}/staged", token=token,
+        update_timeout_s=update_timeout_s, notify=notify or f"http://{local}/staged", token=token,
         ca_cert=None if ca_cert is None else str(ca_cert), dequantize=dequantize,
     )
     follower = Follower(config, metrics, say=say)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightsvc.client import InferenceClient
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import NotFound, WeightsvcError
 from weightsvc.integrations.vllm.engine_api import EngineApi, EngineError
 
 __all__ = ["PATHS", "PAUSE_MODES", "UPDATING", "Follower", "FollowerConfig", "Refused"]
@@ -185,6 +185,13 @@ class Follower:
                                   "weightsvc.loaders.VllmWorkerExtension", e.status) from None
         self.path = path
         self.served = int(label) if label.isdigit() else None
+        with InferenceClient(self.config.target, token=self.config.token, ca_cert=self.config.ca_cert) as client:
+            try:
+                versions = [v.version for v in client.versions(self.config.model)]
+            except NotFound:  # nothing committed yet: the watch says when
+                versions = []
+        with self._cond:  # the latest now, not the first of the watch's backlog: older ones are skipped
+            self.latest = max([*versions, self.latest or 0]) if versions or self.latest else None
         self._log("connected", served=label)
         if self.served is not None and not self._cut_short:
             self._ack(self.served)
@@ -206,13 +213,13 @@ class Follower:
         label = self.engine.weight_version(stage="pause")
         if self.engine.is_paused() and not label.startswith(UPDATING):
             raise EngineError("pause", f"engine {self.config.engine} is paused by someone else (weight_version "
-                              f"{label!r}); model {self.config.model!r} version {version} waits for its resume")
+                              f"{label!r}); model {self.config.model!r} version {version} waits for its resume", 409)
         self.engine.post(f"/pause?mode={self.config.pause_mode}", stage="pause",
                          timeout_s=self.config.update_timeout_s if self.config.pause_mode == "wait" else None)
         paused = time.monotonic()
-        self._log("paused", version=version, mode=self.config.pause_mode)
         try:
-            self.engine.label(f"{UPDATING}{version}", stage="pause")
+            self.engine.label(f"{UPDATING}{version}", stage="pause")  # from here on, the pause is known as ours
+            self._log("paused", version=version, mode=self.config.pause_mode)
             try:
                 self._swap(version)
             except EngineError:  # nothing was loaded: the tokens keep the old label
