@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from weightsvc.cli._common import DEFAULT_TARGET, CaCert, Token, fail, say
+from weightsvc.cli._common import DEFAULT_TARGET, CaCert, Token, fail, one_source, say
 
 
 def follow(
@@ -43,9 +43,7 @@ def follow(
     ca_cert: CaCert = None,
 ) -> None:
     """Keep a vLLM server (vllm serve) on the latest version: stage, pause, swap, resume, ack."""
-    source = ctx.get_parameter_source("target")
-    if url is not None and source is not None and source.name == "COMMANDLINE":
-        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP)")
+    one_source(ctx, url)
     from weightsvc.integrations.vllm.follower import PATHS, PAUSE_MODES, Follower, FollowerConfig
     from weightsvc.metrics import FollowerMetrics
 
