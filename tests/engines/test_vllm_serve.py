@@ -30,6 +30,7 @@ from tests.engines.serving import BACKEND, FollowProcess, VllmServer, following,
 from tests.engines.test_vllm import step
 from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.loaders import tp_select
 from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
@@ -228,3 +229,33 @@ def test_a_tied_model_follows_and_answers_as_fresh(service: BackgroundServer, le
             follower.wait_for("update", 3)
             assert engine.generate() == fresh
     assert [g[0] for g in moved] != [g[0] for g in fresh]
+
+
+def test_tensor_parallel_workers_stage_their_slices(service: BackgroundServer, learner: LearnerClient,
+                                                    tmp_path: Path) -> None:
+    # Two workers, one core each (this machine has 2): each stages its slice of every version, and
+    # the round trip (version 3 holds version 1's masters) answers as the fresh TP 2 engine did.
+    policy = Policy("llama", seed=41)
+    start = checkpoint(policy.module, tmp_path / "v0")
+    learner.push(1, policy.at(1), model="llama-tp")
+    v1 = served_checkpoint(start, service.grpc_target, "llama-tp", 1, tmp_path / "v1")
+    with vllm_serve(v1, tmp_path / "tp.log", "--weight-transfer-config", BACKEND, "--tensor-parallel-size", "2",
+                    env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as engine:
+        fresh = engine.generate()
+        with following(engine, service.grpc_target, "llama-tp") as follower:
+            follower.wait_for("update", 1)
+            learner.push(2, policy.at(2), model="llama-tp")
+            follower.wait_for("update", 2)
+            moved = engine.generate()
+            learner.push(3, policy.at(1), model="llama-tp")
+            staged = follower.wait_for("staged", 3)
+            follower.wait_for("update", 3)
+            assert engine.generate() == fresh
+    assert [g[0] for g in moved] != [g[0] for g in fresh]
+    manifest = InferenceClient(service.grpc_target).manifest("llama-tp", 3)
+    select = tp_select(manifest, 0, 2, num_kv_heads=2, head_dim=32)
+    sliced = sum(t.nbytes for t in manifest.tensors if select[t.name] is not None)
+    whole = manifest.data_bytes - sliced
+    assert len(staged["pulled_bytes"]) == 2
+    for pulled in staged["pulled_bytes"]:  # framing aside, half of every sliced tensor
+        assert whole + sliced / 2 <= pulled <= whole + sliced / 2 + 64 * 1024

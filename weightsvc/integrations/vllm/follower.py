@@ -79,7 +79,7 @@ class Follower:
         self._world = 1
         self._version: int | None = None  # the version of the update under way
         self._cut_short = False
-        self._reports: dict[int, dict[int, str | None]] = {}  # version -> rank -> staging error
+        self._reports: dict[int, dict[int, dict[str, Any]]] = {}  # version -> rank -> the worker's report
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._client: InferenceClient | None = None
@@ -89,7 +89,7 @@ class Follower:
     def staged(self, report: dict[str, Any]) -> None:
         """A worker's word that it staged a version (or failed to): `{"rank", "version", "error"}`."""
         with self._cond:
-            self._reports.setdefault(int(report["version"]), {})[int(report["rank"])] = report.get("error")
+            self._reports.setdefault(int(report["version"]), {})[int(report["rank"])] = report
             self._cond.notify_all()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
@@ -206,10 +206,9 @@ class Follower:
         started = time.monotonic()
         self._version = version
         assert self.path is not None
-        if self.path == "transfer":
-            self._stage(version)
+        pulled = self._stage(version) if self.path == "transfer" else []
         staged = time.monotonic()
-        self._log("staged", version=version, stage_s=round(staged - started, 3))
+        self._log("staged", version=version, stage_s=round(staged - started, 3), pulled_bytes=pulled)
         label = self.engine.weight_version(stage="pause")
         if self.engine.is_paused() and not label.startswith(UPDATING):
             raise EngineError("pause", f"engine {self.config.engine} is paused by someone else (weight_version "
@@ -241,14 +240,15 @@ class Follower:
         self._log("update", version=version, stage_s=round(staged - started, 3),
                   pause_s=round(resumed - paused, 3), update_s=round(time.monotonic() - started, 3))
 
-    def _stage(self, version: int) -> None:
-        """Every worker pulls, checks and verifies the version while the engine generates."""
+    def _stage(self, version: int) -> list[int | None]:
+        """Every worker pulls, checks and verifies the version while the engine generates; the bytes
+        each pulled, by rank (unknown without `notify`)."""
         with self._cond:
             self._reports.pop(version, None)
         self.engine.post("/init_weight_transfer_engine",
                          {"init_info": self._init_info(stage=version, notify=self.config.notify)}, stage="stage")
         if self.config.notify is None:  # nobody to tell us: update_weights waits for the staged copy
-            return
+            return []
         with self._cond:
             done = self._cond.wait_for(lambda: self._stop.is_set()
                                        or len(self._reports.get(version, {})) >= self._world,
@@ -258,11 +258,12 @@ class Follower:
             raise EngineError("stage", f"engine {self.config.engine}: {len(reports)} of {self._world} workers "
                               f"staged model {self.config.model!r} version {version} within "
                               f"{self.config.update_timeout_s:g} s")
-        errors = sorted(e for e in reports.values() if e)
+        errors = sorted(str(r["error"]) for r in reports.values() if r.get("error"))
         if errors:
             kind = Refused if any(e.startswith("Mismatch") for e in errors) else EngineError
             raise kind("stage", f"engine {self.config.engine}: model {self.config.model!r} version {version} "
                        f"was not staged: {errors[0]}")
+        return [reports[rank].get("pulled_bytes") for rank in sorted(reports)]
 
     def _swap(self, version: int) -> None:
         c = self.config

@@ -6,7 +6,7 @@ The four phases as the backend sees them, in each worker:
 - `init_weight_transfer_engine({"target", "model", ...})`: where to pull from (`WeightsvcInitInfo`).
   With `"stage": N` the worker starts pulling version N into its staging memory in a thread of its
   own and returns at once: the bytes move while the engine generates. With `"notify": URL` it POSTs
-  `{"rank", "version", "error"}` there once staged (or failed).
+  `{"rank", "version", "pulled_bytes", "error"}` there once staged (or failed).
 - `start_weight_update`: nothing is touched yet.
 - `update_weights({"version": N})`: the staged copy of N (waited for if still moving; pulled now if
   never staged), checked and verified, is swapped in through vLLM's layerwise reload. A version that
@@ -39,7 +39,7 @@ __all__ = ["NOTIFY_TIMEOUT_S", "WeightsvcInitInfo", "WeightsvcTransferEngine", "
 log = logging.getLogger(__name__)
 NOTIFY_TIMEOUT_S = 10.0
 
-Staged = tuple[int, dict[str, torch.Tensor]]  # (version, weights ready for load_weights)
+Staged = tuple[int, dict[str, torch.Tensor], int]  # (version, weights ready for load_weights, bytes pulled)
 
 
 @dataclass
@@ -88,7 +88,7 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
             staged = self._staging.pop(version, None)
         if staged is None:  # never staged: pulled now, inside the pause
             staged = self._pool.submit(self._pull, self._source(), version)
-        _, weights = staged.result()  # a failed or torn pull raises here: nothing was touched
+        _, weights, _ = staged.result()  # a failed or torn pull raises here: nothing was touched
         reload_in_place(self.model, self.model_config, weights)
         log.info("weightsvc: model %r version %d loaded", self._source().model, version)
 
@@ -124,13 +124,14 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
     def _pull(self, source: WeightsvcInitInfo, version: int) -> Staged:
         rank, size = tp_rank()
         with InferenceClient(source.target, ca_cert=source.ca_cert) as client:
-            manifest, weights, _ = pull_for_rank(client, source.model, version, self.model_config, rank, size,
-                                                 source.dequantize)
-        return manifest.version, weights
+            manifest, weights, pulled = pull_for_rank(client, source.model, version, self.model_config, rank,
+                                                      size, source.dequantize)
+        return manifest.version, weights, pulled
 
     def _notify(self, source: WeightsvcInitInfo, version: int, future: Future[Staged]) -> None:
         error = future.exception()
         body = {"rank": tp_rank()[0], "model": source.model, "version": version,
+                "pulled_bytes": None if error is not None else future.result()[2],
                 "error": None if error is None else f"{type(error).__name__}: {error}"}
         if error is not None:
             log.warning("weightsvc: staging model %r version %d failed: %s", source.model, version, body["error"])
