@@ -127,6 +127,8 @@ class Follower:
                 self._update(version)
                 failures = 0
             except EngineError as e:
+                if self._stop.is_set():
+                    break  # stopped in the middle: nothing to report
                 failures += 1
                 self._failed(e.stage, str(e), refused=isinstance(e, Refused))
                 if e.status is None:  # no answer: the engine may have restarted; connect again
@@ -134,7 +136,7 @@ class Follower:
                 self._stop.wait(min(MAX_BACKOFF_S, 0.5 * 2 ** min(failures, 6)))
             except WeightsvcError as e:  # the weightsvc server: a version gone, a lost connection
                 failures += 1
-                self._failed("ack", str(e))
+                self._failed("ack" if self._version is not None else "connect", str(e))
                 self._stop.wait(min(MAX_BACKOFF_S, 0.5 * 2 ** min(failures, 6)))
 
     def _watch(self) -> None:
@@ -254,6 +256,8 @@ class Follower:
                                        or len(self._reports.get(version, {})) >= self._world,
                                        timeout=self.config.update_timeout_s)
             reports = self._reports.pop(version, {})
+        if self._stop.is_set():
+            raise EngineError("stage", f"stopped while model {self.config.model!r} version {version} was staged")
         if not done:
             raise EngineError("stage", f"engine {self.config.engine}: {len(reports)} of {self._world} workers "
                               f"staged model {self.config.model!r} version {version} within "
