@@ -57,18 +57,19 @@ def path_figures(engine: VllmServer, server: ServeProcess, learner: LearnerClien
         follower.wait_for("connected", timeout=120)
         learner.push(first, masters, model="policy")  # one update before the timed ones
         follower.wait_for("update", first, timeout=1200)
-        whole, pause = [], []
+        whole, pause, stage = [], [], []
         for version in range(first + 1, first + 1 + repeat):
             learner.push(version, masters, model="policy")  # returns once committed
             committed = time.monotonic()
+            stage.append(float(follower.wait_for("staged", version, timeout=1200)["stage_s"]))
             event = follower.wait_for("update", version, timeout=1200)
             whole.append(time.monotonic() - committed)
             pause.append(float(event["pause_s"]))
     finally:
         follower.stop()
     w, p = statistics.median(whole), statistics.median(pause)
-    return {"update_s": round(w, 3), "pause_s": round(p, 3), "U1": round(p / w, 3), "U2": round(w / tcp_s, 2)}, \
-        first + 1 + repeat
+    return {"update_s": round(w, 3), "stage_s": round(statistics.median(stage), 3), "pause_s": round(p, 3),
+            "U1": round(p / w, 3), "U2": round(w / tcp_s, 2)}, first + 1 + repeat
 
 
 def main() -> None:
