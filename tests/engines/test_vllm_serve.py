@@ -210,6 +210,20 @@ def test_an_engine_with_the_worker_extension_only_follows_through_collective_rpc
     assert all(s == [{"version": str(latest), "start": 0, "end": 16}] for s in rpc.spans())
 
 
+def round_trip(engine: VllmServer, follower: FollowProcess, learner: LearnerClient, policy: Policy,
+               model: str) -> tuple[Any, Any, dict[str, Any]]:
+    """After version 1, version 2 (a step on) and version 3 (version 1's masters again) in turn: what
+    the engine generates on each, and the staging report of version 3."""
+    follower.wait_for("update", 1)
+    learner.push(2, policy.at(2), model=model)
+    follower.wait_for("update", 2)
+    moved = engine.generate()
+    learner.push(3, policy.at(1), model=model)
+    staged = follower.wait_for("staged", 3)
+    follower.wait_for("update", 3)
+    return moved, engine.generate(), staged
+
+
 def test_a_tied_model_follows_and_answers_as_fresh(service: BackgroundServer, learner: LearnerClient,
                                                    tmp_path: Path) -> None:
     policy = Policy("qwen2", seed=37)
@@ -221,13 +235,8 @@ def test_a_tied_model_follows_and_answers_as_fresh(service: BackgroundServer, le
     with vllm_serve(v1, tmp_path / "qwen2.log", "--weight-transfer-config", BACKEND) as engine:
         fresh = engine.generate()
         with following(engine, service.grpc_target, "qwen2") as follower:
-            follower.wait_for("update", 1)
-            learner.push(2, policy.at(2), model="qwen2")
-            follower.wait_for("update", 2)
-            moved = engine.generate()
-            learner.push(3, policy.at(1), model="qwen2")  # version 1's masters again
-            follower.wait_for("update", 3)
-            assert engine.generate() == fresh
+            moved, back, _ = round_trip(engine, follower, learner, policy, "qwen2")
+    assert back == fresh
     assert [g[0] for g in moved] != [g[0] for g in fresh]
 
 
@@ -243,14 +252,8 @@ def test_tensor_parallel_workers_stage_their_slices(service: BackgroundServer, l
                     env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as engine:
         fresh = engine.generate()
         with following(engine, service.grpc_target, "llama-tp") as follower:
-            follower.wait_for("update", 1)
-            learner.push(2, policy.at(2), model="llama-tp")
-            follower.wait_for("update", 2)
-            moved = engine.generate()
-            learner.push(3, policy.at(1), model="llama-tp")
-            staged = follower.wait_for("staged", 3)
-            follower.wait_for("update", 3)
-            assert engine.generate() == fresh
+            moved, back, staged = round_trip(engine, follower, learner, policy, "llama-tp")
+    assert back == fresh
     assert [g[0] for g in moved] != [g[0] for g in fresh]
     manifest = InferenceClient(service.grpc_target).manifest("llama-tp", 3)
     select = tp_select(manifest, 0, 2, num_kv_heads=2, head_dim=32)
