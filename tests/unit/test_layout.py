@@ -125,12 +125,14 @@ MAY_IMPORT = {
     "settings": FLOOR | {"memory", "rounding"},
     "protocol": FLOOR | {"memory", "rounding"},
     "metrics": FLOOR | {"protocol"},
-    "service": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics"},
+    "store": FLOOR | {"memory", "protocol"},
+    "service": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "store"},
     "transport": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "service"},
-    "client": FLOOR | {"memory", "rounding", "protocol"},
+    "client": FLOOR | {"memory", "rounding", "protocol", "store"},
     "integrations": FLOOR | {"memory", "rounding", "protocol", "client"},
     "loaders": {"integrations"},
-    "server": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "service", "transport", "client"},
+    "server": FLOOR | {"memory", "rounding", "protocol", "settings", "metrics", "service", "transport", "client",
+               "store"},
 }
 
 

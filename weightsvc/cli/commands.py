@@ -78,7 +78,9 @@ def pull(
         int | None, typer.Option(help="Delta pull: OUTPUT holds this version; fetch only what changed.")
     ] = None,
     target: Annotated[str, typer.Option(envvar="WEIGHTSVC_TARGET", help="gRPC HOST:PORT.")] = DEFAULT_TARGET,
-    url: Annotated[str | None, typer.Option(help="HTTP base URL, e.g. http://HOST:8080 (instead of --target).")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="HTTP base URL, e.g. http://HOST:8080, or an object store, s3://BUCKET/PREFIX (instead of --target)."
+    )] = None,
     progress: Annotated[bool, typer.Option(help="Show a progress bar.")] = True,
     token: Token = None,
     ca_cert: CaCert = None,

@@ -29,6 +29,7 @@ PANELS = {
                "pull_stall_timeout_s", "push_rank_timeout_s"),
     "Auth and TLS": ("auth_file", "auth_open_paths", "tls_cert", "tls_key"),
     "Scale-out": ("redis_url", "redis_prefix", "replica_id", "replication", "advertise_host", "relay_from"),
+    "Object store": ("object_store", "object_store_required", "full_every", "object_store_queue"),
 }
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 

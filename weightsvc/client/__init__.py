@@ -3,9 +3,11 @@
     LearnerClient("host:50051").push(step, model.state_dict())
     weights = InferenceClient("host:50051").pull()             # gRPC
     weights = InferenceClient("http://host:8080").pull()       # HTTP
+    weights = InferenceClient("s3://bucket/prefix").pull()     # an object store, no server
 
-`InferenceClient(target)` is a `GrpcInferenceClient` or an `HttpInferenceClient`, by the target;
-both offer every operation (pulls, delta pulls, watch, ack). Every pulled tensor is verified
+`InferenceClient(target)` is a `GrpcInferenceClient`, an `HttpInferenceClient` or a
+`StoreInferenceClient`, by the target; each offers the pulls (whole, delta, selected) and watch, the
+first two also what needs a server (acks, clients, topology). Every pulled tensor is verified
 against the checksum in the version's manifest. Server errors arrive as `weightsvc.errors`
 exceptions carrying the server's message.
 
@@ -27,6 +29,7 @@ if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient
     from weightsvc.client._http import HttpInferenceClient
     from weightsvc.client._learner import LearnerClient, Shard
+    from weightsvc.client._store import StoreInferenceClient
     from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "RetryPolicy",
     "Shard",
     "Slice",
+    "StoreInferenceClient",
     "VersionInfo",
     "dequantize",
     "dequantized",
@@ -56,6 +60,7 @@ _LAZY = {
     "HttpInferenceClient": "_http",
     "LearnerClient": "_learner",
     "Shard": "_learner",
+    "StoreInferenceClient": "_store",
     "dequantize": "_tensors",
     "dequantized": "_tensors",
     "served_weights": "_tensors",
@@ -81,5 +86,11 @@ def _http() -> type[InferenceClient]:
     return HttpInferenceClient
 
 
+def _store() -> type[InferenceClient]:
+    from weightsvc.client._store import StoreInferenceClient
+
+    return StoreInferenceClient
+
+
 # `InferenceClient(target)` is the client of the target's transport.
-InferenceClient.transports.update(grpc=_grpc, http=_http)
+InferenceClient.transports.update(grpc=_grpc, http=_http, s3=_store)

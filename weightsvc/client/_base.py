@@ -41,20 +41,20 @@ T = TypeVar("T")
 
 
 class InferenceClient:
-    """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC,
-    "http://host:port" (or "https://...") for HTTP.
+    """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC, "http://host:port"
+    (or "https://...") for HTTP, "s3://bucket/prefix" for an object store a server writes to.
 
     `InferenceClient(target)` returns the transport's client (`GrpcInferenceClient` or
     `HttpInferenceClient`); both offer every operation, and both are `InferenceClient`s."""
 
-    transport: str = ""  # "grpc" or "http"
+    transport: str = ""  # "grpc", "http" or "s3"
     # Each transport's class, loaded when first asked for: `weightsvc.client` fills this in (the
     # transports import this module, so it cannot import them).
     transports: ClassVar[dict[str, Callable[[], type[InferenceClient]]]] = {}
 
     def __new__(cls, target: str, **kwargs: Any) -> InferenceClient:
         if cls is InferenceClient:
-            cls = cls.transports["http" if is_http(target) else "grpc"]()
+            cls = cls.transports["s3" if target.startswith("s3://") else "http" if is_http(target) else "grpc"]()
         return super().__new__(cls)
 
     def __init__(

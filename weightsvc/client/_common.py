@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import itertools
-import math
 import os
 import struct
 import time
@@ -20,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.memory import alloc, half_the_memory
-from weightsvc.protocol.digest import verify
+from weightsvc.protocol.digest import verify_data
 from weightsvc.protocol.lag import LagMetrics
-from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, check_manifest, manifest_from_header
+from weightsvc.protocol.manifest import Manifest, Part, check_manifest, manifest_from_header
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
@@ -198,23 +197,6 @@ class Receiver:
                 raise Unavailable(f"UNAVAILABLE: {self.where}: the body ended at byte {self.pos} of {self.end}")
             self.pos += n
             self.moved(n)
-
-
-def verify_data(manifest: Manifest, data: bytearray | memoryview) -> None:
-    """Check that every served tensor fits the data section and matches its manifest checksum."""
-    view = memoryview(data)
-    where = f"model {manifest.model!r} version {manifest.version}"
-    for t in manifest.tensors:
-        if (
-            t.dtype not in DTYPE_SIZES
-            or t.nbytes != math.prod(t.shape) * DTYPE_SIZES[t.dtype]
-            or (t.offset + t.nbytes > len(view))
-        ):
-            raise DataLoss(
-                f"{where}: tensor {t.name!r} ({t.dtype}, shape {list(t.shape)}, {t.nbytes} bytes "
-                f"at {t.offset}) does not fit the manifest's data section"
-            )
-        verify(t.name, view[t.offset : t.offset + t.nbytes], t.checksum, where=where)
 
 
 def read_version_file(path: str | Path) -> tuple[Manifest, memoryview]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import xxhash
 
 from weightsvc.errors import DataLoss
+from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest
 
 
 def checksum(data: Any) -> str:
@@ -17,6 +19,23 @@ def verify(name: str, data: Any, expected: str, *, where: str) -> None:
     got = checksum(data)
     if got != expected:
         raise DataLoss(f"{where}: tensor {name!r} checksum mismatch (got {got}, manifest says {expected})")
+
+
+def verify_data(manifest: Manifest, data: bytearray | memoryview) -> None:
+    """Check that every served tensor fits the data section and matches its manifest checksum."""
+    view = memoryview(data)
+    where = f"model {manifest.model!r} version {manifest.version}"
+    for t in manifest.tensors:
+        if (
+            t.dtype not in DTYPE_SIZES
+            or t.nbytes != math.prod(t.shape) * DTYPE_SIZES[t.dtype]
+            or (t.offset + t.nbytes > len(view))
+        ):
+            raise DataLoss(
+                f"{where}: tensor {t.name!r} ({t.dtype}, shape {list(t.shape)}, {t.nbytes} bytes "
+                f"at {t.offset}) does not fit the manifest's data section"
+            )
+        verify(t.name, view[t.offset : t.offset + t.nbytes], t.checksum, where=where)
 
 
 DIGEST_BLOCK = 1 << 20

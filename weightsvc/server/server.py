@@ -25,6 +25,7 @@ from weightsvc.errors import WeightsvcError
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
+from weightsvc.service.publish import restore as restore_from_store
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import Auth, HttpAuth
@@ -94,6 +95,7 @@ class Server:
         if restored:
             log.info("restored %d committed versions from %s", restored, s.data_dir)
         await self.service.committer.sync_registry()
+        await self._start_publisher()
         auth = Auth.load(s.tokens(), s.auth_file)
         tls = (s.tls_cert.read_bytes(), s.tls_key.read_bytes()) if s.tls_cert and s.tls_key else None
         self._grpc_connections = GrpcConnections(s.max_connections, self._dropped_grpc)
@@ -153,6 +155,26 @@ class Server:
             s.relay_from,
         )
 
+    async def _start_publisher(self) -> None:
+        """--object-store: a server that starts with no versions (an empty or no data dir) first brings
+        back those the store retains (not a sharded replica: it holds parts); one that has versions
+        queues them (those in the store already are skipped); then uploads begin."""
+        service = self.service
+        assert service is not None
+        if service.publisher is None:
+            return
+        await service.publisher.open()
+        sharded = bool(self.settings.redis_url) and not self.settings.relay_from
+        if not service.index.models() and not sharded:
+            restored = await restore_from_store(service.publisher, self.settings, service.mirror)
+            log.info("restored %d committed versions from the object store %s", restored, service.publisher.url)
+        else:  # what the data dir holds and the store does not (uploads a stop or a crash cut off) goes up
+            for model in service.index.models():
+                for version in service.index.versions(model):
+                    if version.part is None:
+                        service.publisher.committed(version)
+        service.publisher.start()
+
     def _dropped_http(self, reason: str) -> None:
         if self.service is not None:
             self.service.metrics.connections_dropped.labels("http", reason).inc()
@@ -206,6 +228,8 @@ class Server:
             await self._grpc_connections.stop()
         if self._grpc is not None:
             await stop_grpc(self._grpc)
+        if self.service is not None and self.service.publisher is not None:
+            await self.service.publisher.stop()
         if self.service is not None:
             await asyncio.to_thread(self.service.close)
             await self.service.registry.close()

@@ -30,6 +30,7 @@ from weightsvc.protocol.manifest import Manifest, check_manifest
 from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.topology import Replica
 from weightsvc.service.device import Exporter, exporter_for
+from weightsvc.service.publish import Publisher
 from weightsvc.service.pull import Pulls, Watches, events
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.pushes import Pushes
@@ -112,6 +113,8 @@ class Service:
         self._topology: list[Replica] | None = None  # the last the registry gave (before it lost its data)
         self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
         self.watches = Watches(settings.watch_limit, self.metrics)
+        self.publisher = Publisher(settings, self.metrics, self.index) if settings.object_store else None
+        self.committer.publisher = self.publisher
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from weightsvc.cli.bench import PARTS, delta, kernels, loop, memory, sass, scale, sync, transfer
+from weightsvc.cli.bench import PARTS, delta, kernels, loop, memory, sass, scale, store, sync, transfer
 from weightsvc.cli.bench._common import make_model
 from weightsvc.cli.bench.rawtcp import RawTcp
 
@@ -31,7 +31,7 @@ def run_bench(
     say = log or (lambda _m: None)
     parts = set(PARTS.values()) if only is None else {PARTS.get(x, x) for x in only}
     model: dict[str, torch.Tensor] = {}
-    if parts & {"transfer", "E1", "P1", "S2"}:
+    if parts & {"transfer", "E1", "P1", "S2", "store"}:
         model = make_model(size_mib)
         say(f"model: {len(model)} tensors, {sum(t.numel() * 4 for t in model.values()) / 2**20:.0f} MiB fp32")
     tcp = RawTcp(repeat)  # measured once for every figure that compares with it
@@ -46,6 +46,7 @@ def run_bench(
         "delta": delta.delta_bench,
         "sass": lambda: sass.sass_bench(say=say),
         "scale": lambda: scale.scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say),
+        "store": lambda: store.store_bench(model, repeat=repeat, say=say),
     }
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
     for name, measure in measures.items():

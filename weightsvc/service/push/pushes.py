@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from weightsvc._aio import BIG_MANIFEST, in_thread, no_full_collections
+from weightsvc._aio import BIG_MANIFEST, in_thread, let_go, no_full_collections
 from weightsvc.errors import (
     Aborted,
     DeadlineExceeded,
@@ -320,6 +320,8 @@ class Pushes:
                     self.pushing[header.model] -= 1
                     if not self.pushing[header.model]:
                         del self.pushing[header.model]
+                    if big:  # (its specs are freed in the reaper once the push lets go of them too)
+                        let_go(header.tensors)
             if header.rank == 0:
                 log.info("%s model=%s version=%d tensors=%d bytes=%d ranks=%d",
                          "committed" if created else "idempotent push of", header.model, header.step,

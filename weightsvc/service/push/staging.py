@@ -21,7 +21,7 @@ import numpy as np
 from prometheus_client import Gauge
 
 from weightsvc import rounding
-from weightsvc._aio import BIG_MANIFEST, in_thread
+from weightsvc._aio import BIG_MANIFEST, in_thread, let_go
 from weightsvc.errors import Aborted, InvalidArgument
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
@@ -283,6 +283,8 @@ class PushSession:
         await asyncio.gather(*self.pending, return_exceptions=True)
         self.pending.clear()
         await in_thread(len(self.tensors) >= BIG_MANIFEST, _let_go, self.tensors, self.shards)
+        if len(self.header.tensors) >= BIG_MANIFEST:
+            let_go(self.header.tensors, self.plan.slots, self.plan.groups, self.plan.empty)
         self.held.add(-self.held.nbytes)
         files = self.context.files
         if self.residual_file is not None and files is not None:

@@ -20,7 +20,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from weightsvc._faults import crash_point
 from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable
@@ -43,6 +43,14 @@ from weightsvc.service.versions.lag import LagTracker, Sample
 
 log = logging.getLogger("weightsvc.store")
 T = TypeVar("T")
+
+
+class Publishing(Protocol):
+    """Where whole committed versions are written through to (`service.publish.Publisher`)."""
+
+    async def before_commit(self, version: Version) -> None: ...
+
+    def committed(self, version: Version) -> None: ...
 
 
 class Committer:
@@ -68,6 +76,7 @@ class Committer:
         self._lag: dict[str, LagTracker] = {}
         self._records = Records(files)
         self._giving_back: asyncio.Task[None] | None = None
+        self.publisher: Publishing | None = None  # --object-store: whole versions are written through to it
         self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
                                  lost=self.registry_lost)
 
@@ -173,6 +182,8 @@ class Committer:
                     version = await self.on_disk(m.model, m.version, functools.partial(self._files.write, version),
                                                  locked=True)
                     crash_point("commit.version-renamed")
+                if self.publisher is not None and part_of is None:
+                    await self.publisher.before_commit(version)  # --object-store-required: in the store first
                 # The registry decides (with Redis, across replicas) and announces the version.
                 if part_of is None:
                     decided = await self._registered(m, text)
@@ -200,6 +211,8 @@ class Committer:
         if m.lag is not None:
             self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
         await self._index.announce()
+        if self.publisher is not None and part_of is None:
+            self.publisher.committed(version)
         crash_point("commit.visible")
         if self._files is not None and (evicted or residual is not None):
             # Outside the lock, so the next commit may be writing its residual meanwhile: bounded by

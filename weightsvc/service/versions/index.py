@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from weightsvc._aio import BIG_MANIFEST, let_go
 from weightsvc.errors import NotFound
 from weightsvc.memory import BufferPool
 from weightsvc.metrics import Metrics
@@ -207,6 +208,9 @@ class VersionIndex:
 
     def _retire(self, version: Version) -> None:
         version.evicted = True
+        # Its tensors are freed in the reaper, once the last pull of it lets go of them too.
+        let_go(*(m.tensors for m in (version.manifest, version.part)
+                 if m is not None and len(m.tensors) >= BIG_MANIFEST))
         if version.readers == 0:  # else the last pull to end gives it back
             self._recycle(version)
 

@@ -1,0 +1,57 @@
+"""The object store's names, commit markers and retention, without a store."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from weightsvc.errors import DataLoss, InvalidArgument
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.store import Marker, StoreUrl
+from weightsvc.store.layout import DELTA, FULL, chain, marker_name, version_of
+from weightsvc.store.writer import StoredModel, expired
+
+
+def marker(version: int, base: int | None, chain_length: int = 0) -> Marker:
+    m = Manifest("m", version, "bf16", "sr", 0, 0.0, 0, "digest")
+    return Marker(m, FULL if base is None else DELTA, base, chain_length, 10, "xxh3_64:0")
+
+
+def test_names_sort_as_versions_and_read_back() -> None:
+    names = [marker_name("m", v) for v in (2, 10, 100)]
+    assert sorted(names) == names
+    assert [version_of("m", n) for n in names] == [2, 10, 100]
+    assert version_of("m", "versions/m/00000000000000000002.delta") is None
+
+
+def test_retention_keeps_the_newest_and_the_chains_they_are_built_on() -> None:
+    # 1 full, 2-3 deltas, 4 full, 5-6 deltas; 7 a full whose base was dropped from the queue.
+    stored = StoredModel({1: marker(1, None), 2: marker(2, 1), 3: marker(3, 2), 4: marker(4, None),
+                          5: marker(5, 4), 6: marker(6, 5), 7: marker(7, None)})
+    assert expired(stored, 2) == [1, 2, 3]  # 6 and 7 kept; 6 needs 5 and 4
+    assert expired(stored, 1) == [1, 2, 3, 4, 5, 6]
+    assert expired(stored, 5) == []  # 3 is retained, and built on 2 and 1
+    assert chain(stored.markers[6], stored.markers.get) == [stored.markers[v] for v in (4, 5, 6)]
+    with pytest.raises(DataLoss, match="lost version 4"):
+        chain(stored.markers[6], {5: stored.markers[5]}.get)
+
+
+def test_a_marker_that_is_not_the_version_asked_for_is_refused() -> None:
+    raw = marker(3, 2, 1).to_json()
+    assert Marker.from_json(raw, "m", 3) == marker(3, 2, 1)
+    with pytest.raises(DataLoss, match="version 4"):
+        Marker.from_json(raw, "m", 4)
+    with pytest.raises(DataLoss, match="not one weightsvc writes"):
+        Marker.from_json(b"{not json", "m", 3)
+    bad = dataclasses.replace(marker(3, 2, 1), base=None)  # a delta without its base
+    with pytest.raises(DataLoss):
+        Marker.from_json(bad.to_json(), "m", 3)
+
+
+def test_store_urls() -> None:
+    assert StoreUrl.parse("s3://weights/runs/a/") == StoreUrl("weights", "runs/a")
+    assert StoreUrl.parse("s3://weights").key("x") == "x"
+    for bad in ("weights/x", "s3://B/x", "s3://a/x"):
+        with pytest.raises(InvalidArgument, match=r"bucket|s3://"):
+            StoreUrl.parse(bad)
