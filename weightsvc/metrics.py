@@ -265,3 +265,54 @@ class _ClientCollector(Collector):
             buckets = [(str(b), sum(lag <= b for lag in lags)) for b in _LAG_BUCKETS] + [("+Inf", len(lags))]
             spread.add_metric([model], buckets, sum(lags))
         yield from (clients, silent, worst, spread)
+
+
+# The steps of a follower's update (`weightsvc follow`), which label its failures.
+FOLLOWER_STAGES = ("watch", "connect", "stage", "pause", "swap", "resume", "verify", "ack")
+FOLLOWER_PATHS = ("transfer", "collective_rpc")
+_UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class FollowerMetrics:
+    """The metrics of `weightsvc follow`, the sidecar of one inference engine (its own registry: it
+    runs in its own process). Labels: the path into the engine and the stage of a failure."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.update_seconds = Histogram(
+            "weightsvc_follower_update_seconds", "From the start of an update (staging) to the engine serving it",
+            ["path"], buckets=_UPDATE_BUCKETS, registry=r,
+        )
+        self.pause_seconds = Histogram(
+            "weightsvc_follower_pause_seconds", "How long each update held the engine's generation paused",
+            ["path"], buckets=_UPDATE_BUCKETS, registry=r,
+        )
+        self.versions_behind = Gauge(
+            "weightsvc_follower_versions_behind", "Versions the engine serves behind the latest committed", registry=r
+        )
+        self.engine_version = Gauge(
+            "weightsvc_follower_engine_version", "The version the engine serves (-1: none of weightsvc's)", registry=r
+        )
+        self.failures = Counter(
+            "weightsvc_follower_failures", "Failed steps of updates, by stage (each is retried)", ["stage"], registry=r
+        )
+        for stage in FOLLOWER_STAGES:
+            self.failures.labels(stage)
+        for path in FOLLOWER_PATHS:
+            self.update_seconds.labels(path)
+            self.pause_seconds.labels(path)
+
+    def updated(self, path: str, update_s: float, pause_s: float) -> None:
+        self.update_seconds.labels(path).observe(update_s)
+        self.pause_seconds.labels(path).observe(pause_s)
+
+    def failed(self, stage: str) -> None:
+        self.failures.labels(stage if stage in FOLLOWER_STAGES else "swap").inc()
+
+    def position(self, served: int | None, latest: int | None) -> None:
+        self.engine_version.set(-1 if served is None else served)
+        if latest is not None:
+            self.versions_behind.set(latest - (served or 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

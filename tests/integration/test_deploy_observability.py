@@ -35,7 +35,9 @@ def referenced_names(text: str) -> set[str]:
 
 
 def test_rules_and_dashboard_use_exported_metrics() -> None:
-    exported = exported_metrics_text()
+    from weightsvc.metrics import FollowerMetrics
+
+    exported = exported_metrics_text() + FollowerMetrics().render().decode()  # the server's and `follow`'s
     names = {line.split("{")[0].split(" ")[0] for line in exported.splitlines() if line.startswith("weightsvc_")}
     used = referenced_names(RULES.read_text()) | referenced_names(DASHBOARD.read_text())
     assert used, "nothing referenced"

@@ -29,6 +29,13 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
+def one_source(ctx: typer.Context, url: str | None) -> None:
+    """A command that reads from a server takes --target (gRPC) or --url (HTTP), not both."""
+    source = ctx.get_parameter_source("target")
+    if url is not None and source is not None and source.name == "COMMANDLINE":
+        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP) or s3://BUCKET/PREFIX")
+
+
 def print_table(table: Any) -> None:
     from rich.console import Console
 

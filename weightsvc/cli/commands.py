@@ -8,7 +8,17 @@ from typing import Annotated
 
 import typer
 
-from weightsvc.cli._common import DEFAULT_TARGET, CaCert, Token, fail, note, print_table, progress_bar, say
+from weightsvc.cli._common import (
+    DEFAULT_TARGET,
+    CaCert,
+    Token,
+    fail,
+    note,
+    one_source,
+    print_table,
+    progress_bar,
+    say,
+)
 from weightsvc.cli.files import check_base_file, load_masters, read_file_header
 from weightsvc.errors import WeightsvcError
 
@@ -76,9 +86,7 @@ def pull(
     ca_cert: CaCert = None,
 ) -> None:
     """Pull a served version into a safetensors file (checksums verified)."""
-    source = ctx.get_parameter_source("target")
-    if url is not None and source is not None and source.name == "COMMANDLINE":
-        fail("give exactly one of --target HOST:PORT (gRPC) or --url http://HOST:PORT (HTTP) or s3://BUCKET/PREFIX")
+    one_source(ctx, url)
     if base is not None:
         check_base_file(output, model, base)
     from weightsvc.client import InferenceClient

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from weightsvc.cli import commands, status
+from weightsvc.cli import commands, follow, status
 from weightsvc.cli._common import note
 
 try:  # typer 0.29 carries its own copy of click; earlier releases use click itself
@@ -69,6 +69,7 @@ app.command()(commands.pull)
 app.command()(status.status)
 app.command()(commands.demo)
 app.command()(commands.bench)
+app.command()(follow.follow)
 
 
 def main(args: list[str] | None = None) -> None:
