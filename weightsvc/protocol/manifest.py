@@ -191,12 +191,18 @@ class Manifest:
     def json(self, separators: tuple[str, str] = (", ", ": ")) -> str:
         """`json.dumps(self.to_dict())`, the same text, made in slices of tensors: one C call over
         100,000 tensors would hold the GIL, and so the event loop, for most of a second."""
-        key = separators[1]
+        sep, key = separators
         head = json.dumps(self.to_dict(tensors=False), separators=separators)
-        body = separators[0].join(_tensor_json(self.tensors[i : i + JSON_SLICE], separators)
-                                  for i in range(0, len(self.tensors), JSON_SLICE))
         empty = f'"tensors"{key}[]'  # (a string value cannot hold it: its quotes would be escaped)
-        return head.replace(empty, f'"tensors"{key}[{body}]', 1)
+        before, after = head.split(empty, 1)
+        # Joined once: each step over the whole text (~50 MB at 400,000 tensors: a join, a replace)
+        # is one call that holds the GIL for 0.05-0.1 s.
+        parts = [before, f'"tensors"{key}[']
+        for i in range(0, len(self.tensors), JSON_SLICE):
+            if i:
+                parts.append(sep)
+            parts.append(_tensor_json(self.tensors[i : i + JSON_SLICE], separators))
+        return "".join([*parts, "]", after])
 
     def safetensors_header(self, text: str | None = None) -> bytes:
         """The file prefix: little-endian u64 length + JSON header padded with spaces to 8 bytes.
