@@ -10,6 +10,7 @@ message (5.3 MB) would not pass, as 100,000 tensors' would not pass the default 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -21,10 +22,12 @@ import pytest
 import torch
 
 from tests.conftest import ServeProcess, serving
+from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Slice
 from weightsvc.errors import ResourceExhausted
 from weightsvc.protocol import safetensors as safetensors_module
+from weightsvc.protocol.manifest import Manifest
 
 pytestmark = pytest.mark.slow
 N = 50_000
@@ -92,6 +95,10 @@ def test_manifests_and_pulls_of_50k_tensors_on_both_transports(big: tuple[ServeP
     with InferenceClient(server.target) as grpc_client, InferenceClient(server.url) as http_client:
         manifest = grpc_client.manifest("moe", 1)  # 5.3 MB of manifest: in pieces
         assert len(manifest.tensors) == N and manifest == http_client.manifest("moe", 1)
+        # Streamed in slices over HTTP, with its length (not chunked): a client knows how much comes.
+        status, headers, body = http_get(server.url, "/v1/models/moe/versions/1/manifest")
+        assert status == 200 and int(headers["content-length"]) == len(body) > 1 << 20
+        assert "transfer-encoding" not in headers and Manifest.from_dict(json.loads(body)) == manifest
         whole = grpc_client.pull("moe", 1)
         assert len(whole) == N and equal(whole, http_client.pull("moe", 1))
         names = sorted(whole)[:1000]

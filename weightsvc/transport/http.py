@@ -195,6 +195,18 @@ class SelectBody(BaseModel):
     select: list[str] = Field(description=_SELECT)
 
 
+BODY_SLICE = 1 << 20  # bytes of a big answer handed to the connection at once
+
+
+async def _sliced(body: bytes) -> AsyncIterator[memoryview]:
+    """A big answer (the manifest of 400,000 tensors: ~50 MB) in slices: handed over whole, what the
+    socket does not take at once is copied into the connection's buffer in one call on the event loop
+    (0.1 s), where a slice at a time waits for the socket between slices."""
+    view = memoryview(body)
+    for start in range(0, len(view), BODY_SLICE):
+        yield view[start : start + BODY_SLICE]
+
+
 def _json(m: Manifest) -> bytes:
     return m.json((",", ":")).encode()
 
@@ -292,7 +304,11 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:
         m = service.index.get(model, parse_version_ref(version)).manifest
-        return Response(await off_loop(memo, m, "json", _json), media_type="application/json")
+        body = await off_loop(memo, m, "json", _json)
+        if len(body) <= BODY_SLICE:
+            return Response(body, media_type="application/json")
+        return StreamingResponse(_sliced(body), media_type="application/json",
+                                 headers={"content-length": str(len(body))})
 
     @app.head("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="head_safetensors")
     @app.get("/v1/models/{model}/versions/{version}/safetensors", response_model=None, operation_id="get_safetensors")
