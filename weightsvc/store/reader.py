@@ -12,7 +12,8 @@ Blocking: the clients call it from their own threads.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterable
 
 from weightsvc.errors import DataLoss, NotFound
 from weightsvc.memory import alloc
@@ -97,22 +98,30 @@ class StoreReader:
         where = f"model {m.model!r} version {m.version} (object store)"
         picked = [t for t, _ in chosen(m, select)]
         if marker.kind == FULL:
-            held = alloc(sum(t.nbytes for t in picked))
-            spans, at = [], 0
+            # Tensors that follow each other in the data section are read as one range: one GET each.
+            spans: list[Segment] = []
+            at = 0
             for t in picked:
-                start = marker.data_start + t.offset
-                if t.nbytes:  # (a tensor of no elements has no range to read)
-                    self.bucket.get(marker.object, (start, start + t.nbytes), held[at : at + t.nbytes])
-                    moved(t.nbytes)
-                spans.append(Segment(t.offset, at, t.nbytes))
+                last = spans[-1] if spans else None
+                if last is not None and last.start + last.nbytes == t.offset and last.local + last.nbytes == at:
+                    spans[-1] = Segment(last.start, last.local, last.nbytes + t.nbytes)
+                else:
+                    spans.append(Segment(t.offset, at, t.nbytes))
                 at += t.nbytes
+            held = alloc(at)
+            for span in spans:
+                if span.nbytes:  # (tensors of no elements have no range to read)
+                    start = marker.data_start + span.start
+                    self.bucket.get(marker.object, (start, start + span.nbytes),
+                                    held[span.local : span.local + span.nbytes])
+                    moved(span.nbytes)
+            local: Iterable[int] = itertools.accumulate((t.nbytes for t in picked), initial=0)
         else:
             held = self.load(marker, None, moved, check)
             spans = [Segment(0, 0, len(held))]
-        for t in picked:
-            span = next(s for s in spans if s.start <= t.offset < s.start + s.nbytes)
-            local = t.offset - span.start + span.local
-            verify(t.name, held[local : local + t.nbytes], t.checksum, where=where)
+            local = (t.offset for t in picked)
+        for t, at in zip(picked, local, strict=False):
+            verify(t.name, held[at : at + t.nbytes], t.checksum, where=where)
         selected = gather(m, held, spans, select)
         data = alloc(selected.manifest.data_bytes)
         for t, segment in zip(selected.manifest.tensors, selected.segments, strict=True):
