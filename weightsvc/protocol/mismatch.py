@@ -71,6 +71,11 @@ def mismatch_to_proto(m: RolloutMismatch) -> pb.RolloutMismatch:
                               outside_band=m.outside_band)
 
 
+def fields_from_proto(m: pb.RolloutMismatch) -> dict[str, int | float]:
+    """The fields of a `pb.RolloutMismatch`, unchecked."""
+    return {"tokens": int(m.tokens), **{f: float(getattr(m, f)) for f in MEANS}}
+
+
 def mismatch_from_proto(m: pb.RolloutMismatch) -> RolloutMismatch:
     """A `pb.RolloutMismatch` as the dataclass (raises `ValueError` on a bad value)."""
-    return RolloutMismatch(int(m.tokens), *(float(getattr(m, f)) for f in MEANS))
+    return RolloutMismatch(**fields_from_proto(m))  # type: ignore[arg-type]

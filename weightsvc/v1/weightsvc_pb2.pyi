@@ -211,7 +211,7 @@ class LagMetrics(_message.Message):
     def __init__(self, churn: _Optional[float] = ..., update_visibility: _Optional[float] = ..., lag_steps: _Optional[int] = ..., relative_error: _Optional[float] = ..., saturated_elements: _Optional[int] = ..., sampled_elements: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes", "lag", "mismatch")
+    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes", "lag", "mismatch", "mismatch_step")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class VersionInfo(_message.Message):
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAG_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_STEP_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -230,7 +231,8 @@ class VersionInfo(_message.Message):
     data_bytes: int
     lag: LagMetrics
     mismatch: RolloutMismatch
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., mismatch: _Optional[_Union[RolloutMismatch, _Mapping]] = ...) -> None: ...
+    mismatch_step: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., mismatch: _Optional[_Union[RolloutMismatch, _Mapping]] = ..., mismatch_step: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "version", "offset", "base", "select")
