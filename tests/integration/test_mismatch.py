@@ -23,7 +23,7 @@ from tests.helpers import REDIS_URL, PrivateRedis, http_get, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli.main import app
 from weightsvc.client import RolloutMismatch, rollout_mismatch
-from weightsvc.errors import InvalidArgument, NotFound, Unavailable
+from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -215,6 +215,31 @@ def test_replicas_on_one_redis_share_the_records(redis_prefix: str, model: str) 
                 ((m, step),) = listed(target, model).values()
                 assert m is not None and step == 2
                 same(m, a + b)
+
+
+@pytest.mark.parametrize("registry", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_report_with_another_band_than_its_version_had_is_refused(registry: str, redis_prefix: str,
+                                                                     model: str) -> None:
+    """Shares of tokens outside two different bands do not add up: the version keeps its first band."""
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix} if registry == "redis" else {}
+    with serving(**shared) as srv:
+        learner = LearnerClient(srv.grpc_target)
+        for step in (1, 2):
+            learner.push(step, make_masters(seed=step), model=model)
+        wide = RolloutMismatch(10, 0.1, 0.01, 0.1, band=(0.2, 5.0))
+        learner.report_mismatch(model, {1: wide})
+        with pytest.raises(FailedPrecondition, match=rf"model '{model}': the report's IcePop band differs from the "
+                                                     r"version's \(version 1: reported with \[0.2, 5.0\], this "
+                                                     r"report \[0.5, 2.0\]\)"):
+            learner.report_mismatch(model, {1: RolloutMismatch(10, 0.1, 0.01, 0.3),
+                                            2: RolloutMismatch(5, 0.1, 0.01, 0.0)})
+        status, answer = post(srv.http_url, f"/v1/models/{model}/mismatch",
+                              {"versions": {"1": {**wide.as_dict(), "band": [0.5, 2.0]}, "2": wide.as_dict()}})
+        assert (status, answer["error"]["code"]) == (409, "FAILED_PRECONDITION"), answer
+        assert "version 1: reported with [0.2, 5.0], this report [0.5, 2.0]" in answer["error"]["message"]
+        assert listed(srv.grpc_target, model) == {1: (wide, None), 2: (None, None)}  # nothing of either report
+        learner.report_mismatch(model, {1: wide, 2: wide})  # its own band still adds up
+        assert listed(srv.http_url, model)[1][0] == wide + wide
 
 
 def test_without_its_registry_a_report_is_refused_and_the_listing_goes_on(tmp_path: Path, model: str) -> None:

@@ -46,7 +46,17 @@ def test_band_edges_and_custom_band() -> None:
     log_r = torch.tensor([math.log(0.5), math.log(2.0), math.log(0.49), math.log(2.01)], dtype=torch.float64)
     zero = torch.zeros(4, dtype=torch.float64)
     assert rollout_mismatch(log_r, zero, torch.zeros(4, dtype=torch.int64))[0].outside_band == 0.5
-    assert rollout_mismatch(log_r, zero, torch.zeros(4, dtype=torch.int64), band=(0.4, 5.0))[0].outside_band == 0.0
+    wide = rollout_mismatch(log_r, zero, torch.zeros(4, dtype=torch.int64), band=(0.4, 5.0))[0]
+    assert wide.outside_band == 0.0 and wide.band == (0.4, 5.0)
+
+
+def test_shares_of_different_bands_do_not_add_up() -> None:
+    a, b = RolloutMismatch(4, 0.1, 0.01, 0.5), RolloutMismatch(4, 0.1, 0.01, 0.0, band=(0.4, 5.0))
+    with pytest.raises(ValueError, match=r"different IcePop bands \(\[0.5, 2.0\] and \[0.4, 5.0\]\)"):
+        a + b
+    assert (b + b).band == (0.4, 5.0) and RolloutMismatch(**b.as_dict()) == b  # (the band travels)
+    with pytest.raises(ValueError, match=r"0 < low < high < inf, not \[2.0, 0.5\]"):
+        RolloutMismatch(4, 0.1, 0.01, 0.0, band=(2.0, 0.5))
 
 
 def test_matches_a_per_token_oracle_on_random_batches() -> None:

@@ -14,13 +14,11 @@ import math
 
 import torch
 
-from weightsvc.protocol.mismatch import RolloutMismatch
-
-IcePopBand = tuple[float, float]
+from weightsvc.protocol.mismatch import DEFAULT_BAND, Band, RolloutMismatch, check_band
 
 
 def _check(learner: torch.Tensor, engine: torch.Tensor, versions: torch.Tensor, mask: torch.Tensor | None,
-           band: IcePopBand) -> None:
+           band: Band) -> None:
     if learner.shape != engine.shape or learner.shape != versions.shape:
         raise ValueError(f"learner_logprobs {list(learner.shape)}, engine_logprobs {list(engine.shape)} and "
                          f"versions {list(versions.shape)} must have the same shape")
@@ -32,9 +30,7 @@ def _check(learner: torch.Tensor, engine: torch.Tensor, versions: torch.Tensor, 
         raise ValueError(f"versions must be an integer tensor, not {versions.dtype}")
     if mask is not None and mask.shape != learner.shape:
         raise ValueError(f"mask {list(mask.shape)} must have the shape of the logprobs {list(learner.shape)}")
-    low, high = band
-    if not 0 < low < high or not math.isfinite(high):
-        raise ValueError(f"the IcePop band must satisfy 0 < low < high < inf, not {band}")
+    check_band(band)
 
 
 def rollout_mismatch(
@@ -43,7 +39,7 @@ def rollout_mismatch(
     versions: torch.Tensor,
     *,
     mask: torch.Tensor | None = None,
-    band: IcePopBand = (0.5, 2.0),
+    band: Band = DEFAULT_BAND,
 ) -> dict[int, RolloutMismatch]:
     """The mismatch between the learner's and the inference engine's per-token logprobs, per weight
     version: `{version: RolloutMismatch}` over the tokens `mask` keeps (non-zero; all when None).
@@ -74,7 +70,8 @@ def rollout_mismatch(
     tokens = torch.bincount(group, minlength=n)
     sums = [torch.zeros(n, dtype=torch.float64, device=version.device).index_add_(0, group, x.to(torch.float64))
             for x in (log_r.abs(), k3, outside)]
+    abs_sum, k3_sum, outside_sum = (s.tolist() for s in sums)
     return {
-        int(v): RolloutMismatch(int(t), *(float(s[i]) / int(t) for s in sums))
+        int(v): RolloutMismatch(int(t), abs_sum[i] / t, k3_sum[i] / t, outside_sum[i] / t, check_band(band))
         for i, (v, t) in enumerate(zip(found.tolist(), tokens.tolist(), strict=True))
     }

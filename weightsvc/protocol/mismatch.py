@@ -5,7 +5,8 @@ accumulates per model and version.
 Definitions follow verl's rollout-correction metrics (`compute_offpolicy_metrics`), with
 r = exp(learner - engine) per token: `k3_kl` is the token mean of r - 1 - log r (the k3 estimator of
 KL(engine ‖ learner): the tokens were sampled from the engine), `mean_abs_logp_delta` the token mean
-of |log r|, `outside_band` the share of tokens whose r lies outside the IcePop band [low, high].
+of |log r|, `outside_band` the share of tokens whose r lies outside the IcePop band [low, high]
+(`band`). The reports of one version must share a band: shares of different bands do not add up.
 """
 
 from __future__ import annotations
@@ -13,21 +14,37 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Any
 
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 MEANS = ("mean_abs_logp_delta", "k3_kl", "outside_band")
+DEFAULT_BAND = (0.5, 2.0)
+Band = tuple[float, float]
+
+
+def check_band(band: object) -> Band:
+    """`band` as (low, high) with 0 < low < high < inf, or a `ValueError` naming it."""
+    try:
+        low, high = (float(x) for x in band)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        raise ValueError(f"the IcePop band is two numbers [low, high], not {band!r}") from None
+    if not (0 < low < high and math.isfinite(high)):
+        raise ValueError(f"the IcePop band must satisfy 0 < low < high < inf, not {[low, high]}")
+    return low, high
 
 
 @dataclass(frozen=True)
 class RolloutMismatch:
     """Token means over `tokens` tokens of one weight version. Construction checks the values (a
-    `ValueError` names the field): tokens > 0, every mean finite and ≥ 0, `outside_band` ≤ 1."""
+    `ValueError` names the field): tokens > 0, every mean finite and ≥ 0, `outside_band` ≤ 1, `band`
+    0 < low < high < inf."""
 
     tokens: int
     mean_abs_logp_delta: float
     k3_kl: float
     outside_band: float
+    band: Band = DEFAULT_BAND
 
     def __post_init__(self) -> None:
         if isinstance(self.tokens, bool) or not isinstance(self.tokens, numbers.Integral):
@@ -44,19 +61,24 @@ class RolloutMismatch:
             object.__setattr__(self, field, float(value))
         if self.outside_band > 1:
             raise ValueError(f"outside_band is a share of tokens, in [0, 1], not {self.outside_band}")
+        object.__setattr__(self, "band", check_band(self.band))
 
     def combined(self, other: RolloutMismatch) -> RolloutMismatch:
-        """Both reports as one: the token-weighted means over the tokens of both (of the same version)."""
+        """Both reports as one: the token-weighted means over the tokens of both (of the same version
+        and band; another band raises `ValueError`)."""
+        if other.band != self.band:
+            raise ValueError(f"the reports have different IcePop bands ({list(self.band)} and {list(other.band)}): "
+                             "their outside_band shares do not add up")
         tokens = self.tokens + other.tokens
         a, b = self.tokens / tokens, other.tokens / tokens
         means = {f: a * getattr(self, f) + b * getattr(other, f) for f in MEANS}
         means["outside_band"] = min(means["outside_band"], 1.0)  # (a rounding above 1 is still "all")
-        return RolloutMismatch(tokens, **means)
+        return RolloutMismatch(tokens, **means, band=self.band)
 
     __add__ = combined
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"tokens": self.tokens, **{f: getattr(self, f) for f in MEANS}}
+        return {"tokens": self.tokens, **{f: getattr(self, f) for f in MEANS}, "band": list(self.band)}
 
 
 def combine(*reports: dict[int, RolloutMismatch]) -> dict[int, RolloutMismatch]:
@@ -70,14 +92,15 @@ def combine(*reports: dict[int, RolloutMismatch]) -> dict[int, RolloutMismatch]:
 
 def mismatch_to_proto(m: RolloutMismatch) -> pb.RolloutMismatch:
     return pb.RolloutMismatch(tokens=m.tokens, mean_abs_logp_delta=m.mean_abs_logp_delta, k3_kl=m.k3_kl,
-                              outside_band=m.outside_band)
+                              outside_band=m.outside_band, band_low=m.band[0], band_high=m.band[1])
 
 
-def fields_from_proto(m: pb.RolloutMismatch) -> dict[str, int | float]:
-    """The fields of a `pb.RolloutMismatch`, unchecked."""
-    return {"tokens": int(m.tokens), **{f: float(getattr(m, f)) for f in MEANS}}
+def fields_from_proto(m: pb.RolloutMismatch) -> dict[str, Any]:
+    """The fields of a `pb.RolloutMismatch`, unchecked (no band: the default one)."""
+    band = DEFAULT_BAND if m.band_low == m.band_high == 0 else (m.band_low, m.band_high)
+    return {"tokens": int(m.tokens), **{f: float(getattr(m, f)) for f in MEANS}, "band": band}
 
 
 def mismatch_from_proto(m: pb.RolloutMismatch) -> RolloutMismatch:
     """A `pb.RolloutMismatch` as the dataclass (raises `ValueError` on a bad value)."""
-    return RolloutMismatch(**fields_from_proto(m))  # type: ignore[arg-type]
+    return RolloutMismatch(**fields_from_proto(m))

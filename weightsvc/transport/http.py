@@ -179,8 +179,9 @@ class AckBody(BaseModel):
 
 
 class MismatchBody(BaseModel):
-    """`{"versions": {"7": {"tokens": ..., "mean_abs_logp_delta": ..., "k3_kl": ..., "outside_band": ...}},
-    "step": 12}`: the fields are checked by the service, which names the version of a bad one."""
+    """`{"versions": {"7": {"tokens": ..., "mean_abs_logp_delta": ..., "k3_kl": ..., "outside_band": ...,
+    "band": [0.5, 2.0]}}, "step": 12}` (band optional: the default one): the fields are checked by the
+    service, which names the version of a bad one."""
 
     versions: dict[str, dict[str, Any]]
     step: int | None = None  # the learner step that measured it

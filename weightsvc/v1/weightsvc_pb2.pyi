@@ -409,16 +409,20 @@ class Topology(_message.Message):
     def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., hashing: _Optional[str] = ..., replication: _Optional[int] = ...) -> None: ...
 
 class RolloutMismatch(_message.Message):
-    __slots__ = ("tokens", "mean_abs_logp_delta", "k3_kl", "outside_band")
+    __slots__ = ("tokens", "mean_abs_logp_delta", "k3_kl", "outside_band", "band_low", "band_high")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ABS_LOGP_DELTA_FIELD_NUMBER: _ClassVar[int]
     K3_KL_FIELD_NUMBER: _ClassVar[int]
     OUTSIDE_BAND_FIELD_NUMBER: _ClassVar[int]
+    BAND_LOW_FIELD_NUMBER: _ClassVar[int]
+    BAND_HIGH_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     mean_abs_logp_delta: float
     k3_kl: float
     outside_band: float
-    def __init__(self, tokens: _Optional[int] = ..., mean_abs_logp_delta: _Optional[float] = ..., k3_kl: _Optional[float] = ..., outside_band: _Optional[float] = ...) -> None: ...
+    band_low: float
+    band_high: float
+    def __init__(self, tokens: _Optional[int] = ..., mean_abs_logp_delta: _Optional[float] = ..., k3_kl: _Optional[float] = ..., outside_band: _Optional[float] = ..., band_low: _Optional[float] = ..., band_high: _Optional[float] = ...) -> None: ...
 
 class ReportMismatchRequest(_message.Message):
     __slots__ = ("model", "versions", "step")

@@ -13,6 +13,7 @@ from weightsvc.service.replicas.registry import (
     ACKS_KEPT,
     CommitResult,
     MismatchRecord,
+    band_conflict,
     check_commit,
     combined_digest,
     conflict,
@@ -133,6 +134,10 @@ class MemoryRegistry:
                            ) -> dict[int, MismatchRecord]:
         kept = set(keep)
         records = {v: r for v, r in self._mismatch.get(model, {}).items() if v in kept}
+        conflicts = {v: (records[v].band, r.band) for v, r in added.items()
+                     if v in records and records[v].band != r.band}
+        if conflicts:
+            raise band_conflict(model, conflicts)
         for v, r in added.items():
             records[v] = records[v].plus(r) if v in records else r
         self._mismatch[model] = records

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from weightsvc.errors import Unavailable
+from weightsvc.protocol.mismatch import DEFAULT_BAND
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
     ACKS_KEPT,
@@ -20,6 +21,7 @@ from weightsvc.service.replicas.registry import (
     PART_TTL_S,
     CommitResult,
     MismatchRecord,
+    band_conflict,
     conflict,
     diverged_error,
     not_above,
@@ -162,23 +164,34 @@ return 1
 
 
 # KEYS: the model's mismatch records (hash: "<version>:<field>" -> a number). ARGV: the retained versions
-# (JSON), then per added version: version, tokens, |log r| sum, k3 sum, outside-band tokens, step ("": none).
-# Sums add in Redis's long doubles (HINCRBYFLOAT), not through cjson, which keeps 14 digits. Returns the
-# added versions' totals, in order, each [tokens, abs, k3, outside, step].
+# (JSON), then per added version: version, tokens, |log r| sum, k3 sum, outside-band tokens, step ("": none),
+# band ("low,high"). Sums add in Redis's long doubles (HINCRBYFLOAT), not through cjson, which keeps 14
+# digits. Returns the added versions' totals, in order, each [tokens, abs, k3, outside, step]; or, adding
+# nothing, {"band", version, its band, ...} for the versions reported before with another band.
 _ADD_MISMATCH = """
 local keep = {}
 for _, v in ipairs(cjson.decode(ARGV[1])) do keep[tostring(v)] = true end
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   if not keep[string.match(field, '^[^:]*')] then redis.call('HDEL', KEYS[1], field) end
 end
+local conflicts = {'band'}
+for i = 2, #ARGV, 7 do
+  local had = redis.call('HGET', KEYS[1], ARGV[i] .. ':band')
+  if had and had ~= ARGV[i + 6] then
+    table.insert(conflicts, ARGV[i])
+    table.insert(conflicts, had)
+  end
+end
+if #conflicts > 1 then return conflicts end
 local out = {}
-for i = 2, #ARGV, 6 do
+for i = 2, #ARGV, 7 do
   local v = ARGV[i]
   local total = {redis.call('HINCRBY', KEYS[1], v .. ':tokens', ARGV[i + 1])}
   for j, field in ipairs({'abs', 'k3', 'outside'}) do
     table.insert(total, redis.call('HINCRBYFLOAT', KEYS[1], v .. ':' .. field, ARGV[i + 1 + j]))
   end
   if ARGV[i + 5] ~= '' then redis.call('HSET', KEYS[1], v .. ':step', ARGV[i + 5]) end
+  redis.call('HSET', KEYS[1], v .. ':band', ARGV[i + 6])
   table.insert(total, redis.call('HGET', KEYS[1], v .. ':step') or '')
   table.insert(out, total)
 end
@@ -186,10 +199,21 @@ return out
 """
 
 
-def _record(tokens: Any, abs_sum: Any, k3_sum: Any, outside: Any, step: Any) -> MismatchRecord:
+def _band_text(band: tuple[float, float]) -> str:
+    return f"{band[0]!r},{band[1]!r}"
+
+
+def _band(text: Any) -> tuple[float, float]:
+    if text is None:
+        return DEFAULT_BAND
+    low, high = (float(x) for x in (text.decode() if isinstance(text, bytes) else text).split(","))
+    return low, high
+
+
+def _record(tokens: Any, abs_sum: Any, k3_sum: Any, outside: Any, step: Any, band: Any) -> MismatchRecord:
     step = step.decode() if isinstance(step, bytes) else step
     return MismatchRecord(int(tokens), float(abs_sum), float(k3_sum), float(outside),
-                          int(step) if step not in (None, "") else None)
+                          int(step) if step not in (None, "") else None, _band(band))
 
 
 class RedisRegistry:
@@ -346,10 +370,14 @@ class RedisRegistry:
         args: list[Any] = [json.dumps(list(keep))]
         for v, r in added.items():
             args += [v, r.tokens, repr(r.abs_logp_delta), repr(r.k3_kl), repr(r.outside_band),
-                     "" if r.step is None else r.step]
+                     "" if r.step is None else r.step, _band_text(r.band)]
         totals = await self._call(f"recording the mismatch of model {model!r}",
                                   self._add_mismatch(keys=[self._key(model, "mismatch")], args=args))
-        return {v: _record(*t) for v, t in zip(added, totals, strict=True)}
+        if totals and totals[0] == b"band":
+            had = dict(zip(totals[1::2], totals[2::2], strict=True))
+            raise band_conflict(model, {int(v): (_band(b), added[int(v)].band) for v, b in had.items()})
+        return {v: _record(tokens, abs_sum, k3_sum, outside, step, _band_text(r.band))
+                for (v, r), (tokens, abs_sum, k3_sum, outside, step) in zip(added.items(), totals, strict=True)}
 
     async def mismatch(self, model: str) -> dict[int, MismatchRecord]:
         raw = await self._call(f"reading the mismatch of model {model!r}",
@@ -358,7 +386,8 @@ class RedisRegistry:
         for k, value in raw.items():
             version, _, field = k.decode().partition(":")
             fields.setdefault(int(version), {})[field] = value.decode()
-        return {v: _record(f["tokens"], f.get("abs", 0), f.get("k3", 0), f.get("outside", 0), f.get("step"))
+        return {v: _record(f["tokens"], f.get("abs", 0), f.get("k3", 0), f.get("outside", 0), f.get("step"),
+                           f.get("band"))
                 for v, f in fields.items() if "tokens" in f}
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:

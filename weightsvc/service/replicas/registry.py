@@ -20,7 +20,7 @@ from typing import Protocol
 
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition
 from weightsvc.protocol.manifest import Manifest
-from weightsvc.protocol.mismatch import RolloutMismatch
+from weightsvc.protocol.mismatch import DEFAULT_BAND, Band, RolloutMismatch
 from weightsvc.protocol.parts import combine_parts
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
@@ -45,20 +45,30 @@ class MismatchRecord:
     k3_kl: float  # of r - 1 - log r
     outside_band: float  # the tokens whose r lies outside the band
     step: int | None = None
+    band: Band = DEFAULT_BAND  # the IcePop band of every report of the version
 
     @staticmethod
     def of(m: RolloutMismatch, step: int | None) -> MismatchRecord:
         n = m.tokens
-        return MismatchRecord(n, m.mean_abs_logp_delta * n, m.k3_kl * n, m.outside_band * n, step)
+        return MismatchRecord(n, m.mean_abs_logp_delta * n, m.k3_kl * n, m.outside_band * n, step, m.band)
 
     def plus(self, other: MismatchRecord) -> MismatchRecord:
         return MismatchRecord(self.tokens + other.tokens, self.abs_logp_delta + other.abs_logp_delta,
                               self.k3_kl + other.k3_kl, self.outside_band + other.outside_band,
-                              self.step if other.step is None else other.step)
+                              self.step if other.step is None else other.step, self.band)
 
     def mismatch(self) -> RolloutMismatch:
         n = self.tokens
-        return RolloutMismatch(n, self.abs_logp_delta / n, self.k3_kl / n, min(1.0, self.outside_band / n))
+        return RolloutMismatch(n, self.abs_logp_delta / n, self.k3_kl / n, min(1.0, self.outside_band / n), self.band)
+
+
+def band_conflict(model: str, conflicts: Mapping[int, tuple[Band, Band]]) -> FailedPrecondition:
+    """The error of a report whose band differs from the one its versions were reported with."""
+    which = "; ".join(f"version {v}: reported with {list(had)}, this report {list(new)}"
+                      for v, (had, new) in sorted(conflicts.items()))
+    return FailedPrecondition(f"model {model!r}: the report's IcePop band differs from the version's ({which}): "
+                              "outside_band shares of different bands do not add up; nothing of this report was "
+                              "recorded")
 
 
 def check_commit(model: str, version: int, digest: str, existing: str | None, latest: int | None) -> bool:
@@ -185,7 +195,8 @@ class Registry(Protocol):
     async def add_mismatch(self, model: str, added: Mapping[int, MismatchRecord], keep: Sequence[int]
                            ) -> dict[int, MismatchRecord]:
         """Add each version's record to what the version holds, all at once; the records of versions
-        not in `keep` (the retained ones) go. Returns the added versions' totals."""
+        not in `keep` (the retained ones) go. Returns the added versions' totals. A record whose band
+        is not its version's raises FAILED_PRECONDITION (`band_conflict`) and adds nothing."""
         ...
 
     async def mismatch(self, model: str) -> dict[int, MismatchRecord]:

@@ -45,7 +45,7 @@ def _version(model: str, key: object) -> int:
 
 def _mismatch(model: str, version: int, fields: Mapping[str, Any]) -> RolloutMismatch:
     missing = [f for f in ("tokens", *MEANS) if f not in fields]
-    extra = sorted(set(fields) - {"tokens", *MEANS})
+    extra = sorted(set(fields) - {"tokens", *MEANS, "band"})  # (no band: the default one)
     if missing or extra:
         raise InvalidArgument(f"model {model!r} version {version}: "
                               + (f"missing {missing}" if missing else f"unknown fields {extra}"))
