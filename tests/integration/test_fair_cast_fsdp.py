@@ -30,6 +30,7 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
 
     from weightsvc import InferenceClient, LearnerClient
     from weightsvc.client import Shard
+    from weightsvc.integrations.fair_cast import on_served_copy
     from weightsvc.integrations.fsdp import ServedShard, served_params
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -47,6 +48,11 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
         assert isinstance(model, FSDPModule) and isinstance(model.up, FSDPModule)
         assert isinstance(model.down, FSDPModule)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        # With fp32 compute, the same steps on one process (`on_served_copy`) give the same gradients.
+        torch.manual_seed(0)
+        ref = Tiny(vocab=37)
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+        spec = ExportSpec(format, rounding, seed)
         names = {id(p): n for n, p in model.named_parameters()}
         with LearnerClient(target) as learner, InferenceClient(target) as puller:
             for step in (1, 2, 3):
@@ -77,6 +83,17 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
                 opt.zero_grad()
                 model(TOKENS).logsumexp(-1).mean().backward()  # on the served copy; gradients to the shards
                 opt.step()
+                if wide:
+                    ref_opt.zero_grad()
+                    with on_served_copy(ref, spec, version=step):
+                        ref(TOKENS).logsumexp(-1).mean().backward()
+                    ref_opt.step()
+                    for name, p in model.named_parameters():
+                        rows = -(-p.shape[0] // RANKS)
+                        grad = p.grad.to_local()
+                        expected = dict(ref.named_parameters())[name].grad[rank * rows : rank * rows + grad.shape[0]]
+                        gap = (grad - expected).abs().max()
+                        assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-7), (name, gap)
     finally:
         dist.destroy_process_group()
 
