@@ -25,8 +25,9 @@ both uses; each forward builds its own autograd node, so gradient accumulation w
 held once, in its served dtype (bf16: half the masters). The rounding runs once per version, on
 entry, never inside the forward: what a compiler traces is a cast and a straight-through
 `autograd.Function`. The price under `torch.compile`: parametrizing swaps the module's class, so
-a compiled module recompiles once per entry; with `torch.compile` and many versions, compile the
-function that runs inside the context rather than the module.
+a compiled module recompiles on each entry (one graph per version; past Dynamo's recompile limit it
+runs eager). Under FSDP2 the served copy comes in through the all-gather instead
+(`weightsvc.integrations.fsdp`), and the module is left as it is.
 """
 
 from __future__ import annotations
