@@ -13,7 +13,13 @@ from tests.helpers import same_bits
 from tests.unit.test_fair_cast import TOKENS, tiny
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound
-from weightsvc.integrations.fair_cast import ServedMismatch, check_served, on_served_copy, served_state_dict
+from weightsvc.integrations.fair_cast import (
+    ServedMismatch,
+    check_served,
+    masters_digest_of,
+    on_served_copy,
+    served_state_dict,
+)
 from weightsvc.rounding import ExportSpec, Residual
 
 
@@ -40,6 +46,7 @@ def test_the_learners_served_copy_is_the_services(format: str, rounding: str, se
             pulled = puller.pull("policy", step)
             same_bits(pulled, served_state_dict(policy, spec, version=step))  # tied head and embeddings included
             check_served(puller, "policy", step, policy, spec)
+            assert masters_digest_of(policy) == puller.manifest("policy", step).master_digest
             train_step(policy, spec, step, opt)
 
 
@@ -63,7 +70,7 @@ def test_with_ef_the_learner_keeps_the_residual_and_its_copy_stays_the_services(
             train_step(policy, spec, step + 1, opt, copy.deepcopy(residual))  # (the loss of the next version)
         # A learner that lost its residual (a fresh one at version 5) is told so.
         learner.push(5, policy.state_dict(), model="policy")
-        with pytest.raises(ServedMismatch, match="residual differs"):
+        with pytest.raises(ServedMismatch, match="masters are those pushed: the learner's residual differs"):
             check_served(puller, "policy", 5, policy, spec, residual=Residual())
         check_served(puller, "policy", 5, policy, spec, residual=residual)
 
@@ -84,5 +91,6 @@ def test_a_learner_whose_copy_is_not_the_services_is_told_what_differs() -> None
             check_served(puller, "policy", 4, policy, ExportSpec("bf16", "sr", 7))
         with torch.no_grad():
             policy.down.bias.add_(1e-2)  # the learner moved on without pushing
-        with pytest.raises(ServedMismatch, match=r"1 served tensors differ .*'down\.bias'.*masters differ"):
+        moved = r"1 served tensors differ .*'down\.bias'.*masters are not those pushed"
+        with pytest.raises(ServedMismatch, match=moved):
             check_served(puller, "policy", 3, policy, ExportSpec("bf16", "sr", 7))

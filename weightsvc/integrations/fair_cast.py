@@ -37,15 +37,16 @@ import copy
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from weightsvc.client import InferenceClient, served_weights
 from weightsvc.client._learner import untie
 from weightsvc.client._tensors import _check_plain
-from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.digest import MasterDigest, checksum, masters_digest
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
-__all__ = ["ServedMismatch", "check_served", "on_served_copy", "served_state_dict"]
+__all__ = ["ServedMismatch", "check_served", "masters_digest_of", "on_served_copy", "served_state_dict"]
 
 
 class ServedMismatch(ValueError):
@@ -116,10 +117,31 @@ def check_served(client: InferenceClient, model: str, version: int, module: torc
     extra = sorted(local - set(expected))
     if extra:
         raise ServedMismatch(f"{where}: the service serves no tensors {extra[:5]}")
-    differ = [name for name, t in expected.items()
-              if checksum(served[name].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()) != t.checksum]
+    differ = [name for name, t in expected.items() if checksum(_bytes(served[name])) != t.checksum]
     if differ:
-        why = ("its residual differs from the service's" if manifest.rounding == "ef"
-               else "the masters differ from those pushed")
+        if module is not None and masters_digest_of(module) != manifest.master_digest:
+            why = "the learner's masters are not those pushed for this version"
+        elif manifest.rounding == "ef":
+            why = "the masters are those pushed: the learner's residual differs from the service's"
+        else:
+            why = "the masters are those pushed, the spec the same: the export differs (a different weightsvc?)"
         raise ServedMismatch(f"{where}: {len(differ)} served tensors differ from the service's bytes "
                              f"({', '.join(repr(n) for n in differ[:5])}): {why}")
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def masters_digest_of(module: torch.nn.Module | Mapping[str, torch.Tensor]) -> str:
+    """The digest of `module`'s masters as a push of its state dict records it in the manifest
+    (`master_digest`): equal to the service's when the learner holds the masters it pushed."""
+    state = module.state_dict() if isinstance(module, torch.nn.Module) else dict(module)
+    kept, aliases = untie(state)
+    tensors = []
+    for name, t in kept.items():
+        data = _bytes(t.detach().to(torch.float32))  # type: ignore[union-attr]
+        digest = MasterDigest(data.nbytes)
+        digest.update(0, data)
+        tensors.append((name, tuple(t.shape), digest.hexdigest()))
+    return masters_digest(tensors, aliases.items())
