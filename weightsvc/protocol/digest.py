@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
@@ -76,3 +77,14 @@ class MasterDigest:
         count = -(-self.nbytes // DIGEST_BLOCK)
         assert len(self._blocks) == count and not self._partial, "digest of an incomplete tensor"
         return xxhash.xxh3_128_hexdigest(b"".join(self._blocks[i] for i in range(count)))
+
+
+def masters_digest(tensors: Iterable[tuple[str, tuple[int, ...], str]], aliases: Iterable[tuple[str, str]]) -> str:
+    """The digest of a version's masters in its manifest: each tensor's (name, shape, `MasterDigest`),
+    by name, then the ties (alias, tensor), by alias: independent of order, chunking and ranks."""
+    h = xxhash.xxh3_128()
+    for name, shape, digest in sorted(tensors):
+        h.update(f"{name}\x00{list(shape)}\x00{digest}\n".encode())
+    for alias, target in sorted(aliases):
+        h.update(f"{alias}\x00={target}\n".encode())
+    return "xxh3_128:" + h.hexdigest()

@@ -14,12 +14,11 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
-import xxhash
 
 from weightsvc import rounding
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol import topology
-from weightsvc.protocol.digest import MasterDigest, checksum
+from weightsvc.protocol.digest import MasterDigest, checksum, masters_digest
 from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, Manifest, Part, ServedTensor, TensorSpec, layout
 from weightsvc.protocol.topology import Group
 from weightsvc.service.push.messages import PushHeader
@@ -202,14 +201,10 @@ def exported_manifest(header: PushHeader, spec: rounding.ExportSpec, plan: Plan)
     """The manifest of the version once its tensors are exported: their checksums, and the digest of
     the master (order-independent: names, shapes and fp32 bytes)."""
     tensors = plan.tensors
-    h = xxhash.xxh3_128()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(f"{name}\x00{list(t.spec.shape)}\x00{t.master_digest.hexdigest()}\n".encode())
-    for alias, target in header.aliases:
-        h.update(f"{alias}\x00={target}\n".encode())
+    digest = masters_digest(((t.spec.name, t.spec.shape, t.master_digest.hexdigest()) for t in tensors.values()),
+                            header.aliases)
     checksums = {n: c for t in tensors.values() for n, c in t.checksums.items()}
     slots = [s for t in tensors.values() for s in (t.slot, *t.scales)]
     scaled = any(t.scales for t in tensors.values())
-    return served_manifest(header, spec, slots, plan.data_bytes, scaled, checksums, "xxh3_128:" + h.hexdigest(),
+    return served_manifest(header, spec, slots, plan.data_bytes, scaled, checksums, digest,
                            plan.segments)
