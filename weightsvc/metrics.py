@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.lag import LagMetrics
+from weightsvc.protocol.mismatch import RolloutMismatch
 
 # Rejected pushes are labelled by their error's `reason` (`errors.WeightsvcError.reason`); these
 # have a series from the start, at zero until a push is rejected for them.
@@ -145,6 +146,34 @@ class Metrics:
             "weightsvc_saturated_elements", "Finite master elements clamped to the format's max",
             lag_labels, registry=r,
         )
+        # The trainer-rollout mismatch learners report: sums over tokens, which add up across replicas and
+        # reports (rate(k3 sum) / rate(tokens) is the fleet's token mean), and the totals of the latest
+        # reported version as the registry held them after this replica's last report.
+        self.mismatch_tokens = Counter(
+            "weightsvc_rollout_mismatch_tokens", "Rollout tokens whose trainer-rollout mismatch learners reported",
+            lag_labels, registry=r,
+        )
+        self.mismatch_k3_kl_sum = Counter(
+            "weightsvc_rollout_mismatch_k3_kl_sum",
+            "Sum over reported tokens of r - 1 - log r, r = exp(learner - engine logprob) (k3 KL of engine || learner)",
+            lag_labels, registry=r,
+        )
+        self.mismatch_abs_logp_delta_sum = Counter(
+            "weightsvc_rollout_mismatch_abs_logp_delta_sum", "Sum over reported tokens of |learner - engine logprob|",
+            lag_labels, registry=r,
+        )
+        self.mismatch_outside_band_tokens = Counter(
+            "weightsvc_rollout_mismatch_outside_band_tokens",
+            "Reported tokens whose ratio r lies outside the IcePop band", lag_labels, registry=r,
+        )
+        self.mismatch_k3_kl = Gauge(
+            "weightsvc_rollout_mismatch_k3_kl", "Token mean of the k3 KL (engine || learner) of the latest reported "
+            "version, over every report of it", lag_labels, registry=r,
+        )
+        self.mismatch_abs_logp_delta = Gauge(
+            "weightsvc_rollout_mismatch_abs_logp_delta", "Token mean of |learner - engine logprob| of the latest "
+            "reported version, over every report of it", lag_labels, registry=r,
+        )
         self.version_sync_seconds = Histogram(
             "weightsvc_version_sync_seconds", "Seconds from a version's commit to a client's first ack of it",
             ["model"], buckets=_SYNC_BUCKETS, registry=r,
@@ -197,6 +226,7 @@ class Metrics:
         r.register(_ClientCollector(self))
         self._clients: Callable[[], dict[str, list[ClientStatus]]] = dict
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels
+        self._mismatch_labels: dict[str, tuple[str, str, str]] = {}  # model -> its mismatch gauges' labels
         for reason in REJECT_REASONS:
             self.pushes_rejected.labels(reason)
         for source in ("device", "host"):
@@ -223,6 +253,26 @@ class Metrics:
         self.served_churn.labels(*labels).set(lag.churn)
         self.served_relative_error.labels(*labels).set(lag.relative_error)
         self.saturated_elements.labels(*labels).inc(lag.saturated_elements)
+
+    def observe_mismatch(self, model: str, added: Iterable[tuple[str, str, RolloutMismatch]],
+                         latest: tuple[str, str, RolloutMismatch]) -> None:
+        """A report: each version's tokens and sums, by its (format, rounding), and the totals of the
+        latest version it names."""
+        for format, rounding, m in added:
+            labels = (model, format, rounding)
+            self.mismatch_tokens.labels(*labels).inc(m.tokens)
+            self.mismatch_k3_kl_sum.labels(*labels).inc(m.k3_kl * m.tokens)
+            self.mismatch_abs_logp_delta_sum.labels(*labels).inc(m.mean_abs_logp_delta * m.tokens)
+            self.mismatch_outside_band_tokens.labels(*labels).inc(m.outside_band * m.tokens)
+        labels = (model, latest[0], latest[1])
+        before = self._mismatch_labels.get(model)
+        if before is not None and before != labels:  # the gauges follow the export the model runs now
+            for gauge in (self.mismatch_k3_kl, self.mismatch_abs_logp_delta):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*before)
+        self._mismatch_labels[model] = labels
+        self.mismatch_k3_kl.labels(*labels).set(latest[2].k3_kl)
+        self.mismatch_abs_logp_delta.labels(*labels).set(latest[2].mean_abs_logp_delta)
 
     def watch_clients(self, clients: Callable[[], dict[str, list[ClientStatus]]]) -> None:
         """Where the staleness figures come from: the clients not forgotten, per model."""

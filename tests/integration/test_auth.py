@@ -50,6 +50,17 @@ def _push_requests(step: int) -> Iterator[pb.PushRequest]:
     yield pb.PushRequest(commit=pb.PushCommit())
 
 
+def _latest(stub: pb_grpc.WeightServiceStub) -> int:
+    """The latest version, asked with the admin's token (the pushes of these tests move it)."""
+    versions = stub.ListVersions(pb.ListVersionsRequest(model=MODEL), metadata=_metadata(TOKENS["admin"])).versions
+    return int(versions[-1].version)
+
+
+def _report(version: int) -> pb.ReportMismatchRequest:
+    m = pb.RolloutMismatch(tokens=8, mean_abs_logp_delta=0.01, k3_kl=1e-4, outside_band=0.0)
+    return pb.ReportMismatchRequest(model=MODEL, versions={version: m})
+
+
 _steps = iter(range(100, 10_000))
 CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], Any]] = {
     "ListModels": lambda s, md: s.ListModels(pb.ListModelsRequest(), metadata=md),
@@ -61,12 +72,13 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     "Push": lambda s, md: s.Push(_push_requests(next(_steps)), metadata=md),
     "GetTopology": lambda s, md: s.GetTopology(pb.GetTopologyRequest(), metadata=md),
     "ListClients": lambda s, md: s.ListClients(pb.ListClientsRequest(model=MODEL), metadata=md),
+    "ReportMismatch": lambda s, md: s.ReportMismatch(_report(_latest(s)), metadata=md),
 }
 # What each credential may do: None = nothing; the roles nest (pull < push < admin).
 ALLOWED = {
     None: set(),
     "not-a-token": set(),
-    "pull": set(CALLS) - {"Push"},
+    "pull": set(CALLS) - {"Push", "ReportMismatch"},
     "push": set(CALLS),
     "admin": set(CALLS),
 }
@@ -153,6 +165,19 @@ def test_http_ack_needs_role_pull(authed: BackgroundServer) -> None:
         got, _, body = _get(authed.http_url, path, token, "POST", ack)
         assert got == status, (token, body)
     assert json.loads(body) == {"latest_version": authed.service.index.get(MODEL, None).manifest.version}
+
+
+def test_http_mismatch_report_needs_role_push(authed: BackgroundServer) -> None:
+    path = f"/v1/models/{MODEL}/mismatch"
+    version = authed.service.index.latest(MODEL)
+    report = json.dumps({"versions": {str(version): {"tokens": 4, "mean_abs_logp_delta": 0.0, "k3_kl": 0.0,
+                                                     "outside_band": 0.0}}}).encode()
+    for token, status in [(None, 401), ("not-a-token", 401), (TOKENS["pull"], 403), (TOKENS["push"], 200),
+                          (TOKENS["admin"], 200)]:
+        got, _, body = _get(authed.http_url, path, token, "POST", report)
+        assert got == status, (token, body)
+    assert b"needs role push; this token has role pull" in _get(authed.http_url, path, TOKENS["pull"], "POST",
+                                                                report)[2]
 
 
 def test_clients_carry_tokens_and_get_clear_errors(

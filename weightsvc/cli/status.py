@@ -1,5 +1,5 @@
-"""`weightsvc status`: the models, their versions with lag metrics, the inference clients, and the
-files the server set aside as damaged."""
+"""`weightsvc status`: the models, their versions with lag metrics and the trainer-rollout mismatch
+learners reported, the inference clients, and the files the server set aside as damaged."""
 
 from __future__ import annotations
 
@@ -76,17 +76,21 @@ def status(
     from rich.table import Table
 
     versions = Table("model", "version", "format", "rounding", "tensors", "served bytes", "committed (UTC)",
-                     "lag (steps)", "visibility", "churn", "rel. error", title="versions")
+                     "lag (steps)", "visibility", "churn", "rel. error", "tokens", "k3 KL", "|Δlogp|",
+                     "out of band", title="versions")
     for m in report:
         for i, v in enumerate(m["versions"]):
             latest = " (latest)" if v["version"] == m["latest_version"] else ""
             lag = v["lag"] or {}
             visibility = lag.get("update_visibility")
+            mismatch = v.get("mismatch")  # reported by learners (`LearnerClient.report_mismatch`)
             versions.add_row(
                 m["model"] if i == 0 else "", f"{v['version']}{latest}", v["format"], v["rounding"],
                 str(v["tensor_count"]), f"{v['data_bytes']:,}", _when(v["committed_unix"]),
                 str(lag.get("lag_steps", "-")), "-" if visibility is None else f"{visibility:.2f}",
                 f"{lag['churn']:.3f}" if lag else "-", f"{lag['relative_error']:.2e}" if lag else "-",
+                *((f"{mismatch['tokens']:,}", f"{mismatch['k3_kl']:.2e}", f"{mismatch['mean_abs_logp_delta']:.2e}",
+                   f"{mismatch['outside_band']:.2%}") if mismatch else ("-",) * 4),
                 end_section=i == len(m["versions"]) - 1,
             )
     print_table(versions)

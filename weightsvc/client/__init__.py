@@ -4,6 +4,7 @@
     weights = InferenceClient("host:50051").pull()             # gRPC
     weights = InferenceClient("http://host:8080").pull()       # HTTP
     weights = InferenceClient("s3://bucket/prefix").pull()     # an object store, no server
+    learner.report_mismatch(model, rollout_mismatch(learner_lp, engine_lp, versions, mask=mask), step=step)
 
 `InferenceClient(target)` is a `GrpcInferenceClient`, an `HttpInferenceClient` or a
 `StoreInferenceClient`, by the target; each offers the pulls (whole, delta, selected) and watch, the
@@ -24,11 +25,13 @@ from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Limits, RetryPolicy, VersionInfo, read_version_file, verify_data
 from weightsvc.protocol.clients import ClientStatus as ClientInfo
 from weightsvc.protocol.manifest import Slice
+from weightsvc.protocol.mismatch import RolloutMismatch
 
 if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient
     from weightsvc.client._http import HttpInferenceClient
     from weightsvc.client._learner import LearnerClient, Shard
+    from weightsvc.client._mismatch import rollout_mismatch
     from weightsvc.client._store import StoreInferenceClient
     from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
 
@@ -41,6 +44,7 @@ __all__ = [
     "LearnerClient",
     "Limits",
     "RetryPolicy",
+    "RolloutMismatch",
     "Shard",
     "Slice",
     "StoreInferenceClient",
@@ -48,6 +52,7 @@ __all__ = [
     "dequantize",
     "dequantized",
     "read_version_file",
+    "rollout_mismatch",
     "served_weights",
     "tensors_from_data",
     "verify_data",
@@ -60,6 +65,7 @@ _LAZY = {
     "HttpInferenceClient": "_http",
     "LearnerClient": "_learner",
     "Shard": "_learner",
+    "rollout_mismatch": "_mismatch",
     "StoreInferenceClient": "_store",
     "dequantize": "_tensors",
     "dequantized": "_tensors",

@@ -22,6 +22,7 @@ from weightsvc.memory import alloc, half_the_memory
 from weightsvc.protocol.digest import verify_data
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import Manifest, Part, check_manifest, manifest_from_header
+from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.safetensors import header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, by_part, joined
@@ -71,6 +72,10 @@ class VersionInfo:
     data_bytes: int
     created: bool = True
     lag: LagMetrics | None = None
+    # The trainer-rollout mismatch learners reported for this version (over every report), and the
+    # learner step of the latest report; in listings only.
+    mismatch: RolloutMismatch | None = None
+    mismatch_step: int | None = None
     # push(return_served=True): the served tensors of this version, checksums verified.
     served: dict[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
@@ -86,14 +91,17 @@ class VersionInfo:
             info.data_bytes,
             created,
             lag_from_proto(info),
+            mismatch_from_proto(info.mismatch) if info.HasField("mismatch") else None,
+            info.mismatch_step if info.HasField("mismatch_step") else None,
         )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VersionInfo:
         """A version as the HTTP routes list it (`Manifest.info`); fields this client does not know are ignored."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"lag", "served"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"lag", "served", "mismatch"}
         lag = LagMetrics(**d["lag"]) if d.get("lag") else None
-        return cls(**{k: v for k, v in d.items() if k in known}, lag=lag)
+        mismatch = RolloutMismatch(**d["mismatch"]) if d.get("mismatch") else None
+        return cls(**{k: v for k, v in d.items() if k in known}, lag=lag, mismatch=mismatch)
 
 
 @dataclass(frozen=True)

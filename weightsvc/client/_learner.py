@@ -20,6 +20,7 @@ from weightsvc.client._common import Credentials, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.protocol.manifest import MASTER_DTYPE
+from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import PUSH, REASON_KEY
 from weightsvc.protocol.topology import Replica, groups
 from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
@@ -384,6 +385,20 @@ class LearnerClient:
                 cut = self.chunk_bytes
         yield from packed()
         yield pb.PushRequest(commit=pb.PushCommit())
+
+    def report_mismatch(self, model: str, by_version: Mapping[int, RolloutMismatch], *,
+                        step: int | None = None) -> dict[int, RolloutMismatch]:
+        """Report the trainer-rollout mismatch of a batch, per weight version (`rollout_mismatch`);
+        returns each version's accumulated mismatch over every report so far. The service records
+        all versions of the report or none: a version that is not retained raises `NotFound`, a bad
+        value `InvalidArgument`. `step`: the learner's step that measured it."""
+        request = pb.ReportMismatchRequest(model=model, step=step)
+        for version, m in by_version.items():
+            if not isinstance(m, RolloutMismatch):
+                raise TypeError(f"version {version!r}: report a RolloutMismatch, not a {type(m).__name__}")
+            request.versions[int(version)].CopyFrom(mismatch_to_proto(m))
+        resp = self._replicas.ask(lambda stub: stub.ReportMismatch(request, timeout=self.timeout))
+        return {v: mismatch_from_proto(m) for v, m in resp.versions.items()}
 
     def close(self) -> None:
         self._replicas.close()

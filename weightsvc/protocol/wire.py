@@ -24,6 +24,7 @@ from weightsvc._aio import memo
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import Manifest, Part, ServedTensor, Slice
+from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_to_proto
 from weightsvc.protocol.selection import Select, selection
 from weightsvc.v1 import weightsvc_pb2 as pb
 
@@ -228,8 +229,12 @@ def lag_from_proto(msg: pb.Manifest | pb.VersionInfo) -> LagMetrics | None:
     return LagMetrics(**values)  # type: ignore[arg-type]
 
 
-def info_to_proto(m: Manifest) -> pb.VersionInfo:
-    return pb.VersionInfo(**{**m.info(), "lag": lag_to_proto(m.lag)})
+def info_to_proto(m: Manifest, mismatch: RolloutMismatch | None = None, mismatch_step: int | None = None
+                  ) -> pb.VersionInfo:
+    """A version's short form; in listings, with the mismatch reported for it."""
+    return pb.VersionInfo(**{**m.info(), "lag": lag_to_proto(m.lag)},
+                          mismatch=None if mismatch is None else mismatch_to_proto(mismatch),
+                          mismatch_step=mismatch_step)
 
 
 def slice_from_proto(msg: pb.ServedTensor | pb.TensorSelect) -> Slice | None:

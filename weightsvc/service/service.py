@@ -42,6 +42,7 @@ from weightsvc.service.versions.acks import Acks, ClientStatus
 from weightsvc.service.versions.commit import Committer
 from weightsvc.service.versions.disk import DamagedFile, VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
+from weightsvc.service.versions.mismatch import Mismatches, Reported
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
@@ -92,6 +93,7 @@ class Service:
         self.parts = Parts(self.registry, settings.retain)
         self.acks = Acks(self.index, self.registry, self.metrics)
         self.acks.forget_s = settings.client_forget_s
+        self.mismatches = Mismatches(self.index, self.registry, self.metrics)
         self.committer = Committer(index=self.index, files=self.files, parts=self.parts, acks=self.acks,
                                    registry=self.registry, metrics=self.metrics)
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
@@ -151,6 +153,17 @@ class Service:
                 raise
             raise NotFound(f"{e.message}; {len(damaged)} damaged file(s) of it were set aside at start-up: "
                            + "; ".join(f"{d.file} ({d.reason})" for d in damaged)) from None
+
+    async def listed_versions(self, model: str) -> list[tuple[Manifest, Reported | None]]:
+        """The retained versions with the mismatch reported for each (none while the registry is away:
+        the listing does not wait for it)."""
+        manifests = self.versions(model)
+        try:
+            reported = await self.mismatches.listing(model)
+        except Unavailable as e:
+            log.warning("version listing without the reported mismatch: %s", e)
+            reported = {}
+        return [(m, reported.get(m.version)) for m in manifests]
 
     def damaged_files(self, model: str | None = None) -> list[DamagedFile]:
         """The files of `model` (of every model: None) that restore found damaged and set aside."""

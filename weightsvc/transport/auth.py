@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,14 +20,16 @@ from typing import Any
 import grpc
 
 from weightsvc.errors import InvalidArgument, PermissionDenied, Unauthenticated
-from weightsvc.protocol.names import PUSH, SERVICE, handler_factory
+from weightsvc.protocol.names import PUSH, SERVICE, handler_factory, method
 from weightsvc.transport.connections import parse_peer
 from weightsvc.transport.status import grpc_status, http_domain_error
 
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
 CALLER = "weightsvc.caller"  # the ASGI scope key where HttpAuth leaves `token_caller` of a request it let in
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
-METHOD_ROLES = {PUSH: "push"}
+METHOD_ROLES = {PUSH: "push", method("ReportMismatch"): "push"}
+# HTTP routes that need more than `pull`: a learner's mismatch report.
+_PUSH_ROUTE = re.compile(r"/v1/models/[^/]+/mismatch")
 
 
 def _digest(token: str) -> bytes:
@@ -148,7 +151,7 @@ class GrpcAuth(grpc.aio.ServerInterceptor):
 
 
 class HttpAuth:
-    """ASGI middleware: every route needs role `pull` except the open paths."""
+    """ASGI middleware: every route needs role `pull` (a mismatch report `push`) except the open paths."""
 
     def __init__(self, app: Any, auth: Auth, open_paths: Iterable[str]) -> None:
         self.app = app
@@ -163,7 +166,8 @@ class HttpAuth:
         what = f"{scope['method']} {scope['path']}"
         try:
             value = _one(values, what)
-            self.auth.check(value, "pull", what)
+            need = "push" if scope["method"] == "POST" and _PUSH_ROUTE.fullmatch(scope["path"]) else "pull"
+            self.auth.check(value, need, what)
         except (Unauthenticated, PermissionDenied) as e:
             # The connection goes with the answer: a client without a valid token may not hold one.
             headers = {"connection": "close"}

@@ -17,6 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
 from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
 from weightsvc.protocol.manifest import TensorSpec
+from weightsvc.protocol.mismatch import fields_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
@@ -123,8 +124,16 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def ListVersions(self, request: pb.ListVersionsRequest, context: Any) -> pb.ListVersionsResponse:
-        return pb.ListVersionsResponse(versions=[info_to_proto(m) for m in self.service.versions(request.model)],
-                                       damaged_files=self._damaged(request.model))
+        listed = await self.service.listed_versions(request.model)
+        versions = [info_to_proto(m) if r is None else info_to_proto(m, r.mismatch, r.step) for m, r in listed]
+        return pb.ListVersionsResponse(versions=versions, damaged_files=self._damaged(request.model))
+
+    @_abort_on_domain_error
+    async def ReportMismatch(self, request: pb.ReportMismatchRequest, context: Any) -> pb.ReportMismatchResponse:
+        step = request.step if request.HasField("step") else None
+        totals = await self.service.mismatches.report(
+            request.model, {v: fields_from_proto(m) for v, m in request.versions.items()}, step)
+        return pb.ReportMismatchResponse(versions={v: mismatch_to_proto(m) for v, m in totals.items()})
 
     def _damaged(self, model: str | None) -> list[pb.DamagedFile]:
         return [pb.DamagedFile(**dataclasses.asdict(d)) for d in self.service.damaged_files(model)]

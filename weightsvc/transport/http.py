@@ -47,6 +47,7 @@ _INT = re.compile(r"-?[0-9]{1,19}")
 # quotes, a comma and some spaces.
 ACK_BODY_BYTES = 4 << 10
 SELECTOR_BYTES = 80
+MISMATCH_BODY_BYTES = 256 << 10  # a report of up to MAX_REPORTED_VERSIONS versions
 SELECTION_BODY_BYTES = 1 << 10  # beyond the selectors: {"select": [...]} and spaces
 # The OpenAPI description of the streamed answers (what the fuzz tests and client generators read).
 _DELTA: dict[int | str, dict[str, Any]] = {
@@ -177,6 +178,14 @@ class AckBody(BaseModel):
     client_id: str | None = None  # default: the peer's address, as gRPC's Ack
 
 
+class MismatchBody(BaseModel):
+    """`{"versions": {"7": {"tokens": ..., "mean_abs_logp_delta": ..., "k3_kl": ..., "outside_band": ...}},
+    "step": 12}`: the fields are checked by the service, which names the version of a bad one."""
+
+    versions: dict[str, dict[str, Any]]
+    step: int | None = None  # the learner step that measured it
+
+
 async def _events(watch: AsyncIterator[Manifest | None]) -> AsyncIterator[bytes]:
     """Server-sent events: one per version (id = the version, so a reconnect resumes after it), a
     comment when the watch has been idle."""
@@ -298,8 +307,18 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/versions")
     async def versions(model: str) -> dict[str, Any]:
-        return {"model": model, "versions": [m.info() for m in service.versions(model)],
-                "damaged_files": _damaged(model)}
+        listed = await service.listed_versions(model)
+        versions = [m.info() if r is None else {**m.info(), "mismatch": r.mismatch.as_dict(), "mismatch_step": r.step}
+                    for m, r in listed]
+        return {"model": model, "versions": versions, "damaged_files": _damaged(model)}
+
+    @app.post("/v1/models/{model}/mismatch", openapi_extra=_body_schema(MismatchBody))
+    async def mismatch(model: str, request: Request) -> dict[str, Any]:
+        """A learner's report of the trainer-rollout mismatch, per version (role push)."""
+        what = f"the mismatch report of model {model!r}"
+        body = parse_body(MismatchBody, await read_body(request, MISMATCH_BODY_BYTES, bodies, what), what)
+        totals = await service.mismatches.report(model, body.versions, body.step)
+        return {"model": model, "versions": {str(v): m.as_dict() for v, m in totals.items()}}
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:

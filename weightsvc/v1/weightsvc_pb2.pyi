@@ -211,7 +211,7 @@ class LagMetrics(_message.Message):
     def __init__(self, churn: _Optional[float] = ..., update_visibility: _Optional[float] = ..., lag_steps: _Optional[int] = ..., relative_error: _Optional[float] = ..., saturated_elements: _Optional[int] = ..., sampled_elements: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes", "lag")
+    __slots__ = ("model", "version", "format", "rounding", "committed_unix", "tensor_count", "data_bytes", "lag", "mismatch", "mismatch_step")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,8 @@ class VersionInfo(_message.Message):
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     DATA_BYTES_FIELD_NUMBER: _ClassVar[int]
     LAG_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    MISMATCH_STEP_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -228,7 +230,9 @@ class VersionInfo(_message.Message):
     tensor_count: int
     data_bytes: int
     lag: LagMetrics
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ...) -> None: ...
+    mismatch: RolloutMismatch
+    mismatch_step: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., committed_unix: _Optional[float] = ..., tensor_count: _Optional[int] = ..., data_bytes: _Optional[int] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., mismatch: _Optional[_Union[RolloutMismatch, _Mapping]] = ..., mismatch_step: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("model", "version", "offset", "base", "select")
@@ -403,3 +407,45 @@ class Topology(_message.Message):
     hashing: str
     replication: int
     def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., hashing: _Optional[str] = ..., replication: _Optional[int] = ...) -> None: ...
+
+class RolloutMismatch(_message.Message):
+    __slots__ = ("tokens", "mean_abs_logp_delta", "k3_kl", "outside_band")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEAN_ABS_LOGP_DELTA_FIELD_NUMBER: _ClassVar[int]
+    K3_KL_FIELD_NUMBER: _ClassVar[int]
+    OUTSIDE_BAND_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    mean_abs_logp_delta: float
+    k3_kl: float
+    outside_band: float
+    def __init__(self, tokens: _Optional[int] = ..., mean_abs_logp_delta: _Optional[float] = ..., k3_kl: _Optional[float] = ..., outside_band: _Optional[float] = ...) -> None: ...
+
+class ReportMismatchRequest(_message.Message):
+    __slots__ = ("model", "versions", "step")
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: RolloutMismatch
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[RolloutMismatch, _Mapping]] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    versions: _containers.MessageMap[int, RolloutMismatch]
+    step: int
+    def __init__(self, model: _Optional[str] = ..., versions: _Optional[_Mapping[int, RolloutMismatch]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ReportMismatchResponse(_message.Message):
+    __slots__ = ("versions",)
+    class VersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: RolloutMismatch
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[RolloutMismatch, _Mapping]] = ...) -> None: ...
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.MessageMap[int, RolloutMismatch]
+    def __init__(self, versions: _Optional[_Mapping[int, RolloutMismatch]] = ...) -> None: ...

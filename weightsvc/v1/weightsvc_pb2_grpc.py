@@ -79,6 +79,11 @@ class WeightServiceStub:
                 request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.SerializeToString,
                 response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.FromString,
                 _registered_method=True)
+        self.ReportMismatch = channel.unary_unary(
+                '/weightsvc.v1.WeightService/ReportMismatch',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -147,6 +152,16 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportMismatch(self, request, context):
+        """The learner reports the trainer–rollout mismatch of the tokens generated under each version;
+        the service adds it to what earlier reports of that version left (token-weighted). All versions
+        of a report are recorded or none: INVALID_ARGUMENT names a bad value, NOT_FOUND a model or a
+        version that is not retained.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -194,6 +209,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.ListClients,
                     request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.FromString,
                     response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.SerializeToString,
+            ),
+            'ReportMismatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportMismatch,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -439,6 +459,33 @@ class WeightService:
             '/weightsvc.v1.WeightService/ListClients',
             weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsRequest.SerializeToString,
             weightsvc_dot_v1_dot_weightsvc__pb2.ListClientsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportMismatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/ReportMismatch',
+            weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,6 +12,7 @@ from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
     ACKS_KEPT,
     CommitResult,
+    MismatchRecord,
     check_commit,
     combined_digest,
     conflict,
@@ -27,6 +28,7 @@ class MemoryRegistry:
         self._manifests: dict[str, dict[int, tuple[str, str]]] = {}  # model -> version -> (digest, manifest)
         self._acks: dict[str, dict[str, tuple[int, float, str]]] = {}  # in order of last ack
         self._replicas: dict[str, Replica] = {}
+        self._mismatch: dict[str, dict[int, MismatchRecord]] = {}
         self._pending: dict[tuple[str, int, str], dict[str, str]] = {}  # parts of versions not yet complete
         self._changed = asyncio.Condition()
 
@@ -126,6 +128,18 @@ class MemoryRegistry:
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         return {c: (v, t) for c, (v, t, _) in self._acks.get(model, {}).items()}
+
+    async def add_mismatch(self, model: str, added: Mapping[int, MismatchRecord], keep: Sequence[int]
+                           ) -> dict[int, MismatchRecord]:
+        kept = set(keep)
+        records = {v: r for v, r in self._mismatch.get(model, {}).items() if v in kept}
+        for v, r in added.items():
+            records[v] = records[v].plus(r) if v in records else r
+        self._mismatch[model] = records
+        return {v: records[v] for v in added}
+
+    async def mismatch(self, model: str) -> dict[int, MismatchRecord]:
+        return dict(self._mismatch.get(model, {}))
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
         renewed = replica.id in self._replicas

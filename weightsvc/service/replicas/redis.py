@@ -19,6 +19,7 @@ from weightsvc.service.replicas.registry import (
     EVENTS_KEPT,
     PART_TTL_S,
     CommitResult,
+    MismatchRecord,
     conflict,
     diverged_error,
     not_above,
@@ -158,6 +159,37 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('PEXPIRE', KEYS[2], ARGV[7])
 return 1
 """
+
+
+# KEYS: the model's mismatch records (hash: "<version>:<field>" -> a number). ARGV: the retained versions
+# (JSON), then per added version: version, tokens, |log r| sum, k3 sum, outside-band tokens, step ("": none).
+# Sums add in Redis's long doubles (HINCRBYFLOAT), not through cjson, which keeps 14 digits. Returns the
+# added versions' totals, in order, each [tokens, abs, k3, outside, step].
+_ADD_MISMATCH = """
+local keep = {}
+for _, v in ipairs(cjson.decode(ARGV[1])) do keep[tostring(v)] = true end
+for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+  if not keep[string.match(field, '^[^:]*')] then redis.call('HDEL', KEYS[1], field) end
+end
+local out = {}
+for i = 2, #ARGV, 6 do
+  local v = ARGV[i]
+  local total = {redis.call('HINCRBY', KEYS[1], v .. ':tokens', ARGV[i + 1])}
+  for j, field in ipairs({'abs', 'k3', 'outside'}) do
+    table.insert(total, redis.call('HINCRBYFLOAT', KEYS[1], v .. ':' .. field, ARGV[i + 1 + j]))
+  end
+  if ARGV[i + 5] ~= '' then redis.call('HSET', KEYS[1], v .. ':step', ARGV[i + 5]) end
+  table.insert(total, redis.call('HGET', KEYS[1], v .. ':step') or '')
+  table.insert(out, total)
+end
+return out
+"""
+
+
+def _record(tokens: Any, abs_sum: Any, k3_sum: Any, outside: Any, step: Any) -> MismatchRecord:
+    step = step.decode() if isinstance(step, bytes) else step
+    return MismatchRecord(int(tokens), float(abs_sum), float(k3_sum), float(outside),
+                          int(step) if step not in (None, "") else None)
 
 
 class RedisRegistry:
@@ -304,6 +336,30 @@ class RedisRegistry:
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         raw = await self._call(f"reading the acks of model {model!r}", self._redis.hgetall(self._key(model, "acks")))
         return {k.decode(): tuple(json.loads(v)[:2]) for k, v in raw.items()}  # type: ignore[attr-defined,misc]
+
+    @functools.cached_property
+    def _add_mismatch(self) -> Any:
+        return self._redis.register_script(_ADD_MISMATCH)
+
+    async def add_mismatch(self, model: str, added: Mapping[int, MismatchRecord], keep: Sequence[int]
+                           ) -> dict[int, MismatchRecord]:
+        args: list[Any] = [json.dumps(list(keep))]
+        for v, r in added.items():
+            args += [v, r.tokens, repr(r.abs_logp_delta), repr(r.k3_kl), repr(r.outside_band),
+                     "" if r.step is None else r.step]
+        totals = await self._call(f"recording the mismatch of model {model!r}",
+                                  self._add_mismatch(keys=[self._key(model, "mismatch")], args=args))
+        return {v: _record(*t) for v, t in zip(added, totals, strict=True)}
+
+    async def mismatch(self, model: str) -> dict[int, MismatchRecord]:
+        raw = await self._call(f"reading the mismatch of model {model!r}",
+                               self._redis.hgetall(self._key(model, "mismatch")))
+        fields: dict[int, dict[str, str]] = {}
+        for k, value in raw.items():
+            version, _, field = k.decode().partition(":")
+            fields.setdefault(int(version), {})[field] = value.decode()
+        return {v: _record(f["tokens"], f.get("abs", 0), f.get("k3", 0), f.get("outside", 0), f.get("step"))
+                for v, f in fields.items() if "tokens" in f}
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
         key = f"{self.prefix}:replica:{replica.id}"

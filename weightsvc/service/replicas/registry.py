@@ -20,6 +20,7 @@ from typing import Protocol
 
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.mismatch import RolloutMismatch
 from weightsvc.protocol.parts import combine_parts
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
@@ -32,6 +33,32 @@ ACKS_KEPT = 10_000  # clients' acks kept per model (by this server, and by the r
 class CommitResult:
     created: bool  # False: the same step with the same digest was already committed
     evicted: tuple[int, ...] = ()  # versions retention dropped
+
+
+@dataclass(frozen=True)
+class MismatchRecord:
+    """A version's reported mismatch as sums over its tokens (reports add up exactly, in any order),
+    and the learner step of the latest report that gave one."""
+
+    tokens: int
+    abs_logp_delta: float  # the sum over tokens of |log r|
+    k3_kl: float  # of r - 1 - log r
+    outside_band: float  # the tokens whose r lies outside the band
+    step: int | None = None
+
+    @staticmethod
+    def of(m: RolloutMismatch, step: int | None) -> MismatchRecord:
+        n = m.tokens
+        return MismatchRecord(n, m.mean_abs_logp_delta * n, m.k3_kl * n, m.outside_band * n, step)
+
+    def plus(self, other: MismatchRecord) -> MismatchRecord:
+        return MismatchRecord(self.tokens + other.tokens, self.abs_logp_delta + other.abs_logp_delta,
+                              self.k3_kl + other.k3_kl, self.outside_band + other.outside_band,
+                              self.step if other.step is None else other.step)
+
+    def mismatch(self) -> RolloutMismatch:
+        n = self.tokens
+        return RolloutMismatch(n, self.abs_logp_delta / n, self.k3_kl / n, min(1.0, self.outside_band / n))
 
 
 def check_commit(model: str, version: int, digest: str, existing: str | None, latest: int | None) -> bool:
@@ -153,6 +180,16 @@ class Registry(Protocol):
 
     async def acks(self, model: str) -> dict[str, tuple[int, float]]:
         """Each client's last ack of `model`: (version, unix time)."""
+        ...
+
+    async def add_mismatch(self, model: str, added: Mapping[int, MismatchRecord], keep: Sequence[int]
+                           ) -> dict[int, MismatchRecord]:
+        """Add each version's record to what the version holds, all at once; the records of versions
+        not in `keep` (the retained ones) go. Returns the added versions' totals."""
+        ...
+
+    async def mismatch(self, model: str) -> dict[int, MismatchRecord]:
+        """Each version's record of `model`."""
         ...
 
     async def register(self, replica: Replica, ttl: float = REPLICA_TTL_S) -> bool:
