@@ -27,6 +27,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
     prompts = [" ".join(["t1", *(f"t{int(t)}" for t in torch.randint(3, VOCAB, (PROMPT_LEN - 1,), generator=g))])
                for _ in range(512)]
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # bf16-exact fp32 masters
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="grpo-"), max_steps=steps, learning_rate=lr,
+    out = tempfile.TemporaryDirectory(prefix="grpo-")
+    args = GRPOConfig(output_dir=out.name, max_steps=steps, learning_rate=lr,
                       per_device_train_batch_size=16, num_generations=8, max_completion_length=COMPLETION_LEN,
                       generation_kwargs={"ignore_eos": True}, beta=0.0, temperature=1.0, logging_steps=1,
                       report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed,
@@ -91,18 +93,29 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
                                   processing_class=AutoTokenizer.from_pretrained(model_dir), sync=sync)
     started = time.monotonic()
     try:
-        trainer.train()
+        with contextlib.redirect_stdout(sys.stderr):  # (the trainer prints its summary: stdout is the table's)
+            trainer.train()
     finally:
         sync.close()
+        out.cleanup()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {
         "rounding": rounding, "steps": steps, "seconds": round(time.monotonic() - started, 1), "reward": rewards,
         "is_ratio": [h.get("sampling/importance_sampling_ratio/mean") for h in trainer.state.log_history
                      if "reward" in h],
         "lag": {v: m.lag_steps for v, m in sorted(sync.lag.items())},
-        "mismatch": [{"step": step, "by_version": {v: m.__dict__ for v, m in by.items()}}
+        "mismatch": [{"step": step, "by_version": {v: asdict(m) for v, m in by.items()}}
                      for step, by in sync.mismatch],
+        "service_mismatch": service_mismatch(target, model),
     }
+
+
+def service_mismatch(target: str, model: str) -> dict[int, dict[str, Any]]:
+    """The mismatch the service recorded per retained version (every report of it added up)."""
+    from weightsvc import InferenceClient
+
+    with InferenceClient(target) as client:
+        return {v.version: asdict(v.mismatch) for v in client.versions(model) if v.mismatch is not None}
 
 
 def summary(trace: dict[str, Any]) -> dict[str, Any]:
@@ -117,7 +130,8 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
         "reward_first5": round(sum(rewards[:5]) / max(1, len(rewards[:5])), 3),
         "reward_last5": round(sum(rewards[-5:]) / max(1, len(rewards[-5:])), 3),
         f"steps_to_{THRESHOLD}": reached, "reward_auc": round(sum(rewards) / max(1, len(rewards)), 3),
-        "mismatch_mean_abs_logp": round(sum(m["mean_abs_logp_diff"] * m["tokens"] for m in diffs) / max(1, tokens), 5),
+        "mismatch_abs_logp": round(sum(m["mean_abs_logp_delta"] * m["tokens"] for m in diffs) / max(1, tokens), 4),
+        "mismatch_k3_kl": f"{sum(m['k3_kl'] * m['tokens'] for m in diffs) / max(1, tokens):.1e}",
         "versions_per_batch": round(sum(len(b["by_version"]) for b in trace["mismatch"])
                                     / max(1, len(trace["mismatch"])), 2),
         "seconds": trace["seconds"],
@@ -136,7 +150,7 @@ def plot(traces: list[dict[str, Any]], path: Path) -> None:
         ax_lag.plot(sorted(lag), [lag[k] for k in sorted(lag)], label=t["rounding"])
         ax_reward.plot(range(1, len(t["reward"]) + 1), t["reward"], label=t["rounding"])
         ax_mis.plot([b["step"] for b in t["mismatch"]],
-                    [max(m["mean_abs_logp_diff"] for m in b["by_version"].values()) for b in t["mismatch"]],
+                    [max(m["mean_abs_logp_delta"] for m in b["by_version"].values()) for b in t["mismatch"]],
                     label=t["rounding"])
     ax_lag.set(title="served lag (service's metric)", xlabel="version (step)", ylabel="lag (steps)")
     ax_reward.axhline(THRESHOLD, color="grey", lw=0.5)
@@ -195,7 +209,8 @@ def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
     from weightsvc.server.server import BackgroundServer
     from weightsvc.settings import Settings
 
-    work = Path(tempfile.mkdtemp(prefix="grpo-showcase-"))
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="grpo-showcase-"))
+    print(f"logs, model: {work}", file=sys.stderr)
     model_dir = build(work / "model", args.seed)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -227,20 +242,23 @@ def main() -> None:
     one.add_argument("--model", required=True)
     one.add_argument("--rounding", default="sr")
     one.add_argument("--out", type=Path, required=True)
-    one.add_argument("--build", action="store_true", help="build the tiny model into --model-dir and exit")
+    make = sub.add_parser("build", help="build the tiny model into --model-dir")
+    make.add_argument("--model-dir", type=Path, required=True)
+    for p in (parser, one, make):
+        p.add_argument("--seed", type=int, default=0)
     for p in (parser, one):
         p.add_argument("--steps", type=int, default=60)
         p.add_argument("--lr", type=float, default=LR)
-        p.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="rtn,sr,sr-sticky")
     parser.add_argument("--engine-python", default=None, help="python of the engines venv (default: setup_engines.sh)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="the model and the logs (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     parser.add_argument("--png", type=Path, default=Path("grpo_showcase.png"))
     args = parser.parse_args()
+    if args.command == "build":
+        build(args.model_dir, args.seed)
+        return
     if args.command == "train":
-        if args.build:
-            build(args.model_dir, args.seed)
-            return
         trace = train(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps, args.lr,
                       args.seed)
         args.out.write_text(json.dumps(trace))

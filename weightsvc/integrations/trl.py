@@ -33,10 +33,10 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from weightsvc.client import LearnerClient, served_weights
+from weightsvc.client import LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
 from weightsvc.protocol.lag import LagMetrics
 
-__all__ = ["FairCastGRPOTrainer", "RolloutMismatch", "WeightsvcSync", "token_versions"]
+__all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
 
 UNKNOWN_VERSION = -1  # a token whose engine weights carried no weightsvc version label
 
@@ -60,28 +60,6 @@ def token_versions(spans: list[dict[str, Any]] | None, length: int) -> list[int]
         for i in range(int(span["start"]), min(int(span["end"]), length)):
             versions[i] = version
     return versions
-
-
-@dataclass
-class RolloutMismatch:
-    """Learner vs engine log-probabilities of the tokens one weight version generated."""
-
-    tokens: int
-    mean_abs_logp_diff: float
-    max_abs_logp_diff: float
-
-
-def rollout_mismatch(learner: torch.Tensor, engine: torch.Tensor, versions: torch.Tensor,
-                     mask: torch.Tensor) -> dict[int, RolloutMismatch]:
-    """Per weight version: how far the learner's log-probabilities of the sampled tokens are from the
-    engine's (NaN engine values, tokens vLLM could not score, are left out)."""
-    diff = (learner.float() - engine.float()).abs()
-    keep = mask.bool() & ~torch.isnan(diff)
-    out: dict[int, RolloutMismatch] = {}
-    for version in sorted(int(v) for v in versions[keep].unique()):
-        d = diff[keep & (versions == version)]
-        out[version] = RolloutMismatch(int(d.numel()), float(d.mean()), float(d.max()))
-    return out
 
 
 @dataclass
@@ -154,10 +132,11 @@ class WeightsvcSync:
     def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
         """TRL's `rollout_func`: one completion per prompt from the engine's token-in/token-out route,
         with the log-probability and weight version of each token."""
-        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+        tokenizer: Any = trainer.processing_class
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
         params = {"temperature": trainer.temperature, "top_p": trainer.top_p,
                   "max_tokens": trainer.max_completion_length, "logprobs": 0,
-                  **(trainer.args.generation_kwargs or {})}
+                  **(getattr(trainer.args, "generation_kwargs", None) or {})}
 
         def one(ids: list[int]) -> dict[str, Any]:
             out = _http("POST", f"{self.engine}/inference/v1/generate", {"token_ids": ids, "sampling_params": params},
@@ -168,16 +147,26 @@ class WeightsvcSync:
             choices = list(pool.map(one, prompt_ids))
         completion_ids = [list(c["token_ids"]) for c in choices]
         logprobs = [[t["logprob"] for t in c["logprobs"]["content"]] for c in choices]
-        self.versions = [token_versions(c.get("weight_versions"), len(ids)) for c, ids in zip(choices, completion_ids)]
+        self.versions = [token_versions(c.get("weight_versions"), len(ids))
+                         for c, ids in zip(choices, completion_ids, strict=True)]
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     def report_mismatch(self, step: int, learner: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
-        """The mismatch of one rollout batch by weight version, kept and reported to the service."""
+        """The mismatch of one rollout batch (learner's and engine's log-probabilities of its tokens, as
+        TRL padded them) by weight version: kept, and reported to the service. Tokens without a version
+        or that the engine could not score (NaN) are left out."""
         versions = torch.full(mask.shape, UNKNOWN_VERSION, dtype=torch.long)
         for row, v in enumerate(self.versions):
-            versions[row, : len(v)] = torch.tensor(v[: mask.shape[1]], dtype=torch.long)
-        by_version = rollout_mismatch(learner.cpu(), engine.cpu(), versions, mask.cpu())
+            width = min(len(v), mask.shape[1])
+            versions[row, :width] = torch.tensor(v[:width], dtype=torch.long)
+        engine = engine.detach().cpu()
+        keep = mask.cpu().bool() & (versions >= 0) & torch.isfinite(engine)
+        by_version = rollout_mismatch(learner.detach().cpu(), engine, versions, mask=keep)
+        if not by_version:
+            return
         self.mismatch.append((step, by_version))
+        assert self._learner is not None  # (a version was pushed before any rollout)
+        self._learner.report_mismatch(self.model, by_version, step=step)
 
 
 class _PushMasters(TrainerCallback):  # type: ignore[misc]
@@ -213,7 +202,7 @@ class FairCastGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
         # TRL's importance-sampling correction and its sync point, with weightsvc as the transport.
         self.use_vllm = True
-        self.vllm_generation = sync
+        self.vllm_generation = sync  # type: ignore[assignment]
         self._last_loaded_step = -1
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
@@ -223,7 +212,7 @@ class FairCastGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output: dict[str, Any] = super()._generate_and_score_completions(inputs)
-        if self.model.training and "sampling_per_token_logps" in output:
+        if self.model is not None and self.model.training and "sampling_per_token_logps" in output:
             self.sync.report_mismatch(self.state.global_step, output["old_per_token_logps"],
                                       output["sampling_per_token_logps"], output["completion_mask"])
         return output
