@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -59,8 +60,61 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+class _StraightThrough(torch.autograd.Function):
+    """The served value forward; backward, the gradient at it goes to the master unchanged (the
+    rounding counts as the identity: a straight-through estimator)."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        # (a new tensor either way: a Function's output must not be its input as it is)
+        return value.to(dtype) if value.dtype != dtype else value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.to(ctx.master_dtype), None, None
+
+
+class _Served(torch.nn.Module):
+    """The parametrization that stands a parameter's served copy in for it (`served_weights`)."""
+
+    def __init__(self, value: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.value = value  # (a plain attribute, not a buffer: the module's state dict stays the masters')
+        self.dtype = dtype
+
+    def forward(self, master: torch.Tensor) -> torch.Tensor:
+        return _StraightThrough.apply(master, self.value, self.dtype)
+
+
+def _places(module: torch.nn.Module) -> dict[int, tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str, str]]]]:
+    """Each parameter, once, with every (owner module, attribute, state-dict name) that holds it:
+    a tied parameter has several."""
+    out: dict[int, tuple[torch.nn.Parameter, list[tuple[torch.nn.Module, str, str]]]] = {}
+    seen: set[tuple[int, str]] = set()
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, param in owner._parameters.items():
+            if param is None or (id(owner), attr) in seen:
+                continue
+            seen.add((id(owner), attr))
+            out.setdefault(id(param), (param, []))[1].append((owner, attr, f"{prefix}.{attr}" if prefix else attr))
+    return out
+
+
+def _check_plain(module: torch.nn.Module) -> None:
+    """Refuse a parametrized module: its state dict does not carry the names the learner pushed, and a
+    served copy already standing in must not stand in twice."""
+    from torch.nn.utils import parametrize
+
+    for prefix, sub in module.named_modules():
+        if parametrize.is_parametrized(sub):
+            raise ValueError(f"module {prefix or type(module).__name__!r} is parametrized already (a served copy "
+                             "standing in, or another parametrization): its weights are not the masters")
+
+
 @contextlib.contextmanager
-def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor]) -> Iterator[torch.nn.Module]:
+def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor], *,
+                   dtype: torch.dtype | None = None) -> Iterator[torch.nn.Module]:
     """Run `module` on the served copy while its parameters stay the fp32 masters.
 
         with served_weights(policy, info.served):
@@ -68,23 +122,45 @@ def served_weights(module: torch.nn.Module, served: Mapping[str, torch.Tensor]) 
             loss.backward()          # gradients at the served weights, on the master parameters
         optimizer.step()             # updates the masters
 
-    Scaled formats are dequantized with their scales (`dequantize`).
+    Each parameter reads as its served value (scaled formats dequantized with their scales,
+    `dequantize`) in `dtype` (None: the parameter's own; the served values are exact in fp32), and
+    its gradient lands on the master unchanged. The module is parametrized for the duration
+    (`torch.nn.utils.parametrize`: a weight read anywhere, a tied one through either name, is the
+    served copy; every forward makes its own autograd node, so several forwards and backwards
+    accumulate as usual); its state dict keeps the masters' names outside the context.
+    Buffers stay as they are. Everything is checked before the module is touched.
     """
-    params = dict(module.named_parameters())
+    from torch.nn.utils import parametrize
+
+    _check_plain(module)
     values = dequantize(served)
-    saved = {}
+    plan = []
+    for param, where in _places(module).values():
+        names = [name for _, _, name in where]
+        name = next((n for n in names if n in values), None)
+        if name is None:
+            raise KeyError(f"the served copy has no tensor {names[0]!r}"
+                           + (f" (nor its tied names {names[1:]})" if len(names) > 1 else ""))
+        if tuple(values[name].shape) != tuple(param.shape):
+            raise ValueError(f"tensor {name!r}: the served copy has shape {list(values[name].shape)}, the module "
+                             f"{list(param.shape)}")
+        plan.append((param, where, values[name]))
+    registered: list[tuple[torch.nn.Module, str]] = []
+    # Each owner's parameter order, restored on exit (an optimizer's state is loaded by that order).
+    orders = {id(owner): (owner, list(owner._parameters)) for _, where, _ in plan for owner, _, _ in where}
     try:
-        with torch.no_grad():
-            for name, p in params.items():
-                if name not in values:
-                    raise KeyError(f"the served copy has no tensor {name!r}")
-                saved[name] = p.data.clone()
-                p.data.copy_(values[name].to(p.dtype).reshape(p.shape))
+        for param, where, value in plan:
+            stand_in = _Served(value.to(param.device), dtype or param.dtype)
+            for owner, attr, _ in where:
+                parametrize.register_parametrization(owner, attr, stand_in, unsafe=True)
+                registered.append((owner, attr))
         yield module
     finally:
-        with torch.no_grad():
-            for name, master in saved.items():
-                params[name].data.copy_(master)
+        for owner, attr in reversed(registered):  # the very Parameter objects come back (optimizers hold them)
+            parametrize.remove_parametrizations(owner, attr, leave_parametrized=False)
+        for owner, order in orders.values():
+            for attr in order:
+                owner._parameters[attr] = owner._parameters.pop(attr)
 
 
 def _format_of(served: Mapping[str, torch.Tensor], name: str) -> str:

@@ -49,11 +49,12 @@ def export(
     residual: Residual | None = None,
     device: str = "auto",
     group_amax: float | None = None,
+    aliases: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """The served tensors of one whole master tensor, named and shaped as `served_tensors` says:
     `{name: served}`, plus `{name}_scale_inv` for fp8, `{name}_scale` (and `{name}_global_scale`)
     for the microscaled formats. With `ef`, `residual` is read and updated for this tensor (after
-    the whole export).
+    the whole export). `aliases`: the names tied to this tensor (they decide its format with it).
 
     `device`: "auto" exports where the master lives (Triton on CUDA, numba on the CPU), "cpu" or
     "cuda" force one (`export_device`); both give the same bits. The residual stays on the host, as
@@ -63,7 +64,7 @@ def export(
     where = export_device(device, master.device.type)
     m = _master(master, name, master.device if device == "auto" else torch.device(
         "cuda" if where == "cuda" else "cpu"))
-    fmt = spec.format_for(name, tuple(m.shape))
+    fmt = spec.format_for(name, tuple(m.shape), aliases)
     res_in = res_out = None
     if spec.rounding == "ef":
         if residual is None:
@@ -102,28 +103,36 @@ def export_state_dict(
     version: int,
     residual: Residual | None = None,
     device: str = "auto",
+    aliases: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Exactly what the service serves for these masters at `version` (scales included).
 
     With `ef`, `residual` advances to `version` (pass the one of the previous version).
+    `aliases` (alias -> tensor of `state_dict`, as a push declares ties): each alias is served as
+    its tensor, the very same object, and decides the tensor's format with it.
     """
+    tied: dict[str, tuple[str, ...]] = {}
+    for alias, target in (aliases or {}).items():
+        tied[target] = (*tied.get(target, ()), alias)
     out: dict[str, torch.Tensor] = {}
-    shared = _group_amaxes(state_dict, spec, residual)
+    shared = _group_amaxes(state_dict, spec, residual, tied)
     for name, master in state_dict.items():
         out.update(export(master, spec, version=version, name=name, residual=residual, device=device,
-                          group_amax=shared.get(name)))
+                          group_amax=shared.get(name), aliases=tied.get(name, ())))
+    for alias, target in (aliases or {}).items():
+        out[alias] = out[target]
     if residual is not None:
         residual.version = version
     return out
 
 
 def _group_amaxes(state_dict: Mapping[str, torch.Tensor], spec: ExportSpec,
-                  residual: Residual | None) -> dict[str, float]:
+                  residual: Residual | None, tied: Mapping[str, tuple[str, ...]]) -> dict[str, float]:
     """NVFP4: the max |value| of each tensor's fused group (`fused_group`), which sets the group's
     shared global scale; of m + e with ef, as the export quantizes."""
     groups: dict[str, list[str]] = {}
     for name, master in state_dict.items():
-        if spec.format_for(name, tuple(master.shape)).global_scale:
+        if spec.format_for(name, tuple(master.shape), tied.get(name, ())).global_scale:
             groups.setdefault(fused_group(name), []).append(name)
 
     def values(name: str) -> np.ndarray:
