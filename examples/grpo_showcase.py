@@ -100,7 +100,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         out.cleanup()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {
-        "rounding": rounding, "steps": steps, "seconds": round(time.monotonic() - started, 1), "reward": rewards,
+        "rounding": rounding, "steps": steps, "served_from": sync.served_from,
+        "seconds": round(time.monotonic() - started, 1), "reward": rewards,
         "is_ratio": [h.get("sampling/importance_sampling_ratio/mean") for h in trainer.state.log_history
                      if "reward" in h],
         "lag": {v: m.lag_steps for v, m in sorted(sync.lag.items())},

@@ -68,6 +68,8 @@ def test_grpo_pushes_each_step_rolls_out_on_the_following_engine_and_reports_mis
     assert sorted(listed) == list(range(STEPS + 1))
     assert sorted(int(v) for v in trace["lag"]) == list(range(STEPS + 1))
     assert all(listed[v].rounding == "sr" for v in listed)
+    # The learner recomputed the served bits itself (checked against the manifest at version 0).
+    assert trace["served_from"] == "local"
 
     # Each rollout batch was generated, on policy, by the version of its step, every token scored by
     # the engine; TRL's importance-sampling correction ran on those log-probabilities.

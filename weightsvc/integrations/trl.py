@@ -33,8 +33,10 @@ import torch
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from weightsvc.client import LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
+from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
+from weightsvc.integrations.fair_cast import ServedMismatch, check_served, served_state_dict
 from weightsvc.protocol.lag import LagMetrics
+from weightsvc.rounding import ExportSpec
 
 __all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
 
@@ -82,6 +84,8 @@ class WeightsvcSync:
     timeout_s: float = 120.0
     lag: dict[int, LagMetrics] = field(default_factory=dict)
     mismatch: list[tuple[int, dict[int, RolloutMismatch]]] = field(default_factory=list)
+    spec: ExportSpec | None = None  # the export to recompute the served copy by (None: the version's manifest)
+    served_from: str = ""  # "local" (recomputed, checked once) or "pulled"; found out at the first version
     served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     version: int | None = None
     versions: list[list[int]] = field(default_factory=list, repr=False)  # of the last rollout batch's tokens
@@ -90,17 +94,47 @@ class WeightsvcSync:
     # -- the masters: one version per optimizer step -------------------------------------------------
 
     def push(self, module: torch.nn.Module, step: int) -> None:
-        """Push the masters as version `step`; keep its served copy (the learner's next forwards run on
-        it) and the service's lag of it. On one process the whole state dict, else this rank's shard."""
+        """Push the masters as version `step`, keep the service's lag of it, and hold its served copy,
+        which the learner's forwards run on until the next step: recomputed here (`served_state_dict`)
+        once the first version showed the learner's bits are the service's, else pulled back (`ef`,
+        whose residual is the service's state, or a spec the learner cannot rebuild from the manifest).
+        On one process the whole state dict; ranks holding the same masters push identical versions."""
         if self._learner is None:
             self._learner = LearnerClient(self.target, timeout=self.timeout_s)
         masters = {n: t.detach() for n, t in module.state_dict().items()}
         info = self._learner.push(step, masters, self.model, format=self.format, rounding=self.rounding,
-                                  return_served=True)
-        assert info.served is not None
-        self.served, self.version = info.served, step
+                                  return_served=self.served_from == "pulled")
         if info.lag is not None:
             self.lag[step] = info.lag
+        if self.served_from == "pulled":
+            assert info.served is not None
+            self.served = info.served
+        else:
+            self.served = served_state_dict(module, self._spec(step), version=step)
+            if self.served_from == "":  # the first version: check the local bits against the manifest
+                self.served_from = self._check(step)
+                if self.served_from == "pulled":
+                    with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                        self.served = client.pull(self.model, step)
+        self.version = step
+
+    def _spec(self, version: int) -> ExportSpec:
+        if self.spec is None:
+            with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                m = client.manifest(self.model, version)
+            self.spec = ExportSpec(m.format, m.rounding, seed=m.seed, **({"scaling": m.scaling} if m.scaling else {}))
+        return self.spec
+
+    def _check(self, version: int) -> str:
+        assert self.spec is not None
+        if self.spec.rounding == "ef":
+            return "pulled"
+        try:
+            with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                check_served(client, self.model, version, spec=self.spec, served=self.served)
+        except ServedMismatch:
+            return "pulled"
+        return "local"
 
     def close(self) -> None:
         if self._learner is not None:
