@@ -40,6 +40,9 @@ from weightsvc.rounding import ExportSpec
 
 __all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
 
+# The first versions (the starting masters, whose bits any rounding serves as they are, and the first
+# step) are checked against the service's checksums before the learner trusts its own copy.
+CHECKED_VERSIONS = 2
 UNKNOWN_VERSION = -1  # a token whose engine weights carried no weightsvc version label
 
 
@@ -85,18 +88,19 @@ class WeightsvcSync:
     lag: dict[int, LagMetrics] = field(default_factory=dict)
     mismatch: list[tuple[int, dict[int, RolloutMismatch]]] = field(default_factory=list)
     spec: ExportSpec | None = None  # the export to recompute the served copy by (None: the version's manifest)
-    served_from: str = ""  # "local" (recomputed, checked once) or "pulled"; found out at the first version
+    served_from: str = ""  # "local" (recomputed) or "pulled"; found out over the first versions
     served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     version: int | None = None
     versions: list[list[int]] = field(default_factory=list, repr=False)  # of the last rollout batch's tokens
     _learner: LearnerClient | None = field(default=None, repr=False)
+    _checked: int = field(default=0, repr=False)
 
     # -- the masters: one version per optimizer step -------------------------------------------------
 
     def push(self, module: torch.nn.Module, step: int) -> None:
         """Push the masters as version `step`, keep the service's lag of it, and hold its served copy,
         which the learner's forwards run on until the next step: recomputed here (`served_state_dict`)
-        once the first version showed the learner's bits are the service's, else pulled back (`ef`,
+        while the first versions show the learner's bits are the service's, else pulled back (`ef`,
         whose residual is the service's state, or a spec the learner cannot rebuild from the manifest).
         On one process the whole state dict; ranks holding the same masters push identical versions."""
         if self._learner is None:
@@ -111,7 +115,8 @@ class WeightsvcSync:
             self.served = info.served
         else:
             self.served = served_state_dict(module, self._spec(step), version=step)
-            if self.served_from == "":  # the first version: check the local bits against the manifest
+            if self._checked < CHECKED_VERSIONS:  # the first versions: the local bits against the manifest
+                self._checked += 1
                 self.served_from = self._check(step)
                 if self.served_from == "pulled":
                     with InferenceClient(self.target, timeout=self.timeout_s) as client:
