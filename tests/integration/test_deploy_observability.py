@@ -15,6 +15,7 @@ import yaml
 from tests.conftest import serving
 from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import RolloutMismatch
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 RULES = DEPLOY / "prometheus" / "weightsvc-alerts.yml"
@@ -27,11 +28,12 @@ def exported_metrics_text() -> str:
         LearnerClient(srv.grpc_target).push(2, {"w": torch.randn(64, 64) * 0.02})
         InferenceClient(srv.grpc_target).ack("default", 1, "pod")
         InferenceClient(srv.http_url).pull()
+        LearnerClient(srv.grpc_target).report_mismatch("default", {2: RolloutMismatch(8, 0.01, 1e-4, 0.0)})
         return http_get(srv.http_url, "/metrics")[2].decode()
 
 
 def referenced_names(text: str) -> set[str]:
-    return set(re.findall(r"\bweightsvc_[a-z_]+", text))
+    return set(re.findall(r"\bweightsvc_[a-z0-9_]+", text))
 
 
 def test_rules_and_dashboard_use_exported_metrics() -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import shutil
 import urllib.parse
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,11 +19,11 @@ import torch
 from typer.testing import CliRunner
 
 from tests.conftest import make_masters, serving
-from tests.helpers import REDIS_URL, http_get, needs_redis
+from tests.helpers import REDIS_URL, PrivateRedis, http_get, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli.main import app
 from weightsvc.client import RolloutMismatch, rollout_mismatch
-from weightsvc.errors import InvalidArgument, NotFound
+from weightsvc.errors import InvalidArgument, NotFound, Unavailable
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -213,3 +215,21 @@ def test_replicas_on_one_redis_share_the_records(redis_prefix: str, model: str) 
                 ((m, step),) = listed(target, model).values()
                 assert m is not None and step == 2
                 same(m, a + b)
+
+
+def test_without_its_registry_a_report_is_refused_and_the_listing_goes_on(tmp_path: Path, model: str) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH: the test starts and kills a Redis of its own")
+    private = PrivateRedis(tmp_path, persist=False)
+    private.start()
+    try:
+        with serving(redis_url=private.url) as srv:
+            LearnerClient(srv.grpc_target).push(1, make_masters(), model=model)
+            private.kill()
+            with pytest.raises(Unavailable, match=rf"UNAVAILABLE: registry {private.url} unreachable while "
+                                                  rf"recording the mismatch of model '{model}'"):
+                LearnerClient(srv.grpc_target).report_mismatch(model, {1: RolloutMismatch(4, 0.1, 0.01, 0.0)})
+            assert listed(srv.http_url, model) == {1: (None, None)}  # served from what the replica holds
+    finally:
+        if private.proc is not None and private.proc.poll() is None:
+            private.kill()

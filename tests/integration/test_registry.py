@@ -19,11 +19,12 @@ from tests.conftest import make_masters, serving
 from tests.helpers import REDIS_URL, PrivateRedis, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
+from weightsvc.protocol.mismatch import RolloutMismatch
 from weightsvc.protocol.topology import Replica
 from weightsvc.server.server import BackgroundServer
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.redis import RedisRegistry
-from weightsvc.service.replicas.registry import Registry, combined_digest, record_digest
+from weightsvc.service.replicas.registry import MismatchRecord, Registry, combined_digest, record_digest
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
@@ -53,6 +54,24 @@ async def test_commit_rules(registry: Registry) -> None:
     assert await registry.manifest("m", 4) is None
     assert await registry.models() == ["m"]
     assert await registry.versions("unknown") == []
+
+
+async def test_mismatch_records_add_up_and_follow_retention(registry: Registry) -> None:
+    a, b = MismatchRecord(10, 1.0, 0.1, 2.0, step=3), MismatchRecord(30, 0.5, 1e-7, 0.0)
+    totals = await registry.add_mismatch("m", {4: a, 5: b}, keep=[4, 5])
+    assert totals == {4: a, 5: b}
+    totals = await registry.add_mismatch("m", {5: MismatchRecord(1, 0.25, 1e-9, 1.0, step=7)}, keep=[4, 5])
+    assert totals[5].tokens == 31 and totals[5].step == 7
+    assert totals[5].k3_kl == pytest.approx(1e-7 + 1e-9, rel=1e-15)  # small sums keep their digits
+    means = totals[5].mismatch()  # (Redis adds in long doubles: the last bit may differ)
+    expected = RolloutMismatch(31, 0.75 / 31, (1e-7 + 1e-9) / 31, 1 / 31)
+    assert means.tokens == expected.tokens
+    for field in ("mean_abs_logp_delta", "k3_kl", "outside_band"):
+        assert getattr(means, field) == pytest.approx(getattr(expected, field), rel=1e-15), field
+    assert await registry.mismatch("m") == {4: a, 5: totals[5]}
+    await registry.add_mismatch("m", {6: a}, keep=[5, 6])  # version 4 retired: its record goes
+    assert (await registry.mismatch("m")).keys() == {5, 6}
+    assert await registry.mismatch("other") == {}
 
 
 async def test_retention_keeps_the_newest_versions(registry: Registry) -> None:

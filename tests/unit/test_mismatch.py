@@ -92,6 +92,12 @@ def test_combined_is_token_weighted() -> None:
     assert a + b == RolloutMismatch(4, 0.25, 0.1, 0.25)
 
 
+def test_numpy_numbers_are_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    m = RolloutMismatch(np.int64(3), np.float32(0.5), np.float64(0.25), 0)  # type: ignore[arg-type]
+    assert m == RolloutMismatch(3, 0.5, 0.25, 0.0) and type(m.tokens) is int and type(m.k3_kl) is float
+
+
 def test_masked_out_version_and_empty_batch_are_absent() -> None:
     lp = torch.zeros(4)
     assert rollout_mismatch(lp, lp, torch.tensor([1, 1, 2, 2]), mask=torch.tensor([1, 1, 0, 0])).keys() == {1}

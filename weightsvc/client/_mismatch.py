@@ -58,8 +58,8 @@ def rollout_mismatch(
     engine = engine_logprobs.detach().to(versions.device, torch.float64)[keep]
     version = versions[keep].to(torch.int64)
     for name, values in (("learner_logprobs", learner), ("engine_logprobs", engine)):
-        bad = int((~torch.isfinite(values)).sum())
-        if bad:
+        if not bool(torch.isfinite(values).all()):  # (counted only when there is something to say)
+            bad = int((~torch.isfinite(values)).sum())
             raise ValueError(f"{name} has {bad} token(s) that are not finite (NaN or ±inf) among those kept")
     if version.numel() and int(version.min()) < 0:
         raise ValueError(f"versions must be >= 0 for kept tokens (mask out tokens without one), "

@@ -11,6 +11,7 @@ of |log r|, `outside_band` the share of tokens whose r lies outside the IcePop b
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -29,13 +30,14 @@ class RolloutMismatch:
     outside_band: float
 
     def __post_init__(self) -> None:
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int):
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, numbers.Integral):
             raise ValueError(f"tokens must be an integer, not {self.tokens!r}")
+        object.__setattr__(self, "tokens", int(self.tokens))  # (numpy and torch integers too)
         if self.tokens <= 0:
             raise ValueError(f"tokens must be > 0, not {self.tokens}")
         for field in MEANS:
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{field} must be a number, not {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field} must be finite and >= 0, not {value}")

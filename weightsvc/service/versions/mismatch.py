@@ -16,6 +16,7 @@ from typing import Any
 
 from weightsvc.errors import InvalidArgument, NotFound
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.mismatch import MEANS, RolloutMismatch
 from weightsvc.protocol.refs import MAX_STEP
 from weightsvc.service.replicas.registry import MismatchRecord, Registry
@@ -101,5 +102,5 @@ class Mismatches:
         records = await self._registry.mismatch(model)
         return {v: Reported(r.mismatch(), r.step) for v, r in records.items() if v in retained}
 
-    def _retained(self, model: str) -> dict[int, Any]:
+    def _retained(self, model: str) -> dict[int, Manifest]:
         return {v.manifest.version: v.manifest for v in self._index.versions(model)}
