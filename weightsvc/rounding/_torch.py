@@ -160,19 +160,25 @@ def fair_cast(
     offset: int = 0,
 ) -> torch.Tensor:
     """The served copy of one master tensor or of a flat shard of it starting at element `offset`
-    (bf16/fp16, `rtn`/`sr`/`sr-sticky`). For fp8 and `ef`, use `export_state_dict`."""
+    (bf16/fp16, `rtn`/`sr`/`sr-sticky`), on the device the master is on (a GPU: the Triton
+    kernel; the same bits). For fp8 and `ef`, use `export_state_dict`."""
     import torch
 
     spec = ExportSpec(format, rounding, seed)
     fmt = FORMATS[format]
     if fmt.scaled or rounding == "ef":
         raise ValueError("fair_cast covers unscaled formats without state; use export_state_dict for fp8 or ef")
-    m = _master(master, name)
-    out = torch.empty(m.shape, dtype=_torch_dtype(fmt))
-    export_array(
-        m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
-        fmt=fmt, offset=offset,
-    )
+    where = export_device("auto", master.device.type)
+    m = _master(master, name, master.device)
+    out = torch.empty(m.shape, dtype=_torch_dtype(fmt), device=m.device)
+    if where == "cpu":
+        export_array(
+            m.reshape(-1).numpy(), out.reshape(-1).view(torch.uint8).numpy(), spec, version=version, name=name,
+            fmt=fmt, offset=offset,
+        )
+    else:
+        export_tensor(m.reshape(-1), out.reshape(-1).view(torch.uint8), spec, fmt, version=version, name=name,
+                      offset=offset)
     return out
 
 
