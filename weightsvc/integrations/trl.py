@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
@@ -106,6 +107,10 @@ class WeightsvcSync:
         if self._learner is None:
             self._learner = LearnerClient(self.target, timeout=self.timeout_s)
         masters = {n: t.detach() for n, t in module.state_dict().items()}
+        sharded = [n for n, t in masters.items() if isinstance(t, DTensor)]
+        if sharded:  # (each rank would push its own rows as `Shard`s, and the served copy be made per shard)
+            raise NotImplementedError(f"model {self.model!r} version {step}: masters {sharded[:3]} are sharded "
+                                      "(FSDP DTensors); this trainer pushes whole state dicts")
         info = self._learner.push(step, masters, self.model, format=self.format, rounding=self.rounding,
                                   return_served=self.served_from == "pulled")
         if info.lag is not None:
