@@ -1,0 +1,263 @@
+"""TRL's GRPO on weightsvc: the learner pushes its fp32 masters after each optimizer step, rollouts come
+from a `vllm serve` that follows weightsvc (`weightsvc follow`), and the loss is computed on the served
+copy (Fair Cast).
+
+    from weightsvc.integrations.trl import FairCastGRPOTrainer, WeightsvcSync
+
+    sync = WeightsvcSync(target="weightsvc:50051", engine="http://vllm:8000", model="policy", rounding="sr")
+    trainer = FairCastGRPOTrainer(model=policy, reward_funcs=reward, args=GRPOConfig(...),
+                                  train_dataset=prompts, processing_class=tokenizer, sync=sync)
+    trainer.train()
+    sync.lag            # the service's lag of each pushed version
+    sync.mismatch       # per rollout batch: learner vs engine log-probabilities by weight version
+
+TRL 1.16 applies its vLLM importance-sampling correction (the engine's per-token log-probabilities
+against the learner's) only with `use_vllm`, which loads vLLM into the trainer's process and moves
+the weights itself over NCCL. Here weightsvc moves them and the engine is reached over HTTP, so the
+trainer takes the correction path with the engine's log-probabilities that `rollout_func` returns.
+TRL is imported with this module: it is the `trl` extra."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+
+from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
+from weightsvc.integrations.fair_cast import ServedMismatch, check_served, served_state_dict
+from weightsvc.protocol.lag import LagMetrics
+from weightsvc.rounding import ExportSpec
+
+__all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
+
+# The first versions (the starting masters, whose bits any rounding serves as they are, and the first
+# step) are checked against the service's checksums before the learner trusts its own copy.
+CHECKED_VERSIONS = 2
+UNKNOWN_VERSION = -1  # a token whose engine weights carried no weightsvc version label
+
+
+def _http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"engine {method} {url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+
+
+def token_versions(spans: list[dict[str, Any]] | None, length: int) -> list[int]:
+    """The weight version of each output token from vLLM's `weight_versions` spans (`[start, end)`)."""
+    versions = [UNKNOWN_VERSION] * length
+    for span in spans or []:
+        label = str(span["version"])
+        version = int(label) if label.isdigit() else UNKNOWN_VERSION
+        for i in range(int(span["start"]), min(int(span["end"]), length)):
+            versions[i] = version
+    return versions
+
+
+@dataclass
+class WeightsvcSync:
+    """Where the masters go and the rollouts come from.
+
+    `target`: weightsvc's gRPC `host:port`; `engine`: the base URL of the `vllm serve` that follows
+    `model` (started with `--enable-scale-out`, and `--logprobs-mode processed_logprobs` so that its
+    log-probabilities are those of the temperature it samples at). `format` / `rounding` override the
+    service's export for this model's pushes (empty: the service's). `on_policy`: each rollout batch
+    waits until the engine serves the version of the current step (otherwise it takes what the engine
+    serves, and the token versions show how far behind that was)."""
+
+    target: str
+    engine: str
+    model: str = "default"
+    format: str = ""
+    rounding: str = ""
+    on_policy: bool = True
+    timeout_s: float = 120.0
+    lag: dict[int, LagMetrics] = field(default_factory=dict)
+    mismatch: list[tuple[int, dict[int, RolloutMismatch]]] = field(default_factory=list)
+    spec: ExportSpec | None = None  # the export to recompute the served copy by (None: the version's manifest)
+    served_from: str = ""  # "local" (recomputed) or "pulled"; found out over the first versions
+    served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    version: int | None = None
+    versions: list[list[int]] = field(default_factory=list, repr=False)  # of the last rollout batch's tokens
+    _learner: LearnerClient | None = field(default=None, repr=False)
+    _checked: int = field(default=0, repr=False)
+
+    # -- the masters: one version per optimizer step -------------------------------------------------
+
+    def push(self, module: torch.nn.Module, step: int) -> None:
+        """Push the masters as version `step`, keep the service's lag of it, and hold its served copy,
+        which the learner's forwards run on until the next step: recomputed here (`served_state_dict`)
+        while the first versions show the learner's bits are the service's, else pulled back (`ef`,
+        whose residual is the service's state, or a spec the learner cannot rebuild from the manifest).
+        On one process the whole state dict; ranks holding the same masters push identical versions."""
+        if self._learner is None:
+            self._learner = LearnerClient(self.target, timeout=self.timeout_s)
+        masters = {n: t.detach() for n, t in module.state_dict().items()}
+        sharded = [n for n, t in masters.items() if isinstance(t, DTensor)]
+        if sharded:  # (each rank would push its own rows as `Shard`s, and the served copy be made per shard)
+            raise NotImplementedError(f"model {self.model!r} version {step}: masters {sharded[:3]} are sharded "
+                                      "(FSDP DTensors); this trainer pushes whole state dicts")
+        info = self._learner.push(step, masters, self.model, format=self.format, rounding=self.rounding,
+                                  return_served=self.served_from == "pulled")
+        if info.lag is not None:
+            self.lag[step] = info.lag
+        if self.served_from == "pulled":
+            assert info.served is not None
+            self.served = info.served
+        else:
+            self.served = served_state_dict(module, self._spec(step), version=step)
+            if self._checked < CHECKED_VERSIONS:  # the first versions: the local bits against the manifest
+                self._checked += 1
+                self.served_from = self._check(step)
+                if self.served_from == "pulled":
+                    with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                        self.served = client.pull(self.model, step)
+        self.version = step
+
+    def _spec(self, version: int) -> ExportSpec:
+        if self.spec is None:
+            with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                m = client.manifest(self.model, version)
+            self.spec = ExportSpec(m.format, m.rounding, seed=m.seed, **({"scaling": m.scaling} if m.scaling else {}))
+        return self.spec
+
+    def _check(self, version: int) -> str:
+        assert self.spec is not None
+        if self.spec.rounding == "ef":
+            return "pulled"
+        try:
+            with InferenceClient(self.target, timeout=self.timeout_s) as client:
+                check_served(client, self.model, version, spec=self.spec, served=self.served)
+        except ServedMismatch:
+            return "pulled"
+        return "local"
+
+    def close(self) -> None:
+        if self._learner is not None:
+            self._learner.close()
+            self._learner = None
+
+    @contextmanager
+    def on_served_copy(self, module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+        """The forward on the served copy of the last pushed version, gradients to the masters."""
+        if self.version is None:
+            raise RuntimeError(f"model {self.model!r}: no version pushed yet, so no served copy to run on")
+        with served_weights(module, self.served):
+            yield module
+
+    # -- the engine ----------------------------------------------------------------------------------
+
+    def sync_weights(self) -> None:
+        """TRL's sync point before a rollout batch: weightsvc and the follower move the weights; on
+        policy, this waits until the engine serves the version last pushed."""
+        if not self.on_policy or self.version is None:
+            return
+        want, deadline = str(self.version), time.monotonic() + self.timeout_s
+        while (label := str(_http("GET", f"{self.engine}/weight_info")["weight_version"])) != want:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.engine} serves weight_version {label!r}, not version {want} of "
+                                   f"model {self.model!r}, after {self.timeout_s} s: is `weightsvc follow` running?")
+            time.sleep(0.02)  # (the engine's label is state, not an event: nothing to wait on)
+
+    def rollout(self, prompts: list[Any], trainer: GRPOTrainer) -> dict[str, Any]:
+        """TRL's `rollout_func`: one completion per prompt from the engine's token-in/token-out route,
+        with the log-probability and weight version of each token."""
+        tokenizer: Any = trainer.processing_class
+        prompt_ids = tokenizer(text=prompts)["input_ids"]
+        params = {"temperature": trainer.temperature, "top_p": trainer.top_p,
+                  "max_tokens": trainer.max_completion_length, "logprobs": 0,
+                  **(getattr(trainer.args, "generation_kwargs", None) or {})}
+
+        def one(ids: list[int]) -> dict[str, Any]:
+            out = _http("POST", f"{self.engine}/inference/v1/generate", {"token_ids": ids, "sampling_params": params},
+                        timeout=self.timeout_s)
+            return dict(out["choices"][0])
+
+        with ThreadPoolExecutor(max(1, len(prompt_ids))) as pool:  # the engine batches them
+            choices = list(pool.map(one, prompt_ids))
+        completion_ids = [list(c["token_ids"]) for c in choices]
+        logprobs = [[t["logprob"] for t in c["logprobs"]["content"]] for c in choices]
+        self.versions = [token_versions(c.get("weight_versions"), len(ids))
+                         for c, ids in zip(choices, completion_ids, strict=True)]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    def report_mismatch(self, step: int, learner: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor) -> None:
+        """The mismatch of one rollout batch (learner's and engine's log-probabilities of its tokens, as
+        TRL padded them) by weight version: kept, and reported to the service. Tokens without a version
+        or that the engine could not score (NaN) are left out."""
+        versions = torch.full(mask.shape, UNKNOWN_VERSION, dtype=torch.long)
+        for row, v in enumerate(self.versions):
+            width = min(len(v), mask.shape[1])
+            versions[row, :width] = torch.tensor(v[:width], dtype=torch.long)
+        engine = engine.detach().cpu()
+        keep = mask.cpu().bool() & (versions >= 0) & torch.isfinite(engine)
+        by_version = rollout_mismatch(learner.detach().cpu(), engine, versions, mask=keep)
+        if not by_version:
+            return
+        self.mismatch.append((step, by_version))
+        assert self._learner is not None  # (a version was pushed before any rollout)
+        self._learner.report_mismatch(self.model, by_version, step=step)
+
+
+class _PushMasters(TrainerCallback):  # type: ignore[misc]
+    """Version 0 before the first step (the masters the engine starts from), then one per optimizer step."""
+
+    def __init__(self, sync: WeightsvcSync) -> None:
+        self.sync = sync
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                       **kwargs: Any) -> None:
+        assert model is not None
+        self.sync.push(model, state.global_step)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                    **kwargs: Any) -> None:
+        assert model is not None
+        self.sync.push(model, state.global_step)
+
+
+class FairCastGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+    """`GRPOTrainer` whose rollouts come from a `vllm serve` following weightsvc and whose loss is
+    computed on the served copy; every argument but `sync` (and `rollout_func`, which it sets) is TRL's."""
+
+    def __init__(self, *args: Any, sync: WeightsvcSync, **kwargs: Any) -> None:
+        if kwargs.get("rollout_func") is not None:
+            raise ValueError("FairCastGRPOTrainer sets rollout_func itself (the engine following weightsvc)")
+        training_args = kwargs.get("args")
+        if training_args is not None and training_args.use_vllm:
+            raise ValueError("use_vllm must be False: the engine is reached over HTTP and weightsvc moves the weights")
+        self.sync = sync
+        kwargs["rollout_func"] = sync.rollout
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), _PushMasters(sync)]
+        super().__init__(*args, **kwargs)
+        # TRL's importance-sampling correction and its sync point, with weightsvc as the transport.
+        self.use_vllm = True
+        self.vllm_generation = sync  # type: ignore[assignment]
+        self._last_loaded_step = -1
+
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        # Generation, the old log-probabilities and the loss all see the served copy.
+        with self.sync.on_served_copy(self.accelerator.unwrap_model(model)):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        output: dict[str, Any] = super()._generate_and_score_completions(inputs)
+        if self.model is not None and self.model.training and "sampling_per_token_logps" in output:
+            self.sync.report_mismatch(self.state.global_step, output["old_per_token_logps"],
+                                      output["sampling_per_token_logps"], output["completion_mask"])
+        return output
+
