@@ -25,6 +25,9 @@ HF transformers or plain torch (in place, each value cast to its parameter's dty
 
     update_module(model, "weightsvc:50051", "policy")
 
+A LoRA adapter's version goes into a PEFT `PeftModel` the same way (PEFT's hot-swap of the adapter's
+weights); `weightsvc.integrations.peft` has the learner's side (`adapter_state`, `served_adapter`).
+
 Tied weights (an output head tied to the embeddings) are served once under both names; every
 loader fills the names the engine keeps and accepts a version that omits the tied name.
 
