@@ -113,8 +113,10 @@ class AdapterFollower(Follower):
         except EngineError as e:
             if e.status is not None and e.status <= 500:  # it answered: this adapter does not fit
                 shutil.rmtree(where, ignore_errors=True)
+                hint = ("; start it with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" if e.status == 404
+                        else "")
                 raise Refused("load", f"model {self.config.model!r} version {version}: the engine refused "
-                              f"adapter {name!r}: {e}", e.status) from None
+                              f"adapter {name!r}: {e}{hint}", e.status) from None
             raise
         after = self._engine_ids()
         new = after - before if before is not None and after is not None else set()
