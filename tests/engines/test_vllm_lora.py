@@ -159,6 +159,8 @@ def test_max_live_window_and_adapters_of_two_models(setup: dict[str, Any], engin
     follower.wait_for("removed", 3, timeout=60)  # unloaded, and once no request runs on it, deleted
     assert adapters_of(engine) == [f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
     assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()) == [f"{MODEL}@v4", f"{MODEL}@v5"]
+    # The engine's cache holds the live ones and the static one; its LRU alone would keep 4 (--max-cpu-loras).
+    assert len(http("POST", f"{engine.url}/collective_rpc", {"method": "list_loras"})["results"][0]) == 3
     push(setup, 1, OTHER)
     with following(engine, setup["service"].grpc_target, OTHER, "--max-live", "1",
                    "--adapter-dir", str(setup["tmp"] / "revisions")) as other:
@@ -173,3 +175,17 @@ def test_max_live_window_and_adapters_of_two_models(setup: dict[str, Any], engin
         refused = other.wait_for("refused")
         assert refused["version"] == 2 and "another-base" in refused["error"]
         assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
+
+
+def test_a_restarted_follower_adopts_the_live_revisions(setup: dict[str, Any], engine: VllmServer,
+                                                       follower: Any) -> None:
+    follower.kill()  # (the module's follower: the last test to use it)
+    push(setup, 6)
+    with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
+                   "--adapter-dir", str(setup["tmp"] / "revisions")) as again:
+        assert again.wait_for("connected")["revisions"] == [f"{MODEL}@v4", f"{MODEL}@v5"]
+        again.wait_for("loaded", 6)
+        again.wait_for("removed", 4, timeout=60)
+    assert [a for a in adapters_of(engine) if a.startswith(MODEL)] == [f"{MODEL}@v5", f"{MODEL}@v6"]
+    assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()
+                  if p.name.startswith(MODEL)) == [f"{MODEL}@v5", f"{MODEL}@v6"]
