@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import TRANSPORTS, serving, target
-from tests.helpers import bits, push_ranks
+from tests.helpers import REDIS_URL, bits, needs_redis, push_ranks
 from weightsvc import InferenceClient, LearnerClient, rounding
 from weightsvc.client import Adapter, Shard, Slice
 from weightsvc.errors import InvalidArgument, NotFound
@@ -110,3 +110,24 @@ def test_revision_names() -> None:
     assert parse_revision("pol@v12") == ("pol", 12)
     assert parse_revision("a@vb@v3") == ("a@vb", 3)
     assert parse_revision("pol") is None and parse_revision("pol@latest") is None
+
+
+@needs_redis
+def test_sharded_replicas_serve_an_adapter_as_one_server_does(redis_prefix: str) -> None:
+    """Over sharded replicas each owns some of the adapter's tensors (an A apart from its B), and the
+    version's manifest carries the adapter everywhere."""
+    state = masters(1, layers=4)
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "rounding": "sr", "replication": 1}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
+            serving(rounding="sr") as alone:
+        for srv in (r0, alone):
+            with LearnerClient(srv.grpc_target) as learner:
+                learner.push(1, state, model="ad", adapter=ADAPTER)
+        with InferenceClient(r1.grpc_target) as client, InferenceClient(alone.grpc_target) as single:
+            merged = client.manifest("ad", 1)
+            assert merged.adapter == ADAPTER and [p.owner for p in merged.parts] == ["r0", "r1"]
+            sharded, whole = client.pull("ad", 1), single.pull("ad", 1)
+            assert all(np.array_equal(bits(sharded[n]), bits(whole[n])) for n in whole)
+        for srv in (r0, r1):  # each holds a part of it, under the adapter
+            held = srv.service.index.get("ad", 1)
+            assert held.manifest.adapter == ADAPTER and 0 < sum(s.nbytes for s in held.spans) < merged.data_bytes

@@ -47,10 +47,10 @@ class Adapter:
                 "bias": "none", "lora_dropout": 0.0, "fan_in_fan_out": False, "use_rslora": False,
                 "use_dora": False, "modules_to_save": None, "inference_mode": True}
 
-    def check(self, where: str, tensors: Iterable[tuple[str, tuple[int, ...]]]) -> None:
+    def check(self, where: str, tensors: Iterable[tuple[str, tuple[int, ...]]], whole: bool = True) -> None:
         """Refuse (InvalidArgument, naming the tensor and the rule) a config that cannot be one, or
         tensors that are not this adapter's: PEFT LoRA names of target modules, A (rank, in) and
-        B (out, rank) of each module, both of them."""
+        B (out, rank) of each module, and (`whole`: all the version's tensors) both of them."""
         bad = f"{where}: adapter of base {self.base_model!r}"
         if not self.base_model:
             raise InvalidArgument(f"{where}: an adapter names its base model", reason="invalid_header")
@@ -78,7 +78,7 @@ class Adapter:
                 raise InvalidArgument(f"{bad}: tensor {name!r} has shape {list(shape)}; lora_A is (rank, in) and "
                                       f"lora_B (out, rank), rank {self.rank}", reason="invalid_header")
             sides.setdefault(module, {})[m["side"]] = shape
-        for module, pair in sides.items():
+        for module, pair in sides.items() if whole else ():  # (a sharded replica holds some of them)
             if len(pair) != 2:
                 lacking = "B" if "A" in pair else "A"
                 raise InvalidArgument(f"{bad}: module {module!r} has no lora_{lacking}.weight",

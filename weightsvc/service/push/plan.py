@@ -122,7 +122,7 @@ def make_plan(header: PushHeader, spec: rounding.ExportSpec, ranks: Mapping[int,
     (pure, linear in its tensors: run off the loop for a big header)."""
     declared = {t.name for t in header.tensors}
     if header.adapter is not None:
-        header.adapter.check(where, ((t.name, t.shape) for t in header.tensors))
+        header.adapter.check(where, ((t.name, t.shape) for t in header.tensors), whole=not header.owners)
     aliases_of: dict[str, tuple[str, ...]] = {}
     for alias, target in header.aliases:
         if target not in declared:
