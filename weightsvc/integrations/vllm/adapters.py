@@ -163,11 +163,15 @@ class AdapterFollower(Follower):
 
     def _reap(self) -> None:
         """Delete the unloaded revisions no request runs or waits on: their directory, and the
-        engine's cached copy (dev routes only; vLLM's cache evicts it otherwise)."""
+        engine's cached copy (dev routes only; vLLM's cache evicts it otherwise). An engine without
+        `vllm:lora_requests_info` (`--disable-log-stats`) says nothing of its requests: the newest
+        `max_live` unloaded revisions are kept for those in flight, older ones deleted."""
         busy = self._busy()
         if busy is None:
-            return
-        for version in [v for v in self.retiring if revision(self.config.model, v) not in busy]:
+            done = sorted(self.retiring)[: max(0, len(self.retiring) - self.max_live)]
+        else:
+            done = [v for v in self.retiring if revision(self.config.model, v) not in busy]
+        for version in done:
             adapter_id = self.retiring.pop(version)
             if adapter_id is not None:
                 with contextlib.suppress(EngineError):
