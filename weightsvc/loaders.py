@@ -56,6 +56,7 @@ from weightsvc.integrations.vllm.layout import (
     WEIGHT_PARTS,
     tp_select,
 )
+from weightsvc.integrations.vllm.revisions import LlmAdapters
 from weightsvc.integrations.vllm.worker import VllmWorkerExtension
 
 __all__ = [
@@ -68,6 +69,7 @@ __all__ = [
     "VOCAB_PADDING",
     "VOCAB_PARALLEL",
     "WEIGHT_PARTS",
+    "LlmAdapters",
     "LoadResult",
     "Mismatch",
     "VllmWorkerExtension",

@@ -15,7 +15,6 @@ same path (the same host, or a shared volume in a pod).
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shutil
 import time
@@ -27,13 +26,12 @@ from weightsvc.client import InferenceClient
 from weightsvc.errors import NotFound
 from weightsvc.integrations.vllm.engine_api import EngineError
 from weightsvc.integrations.vllm.follower import Follower, FollowerConfig, FollowerMetrics, Refused
+from weightsvc.integrations.vllm.revisions import write_revision
 from weightsvc.protocol.adapter import parse_revision, revision
 from weightsvc.protocol.manifest import Manifest
 
 __all__ = ["AdapterFollower"]
 
-PEFT_WEIGHTS = "adapter_model.safetensors"
-PEFT_CONFIG = "adapter_config.json"
 _LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\}\s+(?P<value>\S+)", re.M)
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -97,15 +95,7 @@ class AdapterFollower(Follower):
         with InferenceClient(self.config.target, token=self.config.token, ca_cert=self.config.ca_cert) as client:
             manifest = client.manifest(self.config.model, version)
             self._check(manifest)
-            where = self.root / name
-            shutil.rmtree(where, ignore_errors=True)  # (a half-written one of a follower that was killed)
-            staging = self.root / f".{name}.partial"
-            shutil.rmtree(staging, ignore_errors=True)
-            staging.mkdir(parents=True)
-            client.pull_file(staging / PEFT_WEIGHTS, self.config.model, version)
-            assert manifest.adapter is not None
-            (staging / PEFT_CONFIG).write_text(json.dumps(manifest.adapter.peft_config()))
-            staging.rename(where)
+            where = write_revision(client, manifest, self.root)
         pulled = time.monotonic()
         before = self._engine_ids()
         try:
