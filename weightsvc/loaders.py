@@ -25,6 +25,9 @@ HF transformers or plain torch (in place, each value cast to its parameter's dty
 
     update_module(model, "weightsvc:50051", "policy")
 
+A LoRA adapter's version goes into a PEFT `PeftModel` the same way (PEFT's hot-swap of the adapter's
+weights); `weightsvc.integrations.peft` has the learner's side (`adapter_state`, `served_adapter`).
+
 Tied weights (an output head tied to the embeddings) are served once under both names; every
 loader fills the names the engine keeps and accepts a version that omits the tied name.
 
@@ -53,6 +56,7 @@ from weightsvc.integrations.vllm.layout import (
     WEIGHT_PARTS,
     tp_select,
 )
+from weightsvc.integrations.vllm.revisions import LlmAdapters
 from weightsvc.integrations.vllm.worker import VllmWorkerExtension
 
 __all__ = [
@@ -65,6 +69,7 @@ __all__ = [
     "VOCAB_PADDING",
     "VOCAB_PARALLEL",
     "WEIGHT_PARTS",
+    "LlmAdapters",
     "LoadResult",
     "Mismatch",
     "VllmWorkerExtension",

@@ -318,8 +318,8 @@ class _ClientCollector(Collector):
 
 
 # The steps of a follower's update (`weightsvc follow`), which label its failures.
-FOLLOWER_STAGES = ("watch", "connect", "stage", "pause", "swap", "resume", "verify", "ack")
-FOLLOWER_PATHS = ("transfer", "collective_rpc")
+FOLLOWER_STAGES = ("watch", "connect", "stage", "pause", "swap", "resume", "verify", "ack", "load", "unload")
+FOLLOWER_PATHS = ("transfer", "collective_rpc", "lora")
 _UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -343,6 +343,10 @@ class FollowerMetrics:
         self.engine_version = Gauge(
             "weightsvc_follower_engine_version", "The version the engine serves (-1: none of weightsvc's)", registry=r
         )
+        self.live_revisions = Gauge(
+            "weightsvc_follower_live_revisions", "Revisions of an adapter model the engine holds loaded "
+            "(--max-live); those unloaded whose requests still run are not counted", registry=r
+        )
         self.failures = Counter(
             "weightsvc_follower_failures", "Failed steps of updates, by stage (each is retried)", ["stage"], registry=r
         )
@@ -358,6 +362,9 @@ class FollowerMetrics:
 
     def failed(self, stage: str) -> None:
         self.failures.labels(stage if stage in FOLLOWER_STAGES else "swap").inc()
+
+    def live(self, revisions: int) -> None:
+        self.live_revisions.set(revisions)
 
     def position(self, served: int | None, latest: int | None) -> None:
         self.engine_version.set(-1 if served is None else served)

@@ -1,15 +1,18 @@
 """`weightsvc follow`: the sidecar that keeps a `vllm serve` engine on the latest version of a model
 (`weightsvc.integrations.vllm.follower`), with its own small HTTP server: `/metrics`
 (`weightsvc_follower_*`), `/ready` (200 while the engine serves the latest version within
-`--max-lag`, else 503), `/healthz`, and `/staged`, where the engine's workers say a version is staged."""
+`--max-lag`, else 503; with `--max-live`, also the live revisions), `/healthz`, and `/staged`, where the
+engine's workers say a version is staged."""
 
 from __future__ import annotations
 
 import json
 import signal
 import socket
+import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -39,6 +42,13 @@ def follow(
     timeout_s: Annotated[float, typer.Option(min=0.1, help="Timeout of each engine call.")] = 30.0,
     update_timeout_s: Annotated[float, typer.Option(min=1, help="Timeout of staging and of the swap.")] = 600.0,
     dequantize: Annotated[bool, typer.Option(help="Load fp8 versions as values (an engine in bf16).")] = False,
+    max_live: Annotated[int, typer.Option(min=0, help="Follow a LoRA adapter model: load each version as the "
+                                                      "adapter MODEL@vN (engine with --enable-lora) and keep the "
+                                                      "newest this many loaded; 0: a full model, swapped in place.")
+                        ] = 0,
+    adapter_dir: Annotated[Path | None, typer.Option(help="With --max-live: where each loaded revision's files "
+                                                          "lie (the engine reads them; default: a directory "
+                                                          "under the system's temp dir).")] = None,
     token: Token = None,
     ca_cert: CaCert = None,
 ) -> None:
@@ -70,7 +80,13 @@ def follow(
         update_timeout_s=update_timeout_s, notify=notify or f"http://{local}/staged", token=token,
         ca_cert=None if ca_cert is None else str(ca_cert), dequantize=dequantize,
     )
-    follower = Follower(config, metrics, say=say)
+    if max_live:
+        from weightsvc.integrations.vllm.adapters import AdapterFollower
+
+        root = adapter_dir or Path(tempfile.gettempdir()) / "weightsvc-adapters"
+        follower: Follower = AdapterFollower(config, metrics, max_live, root, say=say)
+    else:
+        follower = Follower(config, metrics, say=say)
     http.follower, http.metrics = follower, metrics  # type: ignore[attr-defined]
     threading.Thread(target=http.serve_forever, name="weightsvc-follow-http", daemon=True).start()
     say(json.dumps({"event": "listening", "address": bound, "engine": engine, "model": model}))

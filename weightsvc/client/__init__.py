@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Limits, RetryPolicy, VersionInfo, read_version_file, verify_data
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.clients import ClientStatus as ClientInfo
 from weightsvc.protocol.manifest import Slice
 from weightsvc.protocol.mismatch import RolloutMismatch
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
 
 __all__ = [
+    "Adapter",
     "ClientInfo",
     "Credentials",
     "GrpcInferenceClient",

@@ -19,11 +19,12 @@ from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Progress, VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.errors import Unavailable, WeightsvcError
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
 from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import PUSH, REASON_KEY
 from weightsvc.protocol.topology import Replica, groups
-from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, encode_chunk, encode_message, piece_starts
+from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, adapter_to_proto, encode_chunk, encode_message, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -199,6 +200,7 @@ class LearnerClient:
         return_served: bool = False,
         progress: Progress | None = None,
         tied: Mapping[str, str] | None = None,
+        adapter: Adapter | None = None,
     ) -> VersionInfo:
         """Stream the masters of `step`; returns once the version is committed (or raises).
 
@@ -221,13 +223,18 @@ class LearnerClient:
         Tied weights travel once: tensors that share memory, and the names `tied` declares tied
         (alias -> tensor, e.g. `{"lm_head.weight": "model.embed_tokens.weight"}`), are pushed as one
         tensor and served under every name, bit for bit the same (see `untie`). With several ranks,
-        declare ties with `tied` on every rank."""
+        declare ties with `tied` on every rank.
+
+        `adapter` makes the version one of a LoRA adapter (`parts`: PEFT's `lora_A` / `lora_B`
+        tensors): the base it applies to and its PEFT config go into the manifest, and the version is
+        served in the unscaled format (see `ExportSpec.unscaled`)."""
         specs = {name: _spec(name, value) for name, value in parts.items()}  # bad input raises here, named
         parts, aliases = untie(parts, tied)
         if world_size == 1:  # (another rank may hold the tensor of a declared tie)
             aliases = {a: t for a, t in aliases.items() if t in parts}
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
-                               world_size=world_size)
+                               world_size=world_size,
+                               adapter=None if adapter is None else adapter_to_proto(adapter))
         where = f"model {model!r} step {step}"
         while True:
             replicas = self._replicas.live()

@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from weightsvc.client import dequantize
+from weightsvc.client import InferenceClient, dequantize
 from weightsvc.integrations._common import Mismatch, update
+from weightsvc.protocol.manifest import Manifest
 
 __all__ = ["LoadResult", "dequantize", "load_into", "update_module"]
 
@@ -79,6 +80,15 @@ def update_module(
     strict: bool = True,
 ) -> int:
     """Pull a version into a torch module (an HF transformers model included) and ack it; returns it.
-    The whole version is pulled and verified before `load_into` writes any of it."""
-    return update(target, model, version, client_id,
-                  lambda client, m: load_into(module, client.pull(model, m.version), strict=strict))
+    The whole version is pulled and verified before `load_into` writes any of it. A version of a LoRA
+    adapter goes into a PEFT `PeftModel` by PEFT's hot-swap (`weightsvc.integrations.peft.load_adapter`)."""
+    def load(client: InferenceClient, m: Manifest) -> object:
+        served = client.pull(model, m.version)
+        if m.adapter is not None:
+            from weightsvc.integrations.peft import load_adapter
+
+            load_adapter(module, served, m)
+            return None
+        return load_into(module, served, strict=strict)
+
+    return update(target, model, version, client_id, load)

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.refs import MAX_NAME_CHARS, MAX_STEP, RESERVED_NAME, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import framed
@@ -140,6 +141,7 @@ class Manifest:
     aliases: tuple[tuple[str, str], ...] = ()
     # A replica's own part: the owners of the push it is part of (its parts gather under them).
     owners: tuple[str, ...] = ()
+    adapter: Adapter | None = None  # a version of a LoRA adapter: its base and PEFT config
 
     def to_dict(self, tensors: bool = True) -> dict[str, Any]:
         """JSON form; `tensors=False` leaves their list empty."""
@@ -152,6 +154,8 @@ class Manifest:
             d["aliases"] = dict(self.aliases)
         if self.owners:
             d["owners"] = list(self.owners)
+        if self.adapter is not None:
+            d["adapter"] = self.adapter.to_dict()
         return d
 
     @classmethod
@@ -161,7 +165,9 @@ class Manifest:
         parts = tuple(Part.from_dict(p) for p in d.get("parts", ()))
         aliases = tuple(sorted(d.get("aliases", {}).items()))
         owners = tuple(d.get("owners", ()))
-        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts, "aliases": aliases, "owners": owners})
+        adapter = Adapter.from_dict(d["adapter"]) if d.get("adapter") else None
+        return cls(**{**d, "tensors": tensors, "lag": lag, "parts": parts, "aliases": aliases, "owners": owners,
+                      "adapter": adapter})
 
     def with_aliases(self, tensors: dict[str, T]) -> dict[str, T]:
         """`tensors` (by served name) with each alias added, as the very same object as its tensor."""

@@ -52,6 +52,7 @@ def combine_parts(parts: Mapping[str, Manifest], digest: str) -> Manifest:
         lag=pool_lag([parts[o].lag for o in owners]),
         parts=tuple(placed),
         aliases=tuple(sorted({a for m in parts.values() for a in m.aliases})),
+        adapter=first.adapter,
     )
 
 

@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from weightsvc._aio import memo
 from weightsvc.errors import InvalidArgument
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import Manifest, Part, ServedTensor, Slice
 from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_to_proto
@@ -161,7 +162,8 @@ def manifest_to_proto(m: Manifest, tensors: Iterable[ServedTensor] | None = None
         model=m.model, version=m.version, format=m.format, rounding=m.rounding, seed=m.seed,
         committed_unix=m.committed_unix, data_bytes=m.data_bytes, master_digest=m.master_digest, scaling=m.scaling,
         lag=lag_to_proto(m.lag), aliases=dict(m.aliases), tensor_count=len(m.tensors),
-        parts=[pb.ManifestPart(owner=p.owner, offset=p.offset, nbytes=p.nbytes, holders=p.holders) for p in m.parts]))
+        parts=[pb.ManifestPart(owner=p.owner, offset=p.offset, nbytes=p.nbytes, holders=p.holders) for p in m.parts],
+        adapter=None if m.adapter is None else adapter_to_proto(m.adapter)))
     _add_tensors(msg.tensors, m.tensors if tensors is None else tensors)
     return msg
 
@@ -258,4 +260,14 @@ def manifest_from_proto(m: pb.Manifest, more: Iterable[pb.ServedTensor] = ()) ->
     parts = tuple(Part(p.owner, p.offset, p.nbytes, tuple(p.holders)) for p in m.parts)
     return Manifest(m.model, m.version, m.format, m.rounding, m.seed, m.committed_unix, m.data_bytes,
                     m.master_digest, tensors, m.scaling, lag_from_proto(m), parts,
-                    tuple(sorted(m.aliases.items())))
+                    tuple(sorted(m.aliases.items())),
+                    adapter=adapter_from_proto(m.adapter) if m.HasField("adapter") else None)
+
+
+def adapter_to_proto(a: Adapter) -> pb.Adapter:
+    return pb.Adapter(base_model=a.base_model, base_version=a.base_version, base_digest=a.base_digest, rank=a.rank,
+                      alpha=a.alpha, target_modules=a.target_modules)
+
+
+def adapter_from_proto(a: pb.Adapter) -> Adapter:
+    return Adapter(a.base_model, a.rank, a.alpha, tuple(a.target_modules), a.base_version, a.base_digest)

@@ -3,6 +3,7 @@ kernel call's arguments, the same on every device."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -32,6 +33,12 @@ class ExportSpec:
             re.compile(self.fp8_pattern)
         except re.error as e:
             raise ValueError(f"fp8 pattern {self.fp8_pattern!r} is not a regular expression: {e}") from None
+
+    def unscaled(self) -> ExportSpec:
+        """The spec of a LoRA adapter's versions: the format asked for if it has no scales (bf16,
+        fp16), else bf16. Engines load adapter weights as values (vLLM casts them to its LoRA dtype,
+        PEFT to the module's): no loader takes scales, and at rank r an adapter is small."""
+        return self if not FORMATS[self.format].scaled else dataclasses.replace(self, format="bf16")
 
     def format_for(self, name: str, shape: tuple[int, ...], aliases: tuple[str, ...] = ()) -> Format:
         """The format tensor `name` is served in: a scaled format (fp8, MX, NVFP4) for selected 2-D

@@ -24,6 +24,7 @@ from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
     ChunkView,
     Malformed,
+    adapter_from_proto,
     decode_push_request,
     encode_chunk,
     encode_message,
@@ -259,6 +260,7 @@ def _header(h: pb.PushHeader, pieces: list[Any]) -> tuple[PushHeader, _RankLayou
         owners=tuple(h.owners),
         replication=max(1, h.replication),
         aliases=tuple(sorted(h.aliases.items())),
+        adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
     ), _RankLayout(tensors)
 
 

@@ -27,7 +27,7 @@ class TensorPart(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases", "tensor_count", "replication")
+    __slots__ = ("model", "step", "tensors", "format", "rounding", "rank", "world_size", "owners", "aliases", "tensor_count", "replication", "adapter")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class PushHeader(_message.Message):
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -57,7 +58,24 @@ class PushHeader(_message.Message):
     aliases: _containers.ScalarMap[str, str]
     tensor_count: int
     replication: int
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ..., replication: _Optional[int] = ...) -> None: ...
+    adapter: Adapter
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., owners: _Optional[_Iterable[str]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ..., replication: _Optional[int] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
+
+class Adapter(_message.Message):
+    __slots__ = ("base_model", "base_version", "base_digest", "rank", "alpha", "target_modules")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    base_version: int
+    base_digest: str
+    rank: int
+    alpha: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, base_model: _Optional[str] = ..., base_version: _Optional[int] = ..., base_digest: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("tensor", "offset", "data")
@@ -136,7 +154,7 @@ class TensorSelect(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., slice: _Optional[_Union[TensorSlice, _Mapping]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases", "tensor_count")
+    __slots__ = ("model", "version", "format", "rounding", "seed", "committed_unix", "data_bytes", "master_digest", "tensors", "scaling", "lag", "parts", "aliases", "tensor_count", "adapter")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +176,7 @@ class Manifest(_message.Message):
     PARTS_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     format: str
@@ -172,7 +191,8 @@ class Manifest(_message.Message):
     parts: _containers.RepeatedCompositeFieldContainer[ManifestPart]
     aliases: _containers.ScalarMap[str, str]
     tensor_count: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ...) -> None: ...
+    adapter: Adapter
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., committed_unix: _Optional[float] = ..., data_bytes: _Optional[int] = ..., master_digest: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[ServedTensor, _Mapping]]] = ..., scaling: _Optional[str] = ..., lag: _Optional[_Union[LagMetrics, _Mapping]] = ..., parts: _Optional[_Iterable[_Union[ManifestPart, _Mapping]]] = ..., aliases: _Optional[_Mapping[str, str]] = ..., tensor_count: _Optional[int] = ..., adapter: _Optional[_Union[Adapter, _Mapping]] = ...) -> None: ...
 
 class ManifestTensors(_message.Message):
     __slots__ = ("tensors",)

@@ -45,7 +45,12 @@ class EngineApi:
         except (urllib.error.URLError, OSError) as e:
             reason = getattr(e, "reason", e)
             raise EngineError(stage, f"{where}: unreachable ({reason})") from None
-        return json.loads(raw) if raw.strip() else None
+        if not raw.strip():
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:  # (vLLM answers a LoRA load or unload with a plain sentence)
+            return raw.decode(errors="replace")
 
     def post(self, route: str, body: dict[str, Any] | None = None, *, stage: str,
              timeout_s: float | None = None) -> Any:

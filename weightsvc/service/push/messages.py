@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.versions.index import Version
 
@@ -22,6 +23,7 @@ class PushHeader:
     owners: tuple[str, ...] = ()  # sharded replicas: the ids of every replica that holds a part
     replication: int = 1  # sharded replicas: how many of the owners hold each tensor
     aliases: tuple[tuple[str, str], ...] = ()  # tied weights: (alias, tensor), sorted by alias
+    adapter: Adapter | None = None  # a version of a LoRA adapter: its base and PEFT config
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,7 @@ def served_manifest(header: PushHeader, spec: rounding.ExportSpec, slots: Iterab
         parts=segments,
         aliases=header.aliases,
         owners=tuple(sorted(header.owners)),
+        adapter=header.adapter,
     )
 
 
@@ -119,6 +120,8 @@ def make_plan(header: PushHeader, spec: rounding.ExportSpec, ranks: Mapping[int,
     """The plan of the push whose whole tensors `header` declares, `ranks` holding each rank's shards
     (pure, linear in its tensors: run off the loop for a big header)."""
     declared = {t.name for t in header.tensors}
+    if header.adapter is not None:
+        header.adapter.check(where, ((t.name, t.shape) for t in header.tensors), whole=not header.owners)
     aliases_of: dict[str, tuple[str, ...]] = {}
     for alias, target in header.aliases:
         if target not in declared:

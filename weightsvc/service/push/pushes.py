@@ -31,6 +31,7 @@ from weightsvc.errors import (
     WeightsvcError,
 )
 from weightsvc.memory import trim_heap
+from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.budget import StagingBudget
 from weightsvc.service.push.context import PushContext
@@ -61,6 +62,7 @@ class Push:
         self.shards: dict[int, tuple[TensorSpec, ...]] = {}  # each rank's, from its header
         self.format = self.rounding = ""
         self.aliases: tuple[tuple[str, str], ...] = ()
+        self.adapter: Adapter | None = None
         self.owners: tuple[tuple[str, ...], int] = ((), 1)
         loop = asyncio.get_running_loop()
         self.joined: asyncio.Future[None] = loop.create_future()
@@ -90,6 +92,9 @@ class Push:
                 f"format {self.format!r} rounding {self.rounding!r}",
                 reason="invalid_header",
             )
+        if self.shards and header.adapter != self.adapter:
+            raise InvalidArgument(f"{where}: adapter {header.adapter}, but the other ranks declared {self.adapter}",
+                                  reason="invalid_header")
         if self.shards and header.aliases != self.aliases:
             raise InvalidArgument(
                 f"{where}: aliases {dict(header.aliases)}, but the other ranks declared {dict(self.aliases)}",
@@ -102,6 +107,7 @@ class Push:
                 reason="invalid_header",
             )
         self.format, self.rounding, self.aliases = header.format, header.rounding, header.aliases
+        self.adapter = header.adapter
         self.owners = (header.owners, header.replication)
         self.shards[rank] = header.tensors
         self.attached += 1

@@ -323,6 +323,8 @@ async def open_session(context: PushContext, header: PushHeader,
     try:
         spec = rounding.ExportSpec(header.format or s.format, header.rounding or s.rounding, s.seed, s.scaling,
                                    s.fp8_pattern)
+        if header.adapter is not None:
+            spec = spec.unscaled()
     except ValueError as e:
         raise InvalidArgument(f"{where}: {e}", reason="invalid_header") from None
     big = len(header.tensors) >= BIG_MANIFEST

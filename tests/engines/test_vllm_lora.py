@@ -1,0 +1,191 @@
+"""LoRA adapter versions in a real `vllm serve` (`--enable-lora`): `weightsvc follow --max-live N`
+loads each version of an adapter model as the revision `MODEL@vN`, keeps the newest N, and a
+request keeps the revision it named to its end.
+
+One engine start for every test (in order): the engine is started with version 1's pulled served
+copy as a static adapter (the reference: what a fresh engine with that adapter generates), then
+followed."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.conftest import serving
+from tests.engines.engines import PROMPTS, checkpoint, masters
+from tests.engines.serving import VllmServer, following, http, vllm_serve
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.integrations.peft import adapter_state
+from weightsvc.protocol.adapter import Adapter
+
+pytestmark = pytest.mark.engine
+LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+LONG = 1024  # the model length: room for a request that outlasts an update
+MODEL, OTHER = "pol", "aux"
+
+
+class AdapterPolicy:
+    """A PEFT LoRA adapter (rank 8, q_proj and v_proj) on a tiny Llama; version n has its own weights."""
+
+    def __init__(self, base: torch.nn.Module, seed: int) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        self.seed = seed
+        self.peft = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
+
+    def at(self, version: int, base_dir: Path) -> tuple[dict[str, torch.Tensor], Adapter]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + version)
+        with torch.no_grad():
+            for name, p in self.peft.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        return adapter_state(self.peft, base_model=str(base_dir))
+
+
+def completion(engine: VllmServer, model: str, prompt: list[int], max_tokens: int = 16) -> dict[str, Any]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True}
+    choice = http("POST", f"{engine.url}/v1/completions", body)["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def adapters_of(engine: VllmServer) -> list[str]:
+    return sorted(c["id"] for c in http("GET", f"{engine.url}/v1/models")["data"] if c.get("parent"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("lora")
+    module, _ = masters("llama", seed=41)
+    base = checkpoint(module, tmp / "base")
+    config = json.loads((base / "config.json").read_text())  # room for a long request (RoPE: any length)
+    (base / "config.json").write_text(json.dumps({**config, "max_position_embeddings": LONG}))
+    policy = AdapterPolicy(module, seed=1)
+    with serving(rounding="sr") as service, LearnerClient(service.grpc_target) as learner:
+        yield {"tmp": tmp, "base": base, "policy": policy, "service": service, "learner": learner,
+               "other": AdapterPolicy(masters("llama", seed=41)[0], seed=2)}
+
+
+def push(setup: dict[str, Any], version: int, model: str = MODEL) -> None:
+    policy = setup["policy"] if model == MODEL else setup["other"]
+    tensors, adapter = policy.at(version, setup["base"])
+    setup["learner"].push(version, tensors, model=model, adapter=adapter)
+
+
+@pytest.fixture(scope="module")
+def engine(setup: dict[str, Any]) -> Iterator[VllmServer]:
+    """The engine, started with version 1's pulled served copy (and PEFT's own config of it) as the
+    static adapter `ref`: what a fresh engine with that adapter generates."""
+    push(setup, 1)
+    ref = setup["tmp"] / "ref"
+    ref.mkdir()
+    with InferenceClient(setup["service"].grpc_target) as client:
+        client.pull_file(ref / "adapter_model.safetensors", MODEL, 1)
+    setup["policy"].peft.peft_config["default"].save_pretrained(str(ref))
+    with vllm_serve(setup["base"], setup["tmp"] / "engine.log", "--enable-lora", "--max-lora-rank", "8",
+                    "--max-loras", "4", "--max-cpu-loras", "4", "--lora-modules", f"ref={ref}",
+                    max_model_len=LONG, env=LORA) as server:
+        setup["reference"] = [completion(server, "ref", p) for p in PROMPTS]  # before anything else ran in it
+        yield server
+
+
+@pytest.fixture(scope="module")
+def follower(setup: dict[str, Any], engine: VllmServer) -> Iterator[Any]:
+    with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
+                   "--adapter-dir", str(setup["tmp"] / "revisions")) as f:
+        yield f
+
+
+def test_revision_generates_as_a_fresh_engine_with_its_served_copy(
+        setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
+    reference = setup["reference"]
+    follower.wait_for("loaded", 1)
+    assert adapters_of(engine) == [f"{MODEL}@v1", "ref"]
+    live = [completion(engine, f"{MODEL}@v1", p) for p in PROMPTS]
+    assert [g["tokens"] for g in live] == [g["tokens"] for g in reference]
+    assert [g["logprobs"] for g in live] == [g["logprobs"] for g in reference]
+    base = [completion(engine, str(setup["base"]), p) for p in PROMPTS]
+    assert [g["tokens"] for g in base] != [g["tokens"] for g in live]  # the adapter moves the answers
+    status, body = follower.get("/ready")
+    assert status == 200 and json.loads(body)["revisions"] == [f"{MODEL}@v1"]
+
+
+def test_request_on_a_revision_finishes_on_it_across_the_next_load(
+        setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
+    for v in (2, 3):
+        push(setup, v)
+        follower.wait_for("loaded", v)
+    prompt, n = PROMPTS[0], LONG - 2 * len(PROMPTS[0])
+    body = {"model": f"{MODEL}@v3", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    request = urllib.request.Request(f"{engine.url}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    chunks: list[tuple[float, list[int]]] = []
+    first = threading.Event()
+
+    def read() -> None:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            for line in response:
+                if line.startswith(b"data: {"):
+                    chunks.append((time.monotonic(), json.loads(line[6:])["choices"][0]["token_ids"]))
+                    first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(120)
+    push(setup, 4)
+    follower.wait_for("loaded", 4)
+    loaded = time.monotonic()
+    reader.join(300)
+    tokens = [t for _, ts in chunks for t in ts]
+    assert len(tokens) == n
+    assert chunks[-1][0] > loaded, "the request ended before version 4 was loaded: nothing was tested"
+    assert adapters_of(engine) == [f"{MODEL}@v3", f"{MODEL}@v4", "ref"]
+    assert completion(engine, f"{MODEL}@v3", prompt, n)["tokens"] == tokens  # v3 from its first token to its last
+    assert completion(engine, f"{MODEL}@v4", prompt, n)["tokens"] != tokens
+
+
+def test_max_live_window_and_adapters_of_two_models(setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
+    push(setup, 5)
+    follower.wait_for("loaded", 5)
+    follower.wait_for("removed", 3, timeout=60)  # unloaded, and once no request runs on it, deleted
+    assert adapters_of(engine) == [f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
+    assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()) == [f"{MODEL}@v4", f"{MODEL}@v5"]
+    # The engine's cache holds the live ones and the static one; its LRU alone would keep 4 (--max-cpu-loras).
+    assert len(http("POST", f"{engine.url}/collective_rpc", {"method": "list_loras"})["results"][0]) == 3
+    push(setup, 1, OTHER)
+    with following(engine, setup["service"].grpc_target, OTHER, "--max-live", "1",
+                   "--adapter-dir", str(setup["tmp"] / "revisions")) as other:
+        other.wait_for("loaded", 1)
+        assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
+        mine, theirs = (completion(engine, m, PROMPTS[1])["tokens"] for m in (f"{MODEL}@v5", f"{OTHER}@v1"))
+        assert mine != theirs
+        # A version whose base is not the engine's is refused by name, and nothing changes.
+        tensors, adapter = setup["other"].at(2, setup["base"])
+        setup["learner"].push(2, tensors, model=OTHER, adapter=Adapter("another-base", adapter.rank, adapter.alpha,
+                                                                       adapter.target_modules))
+        refused = other.wait_for("refused")
+        assert refused["version"] == 2 and "another-base" in refused["error"]
+        assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
+
+
+def test_a_restarted_follower_adopts_the_live_revisions(setup: dict[str, Any], engine: VllmServer,
+                                                       follower: Any) -> None:
+    follower.kill()  # (the module's follower: the last test to use it)
+    push(setup, 6)
+    with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
+                   "--adapter-dir", str(setup["tmp"] / "revisions")) as again:
+        assert again.wait_for("connected")["revisions"] == [f"{MODEL}@v4", f"{MODEL}@v5"]
+        again.wait_for("loaded", 6)
+        again.wait_for("removed", 4, timeout=60)
+    assert [a for a in adapters_of(engine) if a.startswith(MODEL)] == [f"{MODEL}@v5", f"{MODEL}@v6"]
+    assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()
+                  if p.name.startswith(MODEL)) == [f"{MODEL}@v5", f"{MODEL}@v6"]
