@@ -16,5 +16,5 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q -e '.[dev,trl]'
+.venv/bin/python -m pip install -q -e '.[dev,trl,peft]'
 echo "$want" >"$STAMP"
