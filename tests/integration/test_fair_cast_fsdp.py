@@ -31,7 +31,7 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
     from weightsvc import InferenceClient, LearnerClient
     from weightsvc.client import Shard
     from weightsvc.integrations.fair_cast import on_served_copy
-    from weightsvc.integrations.fsdp import ServedShard, served_params
+    from weightsvc.integrations.fsdp import ServedShard, rank_shards, served_params
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
@@ -53,17 +53,14 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
         ref = Tiny(vocab=37)
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
         spec = ExportSpec(format, rounding, seed)
-        names = {id(p): n for n, p in model.named_parameters()}
         with LearnerClient(target) as learner, InferenceClient(target) as puller:
             for step in (1, 2, 3):
                 # Each rank pushes its own shard of every master: the flat elements its rows hold.
-                parts = {}
-                for p in model.parameters():
-                    local = p.to_local()
-                    assert isinstance(local, ServedShard)
-                    rows = -(-p.shape[0] // RANKS)
-                    parts[names[id(p)]] = Shard(local._data.detach().reshape(-1), rank * rows * p[0].numel(),
-                                                tuple(p.shape))
+                parts = rank_shards(model)
+                assert all(isinstance(p.to_local(), ServedShard) for p in model.parameters())
+                for name, part in parts.items():
+                    assert isinstance(part, Shard) and part.shape == tuple(dict(model.named_parameters())[name].shape)
+                assert "head.weight" not in parts  # (tied: once, under its first name)
                 learner.push(step, parts, model="policy", rank=rank, world_size=RANKS,
                              tied={"head.weight": "embed.weight"})
                 pulled = puller.pull("policy", step)
@@ -113,3 +110,12 @@ def test_scaled_formats_and_ef_are_refused_before_sharding() -> None:
         served_params(Tiny(), ExportSpec("fp8_e4m3", "sr"))
     with pytest.raises(ValueError, match="rounding 'ef'"):
         served_params(Tiny(), ExportSpec("bf16", "ef"))
+
+
+def test_rank_shards_of_a_module_not_sharded_are_its_masters_once() -> None:
+    from weightsvc.integrations.fsdp import rank_shards
+
+    model = Tiny()
+    parts = rank_shards(model)
+    assert "head.weight" not in parts and parts.keys() == {n for n, _ in model.named_parameters()}
+    assert all(torch.equal(parts[n], p) for n, p in model.named_parameters())

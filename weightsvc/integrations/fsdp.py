@@ -8,6 +8,7 @@ weights every forward runs on are the service's served copy, and the all-gather 
     for step in steps:
         served.version = step                 # the version whose served copy the forward runs on
         loss = objective(model(batch)); loss.backward(); optimizer.step()
+        learner.push(step + 1, rank_shards(model), rank=rank, world_size=ranks)   # each rank its rows
 
 Through FSDP2's extension point: each parameter's local tensor is a `ServedShard`, a tensor subclass
 whose `fsdp_pre_all_gather` rounds the shard it holds with the keys of the whole tensor (its name,
@@ -32,9 +33,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from weightsvc.client import Shard
 from weightsvc.rounding import FORMATS, ExportSpec, fair_cast
 
-__all__ = ["ServedShard", "ServedVersion", "served_params"]
+__all__ = ["ServedShard", "ServedVersion", "rank_shards", "served_params"]
 
 
 @dataclass
@@ -161,3 +163,43 @@ def served_params(module: nn.Module, spec: ExportSpec, *, version: int = 0) -> S
                                                   requires_grad=param.requires_grad)
             owner._parameters[attr] = wrapped[id(param)]
     return served
+
+
+def rank_shards(module: nn.Module) -> dict[str, Shard | torch.Tensor]:
+    """This rank's part of every master of an FSDP2 `module`, to push as one rank of a version:
+
+        learner.push(step, rank_shards(model), rank=dist.get_rank(), world_size=dist.get_world_size(),
+                     tied={"lm_head.weight": "model.embed_tokens.weight"})
+
+    A parameter sharded on dim 0 (FSDP2's `Shard(0)`) gives the flat elements of its rows (`Shard`:
+    FSDP's rows of rank r start at r * ceil(rows / ranks)); a rank with no rows of it gives none; a
+    replicated one (a DTensor of `Replicate()` placements, or a plain tensor) is pushed whole by rank 0
+    only. Tied parameters count once, under their first name (declare the tie with `tied`)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DimShard
+
+    out: dict[str, Shard | torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        if not isinstance(param, DTensor):
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                out[name] = param.detach()
+            continue
+        placements = tuple(param.placements)
+        local = param.to_local().detach()
+        local = local._data if isinstance(local, ServedShard) else local
+        if all(isinstance(p, Replicate) for p in placements):
+            if param.device_mesh.get_rank() == 0:
+                out[name] = local
+            continue
+        if len(placements) != 1 or placements != (DimShard(0),):
+            raise ValueError(f"tensor {name!r}: placements {placements} are not FSDP2's Shard(0) on a 1-D mesh "
+                             "(a rank's part must be whole rows to be a flat element range)")
+        ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        rows = -(-param.shape[0] // ranks)
+        if local.numel():
+            out[name] = Shard(local.reshape(-1), rank * rows * math.prod(param.shape[1:]), tuple(param.shape))
+    return out
