@@ -1,7 +1,8 @@
 """Fair Cast in a real RL loop: TRL's GRPO trains a tiny causal LM (built here, nothing from a hub) to
 emit even token ids, with rollouts from a real `vllm serve` that follows weightsvc, once per rounding
 mode; it prints the service's served lag, the reward curve (steps to a threshold, area under it) and
-the learner-vs-engine mismatch by weight version, as a table (`--json`: JSON) and a PNG.
+the learner-vs-engine mismatch by weight version (k3 with the learner on its served copy, as trained,
+and, as diagnostics, on its fp32 masters and on a round-to-nearest copy of them), as a table (`--json`: JSON) and a PNG.
 
     .venv/bin/python examples/grpo_showcase.py --steps 60 --png showcase.png
 
@@ -68,7 +69,7 @@ def even_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 
 def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
-          seed: int = 0) -> dict[str, Any]:
+          seed: int = 0, ablate_every: int = 1) -> dict[str, Any]:
     """One GRPO run of `steps` optimizer steps; its trace (per step: reward, lag, mismatch by version)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
     from datasets import Dataset
@@ -87,7 +88,7 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
                       generation_kwargs={"ignore_eos": True}, beta=0.0, temperature=1.0, logging_steps=1,
                       report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed,
                       disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
-    sync = WeightsvcSync(target=target, engine=engine, model=model, rounding=rounding)
+    sync = WeightsvcSync(target=target, engine=engine, model=model, rounding=rounding, ablate_every=ablate_every)
     trainer = FairCastGRPOTrainer(model=policy, reward_funcs=even_tokens, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
                                   processing_class=AutoTokenizer.from_pretrained(model_dir), sync=sync)
@@ -108,6 +109,7 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         "mismatch": [{"step": step, "by_version": {v: asdict(m) for v, m in by.items()}}
                      for step, by in sync.mismatch],
         "service_mismatch": service_mismatch(target, model),
+        "ablation": [{"step": step, "by_copy": {c: asdict(m) for c, m in by.items()}} for step, by in sync.ablation],
     }
 
 
@@ -133,10 +135,22 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
         f"steps_to_{THRESHOLD}": reached, "reward_auc": round(sum(rewards) / max(1, len(rewards)), 3),
         "mismatch_abs_logp": round(sum(m["mean_abs_logp_delta"] * m["tokens"] for m in diffs) / max(1, tokens), 4),
         "mismatch_k3_kl": f"{sum(m['k3_kl'] * m['tokens'] for m in diffs) / max(1, tokens):.1e}",
+        **ablation(trace),
         "versions_per_batch": round(sum(len(b["by_version"]) for b in trace["mismatch"])
                                     / max(1, len(trace["mismatch"])), 2),
         "seconds": trace["seconds"],
     }
+
+
+def ablation(trace: dict[str, Any]) -> dict[str, str]:
+    """Token-weighted k3 of the learner on each of its copies against the engine, over the ablated batches."""
+    batches = trace.get("ablation") or []
+    out = {}
+    for copy in ("served", "masters", "rtn copy"):
+        ms = [b["by_copy"][copy] for b in batches]
+        tokens = sum(m["tokens"] for m in ms)
+        out[f"k3 {copy}"] = f"{sum(m['k3_kl'] * m['tokens'] for m in ms) / max(1, tokens):.1e}" if ms else "-"
+    return out
 
 
 def plot(traces: list[dict[str, Any]], path: Path) -> None:
@@ -228,7 +242,8 @@ def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
             follow = [sys.executable, "-m", "weightsvc", "follow", "--engine", url, "--target", service.grpc_target,
                       "--model", model, "--listen", "127.0.0.1:0", "--client-id", f"follow-{model}"]
             with process(follow, work / f"follow-{mode}.log", {"PYTHONPATH": str(ROOT)}):
-                traces.append(train(model_dir, service.grpc_target, url, model, mode, args.steps, args.lr, args.seed))
+                traces.append(train(model_dir, service.grpc_target, url, model, mode, args.steps, args.lr, args.seed,
+                                    args.ablate_every))
             print(f"{mode}: {json.dumps(summary(traces[-1]))}", file=sys.stderr)
     return traces
 
@@ -250,6 +265,8 @@ def main() -> None:
     for p in (parser, one):
         p.add_argument("--steps", type=int, default=60)
         p.add_argument("--lr", type=float, default=LR)
+        p.add_argument("--ablate-every", type=int, default=1,
+                       help="also measure the mismatch on the masters and an rtn copy, every N steps (0: never)")
     parser.add_argument("--modes", default="rtn,sr,sr-sticky")
     parser.add_argument("--engine-python", default=None, help="python of the engines venv (default: setup_engines.sh)")
     parser.add_argument("--work-dir", type=Path, default=None, help="the model and the logs (default: a temp dir)")
@@ -261,7 +278,7 @@ def main() -> None:
         return
     if args.command == "train":
         trace = train(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps, args.lr,
-                      args.seed)
+                      args.seed, args.ablate_every)
         args.out.write_text(json.dumps(trace))
         return
     started = time.monotonic()

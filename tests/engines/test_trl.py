@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOWCASE = ROOT / "examples" / "grpo_showcase.py"
 STEPS = 3
 BATCH_TOKENS = 16 * 4  # per rollout batch: 16 completions of 4 tokens (the showcase's GRPOConfig)
+ABLATION_STEPS = 4
+MARGIN = 1.1  # measured over 3 moved steps: masters 1.16-1.19x, rtn copy 1.21-1.26x the served k3
 
 
 def trainer_python() -> str:
@@ -91,3 +93,34 @@ def test_grpo_pushes_each_step_rolls_out_on_the_following_engine_and_reports_mis
         mine = b["by_version"][str(b["step"])]
         assert recorded[b["step"]]["tokens"] == mine["tokens"]
         assert recorded[b["step"]]["k3_kl"] == pytest.approx(mine["k3_kl"], rel=1e-6)
+
+    # Each batch was also scored on the masters and on a round-to-nearest copy (a diagnostic, not reported).
+    assert [b["step"] for b in trace["ablation"]] == list(range(STEPS))
+    for b in trace["ablation"]:
+        assert b["by_copy"]["served"] == batches[b["step"]]["by_version"][str(b["step"])]
+
+
+def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
+        service: BackgroundServer, tmp_path: Path) -> None:
+    """With sr export, the engine samples from a stochastic rounding of the masters: the learner's log-
+    probabilities on that very copy differ from the engine's by its kernels alone, those on the fp32
+    masters or on a round-to-nearest copy by the rounding as well, which is far larger."""
+    python, model = trainer_python(), "trl-ablation"
+    model_dir = tmp_path / "model"
+    showcase(python, "build", "--model-dir", str(model_dir))
+    out = tmp_path / "trace.json"
+    with (vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
+                     "--weight-transfer-config", BACKEND) as engine,
+          following(engine, service.grpc_target, model)):
+        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
+                 "--engine", engine.url, "--model", model, "--rounding", "sr", "--steps", str(ABLATION_STEPS),
+                 "--out", str(out))
+    batches = json.loads(out.read_text())["ablation"]
+    # Version 0 is the bf16 checkpoint itself (every rounding serves it as it is): from step 1 on, the
+    # masters have moved off the bf16 grid and each copy is its own rounding.
+    moved = [b["by_copy"] for b in batches if b["step"] >= 1]
+    assert len(moved) == ABLATION_STEPS - 1
+    k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
+          for c in ("served", "masters", "rtn copy")}
+    assert k3["served"] * MARGIN < k3["masters"], k3
+    assert k3["served"] * MARGIN < k3["rtn copy"], k3

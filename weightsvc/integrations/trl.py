@@ -10,6 +10,7 @@ copy (Fair Cast).
     trainer.train()
     sync.lag            # the service's lag of each pushed version
     sync.mismatch       # per rollout batch: learner vs engine log-probabilities by weight version
+    sync.ablation       # with ablate_every: that mismatch on the served copy, the masters, a round-to-nearest copy
 
 TRL 1.16 applies its vLLM importance-sampling correction (the engine's per-token log-probabilities
 against the learner's) only with `use_vllm`, which loads vLLM into the trainer's process and moves
@@ -19,6 +20,7 @@ TRL is imported with this module: it is the `trl` extra."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import urllib.error
@@ -77,7 +79,10 @@ class WeightsvcSync:
     log-probabilities are those of the temperature it samples at). `format` / `rounding` override the
     service's export for this model's pushes (empty: the service's). `on_policy`: each rollout batch
     waits until the engine serves the version of the current step (otherwise it takes what the engine
-    serves, and the token versions show how far behind that was)."""
+    serves, and the token versions show how far behind that was). `ablate_every` (0: never): every
+    that many steps, the rollout batch's mismatch is also measured with the learner's log-probabilities
+    on the fp32 masters and on a round-to-nearest copy of them (`ablation`, kept here, never reported):
+    two more no-grad forwards of the batch."""
 
     target: str
     engine: str
@@ -86,8 +91,10 @@ class WeightsvcSync:
     rounding: str = ""
     on_policy: bool = True
     timeout_s: float = 120.0
+    ablate_every: int = 0
     lag: dict[int, LagMetrics] = field(default_factory=dict)
     mismatch: list[tuple[int, dict[int, RolloutMismatch]]] = field(default_factory=list)
+    ablation: list[tuple[int, dict[str, RolloutMismatch]]] = field(default_factory=list)
     spec: ExportSpec | None = None  # the export to recompute the served copy by (None: the version's manifest)
     served_from: str = ""  # "local" (recomputed) or "pulled"; found out over the first versions
     served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -199,18 +206,36 @@ class WeightsvcSync:
         """The mismatch of one rollout batch (learner's and engine's log-probabilities of its tokens, as
         TRL padded them) by weight version: kept, and reported to the service. Tokens without a version
         or that the engine could not score (NaN) are left out."""
-        versions = torch.full(mask.shape, UNKNOWN_VERSION, dtype=torch.long)
-        for row, v in enumerate(self.versions):
-            width = min(len(v), mask.shape[1])
-            versions[row, :width] = torch.tensor(v[:width], dtype=torch.long)
-        engine = engine.detach().cpu()
-        keep = mask.cpu().bool() & (versions >= 0) & torch.isfinite(engine)
-        by_version = rollout_mismatch(learner.detach().cpu(), engine, versions, mask=keep)
+        versions, keep = self._kept(engine, mask)
+        by_version = rollout_mismatch(learner.detach().cpu(), engine.detach().cpu(), versions, mask=keep)
         if not by_version:
             return
         self.mismatch.append((step, by_version))
         assert self._learner is not None  # (a version was pushed before any rollout)
         self._learner.report_mismatch(self.model, by_version, step=step)
+
+    def ablation_due(self, step: int) -> bool:
+        return self.ablate_every > 0 and step % self.ablate_every == 0
+
+    def ablate(self, step: int, learner: dict[str, torch.Tensor], engine: torch.Tensor, mask: torch.Tensor) -> None:
+        """Keep the mismatch of one rollout batch's tokens of the last pushed version for each of the
+        learner's copies (`learner`: name -> log-probabilities); a diagnostic, so nothing is reported."""
+        versions, keep = self._kept(engine, mask)
+        keep &= versions == self.version
+        if not bool(keep.any()):
+            return
+        engine = engine.detach().cpu()
+        self.ablation.append((step, {name: rollout_mismatch(logps.detach().cpu(), engine, versions, mask=keep)[
+            int(self.version or 0)] for name, logps in learner.items()}))
+
+    def _kept(self, engine: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weight version of each padded token, and which tokens count: in the completion, with a
+        version, scored by the engine (not NaN)."""
+        versions = torch.full(mask.shape, UNKNOWN_VERSION, dtype=torch.long)
+        for row, v in enumerate(self.versions):
+            width = min(len(v), mask.shape[1])
+            versions[row, :width] = torch.tensor(v[:width], dtype=torch.long)
+        return versions, mask.cpu().bool() & (versions >= 0) & torch.isfinite(engine.detach().cpu())
 
 
 class _PushMasters(TrainerCallback):  # type: ignore[misc]
@@ -248,16 +273,44 @@ class FairCastGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         self.use_vllm = True
         self.vllm_generation = sync  # type: ignore[assignment]
         self._last_loaded_step = -1
+        self._ablation_batch: dict[str, Any] | None = None
 
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         # Generation, the old log-probabilities and the loss all see the served copy.
-        with self.sync.on_served_copy(self.accelerator.unwrap_model(model)):
-            return super().training_step(model, inputs, num_items_in_batch)
+        module = self.accelerator.unwrap_model(model)
+        with self.sync.on_served_copy(module):
+            loss: torch.Tensor = super().training_step(model, inputs, num_items_in_batch)
+        if self._ablation_batch is not None:  # (the masters are still the version the batch was rolled out on)
+            batch, self._ablation_batch = self._ablation_batch, None
+            self._ablate(module, batch)
+        return loss
+
+    def _ablate(self, module: torch.nn.Module, batch: dict[str, Any]) -> None:
+        """The batch's log-probabilities on the fp32 masters and on a round-to-nearest copy of them in
+        the served format, against those on the served copy that the loss used."""
+        sync = self.sync
+        assert sync.spec is not None and sync.version is not None
+        learner = {"served": batch["old_per_token_logps"], "masters": self._logps(batch)}
+        rtn = served_state_dict(module, dataclasses.replace(sync.spec, rounding="rtn"), version=sync.version)
+        with served_weights(module, rtn):
+            learner["rtn copy"] = self._logps(batch)
+        sync.ablate(self.state.global_step, learner, batch["sampling_per_token_logps"], batch["completion_mask"])
+
+    def _logps(self, batch: dict[str, Any]) -> torch.Tensor:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+        with torch.no_grad():
+            logps, _, _ = self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, batch["completion_ids"].size(1),
+                batch_size=self.args.per_device_train_batch_size)
+        return logps
 
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         output: dict[str, Any] = super()._generate_and_score_completions(inputs)
         if self.model is not None and self.model.training and "sampling_per_token_logps" in output:
             self.sync.report_mismatch(self.state.global_step, output["old_per_token_logps"],
                                       output["sampling_per_token_logps"], output["completion_mask"])
+            if self.sync.ablation_due(self.state.global_step):
+                self._ablation_batch = output
         return output
 
