@@ -5,6 +5,7 @@ pins its own transformers here. The trainer reaches the engine over HTTP, as in 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -43,6 +44,21 @@ def showcase(python: str, *args: str) -> None:
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
 
+@contextlib.contextmanager
+def trained(service: BackgroundServer, tmp_path: Path, model: str, steps: int) -> Iterator[tuple[Any, Any, Path]]:
+    """The showcase's trainer run for `steps` steps (sr) against a `vllm serve` that follows `model`:
+    yields the engine and its follower, still up, and the trace the run wrote."""
+    python = trainer_python()
+    model_dir, out = tmp_path / "model", tmp_path / "trace.json"
+    showcase(python, "build", "--model-dir", str(model_dir))
+    with (vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
+                     "--weight-transfer-config", BACKEND) as engine,
+          following(engine, service.grpc_target, model) as follower):
+        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
+                 "--engine", engine.url, "--model", model, "--rounding", "sr", "--steps", str(steps), "--out", str(out))
+        yield engine, follower, out
+
+
 @pytest.fixture(scope="module")
 def service() -> Iterator[BackgroundServer]:
     with serving(rounding="sr") as srv:
@@ -51,15 +67,8 @@ def service() -> Iterator[BackgroundServer]:
 
 def test_grpo_pushes_each_step_rolls_out_on_the_following_engine_and_reports_mismatch_per_version(
         service: BackgroundServer, tmp_path: Path) -> None:
-    python, model = trainer_python(), "trl-grpo"
-    model_dir = tmp_path / "model"
-    showcase(python, "build", "--model-dir", str(model_dir))
-    out = tmp_path / "trace.json"
-    with (vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
-                     "--weight-transfer-config", BACKEND) as engine,
-          following(engine, service.grpc_target, model) as follower):
-        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
-                 "--engine", engine.url, "--model", model, "--rounding", "sr", "--steps", str(STEPS), "--out", str(out))
+    model = "trl-grpo"
+    with trained(service, tmp_path, model, STEPS) as (engine, follower, out):
         follower.wait_for("update", version=STEPS)  # the last step's version reaches the engine too
         assert engine.weight_version() == str(STEPS)
     trace: dict[str, Any] = json.loads(out.read_text())
@@ -105,16 +114,8 @@ def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
     """With sr export, the engine samples from a stochastic rounding of the masters: the learner's log-
     probabilities on that very copy differ from the engine's by its kernels alone, those on the fp32
     masters or on a round-to-nearest copy by the rounding as well, which is far larger."""
-    python, model = trainer_python(), "trl-ablation"
-    model_dir = tmp_path / "model"
-    showcase(python, "build", "--model-dir", str(model_dir))
-    out = tmp_path / "trace.json"
-    with (vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
-                     "--weight-transfer-config", BACKEND) as engine,
-          following(engine, service.grpc_target, model)):
-        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
-                 "--engine", engine.url, "--model", model, "--rounding", "sr", "--steps", str(ABLATION_STEPS),
-                 "--out", str(out))
+    with trained(service, tmp_path, "trl-ablation", ABLATION_STEPS) as (_, _, out):
+        pass
     batches = json.loads(out.read_text())["ablation"]
     # Version 0 is the bf16 checkpoint itself (every rounding serves it as it is): from step 1 on, the
     # masters have moved off the bf16 grid and each copy is its own rounding.

@@ -21,10 +21,7 @@ TRL is imported with this module: it is the `trl` extra."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,6 +35,7 @@ from trl import GRPOTrainer
 
 from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
 from weightsvc.integrations.fair_cast import ServedMismatch, check_served, served_state_dict
+from weightsvc.integrations.vllm.engine_api import EngineApi
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.rounding import ExportSpec
 
@@ -47,16 +45,6 @@ __all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
 # step) are checked against the service's checksums before the learner trusts its own copy.
 CHECKED_VERSIONS = 2
 UNKNOWN_VERSION = -1  # a token whose engine weights carried no weightsvc version label
-
-
-def _http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"engine {method} {url}: HTTP {e.code}: {e.read().decode(errors='replace')}") from None
 
 
 def token_versions(spans: list[dict[str, Any]] | None, length: int) -> list[int]:
@@ -174,7 +162,8 @@ class WeightsvcSync:
         if not self.on_policy or self.version is None:
             return
         want, deadline = str(self.version), time.monotonic() + self.timeout_s
-        while (label := str(_http("GET", f"{self.engine}/weight_info")["weight_version"])) != want:
+        api = EngineApi(self.engine, self.timeout_s)
+        while (label := api.weight_version("rollout")) != want:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"engine {self.engine} serves weight_version {label!r}, not version {want} of "
                                    f"model {self.model!r}, after {self.timeout_s} s: is `weightsvc follow` running?")
@@ -189,9 +178,10 @@ class WeightsvcSync:
                   "max_tokens": trainer.max_completion_length, "logprobs": 0,
                   **(getattr(trainer.args, "generation_kwargs", None) or {})}
 
+        api = EngineApi(self.engine, self.timeout_s)
+
         def one(ids: list[int]) -> dict[str, Any]:
-            out = _http("POST", f"{self.engine}/inference/v1/generate", {"token_ids": ids, "sampling_params": params},
-                        timeout=self.timeout_s)
+            out = api.post("/inference/v1/generate", {"token_ids": ids, "sampling_params": params}, stage="rollout")
             return dict(out["choices"][0])
 
         with ThreadPoolExecutor(max(1, len(prompt_ids))) as pool:  # the engine batches them
