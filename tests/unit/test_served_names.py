@@ -65,3 +65,13 @@ def test_the_device_choice() -> None:
     assert rounding.export_device("auto", "cuda") == "cuda"
     with pytest.raises(ValueError, match="unknown device 'tpu'; choose one of auto, cpu, cuda"):
         rounding.export_device("tpu")
+
+
+@pytest.mark.skipif(any(Path(n).exists() for n in ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")),
+                    reason="this machine has a GPU driver: torch is asked")
+def test_without_a_gpu_driver_auto_exports_on_the_cpu_without_importing_torch() -> None:
+    # torch is 250 MiB of a server's memory: a CPU-only server must not load it to learn it has no GPU.
+    code = ("import sys, weightsvc.rounding as r; "
+            "print(r.export_device('auto'), sorted(m for m in ('torch', 'triton') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "cpu []"

@@ -160,7 +160,14 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+# Device nodes of a GPU driver (NVIDIA; AMD's for ROCm builds of torch). Without one, torch cannot see
+# a GPU: asking it would only import it, 250 MiB of the server's memory for nothing.
+_GPU_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+
+
 def cuda_visible() -> bool:
+    if not any(os.path.exists(node) for node in _GPU_NODES):
+        return False
     try:
         import torch
 

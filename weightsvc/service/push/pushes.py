@@ -342,12 +342,11 @@ class Pushes:
         finally:
             self.metrics.pushes_in_flight.dec()
             self.streams -= 1
-            if big:
-                self._trim_heap_soon()
+            self._trim_heap_soon()
 
     def _trim_heap_soon(self) -> None:
-        """A big push is over, committed or not: give the heap's free pages back to the system (its
-        header's and plan's objects, its messages), in a worker thread, once."""
+        """A push is over, committed or not: give the heap's free pages back to the system (a big
+        push's header and plan objects, every push's received messages), in a worker thread, once."""
         if self._trim is None:
             self._trim = asyncio.get_running_loop().call_later(TRIM_AFTER_S, self._trim_heap)
 
