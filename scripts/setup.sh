@@ -9,6 +9,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 STAMP=.venv/.weightsvc-install
+# The bench's reference server (P1_nginx): Debian's nginx-light when it is missing and apt can install it.
+if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q --no-install-recommends nginx-light >/dev/null 2>&1 \
+    || echo "setup: nginx-light did not install; the bench will skip P1_nginx" >&2
+fi
 want=$("$PYTHON" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')
 if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "${WEIGHTSVC_REINSTALL:-0}" != 1 ]; then
   exit 0

@@ -292,6 +292,7 @@ def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
     # answer is back at the learner, and a watcher of a small version may hold it sooner.
     for key in ("e1_1_grpc_sync_s", "e1_2_http_sync_s"):
         assert details[key] > 0 and details[key.replace("sync", "commit")] > 0, key
+    assert figures["E1_1_vs_file"] > 0 and details["e1_file_sync_s"] > 0  # the reference without a service
     assert isinstance(figures["S1"], float) and figures["S1"] == min(figures["S1_grpc"], figures["S1_http"])
     assert details["s1_tensors"] == [10, 100] and len(details["s1_push_s"]) == 2
     assert isinstance(figures["S2"], float)

@@ -30,6 +30,14 @@ http {{
 """
 
 
+def nginx_exe() -> str | None:
+    """nginx on PATH, or where Debian installs it (/usr/sbin, off a user's PATH); None without one."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+
+
+NO_NGINX = "nginx not found (on PATH or in /usr/sbin; scripts/setup.sh installs Debian's nginx-light)"
+
+
 class Nginx:
     """A private nginx serving `root` on a free port, in the foreground, every file of it in `d`."""
 
@@ -39,7 +47,7 @@ class Nginx:
             port = s.getsockname()[1]
         with open(f"{d}/nginx.conf", "w") as f:
             f.write(_NGINX_CONF.format(d=d, port=port))
-        exe = shutil.which("nginx")
+        exe = nginx_exe()
         assert exe is not None
         self.proc = subprocess.Popen([exe, "-p", d, "-e", f"{d}/error.log", "-c", f"{d}/nginx.conf"],
                                      stderr=subprocess.PIPE)

@@ -1,5 +1,6 @@
 """The pullers of T3, scale_3v1 and E1, each in a process of its own, as an inference fleet's are:
-`python -m weightsvc.cli.bench.peers pull TARGET` or `... watch TARGET AFTER`. This module imports
+`python -m weightsvc.cli.bench.peers pull TARGET` or `... watch TARGET AFTER`; and E1's reference
+reader of safetensors files (`... files`). This module imports
 the client only in the peer, so the bench's side starts no more than it needs."""
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def _watch(target: str, after: int) -> None:
         del tensors
 
 
+def _read_files() -> None:
+    """The reader of the reference sync without a service: loads each safetensors file named on stdin
+    into memory, and prints when it holds it (the system-wide monotonic clock)."""
+    from safetensors.torch import load_file
+
+    print("ready", flush=True)
+    for line in sys.stdin:
+        tensors = load_file(line.strip())
+        print(time.monotonic(), flush=True)
+        del tensors
+
+
 def _start(*args: str, stdin: int | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-m", "weightsvc.cli.bench.peers", *args], stdin=stdin,
                             stdout=subprocess.PIPE, text=True)
@@ -64,8 +77,17 @@ def fanout_pull_seconds(target: str, pullers: int) -> float:
     return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
+def start_file_reader() -> subprocess.Popen[str]:
+    """A reader process, ready, that loads each safetensors file whose path it is sent."""
+    p = _start("files", stdin=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+    return p
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "pull":
         _pull(sys.argv[2])
+    elif sys.argv[1] == "files":
+        _read_files()
     else:
         _watch(sys.argv[2], int(sys.argv[3]))
