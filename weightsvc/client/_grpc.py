@@ -30,7 +30,13 @@ from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.names import PULL
 from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
-from weightsvc.protocol.wire import ChunkView, decode_pull_response, manifest_from_proto, select_to_proto
+from weightsvc.protocol.wire import (
+    HTTP2_FRAME_OPTION,
+    ChunkView,
+    decode_pull_response,
+    manifest_from_proto,
+    select_to_proto,
+)
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -115,6 +121,7 @@ def channel(target: str, credentials: Credentials, who: str = "this client speak
         # A client of its own: a new client connects at once, even while another one in this
         # process waits out its reconnect backoff to the same address (a restarted server).
         ("grpc.use_local_subchannel_pool", 1),
+        HTTP2_FRAME_OPTION,
     ]
     if target.startswith("grpcs://"):
         tls = grpc.ssl_channel_credentials(credentials.ca)

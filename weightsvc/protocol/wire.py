@@ -142,6 +142,10 @@ def encode_message(msg: pb.PushRequest | pb.PullResponse | bytes) -> bytes:
 
 # A big header or manifest goes in messages of about this many bytes: well under the 8 MiB limit.
 MESSAGE_PIECE_BYTES = 4 << 20
+# The largest HTTP/2 frame each end of a gRPC channel accepts (HTTP/2's own maximum). The default,
+# 16 KiB, cuts a 1 MiB chunk into 64 frames, each parsed by the receiver: with whole chunks in one
+# frame a 512 MiB pull cost the client 0.16-0.18 CPU s, against 0.17-0.65 s with the default.
+HTTP2_FRAME_OPTION = ("grpc.http2.max_frame_size", (1 << 24) - 1)
 
 
 def _add_tensors(field: Any, tensors: Iterable[ServedTensor]) -> None:

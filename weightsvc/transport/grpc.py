@@ -22,6 +22,7 @@ from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
+    HTTP2_FRAME_OPTION,
     ChunkView,
     Malformed,
     adapter_from_proto,
@@ -275,6 +276,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        HTTP2_FRAME_OPTION,
     ]
 
 
