@@ -197,9 +197,12 @@ class HttpInferenceClient(InferenceClient):
                     conn.putheader(k, v)
                 conn.endheaders()
                 sock = conn.sock
+                # (over TLS the server sends session tickets: readable says nothing; a refusal shows as
+                # the connection closing under the writes)
+                early = not isinstance(sock, ssl.SSLSocket)
                 end = b""  # the end of the previous message's chunk, sent with the next one's start
                 for pieces in messages:
-                    if select.select([sock], [], [], 0)[0]:
+                    if early and select.select([sock], [], [], 0)[0]:
                         break  # the server answered already (or closed): read why
                     n = sum(map(len, pieces))
                     head = b"%s%x\r\n\x00%s" % (end, n + 5, n.to_bytes(4, "big"))
