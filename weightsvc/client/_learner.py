@@ -8,10 +8,10 @@ import queue
 import sys
 import threading
 import urllib.parse
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Union
 
 import grpc
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Progress, VersionInfo, is_http
 from weightsvc.client._grpc import Replicas, channel, error
-from weightsvc.client._http import HttpInferenceClient
+from weightsvc.client._http import HttpInferenceClient, post_framed
 from weightsvc.errors import FailedPrecondition, Unavailable, WeightsvcError
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
@@ -195,6 +195,55 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
     return kept, aliases
 
 
+Messages = Callable[[pb.PushHeader, dict[str, "Array | Shard"], list[threading.Thread]], Iterator[Message]]
+
+
+def _http_push(client: HttpInferenceClient, streams: list[Stream], messages: Messages) -> VersionInfo:
+    """The one stream of a push over HTTP, as the body of POST /v1/models/{model}/push."""
+    (_, _, header, parts), = streams
+    path = f"/v1/models/{urllib.parse.quote(header.model, safe='')}/push"
+    return VersionInfo.from_dict(post_framed(client, path, messages(header, parts, [])))
+
+
+def _grpc_push(streams: list[Stream], messages: Messages, target: str, timeout: float | None) -> VersionInfo:
+    """Run push streams at once, a call each; the first to fail cancels the others."""
+    senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
+    done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+    calls = []
+    replica_of = {}
+    try:
+        for replica, ch, header, parts in streams:
+            # Chunks are pre-encoded by `protocol.wire` (joined: one copy).
+            assert ch is not None
+            push = ch.stream_unary(PUSH, request_serializer=_joined,
+                                   response_deserializer=pb.PushResponse.FromString)
+            call = push.future(messages(header, parts, senders), timeout=timeout)
+            call.add_done_callback(done.put)
+            calls.append(call)
+            replica_of[id(call)] = replica
+        for _ in calls:
+            call = done.get()
+            failure = call.exception()
+            if failure is not None:
+                err = error(failure, target)
+                # (a replica that answers that the registry is away is up: the learner retries later)
+                if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
+                        (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
+                    raise _ReplicaDown(replica_of[id(call)], err) from None
+                raise err from None
+        resp = calls[0].result()
+        return VersionInfo.from_proto(resp.version, resp.created)
+    finally:
+        if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
+            for c in calls:
+                c.cancel()
+            # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
+            # or a process that exits right after can abort inside gRPC.
+            for sender in senders:
+                if sender is not threading.current_thread():
+                    sender.join(5)
+
+
 # Tensors (or a rank's parts of them) this small travel packed, several to a chunk (Chunk in the proto).
 PACK_BYTES = 64 << 10
 
@@ -347,48 +396,16 @@ class LearnerClient:
 
     def _push_streams(self, streams: list[Stream], specs: dict[str, pb.TensorSpec],
                       progress: Progress | None) -> VersionInfo:
-        """Run push streams at once (one per replica); the first to fail cancels the others. A replica
-        that cannot be reached raises `_ReplicaDown`. Over HTTP, the one stream is the body of a POST."""
+        """Run push streams at once (one per replica), over gRPC; over HTTP, the one stream is the body
+        of a POST. A replica that cannot be reached raises `_ReplicaDown`."""
+
+        def messages(header: pb.PushHeader, parts: dict[str, Array | Shard], senders: list[threading.Thread]
+                     ) -> Iterator[Message]:
+            return self._messages(header, parts, specs, progress, senders)
+
         if self._http is not None:
-            (_, _, header, parts), = streams
-            path = f"/v1/models/{urllib.parse.quote(header.model, safe='')}/push"
-            answer: dict[str, Any] = self._http._post_stream(path, self._messages(header, parts, specs, progress, []))
-            return VersionInfo.from_dict(answer)
-        senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
-        done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
-        calls = []
-        replica_of = {}
-        try:
-            for replica, ch, header, parts in streams:
-                # Chunks are pre-encoded by `protocol.wire` (joined: one copy).
-                assert ch is not None
-                push = ch.stream_unary(PUSH, request_serializer=_joined,
-                                       response_deserializer=pb.PushResponse.FromString)
-                call = push.future(self._messages(header, parts, specs, progress, senders), timeout=self.timeout)
-                call.add_done_callback(done.put)
-                calls.append(call)
-                replica_of[id(call)] = replica
-            for _ in calls:
-                call = done.get()
-                failure = call.exception()
-                if failure is not None:
-                    err = error(failure, self.target)
-                    # (a replica that answers that the registry is away is up: the learner retries later)
-                    if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
-                            (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
-                        raise _ReplicaDown(replica_of[id(call)], err) from None
-                    raise err from None
-            resp = calls[0].result()
-            return VersionInfo.from_proto(resp.version, resp.created)
-        finally:
-            if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
-                for c in calls:
-                    c.cancel()
-                # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
-                # or a process that exits right after can abort inside gRPC.
-                for sender in senders:
-                    if sender is not threading.current_thread():
-                        sender.join(5)
+            return _http_push(self._http, streams, messages)
+        return _grpc_push(streams, messages, self.target, self.timeout)
 
     def _messages(
         self, header: pb.PushHeader, parts: dict[str, Array | Shard], specs: dict[str, pb.TensorSpec],
