@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import ResourceExhausted
 from weightsvc.protocol.wire import encode_chunk
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -155,3 +156,26 @@ def test_both_push_routes_need_role_push(authed: BackgroundServer, tmp_path: Pat
         assert status == 403 and answer["error"]["code"] == "PERMISSION_DENIED", answer  # type: ignore[index]
         status, answer = post(authed, path_, body, TOKENS["push"], method)
         assert status == 200 and answer["created"], answer
+
+
+def test_the_learner_reads_a_refusal_that_comes_while_it_sends(model: str) -> None:
+    with serving(max_message_bytes=64 << 10) as srv, LearnerClient(srv.http_url, chunk_bytes=1 << 20) as learner:
+        with pytest.raises(ResourceExhausted, match=r"more than the 65536 this server takes \(--max-message-bytes\)"):
+            learner.push(1, {"w": torch.zeros(4 << 20)}, model=model)  # 16 MiB in frames of 1 MiB
+        assert learner.push(1, {"w": torch.zeros(4 << 10)}, model=model).created  # chunks under the limit
+
+
+def test_a_body_that_stalls_is_given_up_after_the_idle_timeout(model: str) -> None:
+    with serving(push_idle_timeout_s=0.5) as srv:
+        port = int(srv.http_url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"POST /v1/models/{model}/push HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         .encode())
+            first = header(model, 1, 4)
+            sock.sendall(b"%x\r\n%s\r\n" % (len(first), first))
+            resp = http.client.HTTPResponse(sock)
+            resp.begin()
+            answer = resp.read()
+        assert resp.status == 504 and b"push stalled: nothing received for 0.5 s" in answer, answer
+        with InferenceClient(srv.http_url) as puller:
+            assert model not in {m["model"] for m in puller.models()}
