@@ -362,7 +362,7 @@ def post_framed(client: HttpInferenceClient, path: str, messages: Iterable[Seque
     try:
         try:
             conn.putrequest("POST", origin.path.rstrip("/") + path, skip_accept_encoding=True)
-            headers = {"Content-Type": "application/grpc+proto", "Transfer-Encoding": "chunked"}
+            headers = {"Content-Type": "application/octet-stream", "Transfer-Encoding": "chunked"}
             if client.credentials.token:
                 headers["Authorization"] = f"Bearer {client.credentials.token}"
             for k, v in headers.items():

@@ -279,7 +279,7 @@ async def _of_model(messages: AsyncIterator[PushMessage], model: str) -> AsyncIt
         yield m
 
 
-_PUSH_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/grpc+proto": {
+_PUSH_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/octet-stream": {
     "schema": {"type": "string", "format": "binary",
                "description": "PushRequest messages, each framed as gRPC frames it: a byte 0, a big-endian u32 "
                               "length, the serialized message"}}}}}
