@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import Shard
 from weightsvc.errors import ResourceExhausted
 from weightsvc.protocol.wire import encode_chunk
 from weightsvc.server.server import BackgroundServer
@@ -179,3 +181,21 @@ def test_a_body_that_stalls_is_given_up_after_the_idle_timeout(model: str) -> No
         assert resp.status == 504 and b"push stalled: nothing received for 0.5 s" in answer, answer
         with InferenceClient(srv.http_url) as puller:
             assert model not in {m["model"] for m in puller.models()}
+
+
+def test_a_rank_that_waits_for_a_late_rank_keeps_its_connection(model: str) -> None:
+    """The server stops reading a rank's body until every rank has joined: that wait is not the client's
+    slowness, and the connection's body deadline does not count it."""
+    state = {"w": torch.randn(512, 1024)}  # 2 MiB: more than the server buffers before it stops reading
+    with serving(connect_timeout_s=0.5) as srv, LearnerClient(srv.http_url) as first, \
+            LearnerClient(srv.http_url) as late:
+        part = {"w": Shard(state["w"].reshape(-1)[: 1 << 18], 0, (512, 1024))}
+        rest = {"w": Shard(state["w"].reshape(-1)[1 << 18 :], 1 << 18, (512, 1024))}
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(first.push, 1, part, model=model, rank=0, world_size=2)
+            service = srv.service
+            assert service is not None
+            srv.call(service.wait_for(lambda: (model, 1) in service.pushes.joining))  # rank 0 waits for rank 1
+            time.sleep(1.5)  # three of the connection's deadlines: the late rank is late
+            assert late.push(1, rest, model=model, rank=1, world_size=2).created
+            assert waiting.result().version == 1
