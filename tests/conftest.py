@@ -95,6 +95,18 @@ def learner(server: BackgroundServer) -> Iterator[LearnerClient]:
         yield client
 
 
+@pytest.fixture(params=TRANSPORTS)
+def push_transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def pusher(server: BackgroundServer, push_transport: str) -> Iterator[LearnerClient]:
+    """A learner on each transport: tests of the push contract take it, and run over both."""
+    with LearnerClient(target(server, push_transport)) as client:
+        yield client
+
+
 @pytest.fixture
 def puller(server: BackgroundServer) -> Iterator[InferenceClient]:
     with InferenceClient(server.grpc_target) as client:

@@ -39,7 +39,7 @@ def masters(version: int, layers: int = 2) -> dict[str, torch.Tensor]:
 def test_adapter_version_served_unscaled_bit_for_bit_with_its_config(transport: str, tmp_path: Path) -> None:
     spec = rounding.ExportSpec("fp8_e4m3", "sr", seed=3)
     with serving(format="fp8_e4m3", rounding="sr", seed=3, data_dir=tmp_path / "data") as srv:
-        with LearnerClient(srv.grpc_target) as learner:
+        with LearnerClient(target(srv, transport)) as learner:  # pushed over the transport too
             for v in (1, 2):
                 learner.push(v, masters(v), model="ad", adapter=ADAPTER)
             learner.push(1, masters(1), model="full")  # the same tensors as a full model: fp8 where 2-D

@@ -186,6 +186,9 @@ def test_clients_carry_tokens_and_get_clear_errors(
     caplog.set_level(logging.DEBUG)
     with pytest.raises(PermissionDenied, match=r"PERMISSION_DENIED: Push needs role push; this token has role pull"):
         LearnerClient(authed.grpc_target, token=TOKENS["pull"]).push(20_000, make_masters(), model=MODEL)
+    denied = rf"POST /v1/models/{MODEL}/push needs role push; this token has role pull"
+    with pytest.raises(PermissionDenied, match=denied):
+        LearnerClient(authed.http_url, token=TOKENS["pull"]).push(20_000, make_masters(), model=MODEL)
     with pytest.raises(Unauthenticated, match=r"UNAUTHENTICATED: Pull needs a bearer token"):
         InferenceClient(authed.grpc_target, token="").pull(MODEL)
     with pytest.raises(Unauthenticated, match=r"GET /v1/models needs a bearer token \(role pull or above\)"):
@@ -223,6 +226,8 @@ def test_tls_on_grpc_and_http_with_a_self_signed_certificate(certificate: tuple[
         assert srv.grpc_target.startswith("grpcs://") and srv.http_url.startswith("https://")
         masters = make_masters()
         LearnerClient(srv.grpc_target, ca_cert=cert, token=TOKENS["push"], timeout=30).push(1, masters, model="m")
+        over_https = LearnerClient(srv.http_url, ca_cert=cert, token=TOKENS["push"], timeout=30)
+        assert over_https.push(1, masters, model="m-https", return_served=True).served is not None
         over_grpc = InferenceClient(srv.grpc_target, ca_cert=cert, token=TOKENS["push"]).pull("m")
         over_http = InferenceClient(srv.http_url, ca_cert=cert, token=TOKENS["push"]).pull("m")
         assert all(torch.equal(over_grpc[n].view(torch.int16), over_http[n].view(torch.int16)) for n in masters)

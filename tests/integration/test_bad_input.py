@@ -88,12 +88,12 @@ def test_unknown_model_and_version(server: BackgroundServer, learner: LearnerCli
 # ---- versions -------------------------------------------------------------------------------
 
 
-def test_step_not_above_latest(learner: LearnerClient, model: str) -> None:
+def test_step_not_above_latest(pusher: LearnerClient, model: str) -> None:
     masters = make_masters()
-    learner.push(5, masters, model=model)
-    learner.push(6, masters, model=model)
+    pusher.push(5, masters, model=model)
+    pusher.push(6, masters, model=model)
     with pytest.raises(FailedPrecondition, match=f"model '{model}': step 4 is not above the latest version 6"):
-        learner.push(4, masters, model=model)
+        pusher.push(4, masters, model=model)
 
 
 def test_steps_are_those_every_version_number_can_be_asked_for_by(
@@ -114,11 +114,11 @@ def test_steps_are_those_every_version_number_can_be_asked_for_by(
     assert puller.pull(model, str(MAX_STEP))["w"].shape == (4,)
 
 
-def test_same_step_with_different_content(learner: LearnerClient, puller: InferenceClient, model: str) -> None:
-    learner.push(5, make_masters(seed=1), model=model)
+def test_same_step_with_different_content(pusher: LearnerClient, puller: InferenceClient, model: str) -> None:
+    pusher.push(5, make_masters(seed=1), model=model)
     before = puller.manifest(model, 5)
     with pytest.raises(AlreadyExists, match=f"model '{model}' version 5 is already committed with different content"):
-        learner.push(5, make_masters(seed=2), model=model)
+        pusher.push(5, make_masters(seed=2), model=model)
     assert puller.manifest(model, 5) == before  # the committed version is untouched
 
 

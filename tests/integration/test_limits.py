@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from tests.conftest import make_masters, serving
+from tests.conftest import make_masters, serving, target
 from tests.helpers import closed_by_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import ResourceExhausted
@@ -27,8 +27,9 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 
-def test_size_limits_name_the_limit_and_the_tensor(model: str) -> None:
-    with serving(max_tensors=3, max_tensor_bytes=64 << 10) as srv, LearnerClient(srv.grpc_target) as learner:
+def test_size_limits_name_the_limit_and_the_tensor(model: str, push_transport: str) -> None:
+    with serving(max_tensors=3, max_tensor_bytes=64 << 10) as srv, \
+            LearnerClient(target(srv, push_transport)) as learner:
         with pytest.raises(ResourceExhausted, match=r"6 tensors, more than the 3 a version may have \(--max-tensors\)"):
             learner.push(1, make_masters(), model=model)
         big = {"small": torch.zeros(8), "layers.0.mlp.up.weight": torch.zeros(300, 64)}
@@ -52,20 +53,21 @@ def _open_push(target: str, model: str, release: threading.Event) -> tuple[grpc.
     return channel, call
 
 
-def test_streams_beyond_max_pushes_are_refused_and_the_slot_comes_back(model: str) -> None:
+def test_streams_beyond_max_pushes_are_refused_and_the_slot_comes_back(model: str, push_transport: str) -> None:
     with serving(max_pushes=1) as srv:
         release = threading.Event()
         channel, call = _open_push(srv.grpc_target, model, release)
+        to = target(srv, push_transport)
         try:
             srv.call(srv.service.wait_pushes(1))  # the first push is staged and holds the only slot
             with pytest.raises(ResourceExhausted, match=r"1 push streams in progress.*\(--max-pushes 1\); retry later"):
-                LearnerClient(srv.grpc_target).push(2, make_masters(), model=model + "-2")
+                LearnerClient(to).push(2, make_masters(), model=model + "-2")
         finally:
             call.cancel()
             release.set()
             channel.close()
         srv.call(srv.service.wait_pushes(0))
-        assert LearnerClient(srv.grpc_target).push(2, make_masters(), model=model + "-2").version == 2
+        assert LearnerClient(to).push(2, make_masters(), model=model + "-2").version == 2
 
 
 def test_memory_high_water_mark_refuses_new_pushes(model: str) -> None:

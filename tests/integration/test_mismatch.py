@@ -18,7 +18,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.conftest import make_masters, serving
+from tests.conftest import make_masters, serving, target
 from tests.helpers import REDIS_URL, PrivateRedis, http_get, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli.main import app
@@ -78,8 +78,8 @@ def test_reports_add_up_and_show_everywhere(srv: BackgroundServer, model: str) -
     assert status == 200, answer
     whole = first[1] + second[1]
     same(RolloutMismatch(**answer["versions"]["1"]), whole)
-    for target in (srv.grpc_target, srv.http_url):
-        shown = listed(target, model)
+    for to in (srv.grpc_target, srv.http_url):
+        shown = listed(to, model)
         assert shown.keys() == {1, 2}
         same(shown[1][0] or whole, whole)
         assert shown[1][0] is not None and shown[1][1] == 11
@@ -152,8 +152,8 @@ def test_a_bad_value_is_refused_and_nothing_recorded(srv: BackgroundServer, mode
     assert listed(srv.grpc_target, model) == {1: (None, None), 2: (None, None)}
 
 
-def test_unknown_model_and_versions_not_retained(srv: BackgroundServer, model: str) -> None:
-    learner = LearnerClient(srv.grpc_target)
+def test_unknown_model_and_versions_not_retained(srv: BackgroundServer, model: str, push_transport: str) -> None:
+    learner = LearnerClient(target(srv, push_transport))
     one = {7: RolloutMismatch(**GOOD)}  # type: ignore[arg-type]
     with pytest.raises(NotFound, match=rf"NOT_FOUND: unknown model '{model}'"):
         learner.report_mismatch(model, one)

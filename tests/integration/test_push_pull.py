@@ -15,16 +15,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import load
 
-from tests.conftest import make_masters, serving
+from tests.conftest import make_masters, serving, target
 from tests.helpers import assert_served, http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.rounding import fair_cast
 from weightsvc.server.server import BackgroundServer
 
 
-def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str) -> None:
+def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str, push_transport: str) -> None:
     masters = make_masters(seed=3)
-    with LearnerClient(server.grpc_target, chunk_bytes=4096) as small, LearnerClient(server.grpc_target) as big:
+    to = target(server, push_transport)
+    with LearnerClient(to, chunk_bytes=4096) as small, LearnerClient(to) as big:
         small.push(1, masters, model=model + "-a")
         big.push(1, masters, model=model + "-b")
     puller = InferenceClient(server.grpc_target)
@@ -34,11 +35,11 @@ def test_small_chunks_give_the_same_version(server: BackgroundServer, model: str
 
 
 def test_idempotent_push_returns_the_committed_version(
-    learner: LearnerClient, puller: InferenceClient, model: str
+    pusher: LearnerClient, puller: InferenceClient, model: str
 ) -> None:
     masters = make_masters()
-    first = learner.push(3, masters, model=model)
-    again = learner.push(3, masters, model=model)
+    first = pusher.push(3, masters, model=model)
+    again = pusher.push(3, masters, model=model)
     assert first.created and not again.created
     assert again.committed_unix == first.committed_unix
     assert [v.version for v in puller.versions(model)] == [3]

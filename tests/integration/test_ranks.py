@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import make_masters, serving
+from tests.conftest import make_masters, serving, target
 from tests.helpers import CHUNK, bits, push_ranks
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client import Shard, VersionInfo
@@ -55,12 +55,12 @@ def assert_same_version(puller: InferenceClient, model_a: str, model_b: str, ver
 @pytest.mark.parametrize(("format", "rounding", "world_size"), [("bf16", "sr", 2), ("fp8_e4m3", "sr", 2),
                                                                   ("bf16", "sr-sticky", 3)])
 def test_flat_range_shards_from_several_ranks_serve_the_bits_of_a_one_rank_push(
-    server: BackgroundServer, model: str, format: str, rounding: str, world_size: int
+    server: BackgroundServer, model: str, format: str, rounding: str, world_size: int, push_transport: str
 ) -> None:
     state = masters()
     with LearnerClient(server.grpc_target) as learner:
         one = learner.push(3, state, model=model + "-one", format=format, rounding=rounding)
-    results = push_ranks(server.grpc_target, 3, flat_shards(state, world_size), model + "-ranks",
+    results = push_ranks(target(server, push_transport), 3, flat_shards(state, world_size), model + "-ranks",
                          format=format, rounding=rounding)
     infos = [f.result() for f in results]
     assert {(i.version, i.created, i.tensor_count, i.data_bytes) for i in infos} == {
@@ -158,9 +158,11 @@ def test_ranks_whose_parts_do_not_tile_a_tensor_are_refused_before_any_data(
     assert_nothing_visible(server, model)
 
 
-def test_rank_outside_world_size_and_a_rank_twice_are_refused(server: BackgroundServer, model: str) -> None:
+def test_rank_outside_world_size_and_a_rank_twice_are_refused(
+    server: BackgroundServer, model: str, push_transport: str
+) -> None:
     state = make_masters()
-    with LearnerClient(server.grpc_target) as learner:
+    with LearnerClient(target(server, push_transport)) as learner:
         with pytest.raises(InvalidArgument, match=r"rank 2 is outside world_size 2"):
             learner.push(1, state, model=model, rank=2, world_size=2)
         with pytest.raises(InvalidArgument, match=r"world_size -1 is not in \[1, 65536\]"):

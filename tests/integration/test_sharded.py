@@ -348,3 +348,12 @@ def test_tied_weights_over_sharded_replicas_and_ranks(redis_prefix: str, model: 
             assert pulled["lm_head.weight"] is pulled["embed.weight"]
             assert pulled.keys() == expected.keys()
             assert all(torch.equal(pulled[n], expected[n]) for n in expected)
+
+
+def test_a_sharded_deployment_refuses_a_push_over_http_clearly(redis_prefix: str, model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1"), \
+            LearnerClient(r0.http_url) as learner:
+        with pytest.raises(FailedPrecondition, match=r"the deployment has 2 replicas; a sharded push goes over gRPC"):
+            learner.push(1, make_masters(), model=model)
+        assert model not in {m["model"] for m in InferenceClient(r0.http_url).models()}

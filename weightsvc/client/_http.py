@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import select
 import socket
 import ssl
 import threading
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from weightsvc.client._base import InferenceClient
@@ -346,3 +347,64 @@ class HttpInferenceClient(InferenceClient):
     def _ack(self, model: str, version: int, client_id: str) -> int:
         reply = self._json(f"/v1/models/{_quote(model)}/acks", {"version": version, "client_id": client_id})
         return int(reply["latest_version"])
+
+
+def post_framed(client: HttpInferenceClient, path: str, messages: Iterable[Sequence[bytes | memoryview]]) -> Any:
+    """POST a body of messages (each given in pieces), framed as gRPC frames them, in chunked
+    transfer encoding, and the JSON answer. Each piece is written as it is (no copy of a
+    tensor's bytes); an answer that comes before the body is all sent (a refusal) ends the sending."""
+    origin = client._origin
+    conn, reused = client._connections.take(origin)
+    if reused:  # a stream cannot be sent again on a new connection if a kept one went stale
+        client._connections.drop(conn)
+        conn, _ = client._connections.take(origin)
+    done = False
+    try:
+        try:
+            conn.putrequest("POST", origin.path.rstrip("/") + path, skip_accept_encoding=True)
+            headers = {"Content-Type": "application/octet-stream", "Transfer-Encoding": "chunked"}
+            if client.credentials.token:
+                headers["Authorization"] = f"Bearer {client.credentials.token}"
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders()
+            sock = conn.sock
+            # (over TLS the server sends session tickets: readable says nothing; a refusal shows as
+            # the connection closing under the writes)
+            early = not isinstance(sock, ssl.SSLSocket)
+            end = b""  # the end of the previous message's chunk, sent with the next one's start
+            for pieces in messages:
+                if early and select.select([sock], [], [], 0)[0]:
+                    break  # the server answered already (or closed): read why
+                n = sum(map(len, pieces))
+                head = b"%s%x\r\n\x00%s" % (end, n + 5, n.to_bytes(4, "big"))
+                first, *rest = pieces
+                if len(first) <= 1 << 16:  # the framing of a chunk, or a small message: one write
+                    sock.sendall(head + first)
+                else:
+                    sock.sendall(head)
+                    sock.sendall(first)
+                for piece in rest:
+                    sock.sendall(piece)
+                end = b"\r\n"
+            else:
+                sock.sendall(end + b"0\r\n\r\n")
+        except OSError:
+            pass  # the server may have answered before it closed: read it
+        try:
+            resp = conn.getresponse()
+        except (OSError, http.client.HTTPException) as e:
+            raise Unavailable(f"UNAVAILABLE: {client.target}: POST {path} broke off: {e!r}") from None
+        if resp.status >= 400:
+            raise _error(resp)
+        try:
+            answer = json.loads(resp.read())
+        except (OSError, http.client.HTTPException, ValueError) as e:
+            raise Unavailable(f"UNAVAILABLE: {client.target}: POST {path}: no answer: {e!r}") from None
+        done = resp.isclosed() and not resp.will_close
+        return answer
+    finally:
+        if done:
+            client._connections.give(origin, conn)
+        else:
+            client._connections.drop(conn)

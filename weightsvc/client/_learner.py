@@ -1,4 +1,4 @@
-"""The learner's client: pushes fp32 masters (torch tensors or numpy arrays) over gRPC."""
+"""The learner's client: pushes fp32 masters (torch tensors or numpy arrays) over gRPC or HTTP."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import queue
 import sys
 import threading
-from collections.abc import Iterator, Mapping
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
@@ -16,15 +17,16 @@ import grpc
 import numpy as np
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Credentials, Progress, VersionInfo
+from weightsvc.client._common import Credentials, Progress, VersionInfo, is_http
 from weightsvc.client._grpc import Replicas, channel, error
-from weightsvc.errors import Unavailable, WeightsvcError
+from weightsvc.client._http import HttpInferenceClient, post_framed
+from weightsvc.errors import FailedPrecondition, Unavailable, WeightsvcError
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
 from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import PUSH, REASON_KEY
 from weightsvc.protocol.topology import Replica, groups
-from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, adapter_to_proto, encode_chunk, encode_message, piece_starts
+from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, adapter_to_proto, chunk_pieces, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -51,7 +53,38 @@ class Shard:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
-Stream = tuple[str, grpc.Channel, pb.PushHeader, dict[str, "Array | Shard"]]  # replica id ("": the target), ...
+# replica id ("": the target), its channel (None over HTTP), its header and parts
+Stream = tuple[str, "grpc.Channel | None", pb.PushHeader, dict[str, "Array | Shard"]]
+Message = Sequence[bytes | memoryview]  # a serialized PushRequest, in pieces (a chunk's framing, then its data)
+
+
+def _joined(message: Message) -> bytes:
+    return message[0] if len(message) == 1 and isinstance(message[0], bytes) else b"".join(message)
+
+
+class _HttpTopology:
+    """The replicas a push over HTTP goes to: the target alone. A deployment of several replicas is
+    refused: its sharded push needs each replica's own stream, which only gRPC fans out."""
+
+    replication = 1
+
+    def __init__(self, client: HttpInferenceClient) -> None:
+        self.client = client
+        self.left_out: dict[str, float] = {}
+
+    def live(self) -> list[Replica]:
+        replicas = self.client.topology()
+        if len(replicas) > 1:
+            raise FailedPrecondition(f"{self.client.target}: the deployment has {len(replicas)} replicas; a sharded "
+                                     "push goes over gRPC (target host:port or grpcs://), not HTTP",
+                                     reason="invalid_header")
+        return replicas
+
+    def leave_out(self, replica_id: str) -> None:  # pragma: no cover - no replica is left out over HTTP
+        pass
+
+    def close(self) -> None:
+        self.client.close()
 
 
 class _ReplicaDown(Exception):
@@ -162,12 +195,61 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
     return kept, aliases
 
 
+Messages = Callable[[pb.PushHeader, dict[str, "Array | Shard"], list[threading.Thread]], Iterator[Message]]
+
+
+def _http_push(client: HttpInferenceClient, streams: list[Stream], messages: Messages) -> VersionInfo:
+    """The one stream of a push over HTTP, as the body of POST /v1/models/{model}/push."""
+    (_, _, header, parts), = streams
+    path = f"/v1/models/{urllib.parse.quote(header.model, safe='')}/push"
+    return VersionInfo.from_dict(post_framed(client, path, messages(header, parts, [])))
+
+
+def _grpc_push(streams: list[Stream], messages: Messages, target: str, timeout: float | None) -> VersionInfo:
+    """Run push streams at once, a call each; the first to fail cancels the others."""
+    senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
+    done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
+    calls = []
+    replica_of = {}
+    try:
+        for replica, ch, header, parts in streams:
+            # Chunks are pre-encoded by `protocol.wire` (joined: one copy).
+            assert ch is not None
+            push = ch.stream_unary(PUSH, request_serializer=_joined,
+                                   response_deserializer=pb.PushResponse.FromString)
+            call = push.future(messages(header, parts, senders), timeout=timeout)
+            call.add_done_callback(done.put)
+            calls.append(call)
+            replica_of[id(call)] = replica
+        for _ in calls:
+            call = done.get()
+            failure = call.exception()
+            if failure is not None:
+                err = error(failure, target)
+                # (a replica that answers that the registry is away is up: the learner retries later)
+                if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
+                        (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
+                    raise _ReplicaDown(replica_of[id(call)], err) from None
+                raise err from None
+        resp = calls[0].result()
+        return VersionInfo.from_proto(resp.version, resp.created)
+    finally:
+        if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
+            for c in calls:
+                c.cancel()
+            # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
+            # or a process that exits right after can abort inside gRPC.
+            for sender in senders:
+                if sender is not threading.current_thread():
+                    sender.join(5)
+
+
 # Tensors (or a rank's parts of them) this small travel packed, several to a chunk (Chunk in the proto).
 PACK_BYTES = 64 << 10
 
 
 class LearnerClient:
-    """Pushes fp32 masters to weightsvc over gRPC."""
+    """Pushes fp32 masters to weightsvc over gRPC (`host:port`, `grpcs://`) or HTTP (`http://`, `https://`)."""
 
     def __init__(
         self,
@@ -178,14 +260,24 @@ class LearnerClient:
         token: str | None = None,
         ca_cert: str | Path | bytes | None = None,
     ) -> None:
-        """`target`: `host:port`, or `grpcs://host:port` for TLS (`ca_cert`: a PEM bundle to trust).
-        `token`: a bearer token with role push (default: $WEIGHTSVC_TOKEN)."""
+        """`target`: `host:port`, or `grpcs://host:port` for TLS (`ca_cert`: a PEM bundle to trust);
+        `http://host:port` or `https://host:port` to push over HTTP (POST /v1/models/{model}/push: the
+        same messages; a deployment of one replica). `token`: a bearer token with role push (default:
+        $WEIGHTSVC_TOKEN)."""
         self.target = target
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.credentials = Credentials.resolve(token, ca_cert)
-        self._channel = channel(target, self.credentials, "the learner pushes over gRPC")
-        self._replicas = Replicas(self._channel, target, self.credentials, timeout)
+        self._channel: grpc.Channel | None = None
+        self._http: HttpInferenceClient | None = None
+        self._replicas: Replicas | _HttpTopology
+        if is_http(target):
+            self._http = HttpInferenceClient(target, timeout=timeout, token=self.credentials.token or "",
+                                             ca_cert=self.credentials.ca)
+            self._replicas = _HttpTopology(self._http)
+        else:
+            self._channel = channel(target, self.credentials, "the learner pushes over gRPC")
+            self._replicas = Replicas(self._channel, target, self.credentials, timeout)
 
     def push(
         self,
@@ -251,18 +343,17 @@ class LearnerClient:
             else:
                 streams = self._sharded(header, parts, aliases, replicas, where)
             try:
-                resp = self._push_streams(streams, specs, progress)
+                info = self._push_streams(streams, specs, progress)
                 break
             except _ReplicaDown as down:
                 # Committed all the same (the replica went down after the last part was in)?
                 committed = self._committed(model, step, [s[0] for s in streams])
                 if committed is not None:
-                    resp = committed
+                    info = committed
                     break
                 self._replicas.leave_out(down.replica)
                 if len(replicas) <= 1:
                     raise down.error from None
-        info = VersionInfo.from_proto(resp.version, resp.created)
         if return_served:
             credentials = self.credentials
             with InferenceClient(self.target, timeout=self.timeout, token=credentials.token or "",
@@ -284,11 +375,14 @@ class LearnerClient:
             own = pb.PushHeader()
             own.CopyFrom(header)
             own.aliases.update({a: t for a, t in aliases.items() if r.id in of[t]})  # (whichever rank holds t)
+            assert isinstance(self._replicas, Replicas)  # (over HTTP, `live` refuses several replicas)
             streams.append((r.id, self._replicas.channel(r.id, where), own, mine))
         return streams
 
-    def _committed(self, model: str, step: int, owners: list[str]) -> pb.PushResponse | None:
+    def _committed(self, model: str, step: int, owners: list[str]) -> VersionInfo | None:
         """The version `step` if a push to `owners` committed it, asked of any replica that answers."""
+        if not isinstance(self._replicas, Replicas):
+            return None
         try:
             m = self._replicas.ask(lambda stub: stub.GetManifest(pb.GetManifestRequest(model=model, version=str(step)),
                                                                  timeout=self.timeout))
@@ -298,50 +392,25 @@ class LearnerClient:
             return None
         info = pb.VersionInfo(model=model, version=step, format=m.format, rounding=m.rounding, lag=m.lag,
                               committed_unix=m.committed_unix, tensor_count=m.tensor_count, data_bytes=m.data_bytes)
-        return pb.PushResponse(version=info, created=True)
+        return VersionInfo.from_proto(info, True)
 
     def _push_streams(self, streams: list[Stream], specs: dict[str, pb.TensorSpec],
-                      progress: Progress | None) -> pb.PushResponse:
-        """Run push streams at once (one per replica); the first to fail cancels the others. A replica
-        that cannot be reached raises `_ReplicaDown`."""
-        senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
-        done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
-        calls = []
-        replica_of = {}
-        try:
-            for replica, ch, header, parts in streams:
-                # Chunks are pre-encoded by `transport.wire` (one copy); header and commit are plain messages.
-                push = ch.stream_unary(PUSH, request_serializer=encode_message,
-                                       response_deserializer=pb.PushResponse.FromString)
-                call = push.future(self._messages(header, parts, specs, progress, senders), timeout=self.timeout)
-                call.add_done_callback(done.put)
-                calls.append(call)
-                replica_of[id(call)] = replica
-            for _ in calls:
-                call = done.get()
-                failure = call.exception()
-                if failure is not None:
-                    err = error(failure, self.target)
-                    # (a replica that answers that the registry is away is up: the learner retries later)
-                    if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
-                            (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
-                        raise _ReplicaDown(replica_of[id(call)], err) from None
-                    raise err from None
-            return calls[0].result()
-        finally:
-            if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
-                for c in calls:
-                    c.cancel()
-                # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
-                # or a process that exits right after can abort inside gRPC.
-                for sender in senders:
-                    if sender is not threading.current_thread():
-                        sender.join(5)
+                      progress: Progress | None) -> VersionInfo:
+        """Run push streams at once (one per replica), over gRPC; over HTTP, the one stream is the body
+        of a POST. A replica that cannot be reached raises `_ReplicaDown`."""
+
+        def messages(header: pb.PushHeader, parts: dict[str, Array | Shard], senders: list[threading.Thread]
+                     ) -> Iterator[Message]:
+            return self._messages(header, parts, specs, progress, senders)
+
+        if self._http is not None:
+            return _http_push(self._http, streams, messages)
+        return _grpc_push(streams, messages, self.target, self.timeout)
 
     def _messages(
         self, header: pb.PushHeader, parts: dict[str, Array | Shard], specs: dict[str, pb.TensorSpec],
         progress: Progress | None, senders: list[threading.Thread],
-    ) -> Iterator[pb.PushRequest | bytes]:
+    ) -> Iterator[Message]:
         senders.append(threading.current_thread())
         # (a tied tensor pushed under its alias goes under the tensor's own name: `untie`)
         declared = [specs.get(name) or _spec(name, value) for name, value in parts.items()]
@@ -352,17 +421,17 @@ class LearnerClient:
         full.tensors.extend(pieces[0])
         if len(pieces) > 1:
             full.tensor_count = len(declared)
-        yield pb.PushRequest(header=full)
+        yield [pb.PushRequest(header=full).SerializeToString()]
         for more in pieces[1:]:  # a header of many tensors, in pieces under the message limit
-            yield pb.PushRequest(tensors=pb.PushTensors(tensors=more))
+            yield [pb.PushRequest(tensors=pb.PushTensors(tensors=more)).SerializeToString()]
         pack: list[memoryview] = []  # small tensors, whole, in header order: one chunk for many
         at = ("", 0)  # where the pack starts: its first tensor, and the byte in it
         pack_bytes = 0
 
-        def packed() -> Iterator[bytes]:
+        def packed() -> Iterator[Message]:
             nonlocal pack_bytes
             if pack:
-                yield encode_chunk(*at, pack)
+                yield chunk_pieces(*at, list(pack))
                 if progress:
                     progress(pack_bytes)
                 pack.clear()
@@ -385,13 +454,13 @@ class LearnerClient:
             pos = 0
             while pos < len(raw):
                 piece = raw[pos : pos + cut]
-                yield encode_chunk(name, start + pos, piece)
+                yield chunk_pieces(name, start + pos, piece)
                 if progress:
                     progress(len(piece))
                 pos += cut
                 cut = self.chunk_bytes
         yield from packed()
-        yield pb.PushRequest(commit=pb.PushCommit())
+        yield [pb.PushRequest(commit=pb.PushCommit()).SerializeToString()]
 
     def report_mismatch(self, model: str, by_version: Mapping[int, RolloutMismatch], *,
                         step: int | None = None) -> dict[int, RolloutMismatch]:
@@ -404,6 +473,11 @@ class LearnerClient:
             if not isinstance(m, RolloutMismatch):
                 raise TypeError(f"version {version!r}: report a RolloutMismatch, not a {type(m).__name__}")
             request.versions[int(version)].CopyFrom(mismatch_to_proto(m))
+        if self._http is not None:
+            body = {"versions": {str(v): m.as_dict() for v, m in by_version.items()}, "step": step}
+            answer = self._http._json(f"/v1/models/{urllib.parse.quote(model, safe='')}/mismatch", body)
+            return {int(v): RolloutMismatch(**m) for v, m in answer["versions"].items()}
+        assert isinstance(self._replicas, Replicas)
         resp = self._replicas.ask(lambda stub: stub.ReportMismatch(request, timeout=self.timeout))
         return {v: mismatch_from_proto(m) for v, m in resp.versions.items()}
 

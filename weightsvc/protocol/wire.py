@@ -72,6 +72,13 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
 def encode_chunk(tensor: str, offset: int, data: memoryview | bytes | list[memoryview]) -> bytes:
     """Serialized PushRequest/PullResponse with field `chunk` set (identical to protobuf's bytes).
     `data` may come in pieces (packed small tensors): they are joined once, with the framing."""
+    return b"".join(chunk_pieces(tensor, offset, data))
+
+
+def chunk_pieces(tensor: str, offset: int, data: memoryview | bytes | list[memoryview]
+                 ) -> list[bytes | memoryview]:
+    """`encode_chunk`'s bytes in pieces, not joined: the framing, then the data as given (a sender
+    that writes them one after the other copies no data)."""
     pieces = data if isinstance(data, list) else [data]
     n = sum(len(p) for p in pieces)
     inner = bytearray()
@@ -82,7 +89,7 @@ def encode_chunk(tensor: str, offset: int, data: memoryview | bytes | list[memor
         inner += b"\x10" + _varint(offset & 0xFFFFFFFFFFFFFFFF)
     if n:
         inner += b"\x1a" + _varint(n)
-    return b"".join((b"\x12", _varint(len(inner) + n), inner, *pieces))
+    return [b"".join((b"\x12", _varint(len(inner) + n), inner)), *pieces]
 
 
 def decode_chunk(raw: bytes) -> ChunkView | None:

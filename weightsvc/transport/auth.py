@@ -1,7 +1,7 @@
 """Who may do what: bearer tokens with roles, on gRPC metadata and the HTTP Authorization header.
 
-Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP route, the ack too), `push` also pushes (a
-learner pulls its served copy back), `admin` may do everything. Tokens come from
+Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP route but the pushes, the ack too), `push`
+also pushes (a learner pulls its served copy back), `admin` may do everything. Tokens come from
 `WEIGHTSVC_{PULL,PUSH,ADMIN}_TOKENS` (comma-separated) and/or `--auth-file` (JSON:
 {"pull": [...], "push": [...], "admin": [...]}). Auth is on as soon as one token is configured.
 Tokens are kept as SHA-256 digests and never logged; `/healthz`, `/readyz`, `/metrics` and the gRPC
@@ -28,8 +28,9 @@ ROLES = ("pull", "push", "admin")  # each includes the ones before it
 CALLER = "weightsvc.caller"  # the ASGI scope key where HttpAuth leaves `token_caller` of a request it let in
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
 METHOD_ROLES = {PUSH: "push", method("ReportMismatch"): "push"}
-# HTTP routes that need more than `pull`: a learner's mismatch report.
-_PUSH_ROUTE = re.compile(r"/v1/models/[^/]+/mismatch")
+# HTTP routes that need more than `pull`: a learner's pushes and mismatch report.
+_PUSH_ROUTES = {"POST": re.compile(r"/v1/models/[^/]+/(mismatch|push)"),
+                "PUT": re.compile(r"/v1/models/[^/]+/versions/[^/]+/safetensors")}
 
 
 def _digest(token: str) -> bytes:
@@ -151,7 +152,7 @@ class GrpcAuth(grpc.aio.ServerInterceptor):
 
 
 class HttpAuth:
-    """ASGI middleware: every route needs role `pull` (a mismatch report `push`) except the open paths."""
+    """ASGI middleware: every route needs role `pull` (a push or a mismatch report `push`) except the open paths."""
 
     def __init__(self, app: Any, auth: Auth, open_paths: Iterable[str]) -> None:
         self.app = app
@@ -166,7 +167,8 @@ class HttpAuth:
         what = f"{scope['method']} {scope['path']}"
         try:
             value = _one(values, what)
-            need = "push" if scope["method"] == "POST" and _PUSH_ROUTE.fullmatch(scope["path"]) else "pull"
+            route = _PUSH_ROUTES.get(scope["method"])
+            need = "push" if route is not None and route.fullmatch(scope["path"]) else "pull"
             self.auth.check(value, need, what)
         except (Unauthenticated, PermissionDenied) as e:
             # The connection goes with the answer: a client without a valid token may not hold one.

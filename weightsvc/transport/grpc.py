@@ -14,18 +14,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
-from weightsvc.errors import InvalidArgument, ResourceExhausted, WeightsvcError
-from weightsvc.protocol.manifest import TensorSpec
+from weightsvc._aio import off_loop
+from weightsvc.errors import WeightsvcError
 from weightsvc.protocol.mismatch import fields_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
     HTTP2_FRAME_OPTION,
-    ChunkView,
-    Malformed,
-    adapter_from_proto,
     decode_push_request,
     encode_chunk,
     encode_message,
@@ -34,10 +30,10 @@ from weightsvc.protocol.wire import (
     manifest_pieces,
     select_from_proto,
 )
-from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.service.service import Service
 from weightsvc.transport.auth import Auth, GrpcAuth, peer_caller, token_caller
 from weightsvc.transport.connections import GrpcConnections, headroom
+from weightsvc.transport.push import push_messages
 from weightsvc.transport.status import grpc_status
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -96,7 +92,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
         version, created = await self.service.pushes.run(
-            _push_messages(request_iterator, self.service.settings.max_tensors))
+            push_messages(request_iterator, self.service.settings.max_tensors))
         return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
 
     @_abort_on_domain_error
@@ -171,102 +167,6 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         latest = self.service.index.get(request.model, None).manifest.version
         return pb.ListClientsResponse(model=request.model, latest_version=latest,
                                       clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])
-
-
-async def _push_messages(
-    requests: AsyncIterator[pb.PushRequest | ChunkView | Malformed], max_tensors: int
-) -> AsyncIterator[PushMessage]:
-    it = aiter(requests)
-    layout: _RankLayout | None = None
-    async for req in it:
-        if isinstance(req, ChunkView):  # the bulk path: views into the received message
-            many = layout is not None and len(layout.order) >= BIG_MANIFEST  # one chunk may pack thousands
-            yield await in_thread(many, _unpacked, layout, req.tensor, req.offset, req.data)
-            continue
-        if isinstance(req, Malformed):
-            raise InvalidArgument(req.reason, reason="bad_chunk")
-        kind = req.WhichOneof("kind")
-        if kind == "chunk":
-            yield _unpacked(layout, req.chunk.tensor, req.chunk.offset, memoryview(req.chunk.data))
-        elif kind == "header":
-            h = req.header
-            where = f"model {h.model!r} step {h.step}"
-            if h.tensor_count > max_tensors:
-                raise ResourceExhausted(f"{where}: {h.tensor_count} tensors, more than the {max_tensors} a version "
-                                        "may have (--max-tensors)", reason="too_large")
-            pieces = [h.tensors]  # a big header comes in pieces: gather them first
-            count = len(h.tensors)
-            while count < h.tensor_count:
-                more = await anext(it, None)
-                if not (isinstance(more, pb.PushRequest) and more.WhichOneof("kind") == "tensors"):
-                    raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, and its pieces "
-                                          f"ended after {count}", reason="invalid_header")
-                pieces.append(more.tensors.tensors)
-                count += len(more.tensors.tensors)
-            if h.tensor_count and count != h.tensor_count:
-                raise InvalidArgument(f"{where}: the header declares {h.tensor_count} tensors, its pieces hold "
-                                      f"{count}", reason="invalid_header")
-            header, layout = await in_thread(count >= BIG_MANIFEST, _header, h, pieces)
-            yield header
-        elif kind == "commit":
-            yield PushCommit()
-        elif kind == "tensors":
-            raise InvalidArgument("PushTensors must follow the header, before any chunk", reason="invalid_header")
-        else:
-            raise InvalidArgument("empty push message: set one of header, chunk, commit", reason="bad_chunk")
-
-
-class _RankLayout:
-    """The byte ranges a rank declared, in its header's order: where a packed chunk's bytes go."""
-
-    def __init__(self, tensors: tuple[TensorSpec, ...]) -> None:
-        self.order = [(t.name, t.elements[0] * 4, sum(t.elements) * 4) for t in tensors]
-        self.index = {t.name: i for i, t in enumerate(tensors)}
-
-
-def _unpacked(layout: _RankLayout | None, tensor: str, offset: int, data: memoryview) -> list[PushChunk]:
-    """A chunk as the pieces of each tensor it holds: a chunk that runs past the end of its tensor's
-    part goes on with the next tensors of the rank's header (many small tensors, few messages).
-    One the header cannot place (an unknown tensor, an offset outside its part, bytes past the last
-    tensor) is left whole: the push refuses it, saying why."""
-    i = layout.index.get(tensor) if layout is not None and len(data) else None
-    if layout is None or i is None or not offset < layout.order[i][2] < offset + len(data):
-        return [PushChunk(tensor, offset, data)]  # within its tensor, or not ours to place
-    pieces, rest = [], data
-    for j in range(i, len(layout.order)):
-        name, start, end = layout.order[j]
-        at = offset if j == i else start
-        take = rest[: end - at]
-        if len(take):
-            pieces.append(PushChunk(name, at, take))
-            rest = rest[len(take) :]
-        if not len(rest):
-            return pieces
-    return [PushChunk(tensor, offset, data)]
-
-
-def _header(h: pb.PushHeader, pieces: list[Any]) -> tuple[PushHeader, _RankLayout]:
-    """The header and its pieces of tensors as the core takes them, and the rank's layout (linear in
-    the tensors: off the loop for a big header)."""
-    tensors = tuple(TensorSpec(t.name, tuple(t.shape), t.dtype, _part(t.part) if t.HasField("part") else None)
-                    for batch in pieces for t in batch)
-    return PushHeader(
-        model=h.model,
-        step=h.step,
-        tensors=tensors,
-        format=h.format,
-        rounding=h.rounding,
-        rank=h.rank,
-        world_size=h.world_size or 1,
-        owners=tuple(h.owners),
-        replication=max(1, h.replication),
-        aliases=tuple(sorted(h.aliases.items())),
-        adapter=adapter_from_proto(h.adapter) if h.HasField("adapter") else None,
-    ), _RankLayout(tensors)
-
-
-def _part(part: pb.TensorPart) -> tuple[int, int]:
-    return part.offset, part.count
 
 
 CONNECTION_IDLE_S = 300

@@ -1,5 +1,5 @@
 """HTTP adapter (FastAPI): health, metrics, version lists, manifests, safetensors and delta downloads,
-watch (server-sent events), acks and clients."""
+watch (server-sent events), acks and clients, and pushes (gRPC-framed PushRequests, or a safetensors file)."""
 
 from __future__ import annotations
 
@@ -24,16 +24,18 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from weightsvc._aio import in_thread, memo, off_loop
-from weightsvc.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
 from weightsvc.protocol.topology import HASHING
 from weightsvc.service.pull import Pull
+from weightsvc.service.push.messages import PushHeader, PushMessage
 from weightsvc.service.service import Service
 from weightsvc.service.versions.index import FileRange
 from weightsvc.transport.auth import CALLER, peer_caller
 from weightsvc.transport.limits import BodyBudget
+from weightsvc.transport.push import Received, file_messages, framed_requests, push_messages
 from weightsvc.transport.status import excerpt, http_domain_error, http_error
 
 log = logging.getLogger("weightsvc.http")
@@ -257,6 +259,34 @@ def parse_body(model: type[BaseModel], body: bytes, what: str) -> Any:
         raise InvalidArgument(f"{what}: {problems}") from None
 
 
+async def _until_gone(pieces: AsyncIterator[bytes], what: str) -> AsyncIterator[bytes]:
+    """A push's body: a client that goes away (or is too slow, `limits`) aborts the push."""
+    received = 0
+    try:
+        async for piece in pieces:
+            received += len(piece)
+            yield piece
+    except ClientDisconnect:
+        raise Aborted(f"{what}: the client went away after {received} bytes of the body", reason="aborted") from None
+
+
+async def _of_model(messages: AsyncIterator[PushMessage], model: str) -> AsyncIterator[PushMessage]:
+    """The messages of a push to the route of `model`: its header must name the same model."""
+    async for m in messages:
+        if isinstance(m, PushHeader) and m.model != model:
+            raise InvalidArgument(f"the push to /v1/models/{model}/push has a header of model {m.model!r} "
+                                  f"step {m.step}: push each model to its own route", reason="invalid_header")
+        yield m
+
+
+_PUSH_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary",
+               "description": "PushRequest messages, each framed as gRPC frames it: a byte 0, a big-endian u32 "
+                              "length, the serialized message"}}}}}
+_FILE_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"application/octet-stream": {
+    "schema": {"type": "string", "format": "binary", "description": "A safetensors file of F32 tensors"}}}}}
+
+
 def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
     """The OpenAPI request body of a route that reads its body itself (to bound it first)."""
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
@@ -320,6 +350,25 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         body = parse_body(MismatchBody, await read_body(request, MISMATCH_BODY_BYTES, bodies, what), what)
         totals = await service.mismatches.report(model, body.versions, body.step)
         return {"model": model, "versions": {str(v): m.as_dict() for v, m in totals.items()}}
+
+    @app.post("/v1/models/{model}/push", openapi_extra=_PUSH_BODY)
+    async def push(model: str, request: Request) -> dict[str, Any]:
+        """One rank's push stream, as gRPC's Push takes it (role push): the committed version."""
+        body = Received(_until_gone(request.stream(), f"the push to model {model!r}"))
+        requests = framed_requests(body, service.settings.max_message_bytes)
+        return await _pushed(_of_model(push_messages(requests, service.settings.max_tensors), model))
+
+    @app.put("/v1/models/{model}/versions/{step}/safetensors", openapi_extra=_FILE_BODY)
+    async def push_file(model: str, step: int, request: Request, format: str = "", rounding: str = ""
+                        ) -> dict[str, Any]:
+        """A safetensors file of F32 masters as the version `step` (role push; `curl -T`): the committed
+        version. `format` / `rounding` override the server's export, as a push's header does."""
+        body = Received(_until_gone(request.stream(), f"the push of model {model!r} step {step}"))
+        return await _pushed(file_messages(body, model, step, format, rounding))
+
+    async def _pushed(messages: AsyncIterator[PushMessage]) -> dict[str, Any]:
+        version, created = await service.pushes.run(messages)
+        return {**version.manifest.info(), "created": created}
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:

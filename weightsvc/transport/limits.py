@@ -3,13 +3,14 @@
 uvicorn holds a connection that sends nothing for as long as the client likes, and reads a request
 head or body of any size at any pace: a thousand idle sockets took the descriptors of the whole
 process, four 64 MiB heads 300 MiB of memory, and fifty bodies trickling a byte a second every
-connection, before any token was checked. Here each connection must send a whole request head (request
-line and headers, at most MAX_HEAD_BYTES) within a time of its opening or of its previous response,
-and its body within that time of its head (plus a second per BODY_BYTES_PER_S of it); at most a number
-of connections are held at once. At that number, a new connection takes the place of the one that has
-waited longest without sending a byte of its next request (so idle sockets cannot keep others out); if
-every one is busy, it is let in as a probe, outside the bound: it may ask for /healthz or /readyz
-(a liveness probe must not fail because clients hold every connection), anything else is answered 503.
+connection, before any token was checked. Here each connection must send a whole request head
+(request line and headers, at most MAX_HEAD_BYTES) within a time of its opening or of its previous
+response, and its body within that time of its head (plus a second per BODY_BYTES_PER_S of it, and
+the time the app stops reading it); at most a number of connections are held at once. At that
+number, a new connection takes the place of the one that has waited longest without sending a byte
+of its next request (so idle sockets cannot keep others out); if every one is busy, it is let in as
+a probe, outside the bound: it may ask for /healthz or /readyz (a liveness probe must not fail
+because clients hold every connection), anything else is answered 503.
 
 A refused request (a head too large, a probe asking for more) is answered, then what the client still
 sends is read and dropped for a moment before the connection closes: closed at once, the kernel would
@@ -184,6 +185,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _body_timed_out(self) -> None:
         self._timer = None
         if self._message_done or self.transport.is_closing():
+            return
+        if self.flow.read_paused:
+            # The app is not reading (a push rank waiting for the others): its wait is not the client's
+            # slowness. The pace counts again from when reading resumes.
+            self._body_since, self._body_bytes = self.loop.time(), 0
+            self._timer = self.loop.call_later(self.head_timeout_s, self._body_timed_out)
             return
         left = self._body_since + self.head_timeout_s + self._body_bytes / BODY_BYTES_PER_S - self.loop.time()
         if left > 0:  # it keeps the pace: its deadline moves on with what it sent
