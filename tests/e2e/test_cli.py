@@ -254,6 +254,8 @@ def test_bench_json_has_the_transfer_and_kernel_figures() -> None:
         "T1_grpc",
         "T1_http",
         "T2",
+        "T2_grpc",
+        "T2_http",
         "T3",
         "T3_grpc",
         "T3_http",

@@ -25,19 +25,20 @@ from weightsvc.client import InferenceClient, LearnerClient
 def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repeat: int, tcp: RawTcp,
                say: Callable[[str], Any]) -> dict[str, Any]:
     """E1: from the learner's push call until `n` puller processes, already watching, hold the new
-    version (checksums verified), over gRPC and over HTTP, vs raw TCP moving the masters up and then
-    the served bytes down to `n` receivers at once."""
+    version (checksums verified), over gRPC and over HTTP (the learner and the pullers on the same
+    transport), vs raw TCP moving the masters up and then the served bytes down to `n` receivers at
+    once."""
     master_bytes = sum(t.numel() * 4 for t in model.values())
     server = serve(2)
     sync: dict[tuple[int, str], float] = {}
     commit: dict[tuple[int, str], float] = {}  # of the same run: the push call alone
     try:
-        learner = LearnerClient(server.target)
+        learners = {"grpc": LearnerClient(server.target), "http": LearnerClient(server.url)}
         step = 1
-        learner.push(step, model)  # warm-up: kernels compiled, buffers recycled from here on
+        learners["grpc"].push(step, model)  # warm-up: kernels compiled, buffers recycled from here on
         warm = loop_lag(server.url)
 
-        def push_and_wait(procs: list[subprocess.Popen[str]]) -> tuple[float, float]:
+        def push_and_wait(learner: LearnerClient, procs: list[subprocess.Popen[str]]) -> tuple[float, float]:
             """Seconds from the push call until every watcher holds the version, and until committed."""
             nonlocal step
             step += 1
@@ -57,8 +58,9 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
             for transport, target in (("grpc", server.target), ("http", server.url)):
                 procs = start_watchers(target, step, n)
                 try:
-                    push_and_wait(procs)  # every watcher connected, watching and warm
-                    runs = [push_and_wait(procs) for _ in range(repeat)]
+                    learner = learners[transport]
+                    push_and_wait(learner, procs)  # every watcher connected, watching and warm
+                    runs = [push_and_wait(learner, procs) for _ in range(repeat)]
                 finally:
                     for p in procs:
                         p.kill()
@@ -67,7 +69,8 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
                 say(f"E1: {n} {transport} puller(s) hold the version {sync[n, transport]:.2f} s after the push call "
                     f"(commit at {commit[n, transport]:.2f} s)")
         lag = loop_lag_max_s(server.url, warm)
-        learner.close()
+        for learner in learners.values():
+            learner.close()
     finally:
         server.stop()
     file_s = file_sync_seconds(model, repeat)
