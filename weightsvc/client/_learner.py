@@ -109,9 +109,8 @@ def _check_master(name: str, array: object) -> None:
         raise TypeError(f"tensor {name!r} is {dtype}; push float32 masters (bf16/fp16 widen exactly)")
 
 
-def _master_bytes(name: str, array: Array) -> memoryview:
-    """The little-endian fp32 bytes of a master, flat, on the CPU."""
-    _check_master(name, array)
+def _master_bytes(array: Array) -> memoryview:
+    """The little-endian fp32 bytes of a master (checked by `_spec`), flat, on the CPU."""
     if isinstance(array, np.ndarray):
         return np.ascontiguousarray(array, dtype="<f4").reshape(-1).view(np.uint8).data
     import torch
@@ -146,7 +145,7 @@ def _storage(value: Array | Shard) -> tuple[object, ...] | None:
         return None
     if isinstance(value, np.ndarray):
         return ("numpy", value.__array_interface__["data"][0], value.shape, value.strides, value.dtype.str)
-    if value.device.type == "meta" or value.numel() == 0:
+    if value.is_meta or value.numel() == 0:
         return None
     return ("torch", value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
 
@@ -438,7 +437,7 @@ class LearnerClient:
                 pack_bytes = 0
 
         for spec, (name, value) in zip(declared, parts.items(), strict=True):
-            raw = _master_bytes(name, value.data if isinstance(value, Shard) else value)
+            raw = _master_bytes(value.data if isinstance(value, Shard) else value)
             start = spec.part.offset * 4  # bytes into the whole tensor
             if len(raw) <= PACK_BYTES:
                 if not pack:
