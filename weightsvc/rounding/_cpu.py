@@ -166,28 +166,28 @@ def bf16_export_runs(master, served, starts, outs, offsets, k0s, k1s, stochastic
 
 @njit(parallel=True, nogil=True, cache=True)
 def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-untyped-def]
-    """Error feedback to bf16: u = m + e, s = RTN(u), e' = u - s (exact), written to `new_residual`."""
+    """Error feedback to bf16: u = m + e, s = RTN(u), e' = u - s (exact), written to `new_residual`.
+    Selects, not branches, so that the loop vectorizes (its counts are sums: they vectorize too)."""
     nonfinite = 0
     saturated = 0
     mbits = master.view(np.uint32)
     for i in prange(master.size):
-        if (mbits[i] & _EXP_MASK) == _EXP_MASK:
-            served[i] = np.uint16(_bf16_special(mbits[i]))
-            new_residual[i] = np.float32(0.0)  # a non-finite master resets its residual
-            nonfinite += 1
-            continue
+        special = (mbits[i] & _EXP_MASK) == _EXP_MASK  # served as NaN/Inf, its residual reset
         # u = m + e; with e == 0, u is m itself, so -0 keeps its sign.
         u = master[i] if residual[i] == 0 else master[i] + residual[i]
         bits = _f32_bits(np.float32(u))
-        if (bits & _EXP_MASK) == _EXP_MASK:  # m + e overflowed: serve the saturated master
-            bits = mbits[i]
-            u = master[i]
-        out, sat = _bf16_round(bits, np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-        saturated += sat
-        served[i] = np.uint16(out)
+        over = (bits & _EXP_MASK) == _EXP_MASK  # m + e overflowed: serve the saturated master
+        bits = mbits[i] if over else bits
+        u = master[i] if over else u
+        out = np.uint32(np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        sat = (out & _BF16_MAG_MASK) == _BF16_INF_MAG
+        out = np.uint32(out - np.uint32(sat))
         # A saturated element keeps no residual: the error beyond the range would only wind up.
         res = u - _f32_from_bits(np.uint32(out << np.uint32(16)))
-        new_residual[i] = np.float32(0.0) if sat or res == 0 else res  # +0, whatever the sign of a zero
+        new_residual[i] = np.float32(0.0) if sat or special or res == 0 else res  # +0, whatever the sign of a zero
+        served[i] = np.uint16(_bf16_special(mbits[i]) if special else out)
+        nonfinite += np.int64(special)
+        saturated += np.int64(sat and not special)
     return nonfinite, saturated
 
 
