@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.digest import DIGEST_BLOCK, MasterDigest
+from weightsvc.protocol.digest import DIGEST_BLOCK, MasterDigest, StreamedChecksum, checksum
 from weightsvc.protocol.manifest import TensorSpec
 from weightsvc.service.push.shards import merge_shards
 
@@ -69,6 +69,20 @@ def test_master_digest_is_the_same_for_any_chunking_and_split() -> None:
     other = MasterDigest(data.size)
     other.update(0, changed)
     assert other.hexdigest() != whole.hexdigest()
+
+
+def test_served_checksum_streamed_in_order_or_not_is_the_one_shot_checksum() -> None:
+    data = np.random.default_rng(2).integers(0, 256, 3 << 20, dtype=np.uint8)
+    cuts = [0, 1 << 20, (2 << 20) + 6, data.size]
+    in_order, shuffled = StreamedChecksum(), StreamedChecksum()
+    for lo, hi in itertools.pairwise(cuts):
+        in_order.update(lo, data[lo:hi])
+    for lo, hi in [(cuts[1], cuts[2]), (cuts[0], cuts[1]), (cuts[2], cuts[3])]:  # a rank's part first
+        shuffled.update(lo, data[lo:hi])
+    assert in_order.value(data) == shuffled.value(data) == checksum(data)
+    changed = data.copy()
+    changed[-1] ^= 1
+    assert StreamedChecksum().value(changed) != checksum(data)
 
 
 def test_master_digest_of_an_incomplete_tensor_is_refused() -> None:

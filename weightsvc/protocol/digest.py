@@ -16,6 +16,26 @@ def checksum(data: Any) -> str:
     return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
 
 
+class StreamedChecksum:
+    """`checksum` of a tensor's served bytes, hashed chunk by chunk as they are written (while they
+    are still in cache: the same value, xxh3 streams). Chunks that come out of order (the parts of
+    several ranks) end the stream, and `value` hashes the bytes whole."""
+
+    def __init__(self) -> None:
+        self._hash = xxhash.xxh3_64()
+        self._end = 0
+
+    def update(self, offset: int, data: Any) -> None:
+        if offset == self._end:
+            self._hash.update(data)
+            self._end += memoryview(data).nbytes
+
+    def value(self, data: Any) -> str:
+        if self._end == memoryview(data).nbytes:
+            return "xxh3_64:" + self._hash.hexdigest()
+        return checksum(data)
+
+
 def verify(name: str, data: Any, expected: str, *, where: str) -> None:
     got = checksum(data)
     if got != expected:

@@ -41,9 +41,12 @@ _MANT_MASK = np.uint32(0x007FFFFF)
 _BF16_QNAN_BIT = np.uint32(0x0040)
 _BF16_INF_MAG = np.uint32(0x7F80)
 _BF16_MAG_MASK = np.uint32(0x7FFF)
+_MAG_MASK = np.uint32(0x7FFFFFFF)
+# The least fp32 magnitude (bits) that can leave bf16's finite range: rounding adds at most 0xFFFF.
+BF16_EXTREME = np.uint32(0x7F7F0001)
 
-__all__ = ["SCALE_BLOCK", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "bf16_export", "bf16_export_ef",
-           "bf16_export_runs", "float_export", "random_bits"]
+__all__ = ["BF16_EXTREME", "SCALE_BLOCK", "SCALE_NONE", "SCALE_ROW", "SCALE_TENSOR", "bf16_counts", "bf16_export",
+           "bf16_export_ef", "bf16_export_runs", "float_export", "random_bits"]
 
 
 @njit(inline="always")
@@ -96,18 +99,50 @@ def _bf16_one(bits, k0, k1, index, stochastic):  # type: ignore[no-untyped-def]
     return out, 0, sat
 
 
+@njit(inline="always")
+def _bf16_bits(bits, k0, k1, index, stochastic):  # type: ignore[no-untyped-def]
+    """The served bits `_bf16_one` gives, with selects for its branches, so that a loop of it vectorizes."""
+    if stochastic:
+        add = random_bits(k0, k1, index) & np.uint32(0xFFFF)
+    else:
+        add = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    out = np.uint32(np.uint32(bits + add) >> np.uint32(16))  # (wraps for NaN/Inf, served below instead)
+    out = np.uint32(out - np.uint32((out & _BF16_MAG_MASK) == _BF16_INF_MAG))
+    nan = np.uint32(_BF16_QNAN_BIT if (bits & _MANT_MASK) != np.uint32(0) else np.uint32(0))
+    special = np.uint32((bits >> np.uint32(16)) | nan)
+    return special if (bits & _EXP_MASK) == _EXP_MASK else out
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def bf16_export(master, served, k0, k1, offset, stochastic):  # type: ignore[no-untyped-def]
-    """master: uint32 view of fp32 (1-D); served: uint16 (same length). Returns (nonfinite, saturated)."""
-    nonfinite = 0
-    saturated = 0
+    """master: uint32 view of fp32 (1-D); served: uint16 (same length). Returns the largest
+    magnitude's bits: from BF16_EXTREME on, `bf16_counts` counts what was non-finite or saturated.
+    (Counting here would keep the loop from vectorizing: twice the time; the max costs nothing.)"""
+    top = np.uint32(0)
     base = np.uint64(offset)
     for i in prange(master.size):
-        out, nf, sat = _bf16_one(master[i], k0, k1, base + np.uint64(i), stochastic)
-        nonfinite += nf
-        saturated += sat
-        served[i] = np.uint16(out)
+        bits = master[i]
+        served[i] = np.uint16(_bf16_bits(bits, k0, k1, base + np.uint64(i), stochastic))
+        top = max(top, np.uint32(bits & _MAG_MASK))
+    return top
+
+
+@njit(inline="always")
+def _bf16_counts(master, k0, k1, base, stochastic):  # type: ignore[no-untyped-def]
+    nonfinite = 0
+    saturated = 0
+    for i in range(master.size):
+        if (master[i] & _MAG_MASK) >= BF16_EXTREME:
+            _, nf, sat = _bf16_one(master[i], k0, k1, base + np.uint64(i), stochastic)
+            nonfinite += nf
+            saturated += sat
     return nonfinite, saturated
+
+
+@njit(nogil=True, cache=True)
+def bf16_counts(master, k0, k1, offset, stochastic):  # type: ignore[no-untyped-def]
+    """(nonfinite, saturated) of `bf16_export` with the same arguments."""
+    return _bf16_counts(master, k0, k1, np.uint64(offset), stochastic)
 
 
 @njit(nogil=True, cache=True)
@@ -118,41 +153,41 @@ def bf16_export_runs(master, served, starts, outs, offsets, k0s, k1s, stochastic
     for j in range(starts.size - 1):
         base = np.uint64(offsets[j])
         start, out_at = starts[j], outs[j]
-        nonfinite = 0
-        saturated = 0
+        top = np.uint32(0)
         for i in range(starts[j + 1] - start):
-            out, nf, sat = _bf16_one(master[start + i], k0s[j], k1s[j], base + np.uint64(i), stochastic)
-            nonfinite += nf
-            saturated += sat
-            served[out_at + i] = np.uint16(out)
-        counts[j, 0] = nonfinite
-        counts[j, 1] = saturated
+            bits = master[start + i]
+            served[out_at + i] = np.uint16(_bf16_bits(bits, k0s[j], k1s[j], base + np.uint64(i), stochastic))
+            top = max(top, np.uint32(bits & _MAG_MASK))
+        counts[j, 0] = 0
+        counts[j, 1] = 0
+        if top >= BF16_EXTREME:
+            counts[j, 0], counts[j, 1] = _bf16_counts(master[start : starts[j + 1]], k0s[j], k1s[j], base, stochastic)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def bf16_export_ef(master, served, residual, new_residual):  # type: ignore[no-untyped-def]
-    """Error feedback to bf16: u = m + e, s = RTN(u), e' = u - s (exact), written to `new_residual`."""
+    """Error feedback to bf16: u = m + e, s = RTN(u), e' = u - s (exact), written to `new_residual`.
+    Selects, not branches, so that the loop vectorizes (its counts are sums: they vectorize too)."""
     nonfinite = 0
     saturated = 0
     mbits = master.view(np.uint32)
     for i in prange(master.size):
-        if (mbits[i] & _EXP_MASK) == _EXP_MASK:
-            served[i] = np.uint16(_bf16_special(mbits[i]))
-            new_residual[i] = np.float32(0.0)  # a non-finite master resets its residual
-            nonfinite += 1
-            continue
+        special = (mbits[i] & _EXP_MASK) == _EXP_MASK  # served as NaN/Inf, its residual reset
         # u = m + e; with e == 0, u is m itself, so -0 keeps its sign.
         u = master[i] if residual[i] == 0 else master[i] + residual[i]
         bits = _f32_bits(np.float32(u))
-        if (bits & _EXP_MASK) == _EXP_MASK:  # m + e overflowed: serve the saturated master
-            bits = mbits[i]
-            u = master[i]
-        out, sat = _bf16_round(bits, np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1)))
-        saturated += sat
-        served[i] = np.uint16(out)
+        over = (bits & _EXP_MASK) == _EXP_MASK  # m + e overflowed: serve the saturated master
+        bits = mbits[i] if over else bits
+        u = master[i] if over else u
+        out = np.uint32(np.uint32(bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        sat = (out & _BF16_MAG_MASK) == _BF16_INF_MAG
+        out = np.uint32(out - np.uint32(sat))
         # A saturated element keeps no residual: the error beyond the range would only wind up.
         res = u - _f32_from_bits(np.uint32(out << np.uint32(16)))
-        new_residual[i] = np.float32(0.0) if sat or res == 0 else res  # +0, whatever the sign of a zero
+        new_residual[i] = np.float32(0.0) if sat or special or res == 0 else res  # +0, whatever the sign of a zero
+        served[i] = np.uint16(_bf16_special(mbits[i]) if special else out)
+        nonfinite += np.int64(special)
+        saturated += np.int64(sat and not special)
     return nonfinite, saturated
 
 

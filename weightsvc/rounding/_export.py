@@ -67,9 +67,10 @@ def export_array(
         return ExportStats(int(nonfinite), int(saturated))
     k0, k1 = spec.key(version, name)
     if fmt.name == "bf16":
-        nonfinite, saturated = _cpu.bf16_export(
-            master.view(np.uint32), served, np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic
-        )
+        args = (np.uint32(k0), np.uint32(k1), np.uint64(offset), spec.stochastic)
+        if _cpu.bf16_export(master.view(np.uint32), served, *args) < _cpu.BF16_EXTREME:
+            return ExportStats(0, 0)
+        nonfinite, saturated = _cpu.bf16_counts(master.view(np.uint32), *args)
         return ExportStats(int(nonfinite), int(saturated))
     sc = scales or Scales(_NO_SCALES)
     nonfinite, saturated = _cpu.float_export(

@@ -123,6 +123,7 @@ class ExportJobs:
             model=self.model, keep=self.device_residuals,
         )
         t.master_digest.update(byte_offset, data)
+        t.served_checksum.update(first * size, served[first * size : (first + count) * size])
         t.nonfinite += stats.nonfinite
         t.saturated += stats.saturated
         skip = -first % self.stride  # the sampled elements of this chunk, as strided views
@@ -133,7 +134,7 @@ class ExportJobs:
                                 codes.astype(np.uint32))
         t.exported += len(data)
         if t.exported == t.nbytes:  # the last chunk of the tensor, from whichever rank
-            t.checksums[t.slot.name] = checksum(served)
+            t.checksums[t.slot.name] = t.served_checksum.value(served)
         self.seconds += time.perf_counter() - start
 
     def gather_chunk(self, t: PushedTensor, byte_offset: int, data: bytes | memoryview) -> None:

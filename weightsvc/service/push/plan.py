@@ -18,7 +18,7 @@ import numpy as np
 from weightsvc import rounding
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol import topology
-from weightsvc.protocol.digest import MasterDigest, checksum, masters_digest
+from weightsvc.protocol.digest import MasterDigest, StreamedChecksum, checksum, masters_digest
 from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE, Manifest, Part, ServedTensor, TensorSpec, layout
 from weightsvc.protocol.topology import Group
 from weightsvc.service.push.messages import PushHeader
@@ -50,6 +50,7 @@ class PushedTensor:
         self.nonfinite = 0
         self.saturated = 0
         self.checksums: dict[str, str] = {}
+        self.served_checksum = StreamedChecksum()  # bf16/fp16: of the slot, as its chunks are exported
         # first element of a chunk -> its sampled (master, served, bits)
         self.samples: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
