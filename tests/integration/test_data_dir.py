@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import mmap
+import os
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -67,20 +68,20 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 @pytest.fixture
 def counted_sendfile() -> Iterator[list[int]]:
-    """The byte counts of every loop.sendfile call of servers started in this test."""
+    """The byte counts the kernel's sendfile sent, in any thread (the pulls' writers), while the test runs."""
     counts: list[int] = []
-    original = asyncio.BaseEventLoop.sendfile
+    original = os.sendfile
 
-    async def sendfile(self: Any, transport: Any, file: Any, offset: int = 0, count: int | None = None,
-                       **kw: Any) -> int:
-        counts.append(count or 0)
-        return await original(self, transport, file, offset, count, **kw)
+    def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        sent = original(out_fd, in_fd, offset, count)
+        counts.append(sent)
+        return sent
 
-    asyncio.BaseEventLoop.sendfile = sendfile  # type: ignore[method-assign]
+    os.sendfile = sendfile  # type: ignore[assignment]
     try:
         yield counts
     finally:
-        asyncio.BaseEventLoop.sendfile = original  # type: ignore[method-assign]
+        os.sendfile = original
 
 
 def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfile: list[int]) -> None:

@@ -8,10 +8,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
+import select
 import socket
 import struct
+import threading
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 from fastapi import FastAPI, Header, Query, Request
@@ -61,7 +65,12 @@ _SELECT = (
     "dim DIM; split on the last '@'). The answer is a safetensors file of the selection, its manifest in __metadata__"
 )
 SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
+OFFLOAD = "weightsvc.offload"
 ABORT = "weightsvc.abort"
+# The threads that write pulls' bytes to their sockets: each waits on its socket, without the GIL, at
+# the pace of its client; a pull beyond them waits for one.
+WRITERS = 64
+WAKE_S = 0.05  # how often a writer waiting on its socket looks whether its pull was dropped
 BIG_BODY = 1 << 20  # bytes: a body this large is parsed off the loop
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
@@ -107,31 +116,48 @@ class PullResponse(Response):
         self.pull, self.pieces = pull, pieces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        extensions = scope.get("extensions") or {}
         try:
             # Every write under the stall timeout, the last one too: the server waits for a client's
             # window before it writes (uvicorn drains first), so any of them can wait forever.
             await self.pull.send(send({"type": "http.response.start", "status": self.status_code,
                                        "headers": self.raw_headers}))
             if scope.get("method") != "HEAD":
-                # Zero-copy: the server's transport may keep views of what it could not send yet.
-                self.pull.keep_buffer()
-                for piece in self.pieces:
-                    if isinstance(piece, FileRange):
-                        sendfile = scope["extensions"][SENDFILE]
-                        await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
-                        continue
-                    await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
-                                         len(piece))
+                offload = extensions.get(OFFLOAD)
+                if offload is not None:
+                    await self._offloaded(offload())
+                else:
+                    await self._on_loop(send, extensions.get(SENDFILE))
             await self.pull.send(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except DeadlineExceeded as e:
             log.warning("HTTP %s", e.message)
             # The connection goes now: closed gracefully, it would first send what its buffer holds,
             # at the pace of the client that stopped reading, and hold on for as long.
-            abort = (scope.get("extensions") or {}).get(ABORT)
+            abort = extensions.get(ABORT)
             if abort is not None:
                 abort()
+        except ConnectionError:
+            pass  # the client went away mid-pull (its connection is dropped): the pull ends here
         finally:
             self.pull.close()
+
+    async def _offloaded(self, writer: Writer) -> None:
+        """The body written by the writer threads: the loop only hands each piece over and waits."""
+        await self.pull.send(writer.ready())
+        try:
+            for piece in self.pieces:
+                await self.pull.send(writer.write(piece), piece.count if isinstance(piece, FileRange) else len(piece))
+        finally:
+            writer.done()
+
+    async def _on_loop(self, send: Send, sendfile: Any) -> None:
+        # Zero-copy: the server's transport may keep views of what it could not send yet.
+        self.pull.keep_buffer()
+        for piece in self.pieces:
+            if isinstance(piece, FileRange):
+                await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
+                continue
+            await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}), len(piece))
 
 
 def _reset(transport: asyncio.Transport) -> None:
@@ -143,12 +169,90 @@ def _reset(transport: asyncio.Transport) -> None:
     transport.abort()
 
 
+_writers: ThreadPoolExecutor | None = None
+
+
+def _write(fd: int, piece: memoryview | FileRange, dropped: threading.Event) -> None:
+    """Write `piece` to the non-blocking socket `fd` (in a writer thread): wait for room without the
+    GIL, stop within WAKE_S once the pull is `dropped`. ConnectionError when the client is gone."""
+    ready = select.poll()
+    ready.register(fd, select.POLLOUT)
+    at, left = 0, piece.count if isinstance(piece, FileRange) else len(piece)
+    while left:
+        if dropped.is_set():
+            raise ConnectionAbortedError("the pull was dropped")
+        try:
+            if isinstance(piece, FileRange):
+                sent = os.sendfile(fd, piece.file.fileno(), piece.offset + at, left)
+            else:
+                sent = os.write(fd, piece[at:])
+        except BlockingIOError:
+            ready.poll(WAKE_S * 1000)
+            continue
+        if sent == 0:
+            raise ConnectionResetError("the connection closed")
+        at, left = at + sent, left - sent
+
+
+class Writer:
+    """One response's body written to its socket by the writer threads, the loop keeping the control:
+    `ready` waits until the transport has sent what it holds (the response start) and stops it from
+    reading and writing; each `write` hands a piece to a thread; `done` gives the socket back. A write
+    cancelled (the stall timeout) stops its thread before it returns: the version's bytes are not read
+    after the pull releases it, and the socket is not written after the transport closes it."""
+
+    def __init__(self, transport: Any, cycle: Any) -> None:
+        self.transport, self.cycle = transport, cycle
+        self.fd = -1
+        self.dropped = threading.Event()
+        self.reading = False
+        self.held = False
+
+    async def ready(self) -> None:
+        if self.transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        self.fd = self.transport.get_extra_info("socket").fileno()
+        self.reading = self.transport.is_reading()
+        self.transport.pause_reading()  # (what the client sends now waits: nothing answers it meanwhile)
+        empty = self.transport._make_empty_waiter()  # the transport's own writes fail until `done`
+        self.held = True
+        await empty
+
+    async def write(self, piece: memoryview | FileRange) -> None:
+        global _writers
+        if _writers is None:
+            _writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="weightsvc-pull")
+        count = piece.count if isinstance(piece, FileRange) else len(piece)
+        self.cycle.expected_content_length -= count  # the body goes around uvicorn's send and its count
+        writing = asyncio.wrap_future(_writers.submit(_write, self.fd, piece, self.dropped))
+        try:
+            await asyncio.shield(writing)
+        except asyncio.CancelledError:
+            self.dropped.set()
+            with contextlib.suppress(Exception):
+                await writing
+            raise
+        except ConnectionError:
+            self.done()
+            _reset(self.transport)
+            self.cycle.disconnected = True  # (as the transport's connection_lost, soon): uvicorn sends no more
+            raise
+
+    def done(self) -> None:
+        if self.held:
+            self.held = False
+            self.transport._reset_empty_waiter()
+            if self.reading:
+                self.transport.resume_reading()
+
+
 class Sendfile:
-    """ASGI middleware that offers the app `scope["extensions"][SENDFILE]`: `await sendfile(file,
-    offset, count)` sends a range of a file on the connection with the kernel's sendfile, so a
-    version in the data dir goes from the page cache to the socket without passing through this
-    process. uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP
-    connections; on TLS (or another server) nothing is offered and the app sends bytes as usual."""
+    """ASGI middleware that offers the app `scope["extensions"][OFFLOAD]`: `offload()` is a `Writer`
+    that writes a body to the connection from worker threads (a range of a file with the kernel's
+    sendfile, so a version in the data dir goes from the page cache to the socket without passing
+    through this process), and `[SENDFILE]`: `await sendfile(file, offset, count)`, the loop's own.
+    uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP connections;
+    on TLS (or another server) nothing is offered and the app sends bytes as usual."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -169,7 +273,10 @@ class Sendfile:
                 with contextlib.suppress(ConnectionError):
                     await asyncio.get_running_loop().sendfile(transport, file, offset, count)
 
-            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), SENDFILE: sendfile}}
+            extensions: dict[str, Any] = {SENDFILE: sendfile}
+            if hasattr(transport, "_make_empty_waiter"):  # (asyncio's selector transports)
+                extensions[OFFLOAD] = lambda: Writer(transport, cycle)
+            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), **extensions}}
         await self.app(scope, receive, send)
 
 
