@@ -4,7 +4,6 @@ grows neither with the size of a version nor with --retain."""
 
 from __future__ import annotations
 
-import asyncio
 import mmap
 import os
 import threading

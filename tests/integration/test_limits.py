@@ -120,7 +120,9 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
 
 
 @pytest.mark.parametrize("on_disk", [False, True], ids=["in_memory", "data_dir"])
-def test_an_http_pull_whose_client_vanishes_ends_at_once_and_releases_its_version(on_disk: bool, tmp_path: Path) -> None:
+def test_an_http_pull_whose_client_vanishes_ends_at_once_and_releases_its_version(
+    on_disk: bool, tmp_path: Path
+) -> None:
     """The body goes out from a writer thread: the loop answers meanwhile, and the thread sees the
     client's reset and gives the version back long before the stall timeout would."""
     with serving(pull_stall_timeout_s=600, max_pulls=1, data_dir=tmp_path if on_disk else None) as srv:
