@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -67,13 +68,14 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 @pytest.fixture
 def counted_sendfile() -> Iterator[list[tuple[str, int]]]:
-    """(thread, bytes) of each of the kernel's sendfile calls while the test runs."""
+    """(thread, bytes) of each of the kernel's sendfile calls to a socket while the test runs."""
     counts: list[tuple[str, int]] = []
     original = os.sendfile
 
     def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
         sent = original(out_fd, in_fd, offset, count)
-        counts.append((threading.current_thread().name, sent))
+        if stat.S_ISSOCK(os.fstat(out_fd).st_mode):
+            counts.append((threading.current_thread().name, sent))
         return sent
 
     os.sendfile = sendfile  # type: ignore[assignment]
