@@ -4,8 +4,9 @@ grows neither with the size of a version nor with --retain."""
 
 from __future__ import annotations
 
-import asyncio
 import mmap
+import os
+import stat
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -66,24 +67,25 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
 
 
 @pytest.fixture
-def counted_sendfile() -> Iterator[list[int]]:
-    """The byte counts of every loop.sendfile call of servers started in this test."""
-    counts: list[int] = []
-    original = asyncio.BaseEventLoop.sendfile
+def counted_sendfile() -> Iterator[list[tuple[str, int]]]:
+    """(thread, bytes) of each of the kernel's sendfile calls to a socket while the test runs."""
+    counts: list[tuple[str, int]] = []
+    original = os.sendfile
 
-    async def sendfile(self: Any, transport: Any, file: Any, offset: int = 0, count: int | None = None,
-                       **kw: Any) -> int:
-        counts.append(count or 0)
-        return await original(self, transport, file, offset, count, **kw)
+    def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        sent = original(out_fd, in_fd, offset, count)
+        if stat.S_ISSOCK(os.fstat(out_fd).st_mode):
+            counts.append((threading.current_thread().name, sent))
+        return sent
 
-    asyncio.BaseEventLoop.sendfile = sendfile  # type: ignore[method-assign]
+    os.sendfile = sendfile  # type: ignore[assignment]
     try:
         yield counts
     finally:
-        asyncio.BaseEventLoop.sendfile = original  # type: ignore[method-assign]
+        os.sendfile = original
 
 
-def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfile: list[int]) -> None:
+def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfile: list[tuple[str, int]]) -> None:
     masters = make_masters()
     masters["layers.1.weight"] = torch.randn(1024, 1024) * 0.02  # 2 MiB served: several sendfile pieces
     with serving(data_dir=data_dir, retain=2) as srv:
@@ -101,7 +103,8 @@ def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfi
         url = f"{srv.http_url}/v1/models/m/versions/3/safetensors"
         raw = files.path("m", 3).read_bytes()
         assert get(url) == raw  # the file, byte for byte
-        assert sum(counted_sendfile) == version.manifest.data_bytes  # its data section went by sendfile
+        assert sum(n for _, n in counted_sendfile) == version.manifest.data_bytes  # its data section went by sendfile
+        assert {t.split("_")[0] for t, _ in counted_sendfile} == {"weightsvc-pull"}  # from the writers, off the loop
         assert get(url, {"Range": "bytes=100-"}) == raw[100:]
         assert get(url, {"Range": f"bytes={len(raw) - 5000}-{len(raw) - 2}"}) == raw[len(raw) - 5000 : -1]
         by_http = InferenceClient(srv.http_url).pull("m", 3)  # checksums verified

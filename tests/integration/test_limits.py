@@ -8,11 +8,13 @@ import contextlib
 import json
 import re
 import socket
+import struct
 import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -117,6 +119,31 @@ def test_an_http_pull_that_stops_reading_is_dropped_and_frees_its_slot(stalling:
         sock.settimeout(10)
         assert closed_by_server(sock)  # the dropped pull's connection goes too
     assert InferenceClient(stalling.http_url).pull("big")["w"].shape == (4096, 4096)
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["in_memory", "data_dir"])
+def test_an_http_pull_whose_client_vanishes_ends_at_once_and_releases_its_version(
+    on_disk: bool, tmp_path: Path
+) -> None:
+    """The body goes out from a writer thread: the loop answers meanwhile, and the thread sees the
+    client's reset and gives the version back long before the stall timeout would."""
+    with serving(pull_stall_timeout_s=600, max_pulls=1, data_dir=tmp_path if on_disk else None) as srv:
+        LearnerClient(srv.grpc_target).push(1, {"w": torch.randn(4096, 4096)}, model="big")  # 32 MiB served
+        version = srv.service.index.get("big", 1)
+        assert (version.file is not None) == on_disk
+        u = urllib.parse.urlsplit(srv.http_url)
+        sock = socket.create_connection((u.hostname, u.port))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"GET /v1/models/big/versions/1/safetensors HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(12) == b"HTTP/1.1 200"  # then read nothing more
+        assert version.readers == 1
+        with urllib.request.urlopen(f"{srv.http_url}/healthz", timeout=5) as resp:
+            assert resp.status == 200  # the loop is free while a writer waits on the client
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()  # a reset: the client is gone
+        _pulls_done(srv)
+        assert version.readers == 0
+        assert InferenceClient(srv.http_url).pull("big")["w"].shape == (4096, 4096)
 
 
 def test_idle_connections_are_bounded_and_timed_out_and_the_service_goes_on(model: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import mmap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -391,3 +392,26 @@ def test_a_staged_versions_header_is_written_in_slices_and_padded_to_its_room(
         assert mapping[128:] == b"\xff" * 72  # the data section is not touched
         with pytest.raises(ValueError, match="does not fit"):
             disk._write_padded(mapping, header, 16)
+
+
+def test_alloc_lets_other_threads_map_memory_while_it_populates_a_big_buffer() -> None:
+    """The pages of a big buffer are populated a piece at a time: a thread that maps memory meanwhile
+    (the event loop starting a thread, Python's allocator taking an arena) waits for one piece, not
+    for the whole buffer."""
+    took: list[float] = []
+
+    def populate() -> None:
+        start = time.perf_counter()
+        buf = alloc(512 << 20)
+        took.append(time.perf_counter() - start)
+        buf.release()
+
+    worker = threading.Thread(target=populate)
+    worst = 0.0
+    worker.start()
+    while worker.is_alive():
+        start = time.perf_counter()
+        mmap.mmap(-1, 1 << 20).close()
+        worst = max(worst, time.perf_counter() - start)
+    worker.join()
+    assert worst < max(took[0] / 4, 0.02), (worst, took)

@@ -29,9 +29,10 @@ from weightsvc.service.publish import restore as restore_from_store
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
 from weightsvc.transport.auth import Auth, HttpAuth
+from weightsvc.transport.body import Sendfile
 from weightsvc.transport.connections import GrpcConnections
 from weightsvc.transport.grpc import start_grpc, stop_grpc
-from weightsvc.transport.http import Sendfile, create_app
+from weightsvc.transport.http import create_app
 from weightsvc.transport.limits import limited_http
 
 log = logging.getLogger("weightsvc.server")

@@ -3,16 +3,12 @@ watch (server-sent events), acks and clients, and pushes (gRPC-framed PushReques
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import re
-import socket
-import struct
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, BinaryIO
+from typing import Any
 
 from fastapi import FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +30,7 @@ from weightsvc.service.push.messages import PushHeader, PushMessage
 from weightsvc.service.service import Service
 from weightsvc.service.versions.index import FileRange
 from weightsvc.transport.auth import CALLER, peer_caller
+from weightsvc.transport.body import ABORT, OFFLOAD, SENDFILE, Writer
 from weightsvc.transport.limits import BodyBudget
 from weightsvc.transport.push import Received, file_messages, framed_requests, push_messages
 from weightsvc.transport.status import excerpt, http_domain_error, http_error
@@ -62,8 +59,6 @@ _SELECT = (
     "A sliced pull: only these tensors, each `NAME` (whole) or `NAME@DIM:START:STOP` (the range [START, STOP) of "
     "dim DIM; split on the last '@'). The answer is a safetensors file of the selection, its manifest in __metadata__"
 )
-SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
-ABORT = "weightsvc.abort"
 BIG_BODY = 1 << 20  # bytes: a body this large is parsed off the loop
 KEEPALIVE_S = 15.0  # a comment on an idle watch stream: proxies and clients see it alive
 
@@ -109,70 +104,48 @@ class PullResponse(Response):
         self.pull, self.pieces = pull, pieces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        extensions = scope.get("extensions") or {}
         try:
             # Every write under the stall timeout, the last one too: the server waits for a client's
             # window before it writes (uvicorn drains first), so any of them can wait forever.
             await self.pull.send(send({"type": "http.response.start", "status": self.status_code,
                                        "headers": self.raw_headers}))
             if scope.get("method") != "HEAD":
-                # Zero-copy: the server's transport may keep views of what it could not send yet.
-                self.pull.keep_buffer()
-                for piece in self.pieces:
-                    if isinstance(piece, FileRange):
-                        sendfile = scope["extensions"][SENDFILE]
-                        await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
-                        continue
-                    await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}),
-                                         len(piece))
+                offload = extensions.get(OFFLOAD)
+                if offload is not None:
+                    await self._offloaded(offload())
+                else:
+                    await self._on_loop(send, extensions.get(SENDFILE))
             await self.pull.send(send({"type": "http.response.body", "body": b"", "more_body": False}))
         except DeadlineExceeded as e:
             log.warning("HTTP %s", e.message)
             # The connection goes now: closed gracefully, it would first send what its buffer holds,
             # at the pace of the client that stopped reading, and hold on for as long.
-            abort = (scope.get("extensions") or {}).get(ABORT)
+            abort = extensions.get(ABORT)
             if abort is not None:
                 abort()
+        except ConnectionError:
+            pass  # the client went away mid-pull (its connection is dropped): the pull ends here
         finally:
             self.pull.close()
 
+    async def _offloaded(self, writer: Writer) -> None:
+        """The body written by the writer threads: the loop only hands each piece over and waits."""
+        await self.pull.send(writer.ready())
+        try:
+            for piece in self.pieces:
+                await self.pull.send(writer.write(piece), piece.count if isinstance(piece, FileRange) else len(piece))
+        finally:
+            writer.done()
 
-def _reset(transport: asyncio.Transport) -> None:
-    """Drop a connection at once: a reset, not a close that would still send what the kernel holds."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    transport.abort()
-
-
-class Sendfile:
-    """ASGI middleware that offers the app `scope["extensions"][SENDFILE]`: `await sendfile(file,
-    offset, count)` sends a range of a file on the connection with the kernel's sendfile, so a
-    version in the data dir goes from the page cache to the socket without passing through this
-    process. uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP
-    connections; on TLS (or another server) nothing is offered and the app sends bytes as usual."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = getattr(send, "__self__", None)  # uvicorn's request-response cycle
-        transport = getattr(cycle, "transport", None)
-        counted = isinstance(getattr(cycle, "expected_content_length", None), int)
-        if scope["type"] == "http" and transport is not None:
-            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), ABORT: lambda: _reset(transport)}}
-        if scope["type"] == "http" and scope.get("scheme") == "http" and counted and transport is not None:
-
-            async def sendfile(file: BinaryIO, offset: int, count: int) -> None:
-                # The body goes around uvicorn's send, which checks it against Content-Length.
-                cycle.expected_content_length -= count  # type: ignore[union-attr]
-                if transport.is_closing():
-                    return  # the client went away; uvicorn's own send ignores what follows
-                with contextlib.suppress(ConnectionError):
-                    await asyncio.get_running_loop().sendfile(transport, file, offset, count)
-
-            scope = {**scope, "extensions": {**(scope.get("extensions") or {}), SENDFILE: sendfile}}
-        await self.app(scope, receive, send)
+    async def _on_loop(self, send: Send, sendfile: Any) -> None:
+        # Zero-copy: the server's transport may keep views of what it could not send yet.
+        self.pull.keep_buffer()
+        for piece in self.pieces:
+            if isinstance(piece, FileRange):
+                await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
+                continue
+            await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}), len(piece))
 
 
 class AckBody(BaseModel):
