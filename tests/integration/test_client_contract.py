@@ -196,8 +196,6 @@ def test_an_unclosed_http_client_closes_its_sockets_when_garbage(server: Backgro
 
 
 def test_wrong_transport_targets_say_what_to_give(server: BackgroundServer) -> None:
-    with pytest.raises(InvalidArgument, match=r"the learner pushes over gRPC: give host:port"):
-        LearnerClient(server.http_url)
     with pytest.raises(InvalidArgument, match=r"speaks gRPC: give host:port"):
         GrpcInferenceClient(server.http_url)
     http_port = server.http_url.removeprefix("http://")
