@@ -11,9 +11,11 @@ import xxhash
 from weightsvc.errors import DataLoss
 from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest
 
+CHECKSUM_PREFIX = "xxh3_64:"
+
 
 def checksum(data: Any) -> str:
-    return "xxh3_64:" + xxhash.xxh3_64_hexdigest(data)
+    return CHECKSUM_PREFIX + xxhash.xxh3_64_hexdigest(data)
 
 
 class StreamedChecksum:
@@ -32,7 +34,7 @@ class StreamedChecksum:
 
     def value(self, data: Any) -> str:
         if self._end == memoryview(data).nbytes:
-            return "xxh3_64:" + self._hash.hexdigest()
+            return CHECKSUM_PREFIX + self._hash.hexdigest()
         return checksum(data)
 
 

@@ -12,6 +12,7 @@ import xxhash
 
 from weightsvc.errors import AlreadyExists
 from weightsvc.protocol import delta
+from weightsvc.protocol.digest import CHECKSUM_PREFIX
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.store.layout import DELTA, FULL, Marker, marker_name, model_folder, version_of
 from weightsvc.store.s3 import Bucket
@@ -42,7 +43,7 @@ def object_checksum(*pieces: memoryview | bytes) -> str:
     h = xxhash.xxh3_64()
     for piece in pieces:
         h.update(piece)
-    return "xxh3_64:" + h.hexdigest()
+    return CHECKSUM_PREFIX + h.hexdigest()
 
 
 def write_version(bucket: Bucket, manifest: Manifest, header: bytes, data: memoryview,

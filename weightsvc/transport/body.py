@@ -45,7 +45,7 @@ def _write(fd: int, piece: memoryview | FileRange, dropped: threading.Event) -> 
     GIL, stop within WAKE_S once the pull is `dropped`. ConnectionError when the client is gone."""
     ready = select.poll()
     ready.register(fd, select.POLLOUT)
-    at, left = 0, piece.count if isinstance(piece, FileRange) else len(piece)
+    at, left = 0, len(piece)
     while left:
         if dropped.is_set():
             raise ConnectionAbortedError("the pull was dropped")
@@ -90,8 +90,7 @@ class Writer:
         global _writers
         if _writers is None:
             _writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="weightsvc-pull")
-        count = piece.count if isinstance(piece, FileRange) else len(piece)
-        self.cycle.expected_content_length -= count  # the body goes around uvicorn's send and its count
+        self.cycle.expected_content_length -= len(piece)  # the body goes around uvicorn's send and its count
         writing = asyncio.wrap_future(_writers.submit(_write, self.fd, piece, self.dropped))
         try:
             await asyncio.shield(writing)

@@ -134,7 +134,7 @@ class PullResponse(Response):
         await self.pull.send(writer.ready())
         try:
             for piece in self.pieces:
-                await self.pull.send(writer.write(piece), piece.count if isinstance(piece, FileRange) else len(piece))
+                await self.pull.send(writer.write(piece), len(piece))
         finally:
             writer.done()
 

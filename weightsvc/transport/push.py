@@ -117,8 +117,6 @@ def _part(part: pb.TensorPart) -> tuple[int, int]:
     return part.offset, part.count
 
 
-
-
 class Received:
     """The pieces of a request body as they arrive, taken in spans: a span within one piece is a view
     of it, one across pieces is joined once."""
@@ -199,11 +197,10 @@ async def file_messages(body: Received, model: str, step: int, format: str, roun
         raise InvalidArgument(f"{where}: the body ended inside the safetensors header ({body.size} of {n} bytes)")
     raw = bytes(body.take(n))
     tensors = await in_thread(n >= BIG_FRAME, _file_tensors, raw, where)
-    yield PushHeader(model=model, step=step, tensors=tuple(spec for spec, _ in tensors), format=format,
-                     rounding=rounding)
+    yield PushHeader(model=model, step=step, tensors=tensors, format=format, rounding=rounding)
     data = body.taken
-    for spec, size in tensors:
-        sent = 0
+    for spec in tensors:
+        sent, size = 0, 4 * spec.numel
         while sent < size:
             take = min(size - sent, FILE_CHUNK_BYTES)
             if not await body.fill(take):
@@ -216,7 +213,7 @@ async def file_messages(body: Received, model: str, step: int, format: str, roun
     yield PushCommit()
 
 
-def _file_tensors(raw: bytes, where: str) -> list[tuple[TensorSpec, int]]:
+def _file_tensors(raw: bytes, where: str) -> tuple[TensorSpec, ...]:
     """The tensors of a safetensors header in data order, each with its size: F32 only, laid end to end."""
     try:
         header = json.loads(raw)
@@ -240,12 +237,9 @@ def _file_tensors(raw: bytes, where: str) -> list[tuple[TensorSpec, int]]:
     entries.sort(key=lambda e: e[0])
     at = 0
     for begin, end, spec in entries:
-        numel = 1
-        for d in spec.shape:
-            numel *= d
-        if begin != at or end - begin != 4 * numel:
+        if begin != at or end - begin != 4 * spec.numel:
             raise InvalidArgument(f"{where}: tensor {spec.name!r}: data_offsets [{begin}, {end}) are not the "
-                                  f"{4 * numel} bytes of its shape {list(spec.shape)} right after the previous "
+                                  f"{4 * spec.numel} bytes of its shape {list(spec.shape)} right after the previous "
                                   f"tensor (at {at})", reason="invalid_header")
         at = end
-    return [(spec, end - begin) for begin, end, spec in entries]
+    return tuple(spec for _, _, spec in entries)

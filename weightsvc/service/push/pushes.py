@@ -43,7 +43,7 @@ from weightsvc.service.push.validate import validate_header
 log = logging.getLogger("weightsvc.push")
 
 FAIR_TURN_S = 0.01  # the longest a push stream holds the event loop before it gives way
-TRIM_AFTER_S = 1.0  # after a big push, once the transport has let go of its messages, the heap is trimmed
+TRIM_AFTER_S = 1.0  # after a push, once the transport has let go of its messages, the heap is trimmed
 
 
 class Push:

@@ -33,6 +33,9 @@ class FileRange:
     offset: int
     count: int
 
+    def __len__(self) -> int:  # (a piece's size, whether bytes or a range of a file)
+        return self.count
+
 
 @dataclass(eq=False)
 class VersionFile:
