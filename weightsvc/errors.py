@@ -1,11 +1,27 @@
 """Domain errors. Each class names its gRPC status code and its HTTP status; `transport.status` turns
 them into what both transports answer, and the clients raise the same class again (`BY_GRPC_CODE`).
 
-Messages name the model, version, tensor and the rule that was broken; `reason` is a short token from
-a fixed set, used as the label of the rejected-push metric.
+Messages name the model, version, tensor and the rule that was broken, the first three always the same
+way (`subject`); `reason` is a short token from a fixed set, used as the label of the rejected-push metric.
 """
 
 from __future__ import annotations
+
+
+def subject(model: str, version: int | str | None = None, *, step: int | str | None = None,
+            tensor: str | None = None, rank: int | None = None) -> str:
+    """What a message is about, named the same way everywhere: `model 'policy' version 7 tensor 'w' rank 1`.
+    A push in progress names its `step` (it is no version until it commits)."""
+    out = f"model {model!r}"
+    if version is not None:
+        out += f" version {version}"
+    if step is not None:
+        out += f" step {step}"
+    if tensor is not None:
+        out += f" tensor {tensor!r}"
+    if rank is not None:
+        out += f" rank {rank}"
+    return out
 
 
 class WeightsvcError(Exception):

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsvc.cli._common import fail
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import WeightsvcError, subject
 from weightsvc.protocol.safetensors import header_length
 
 # The first bytes of the files torch.save writes: a zip archive, or a pickle (protocol 2 to 5).
@@ -47,7 +47,7 @@ def check_base_file(path: Path, model: str, base: int) -> None:
     from weightsvc.protocol.manifest import manifest_from_header
 
     if not path.exists():
-        fail(f"--base {base}: {path} does not exist; pull model {model!r} version {base} into it first "
+        fail(f"--base {base}: {path} does not exist; pull {subject(model, base)} into it first "
              f"(without --base)")
     _, header = read_file_header(path)
     try:
@@ -56,8 +56,8 @@ def check_base_file(path: Path, model: str, base: int) -> None:
         fail(f"--base {base}: {path} was not written by `weightsvc pull` ({e}); pull model {model!r} "
              f"version {base} into it first (without --base)")
     if (held.model, held.version) != (model, base):
-        fail(f"--base {base}: {path} holds model {held.model!r} version {held.version}, "
-             f"not model {model!r} version {base}")
+        fail(f"--base {base}: {path} holds {subject(held.model, held.version)}, "
+             f"not {subject(model, base)}")
 
 
 def load_masters(path: Path, data_start: int, header: dict[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,7 @@ import torch
 from weightsvc.client import InferenceClient, served_weights
 from weightsvc.client._learner import untie
 from weightsvc.client._tensors import _check_plain
+from weightsvc.errors import subject
 from weightsvc.protocol.digest import MasterDigest, checksum, masters_digest
 from weightsvc.rounding import ExportSpec, Residual, export_state_dict
 
@@ -95,7 +96,7 @@ def check_served(client: InferenceClient, model: str, version: int, module: torc
     `ef` from a copy of `residual`, which does not move). A version the service never committed
     raises its `NotFound`."""
     manifest = client.manifest(model, version)
-    where = f"model {model!r} version {version}"
+    where = subject(model, version)
     if spec is not None:
         service = {"format": manifest.format, "rounding": manifest.rounding, "seed": manifest.seed}
         mine: dict[str, Any] = {"format": spec.format, "rounding": spec.rounding, "seed": spec.seed}

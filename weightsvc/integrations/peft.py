@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from weightsvc import rounding
+from weightsvc.errors import subject
 from weightsvc.integrations._common import Mismatch, update
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import Manifest
@@ -52,7 +53,7 @@ def served_adapter(masters: Mapping[str, torch.Tensor], spec: rounding.ExportSpe
 def _check_fits(peft_model: Any, adapter_name: str, manifest: Manifest) -> Any:
     """The PEFT config of `adapter_name`, after refusing (Mismatch, by name) a version that is no
     adapter or whose rank, alpha or target modules differ from it."""
-    where = f"model {manifest.model!r} version {manifest.version}"
+    where = subject(manifest.model, manifest.version)
     a = manifest.adapter
     if a is None:
         raise Mismatch(f"{where} is not an adapter version (its manifest names no base and no PEFT config)")
@@ -80,16 +81,16 @@ def load_adapter(peft_model: Any, served: Mapping[str, torch.Tensor], manifest: 
         key = name.replace(".lora_A.weight", f".lora_A.{adapter_name}.weight").replace(
             ".lora_B.weight", f".lora_B.{adapter_name}.weight")
         if key not in params:
-            raise Mismatch(f"model {manifest.model!r} version {manifest.version}: tensor {name!r} adapts no module "
+            raise Mismatch(f"{subject(manifest.model, manifest.version)}: tensor {name!r} adapts no module "
                            f"of the PeftModel's adapter {adapter_name!r}")
         if tuple(value.shape) != tuple(params[key].shape):
-            raise Mismatch(f"model {manifest.model!r} version {manifest.version}: tensor {name!r} has shape "
+            raise Mismatch(f"{subject(manifest.model, manifest.version)}: tensor {name!r} has shape "
                            f"{list(value.shape)}; the PeftModel expects {list(params[key].shape)}")
         state[key] = value
     mine = {k for k in params if f".{adapter_name}." in k and ".lora_" in k}
     if mine - set(state):
         missing = sorted(mine - set(state))[0]
-        raise Mismatch(f"model {manifest.model!r} version {manifest.version} lacks {missing!r} of the PeftModel")
+        raise Mismatch(f"{subject(manifest.model, manifest.version)} lacks {missing!r} of the PeftModel")
     with torch.no_grad():
         hotswap_adapter_from_state_dict(peft_model, state, adapter_name, config)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from weightsvc.client import InferenceClient
+from weightsvc.errors import subject
 from weightsvc.integrations._common import update
 from weightsvc.protocol.manifest import Manifest
 
@@ -44,6 +45,6 @@ def update_sglang(
                 engine.end_weight_update()
         if isinstance(result, tuple) and result and result[0] is False:
             why = result[1] if len(result) > 1 else "no reason given"
-            raise RuntimeError(f"model {model!r} version {m.version}: SGLang refused the update: {why}")
+            raise RuntimeError(f"{subject(model, m.version)}: SGLang refused the update: {why}")
 
     return update(target, model, version, client_id, load)

@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
+from weightsvc.errors import subject
 from weightsvc.integrations.fair_cast import ServedMismatch, check_served, served_state_dict
 from weightsvc.integrations.vllm.engine_api import EngineApi
 from weightsvc.protocol.lag import LagMetrics
@@ -104,7 +105,7 @@ class WeightsvcSync:
         masters = {n: t.detach() for n, t in module.state_dict().items()}
         sharded = [n for n, t in masters.items() if isinstance(t, DTensor)]
         if sharded:  # (each rank would push its own rows as `Shard`s, and the served copy be made per shard)
-            raise NotImplementedError(f"model {self.model!r} version {step}: masters {sharded[:3]} are sharded "
+            raise NotImplementedError(f"{subject(self.model, step)}: masters {sharded[:3]} are sharded "
                                       "(FSDP DTensors); this trainer pushes whole state dicts")
         info = self._learner.push(step, masters, self.model, format=self.format, rounding=self.rounding,
                                   return_served=self.served_from == "pulled")

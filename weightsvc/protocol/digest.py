@@ -8,7 +8,7 @@ from typing import Any
 
 import xxhash
 
-from weightsvc.errors import DataLoss
+from weightsvc.errors import DataLoss, subject
 from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest
 
 CHECKSUM_PREFIX = "xxh3_64:"
@@ -47,7 +47,7 @@ def verify(name: str, data: Any, expected: str, *, where: str) -> None:
 def verify_data(manifest: Manifest, data: bytearray | memoryview) -> None:
     """Check that every served tensor fits the data section and matches its manifest checksum."""
     view = memoryview(data)
-    where = f"model {manifest.model!r} version {manifest.version}"
+    where = subject(manifest.model, manifest.version)
     for t in manifest.tensors:
         if (
             t.dtype not in DTYPE_SIZES

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted
+from weightsvc.errors import DataLoss, InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.refs import MAX_NAME_CHARS, MAX_STEP, RESERVED_NAME, check_model_name, check_tensor_name
@@ -286,7 +286,7 @@ def check_manifest(m: Manifest, *, model: str | None = None, version: int | None
         check_model_name(m.model if type(m.model) is str else repr(m.model))
     except InvalidArgument as e:
         raise DataLoss(f"the manifest the server sent is not one weightsvc makes: {e.message}") from None
-    where = f"model {m.model!r} version {m.version}"
+    where = subject(m.model, m.version)
     bad = f"{where}: the manifest the server sent is not one weightsvc makes"
     if model is not None and m.model != model:
         raise DataLoss(f"{bad}: model {model!r} was asked for")

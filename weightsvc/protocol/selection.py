@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from weightsvc.errors import FailedPrecondition, InvalidArgument
+from weightsvc.errors import FailedPrecondition, InvalidArgument, subject
 from weightsvc.memory import alloc
 from weightsvc.protocol.digest import checksum
 from weightsvc.protocol.manifest import DTYPE_SIZES, Manifest, Part, ServedTensor, Slice, layout
@@ -62,7 +62,7 @@ def sliced_shape(shape: tuple[int, ...], cut: Slice | None) -> tuple[int, ...]:
 def chosen(manifest: Manifest, select: Select) -> list[tuple[ServedTensor, Slice | None]]:
     """The version's tensors that `select` names, in its order, with their slices. INVALID_ARGUMENT
     names an unknown tensor, a dim the tensor does not have, or a range that is empty or outside it."""
-    where = f"model {manifest.model!r} version {manifest.version}"
+    where = subject(manifest.model, manifest.version)
     if not select:
         raise InvalidArgument(f"{where}: the selection is empty: select at least one tensor")
     by_name = {t.name: t for t in manifest.tensors}
@@ -185,7 +185,7 @@ def gather(manifest: Manifest, data: memoryview, spans: Sequence[Segment], selec
     if elsewhere:
         named = ", ".join(f"{t.name!r} ({owner_of(manifest, t)})" for t in elsewhere)
         raise FailedPrecondition(
-            f"model {manifest.model!r} version {manifest.version} is sharded over replicas, and this one "
+            f"{subject(manifest.model, manifest.version)} is sharded over replicas, and this one "
             f"({holder}) does not hold the selected tensors {named}: pull each replica's tensors from it "
             "(the InferenceClient does)"
         )

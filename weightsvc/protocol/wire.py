@@ -21,7 +21,7 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from weightsvc._aio import memo
-from weightsvc.errors import InvalidArgument
+from weightsvc.errors import InvalidArgument, subject
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.manifest import Manifest, Part, ServedTensor, Slice
@@ -218,7 +218,7 @@ def manifest_from(m: Manifest, tensors_from: int) -> pb.Manifest:
     piece holds (the client asks again for the rest)."""
     starts = memo(m, "grpc-pieces", _pieces)[0]
     if not 0 <= tensors_from <= len(m.tensors):
-        raise InvalidArgument(f"model {m.model!r} version {m.version} has {len(m.tensors)} tensors: "
+        raise InvalidArgument(f"{subject(m.model, m.version)} has {len(m.tensors)} tensors: "
                               f"tensors_from {tensors_from} is out of range")
     i = bisect.bisect_right(starts, tensors_from) - 1
     end = starts[i + 1] if i + 1 < len(starts) else len(m.tensors)

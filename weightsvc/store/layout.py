@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from weightsvc.errors import DataLoss
+from weightsvc.errors import DataLoss, subject
 from weightsvc.protocol.manifest import Manifest
 
 FULL, DELTA = "full", "delta"
@@ -75,7 +75,7 @@ class Marker:
     def from_json(cls, raw: bytes | memoryview, model: str, version: int) -> Marker:
         """A marker read from the store, checked to be one of `version` of `model` (its manifest is
         checked by whoever allocates for it: `Limits.check`)."""
-        where = f"model {model!r} version {version}: the store's commit marker"
+        where = f"{subject(model, version)}: the store's commit marker"
         try:
             d = json.loads(bytes(raw))
             m = Manifest.from_dict(d["manifest"])
@@ -85,7 +85,7 @@ class Marker:
         sizes = (marker.chain, marker.nbytes, marker.data_start)
         if (m.model, m.version) != (model, version) or marker.kind not in (FULL, DELTA) or any(
                 type(n) is not int or n < 0 for n in sizes) or (marker.kind == DELTA) != (type(marker.base) is int):
-            raise DataLoss(f"{where} is not one weightsvc writes (it says model {m.model!r} version {m.version}, "
+            raise DataLoss(f"{where} is not one weightsvc writes (it says {subject(m.model, m.version)}, "
                            f"a {marker.kind!r} version on {marker.base!r})")
         return marker
 
@@ -101,7 +101,7 @@ def chain(marker: Marker, lookup: Callable[[int], Marker | None]) -> list[Marker
         base = lookup(out[-1].base)
         if base is None:
             m = marker.manifest
-            raise DataLoss(f"model {m.model!r} version {m.version}: the store lost version {out[-1].base}, which "
+            raise DataLoss(f"{subject(m.model, m.version)}: the store lost version {out[-1].base}, which "
                            "its delta is built on")
         out.append(base)
     return out[::-1]

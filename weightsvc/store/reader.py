@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 
-from weightsvc.errors import DataLoss, NotFound
+from weightsvc.errors import DataLoss, NotFound, subject
 from weightsvc.memory import alloc
 from weightsvc.protocol import delta
 from weightsvc.protocol.digest import verify
@@ -81,12 +81,12 @@ class StoreReader:
         for step in steps[at + 1 :]:
             patch = self._object(step, moved)
             if len(data) != step.manifest.data_bytes:
-                raise DataLoss(f"model {m.model!r} version {step.version}: a delta of a data section of "
+                raise DataLoss(f"{subject(m.model, step.version)}: a delta of a data section of "
                                f"{step.manifest.data_bytes} bytes on one of {len(data)}")
             try:
                 delta.apply(step.manifest, patch, data)
             except (ValueError, IndexError) as e:
-                raise DataLoss(f"model {m.model!r} version {step.version}: bad delta in the object store: "
+                raise DataLoss(f"{subject(m.model, step.version)}: bad delta in the object store: "
                                f"{e}") from None
         return data
 
@@ -95,7 +95,7 @@ class StoreReader:
         (whole, so each is verified against its checksum before it is sliced); of a delta version, the
         version rebuilt first."""
         m = marker.manifest
-        where = f"model {m.model!r} version {m.version} (object store)"
+        where = f"{subject(m.model, m.version)} (object store)"
         picked = [t for t, _ in chosen(m, select)]
         if marker.kind == FULL:
             # Tensors that follow each other in the data section are read as one range: one GET each.
@@ -140,7 +140,7 @@ class StoreReader:
         raw = self.bucket.get(marker.object)
         moved(len(raw))
         if len(raw) != marker.nbytes or object_checksum(raw) != marker.checksum:
-            raise DataLoss(f"model {m.model!r} version {m.version}: object {marker.object!r} of the object store "
+            raise DataLoss(f"{subject(m.model, m.version)}: object {marker.object!r} of the object store "
                            f"{self.bucket.url} is {len(raw)} bytes with checksum {object_checksum(raw)}; its "
                            f"commit marker says {marker.nbytes} bytes, {marker.checksum}")
         return raw

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from weightsvc.errors import AlreadyExists
+from weightsvc.errors import AlreadyExists, subject
 from weightsvc.protocol import delta
 from weightsvc.protocol.digest import CHECKSUM_PREFIX
 from weightsvc.protocol.manifest import Manifest
@@ -68,7 +68,7 @@ def check_new(stored: StoredModel, manifest: Manifest) -> bool:
     if held is None:
         return True
     if held.manifest.master_digest != manifest.master_digest:
-        raise AlreadyExists(f"model {manifest.model!r} version {manifest.version}: the object store holds other "
+        raise AlreadyExists(f"{subject(manifest.model, manifest.version)}: the object store holds other "
                             "content under this version (another deployment writing to the same prefix?)")
     return False
 

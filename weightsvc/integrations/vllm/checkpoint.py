@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from weightsvc.errors import subject
 from weightsvc.integrations._common import Mismatch
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.safetensors import header_length, read_safetensors_header
@@ -103,7 +104,7 @@ def check_fits(manifest: Manifest, expected: Mapping[str, tuple[list[int], str]]
     the engine runs: codes and block scales (fp8, uint8) in the same dtype, values in any float
     dtype. With `dequantize` its masters are compared, as values. Names the engine ties (`tied`)
     may be absent from either, and so may the engine's activation calibration (`CALIBRATION`)."""
-    where = f"model {manifest.model!r} version {manifest.version}"
+    where = subject(manifest.model, manifest.version)
     if dequantize:
         served = {m: (list(shape), "values (dequantize=True)") for m, (shape, _) in served_masters(manifest).items()}
     else:

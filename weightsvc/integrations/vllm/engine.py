@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from weightsvc.client import InferenceClient
+from weightsvc.errors import subject
 from weightsvc.integrations._common import update
 from weightsvc.integrations.vllm.checkpoint import check_engine_fits
 from weightsvc.protocol.manifest import Manifest
@@ -62,7 +63,7 @@ def update_vllm(
         except Exception as e:
             if _alive(llm):  # a load that failed in a live engine: its own error says why
                 raise
-            raise RuntimeError(f"model {model!r} version {m.version}: the vLLM engine died during the update "
+            raise RuntimeError(f"{subject(model, m.version)}: the vLLM engine died during the update "
                                f"({type(e).__name__}: {e}); it was not acked") from e
         if hasattr(llm, "reset_prefix_cache"):
             llm.reset_prefix_cache()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsvc.client import InferenceClient
+from weightsvc.errors import subject
 from weightsvc.integrations._common import Mismatch
 from weightsvc.protocol.adapter import revision
 from weightsvc.protocol.manifest import Manifest
@@ -65,7 +66,7 @@ class LlmAdapters:
         """The `LoRARequest` of a live revision (None: the newest)."""
         v = max(self.live) if version is None else version
         if v not in self.live:
-            raise KeyError(f"model {self.model!r} version {v} is not loaded (live: {sorted(self.live)})")
+            raise KeyError(f"{subject(self.model, v)} is not loaded (live: {sorted(self.live)})")
         return self.live[v]
 
     def update(self, version: int | str = "latest") -> int:
@@ -81,7 +82,7 @@ class LlmAdapters:
                 self._next_id += 1
                 if not self.llm.llm_engine.add_lora(request):
                     shutil.rmtree(path, ignore_errors=True)
-                    raise RuntimeError(f"model {self.model!r} version {m.version}: the engine did not add it")
+                    raise RuntimeError(f"{subject(self.model, m.version)}: the engine did not add it")
                 self.live[m.version] = request
             client.ack(self.model, m.version, self.client_id)
         for old in sorted(self.live)[: max(0, len(self.live) - self.max_live)]:
@@ -91,7 +92,7 @@ class LlmAdapters:
         return m.version
 
     def _check(self, m: Manifest) -> None:
-        where = f"model {m.model!r} version {m.version}"
+        where = subject(m.model, m.version)
         if m.adapter is None:
             raise Mismatch(f"{where} is not an adapter version (its manifest names no base)")
         config = getattr(self.llm, "model_config", None) or self.llm.llm_engine.model_config
