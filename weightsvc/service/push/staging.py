@@ -36,8 +36,8 @@ from weightsvc.service.push.plan import (
     header_room,
     make_plan,
 )
+from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf
-from weightsvc.service.versions.index import Version, VersionFile
 from weightsvc.service.versions.lag import Sample, sample_stride
 
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the

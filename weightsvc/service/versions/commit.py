@@ -4,7 +4,7 @@ A push's version is written to the data dir first (durable before visible), then
 decides (with Redis, across replicas) and announces it, then the index shows it. At a restart the
 files are read back and made to agree with the registry (`_restore`); a full disk makes room by
 evicting old versions (`_eviction`); a sharded replica shows what the registry committed without it
-(`Follower`). The state one version hands to the next (the ef residual and the lag tracker of each
+(`CommitFollower`). The state one version hands to the next (the ef residual and the lag tracker of each
 model) lives here.
 
 Loop-owned: every method runs on the service's event loop, except `restore`, which runs before
@@ -30,7 +30,7 @@ from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.protocol.selection import holders_by_tensor
 from weightsvc.protocol.topology import Group
 from weightsvc.rounding import Residual, served_masters
-from weightsvc.service.replicas.follow import Follower
+from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, not_above
 from weightsvc.service.versions import _restore
@@ -38,7 +38,8 @@ from weightsvc.service.versions._eviction import make_room, named
 from weightsvc.service.versions._restore import Records, kept_residual
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
-from weightsvc.service.versions.index import Version, VersionFile, VersionIndex
+from weightsvc.service.versions.follow import CommitFollower
+from weightsvc.service.versions.index import VersionIndex
 from weightsvc.service.versions.lag import LagTracker, Sample
 
 log = logging.getLogger("weightsvc.store")
@@ -77,7 +78,7 @@ class Committer:
         self._records = Records(files)
         self._giving_back: asyncio.Task[None] | None = None
         self.publisher: Publishing | None = None  # --object-store: whole versions are written through to it
-        self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
+        self.follower = CommitFollower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
                                  lost=self.registry_lost)
 
     def check_step(self, model: str, step: int) -> None:
