@@ -62,7 +62,7 @@ class MemoryRegistry:
         latest, committed = max(vs, default=None), vs.get(version)
         # The part digests of the version committed under that number (none in a plain version's manifest).
         existing = None if committed is None else {
-            o: p.get("digest") for o, p in json.loads(committed[1]).items() if isinstance(p, dict)}
+            o: str(p.get("digest", "")) for o, p in json.loads(committed[1]).items() if isinstance(p, dict)}
         key = (model, version, json.dumps(owners))
         mine = {"digest": digest, "manifest": manifest, "groups": dict(groups or {})}
         parts = {**{o: json.loads(raw) for o, raw in self._pending.get(key, {}).items()}, owner: mine}
