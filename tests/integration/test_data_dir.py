@@ -199,14 +199,14 @@ def test_the_ef_residual_lives_in_its_file(data_dir: Path) -> None:
         learner = LearnerClient(srv.grpc_target)
         for step in (1, 2):
             learner.push(step, masters, model="m")
-        residual = srv.service.committer.residual("m", "bf16", srv.server.settings.scaling)
+        residual = srv.service.committer.residuals.for_push("m", "bf16", srv.server.settings.scaling)
         assert residual.version == 2
         assert all(maps_a_file(r) for r in residual.tensors.values())
         served = InferenceClient(srv.grpc_target).pull("m", 2)
         files = sorted(p.name for p in (data_dir / "models" / "m").iterdir())
         assert files == [f"{1:020d}.safetensors", f"{2:020d}.safetensors", f"residual-{2:020d}.safetensors"]
     with serving(data_dir=data_dir, rounding="ef") as srv:  # restored from the file, mapped again
-        residual = srv.service.committer.residual("m", "bf16", srv.server.settings.scaling)
+        residual = srv.service.committer.residuals.for_push("m", "bf16", srv.server.settings.scaling)
         assert residual.version == 2
         assert all(maps_a_file(r) for r in residual.tensors.values())
         LearnerClient(srv.grpc_target).push(3, masters, model="m")

@@ -73,8 +73,8 @@ def test_device_cuda_serves_the_cpu_bits(fmt: str, rnd: str, scaling: str, model
             assert [t.checksum for t in on_gpu.tensors] == [t.checksum for t in on_cpu.tensors]
             assert on_gpu.master_digest == on_cpu.master_digest and on_gpu.lag == on_cpu.lag
         if rnd == "ef":
-            r_cpu = cpu.service.committer._residuals[model]
-            r_gpu = gpu.service.committer._residuals[model]
+            r_cpu = cpu.service.committer.residuals.current(model)
+            r_gpu = gpu.service.committer.residuals.current(model)
             assert r_cpu.tensors.keys() == r_gpu.tensors.keys()
             for name, r in r_cpu.tensors.items():
                 assert (r.view("uint32") == r_gpu.tensors[name].view("uint32")).all(), name
@@ -140,7 +140,7 @@ def test_ef_residuals_stay_on_the_device_between_versions(fmt: str, scaling: str
             found = {source: _found(gpu, source) - before[source] for source in ("device", "host")}
             assert (found["device"] > 0, found["host"] > 0) == ((True, False) if step > 1 else (False, True))
             kept = gpu.service.exporter.resident[model]
-            residual = gpu.service.committer._residuals[model]
+            residual = gpu.service.committer.residuals.current(model)
             assert sum(host.nbytes for host, _ in kept.values()) == residual.nbytes
             for host, on_device in kept.values():
                 assert (on_device.cpu().numpy().view(np.uint32) == host.view(np.uint32)).all()

@@ -191,7 +191,7 @@ async def test_a_restart_gives_back_what_the_files_hold_and_the_ef_residual_of_t
     await after.committer.sync_registry()
     assert shown(after) == [1, 2]
     assert bytes(after.index.get("m", 2).data[:4]) == b"\x02" * 4
-    continued = after.committer.residual("m", "bf16", "")
+    continued = after.committer.residuals.for_push("m", "bf16", "")
     assert continued.version == 2 and np.array_equal(continued.tensors["w"], residual.tensors["w"])
 
 

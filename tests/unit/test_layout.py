@@ -152,3 +152,15 @@ def test_imports_run_down_the_floors() -> None:
             if other and other != own and other not in MAY_IMPORT[own]:
                 upward.append(f"{name} -> {target}")
     assert upward == []
+
+
+def test_replicas_never_import_versions() -> None:
+    """`service.replicas` (the registry, a replica's parts, the commit rule) is the floor below
+    `service.versions` (the index, commit, restore, following other replicas' commits): versions read
+    replicas, never the reverse. What both read (the version record) lies in `service.record`."""
+    mods = modules()
+    upward = [f"{name} -> {target}" for name, path in sorted(mods.items())
+              if name.startswith("weightsvc.service.replicas.")
+              for target in sorted(imports(name, path, set(mods)))
+              if target.startswith("weightsvc.service.versions")]
+    assert upward == []

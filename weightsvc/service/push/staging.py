@@ -36,8 +36,8 @@ from weightsvc.service.push.plan import (
     header_room,
     make_plan,
 )
+from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf
-from weightsvc.service.versions.index import Version, VersionFile
 from weightsvc.service.versions.lag import Sample, sample_stride
 
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
@@ -88,8 +88,8 @@ class PushSession:
         self.plan = plan
         self.tensors = plan.tensors
         self.shards = plan.shards
-        committer = context.committer
-        residual = (committer.residual(header.model, spec.format, spec.scaling, plan.groups if header.owners else None)
+        groups = plan.groups if header.owners else None
+        residual = (context.committer.residuals.for_push(header.model, spec.format, spec.scaling, groups)
                     if spec.rounding == "ef" else None)
         self.base_version = context.index.latest(header.model)  # an ef push continues from this one
         # Sharded replicas: this push is this replica's part of the version.
@@ -343,7 +343,8 @@ async def open_session(context: PushContext, header: PushHeader,
     if spec.rounding == "ef":  # the new residual is staged in a file of its own
         numels = {name: t.spec.numel for name, t in plan.tensors.items()}
         try:
-            stage = functools.partial(files.stage_residual, model, step, numels, spec.format, spec.scaling)
+            stage = functools.partial(context.committer.residuals.stage, model, step, numels, spec.format,
+                                      spec.scaling)
             new_residual = await on_disk(model, step, stage)
         except BaseException:
             await asyncio.to_thread(files.discard, file)

@@ -19,6 +19,7 @@ from weightsvc.service.replicas.registry import (
     conflict,
     diverged_error,
     not_above,
+    part_rule,
 )
 
 
@@ -57,27 +58,32 @@ class MemoryRegistry:
         groups: Mapping[str, str] | None = None,
     ) -> CommitResult | None:
         owners = sorted(owners)
-        committed = self._manifests.get(model, {}).get(version)
-        if committed is not None:
-            part = json.loads(committed[1]).get(owner)  # (a plain version's manifest has no such key)
-            if isinstance(part, dict) and part.get("digest") == digest:
-                return CommitResult(created=False)
-            raise conflict(model, version, committed[0], digest)
-        latest = max(self._manifests.get(model, {}), default=None)
-        if latest is not None and version < latest:
-            raise not_above(model, version, latest)
+        vs = self._manifests.get(model, {})
+        latest, committed = max(vs, default=None), vs.get(version)
+        # The part digests of the version committed under that number (none in a plain version's manifest).
+        existing = None if committed is None else {
+            o: str(p.get("digest", "")) for o, p in json.loads(committed[1]).items() if isinstance(p, dict)}
         key = (model, version, json.dumps(owners))
-        pending = self._pending.setdefault(key, {})
-        pending[owner] = json.dumps({"digest": digest, "manifest": manifest, "groups": dict(groups or {})})
-        if any(o not in pending for o in owners):
+        mine = {"digest": digest, "manifest": manifest, "groups": dict(groups or {})}
+        parts = {**{o: json.loads(raw) for o, raw in self._pending.get(key, {}).items()}, owner: mine}
+        decided, group = part_rule(version, owner, digest, existing, latest, owners,
+                                   {o: p["groups"] for o, p in parts.items()})
+        if decided == "exists":
+            return CommitResult(created=False)
+        if decided == "conflict":
+            assert committed is not None
+            raise conflict(model, version, committed[0], digest)
+        if decided == "not_above":
+            assert latest is not None
+            raise not_above(model, version, latest)
+        if decided == "pending":
+            self._pending.setdefault(key, {})[owner] = json.dumps(mine)
             return None
-        del self._pending[key]
-        parts = {o: json.loads(pending[o]) for o in owners}
-        diverged = _diverged(parts)
-        if diverged:
-            raise diverged_error(model, version, diverged)
-        combined = combined_digest(owners, {o: p["digest"] for o, p in parts.items()})
-        return await self.commit(model, version, combined, json.dumps(parts), retain)
+        self._pending.pop(key, None)
+        if decided == "diverged":
+            raise diverged_error(model, version, group)
+        combined = combined_digest(owners, {o: parts[o]["digest"] for o in owners})
+        return await self.commit(model, version, combined, json.dumps({o: parts[o] for o in owners}), retain)
 
     async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
         if version in self._manifests.get(model, {}):
@@ -159,16 +165,6 @@ class MemoryRegistry:
 
     async def close(self) -> None:
         pass
-
-
-def _diverged(parts: Mapping[str, Any]) -> str:
-    """A group of tensors whose owners' parts hold different bytes, or "" (parts: owner -> record)."""
-    seen: dict[str, str] = {}
-    for p in parts.values():
-        for group, digest in (p.get("groups") or {}).items():
-            if seen.setdefault(group, digest) != digest:
-                return str(group)
-    return ""
 
 
 def _retain(versions: dict[int, Any], retain: int) -> tuple[int, ...]:

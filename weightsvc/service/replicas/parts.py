@@ -29,8 +29,8 @@ from weightsvc.errors import (
 from weightsvc.protocol.manifest import Manifest, Part
 from weightsvc.protocol.parts import Segment
 from weightsvc.protocol.topology import REPLICA_TTL_S
+from weightsvc.service.record import Version
 from weightsvc.service.replicas.registry import CommitResult, Registry, manifest_from_registry, record_digest
-from weightsvc.service.versions.index import Version
 
 log = logging.getLogger("weightsvc.store")
 SETTLE_S = 5.0  # how long a push waits for the part a cancelled push left waiting to be settled

@@ -28,7 +28,8 @@ from weightsvc.service.replicas.registry import (
 )
 
 # Every script's KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set),
-# and for parts: the pending parts of the version (hash). `finish` applies the commit rules.
+# and for parts: the pending parts of the version (hash). `finish` and `_COMMIT_PART` are the commit rule
+# (`registry.commit_rule`, `registry.part_rule`) in Lua: tests/integration/test_commit_rule.py holds them to it.
 _FINISH = """
 -- Drop all but the newest `retain` versions; the ones dropped, oldest first.
 local function retain_newest(retain)

@@ -5,9 +5,9 @@ client acks. Payload bytes never go through it; they stay with the server that h
 `RedisRegistry` (redis.py, `--redis-url`) shares the same state between replicas. Both follow it
 (tests/integration/test_registry.py runs the same tests on each), and both apply the rules here.
 
-Commit rules: a step above the model's latest commits; the same step with the same
-master digest is an idempotent success; the same step with another digest is ALREADY_EXISTS; a step
-below the latest is FAILED_PRECONDITION. Retention keeps the newest `retain` versions.
+The commit rule is stated once, here (`commit_rule`, `part_rule`): the embedded registry and the
+committer apply it; Redis runs it as Lua (redis.py), held to these functions by
+tests/integration/test_commit_rule.py. Retention keeps the newest `retain` versions.
 """
 
 from __future__ import annotations
@@ -71,15 +71,51 @@ def band_conflict(model: str, conflicts: Mapping[int, tuple[Band, Band]]) -> Fai
                               "recorded")
 
 
-def check_commit(model: str, version: int, digest: str, existing: str | None, latest: int | None) -> bool:
-    """The commit rules: True to commit, False for an idempotent re-push; raises otherwise."""
+def commit_rule(version: int, digest: str, existing: str | None, latest: int | None) -> str:
+    """The commit rule of a version, given the digest the registry holds under its number (if any)
+    and the model's latest version: "exists" (the same content again: an idempotent success),
+    "conflict" (other content under that number), "not_above" (a step below the latest; steps only
+    go up), else "created"."""
     if existing is not None:
-        if existing == digest:
-            return False
-        raise conflict(model, version, existing, digest)
+        return "exists" if existing == digest else "conflict"
     if latest is not None and version < latest:
+        return "not_above"
+    return "created"
+
+
+def part_rule(version: int, owner: str, digest: str, existing: Mapping[str, str] | None, latest: int | None,
+              owners: Sequence[str], pending: Mapping[str, Mapping[str, str]]) -> tuple[str, str]:
+    """The commit rule of `owner`'s part of a version made of the parts of `owners`, and the group it
+    names (for "diverged"). `existing`: the part digests by owner of the version committed under that
+    number (empty for a version not made of parts), None if none is; `pending`: the digests of the
+    groups of tensors of each owner's part recorded so far, this part's included.
+    As `commit_rule` for the part ("exists" when the committed version holds this very part); then
+    "pending" until every owner's part is in, "diverged" when the owners of a group of tensors hold
+    different bytes of it, else "created" (the version, of the parts' combined digest)."""
+    if existing is not None:
+        return ("exists" if existing.get(owner) == digest else "conflict"), ""
+    if latest is not None and version < latest:
+        return "not_above", ""
+    if any(o not in pending for o in owners):
+        return "pending", ""
+    seen: dict[str, str] = {}
+    for o in sorted(owners):
+        for group, group_digest in pending[o].items():
+            if seen.setdefault(group, group_digest) != group_digest:
+                return "diverged", group
+    return "created", ""
+
+
+def check_commit(model: str, version: int, digest: str, existing: str | None, latest: int | None) -> bool:
+    """`commit_rule` applied: True to commit, False for an idempotent re-push; raises otherwise."""
+    decided = commit_rule(version, digest, existing, latest)
+    if decided == "conflict":
+        assert existing is not None
+        raise conflict(model, version, existing, digest)
+    if decided == "not_above":
+        assert latest is not None
         raise not_above(model, version, latest)
-    return True
+    return decided == "created"
 
 
 def combined_digest(owners: Sequence[str], digests: Mapping[str, str]) -> str:

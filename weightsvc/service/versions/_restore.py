@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
 
 from weightsvc.errors import AlreadyExists, FailedPrecondition, WeightsvcError
-from weightsvc.rounding import Residual
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import Registry, record_digest
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles, read_record, write_record
 from weightsvc.service.versions.index import VersionIndex
+from weightsvc.service.versions.residuals import Residuals
 
 log = logging.getLogger("weightsvc.store")
 
@@ -60,101 +59,108 @@ class Records:
             del held[v]
 
 
-def kept_residual(residuals: Mapping[str, Residual], model: str) -> int | None:
-    """The version whose residual file is the model's current ef state (the others go)."""
-    r = residuals.get(model)
-    return None if r is None else r.version
+class Recovery:
+    """A restart, and a registry that lost its data: the versions this server holds and the registry
+    made to agree. Holds the registry's records of this replica's parts (`records`); the rest it
+    shares with the committer that builds it."""
 
+    def __init__(self, *, index: VersionIndex, files: VersionFiles | None, parts: Parts, acks: Acks,
+                 registry: Registry, residuals: Residuals) -> None:
+        self._index = index
+        self._files = files
+        self._parts = parts
+        self._acks = acks
+        self._registry = registry
+        self._residuals = residuals
+        self.records = Records(files)
 
-def restore(files: VersionFiles, index: VersionIndex, acks: Acks, residuals: dict[str, Residual]) -> int:
-    """Load committed versions from the data dir into `index` (and each model's ef residual into
-    `residuals`); returns how many. Skips damaged files."""
-    count = 0
-    for model, versions, residual in files.restore():
-        if not versions:
-            continue
-        evicted = []
-        for version in versions:
-            evicted += index.add(version)
-            acks.committed(model, version.manifest.version, version.manifest.committed_unix)
-        if residual is not None:
-            residuals[model] = residual
-        files.prune(model, evicted, kept_residual(residuals, model))
-        count += len(versions)
-    return count
+    def restore(self) -> int:
+        """Load committed versions from the data dir into the index (and each model's ef residual);
+        returns how many. Skips damaged files."""
+        if self._files is None:
+            return 0
+        count = 0
+        for model, versions, residual in self._files.restore():
+            if not versions:
+                continue
+            evicted = []
+            for version in versions:
+                evicted += self._index.add(version)
+                self._acks.committed(model, version.manifest.version, version.manifest.committed_unix)
+            if residual is not None:
+                self._residuals.committed(model, residual)
+            self._files.prune(model, evicted, self._residuals.kept(model))
+            count += len(versions)
+        return count
 
-
-async def sync_registry(
-    index: VersionIndex, files: VersionFiles | None, parts: Parts, registry: Registry,
-    residuals: Mapping[str, Residual], records: Records,
-) -> None:
-    """After a restart, make the registry and the restored versions agree. A part is served under the
-    registry's record of its version, given back from its own record if the registry lost it
-    (`Parts.restored`). A whole version the registry never committed (a crash between the file and
-    the registry) above its latest is dropped; one below its latest that it does not know (it lost
-    its data) is given back to it, and dropped only if retention leaves it out or the registry holds
-    other content under its number; a registry that knows nothing of a model (a fresh one, the
-    embedded one, or one that lost its data) takes the files."""
-    for model in index.models():
-        known = await registry.versions(model)
-        dropped = []
-        for version in index.versions(model):
-            m = version.manifest
-            if m.parts:  # a part: served again only as part of what the registry holds
-                record = await records.get(model, m.version)
-                whole, raw = await parts.restored(version, record)
-                if whole is None or raw is None:
+    async def sync_registry(self) -> None:
+        """After a restart, make the registry and the restored versions agree. A part is served under the
+        registry's record of its version, given back from its own record if the registry lost it
+        (`Parts.restored`). A whole version the registry never committed (a crash between the file and
+        the registry) above its latest is dropped; one below its latest that it does not know (it lost
+        its data) is given back to it, and dropped only if retention leaves it out or the registry holds
+        other content under its number; a registry that knows nothing of a model (a fresh one, the
+        embedded one, or one that lost its data) takes the files."""
+        index, parts, registry, records = self._index, self._parts, self._registry, self.records
+        for model in index.models():
+            known = await registry.versions(model)
+            dropped = []
+            for version in index.versions(model):
+                m = version.manifest
+                if m.parts:  # a part: served again only as part of what the registry holds
+                    record = await records.get(model, m.version)
+                    whole, raw = await parts.restored(version, record)
+                    if whole is None or raw is None:
+                        dropped.append(m.version)
+                        continue
+                    index.add(whole)
+                    if record is None:  # (committed before records were kept, or a crash before it was)
+                        await records.keep(model, m.version, raw)
+                    elif m.version not in known:  # given back: the other replicas may not have registered again yet
+                        parts.registry_lost()
+                        parts.replicas_seen = max(parts.replicas_seen, len({h for p in whole.manifest.parts
+                                                                            for h in p.sources}))
+                    continue
+                if m.version in known:
+                    continue
+                if known and m.version > known[-1]:
                     dropped.append(m.version)
                     continue
-                index.add(whole)
-                if record is None:  # (committed before records were kept, or a crash before it was)
-                    await records.keep(model, m.version, raw)
-                elif m.version not in known:  # given back: the other replicas may not have registered again yet
-                    parts.registry_lost()
-                    parts.replicas_seen = max(parts.replicas_seen, len({h for p in whole.manifest.parts
-                                                                        for h in p.sources}))
-                continue
-            if m.version in known:
-                continue
-            if known and m.version > known[-1]:
-                dropped.append(m.version)
-                continue
-            if not await _give_back(registry, index.retain, m.model, m.version, m.master_digest,
-                                    await asyncio.to_thread(m.json)):
-                dropped.append(m.version)
-        for v in dropped:
-            log.warning("model %s version %d: restored, but the registry decided against it (another digest, a "
-                        "withdraw, or retention); dropped", model, v)
-        index.drop(model, dropped)
-        if dropped and files is not None:
-            await asyncio.to_thread(files.prune, model, dropped, kept_residual(residuals, model))
+                if not await _give_back(registry, index.retain, m.model, m.version, m.master_digest,
+                                        await asyncio.to_thread(m.json)):
+                    dropped.append(m.version)
+            for v in dropped:
+                log.warning("model %s version %d: restored, but the registry decided against it (another digest, a "
+                            "withdraw, or retention); dropped", model, v)
+            index.drop(model, dropped)
+            if dropped and self._files is not None:
+                await asyncio.to_thread(self._files.prune, model, dropped, self._residuals.kept(model))
 
-
-async def give_back(index: VersionIndex, model: str, registry: Registry, records: Records) -> list[int]:
-    """Give the registry back every version of `model` this running replica holds and the registry
-    does not know (it lost its data): a part from its record, a whole version from its manifest.
-    Returns the versions the registry decided against (retention, or other content), for the caller
-    to drop. Call under the model's lock."""
-    known = set(await registry.versions(model))
-    against = []
-    for version in index.versions(model):
-        m, part = version.manifest, version.part
-        if m.version in known or (part is not None and not part.parts):
-            continue  # known, or shown without a part here (served by the replicas that hold it)
-        if part is None:
-            digest, record = m.master_digest, await asyncio.to_thread(m.json)
-        else:
-            got = await records.get(model, m.version)
-            if got is None:
-                log.error("model %s version %d: the registry lost it, and this replica kept no record of it to give "
-                          "it back; its other holders may", model, m.version)
-                continue
-            digest, record = record_digest(got), got
-        if await _give_back(registry, index.retain, model, m.version, digest, record):
-            log.warning("model %s version %d: the registry had lost it; given back", model, m.version)
-        else:
-            against.append(m.version)
-    return against
+    async def give_back(self, model: str) -> list[int]:
+        """Give the registry back every version of `model` this running replica holds and the registry
+        does not know (it lost its data): a part from its record, a whole version from its manifest.
+        Returns the versions the registry decided against (retention, or other content), for the caller
+        to drop. Call under the model's lock."""
+        known = set(await self._registry.versions(model))
+        against = []
+        for version in self._index.versions(model):
+            m, part = version.manifest, version.part
+            if m.version in known or (part is not None and not part.parts):
+                continue  # known, or shown without a part here (served by the replicas that hold it)
+            if part is None:
+                digest, record = m.master_digest, await asyncio.to_thread(m.json)
+            else:
+                got = await self.records.get(model, m.version)
+                if got is None:
+                    log.error("model %s version %d: the registry lost it, and this replica kept no record of it to "
+                              "give it back; its other holders may", model, m.version)
+                    continue
+                digest, record = record_digest(got), got
+            if await _give_back(self._registry, self._index.retain, model, m.version, digest, record):
+                log.warning("model %s version %d: the registry had lost it; given back", model, m.version)
+            else:
+                against.append(m.version)
+        return against
 
 
 async def _give_back(registry: Registry, retain: int, model: str, version: int, digest: str, record: str) -> bool:

@@ -4,8 +4,8 @@ A push's version is written to the data dir first (durable before visible), then
 decides (with Redis, across replicas) and announces it, then the index shows it. At a restart the
 files are read back and made to agree with the registry (`_restore`); a full disk makes room by
 evicting old versions (`_eviction`); a sharded replica shows what the registry committed without it
-(`Follower`). The state one version hands to the next (the ef residual and the lag tracker of each
-model) lives here.
+(`CommitFollower`). The state one version hands to the next lives here: the lag tracker of each
+model, and its ef residual (`Residuals`).
 
 Loop-owned: every method runs on the service's event loop, except `restore`, which runs before
 the service serves anything; file I/O goes to a worker thread.
@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from weightsvc._faults import crash_point
@@ -27,19 +27,18 @@ from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.safetensors import check_header_size
-from weightsvc.protocol.selection import holders_by_tensor
-from weightsvc.protocol.topology import Group
-from weightsvc.rounding import Residual, served_masters
-from weightsvc.service.replicas.follow import Follower
+from weightsvc.rounding import Residual
+from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf, Parts
 from weightsvc.service.replicas.registry import CommitResult, Registry, check_commit, not_above
-from weightsvc.service.versions import _restore
 from weightsvc.service.versions._eviction import make_room, named
-from weightsvc.service.versions._restore import Records, kept_residual
+from weightsvc.service.versions._restore import Recovery
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
-from weightsvc.service.versions.index import Version, VersionFile, VersionIndex
+from weightsvc.service.versions.follow import CommitFollower
+from weightsvc.service.versions.index import VersionIndex
 from weightsvc.service.versions.lag import LagTracker, Sample
+from weightsvc.service.versions.residuals import Residuals
 
 log = logging.getLogger("weightsvc.store")
 T = TypeVar("T")
@@ -72,12 +71,13 @@ class Committer:
         self._metrics = metrics
         self._locks: dict[str, asyncio.Lock] = {}
         self._committing: set[asyncio.Future[tuple[Version, bool]]] = set()
-        self._residuals: dict[str, Residual] = {}
+        self.residuals = Residuals(index, files)
         self._lag: dict[str, LagTracker] = {}
-        self._records = Records(files)
+        self._recovery = Recovery(index=index, files=files, parts=parts, acks=acks, registry=registry,
+                                  residuals=self.residuals)
         self._giving_back: asyncio.Task[None] | None = None
         self.publisher: Publishing | None = None  # --object-store: whole versions are written through to it
-        self.follower = Follower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
+        self.follower = CommitFollower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
                                  lost=self.registry_lost)
 
     def check_step(self, model: str, step: int) -> None:
@@ -86,30 +86,6 @@ class Committer:
         latest = self._index.latest(model)
         if latest is not None and step < latest and self._index.find(model, step) is None:
             raise not_above(model, step, latest)
-
-    def residual(self, model: str, format: str, scaling: str, groups: Mapping[str, Group] | None = None) -> Residual:
-        """The EF residual an `ef` push of `model` continues from: the one of the latest committed
-        version if that version was an `ef` export to the same format, else a fresh (zero) one.
-
-        Sharded (`groups`: each pushed tensor's owners): a tensor's residual goes on only if the
-        latest version's holders of it are its owners now; else it starts afresh. Every owner of a
-        tensor decides the same from the same manifest, so the owners' residuals stay equal, also
-        when a replica was left out of a version or the replicas changed."""
-        r = self._residuals.get(model)
-        latest = self._index.latest(model)
-        if r is None or latest is None or r.version != latest or (r.format, r.scaling) != (format, scaling):
-            return Residual(format=format, scaling=scaling)
-        if groups is None:
-            return r
-        held = self._index.find(model, latest)
-        if held is None or not held.manifest.parts:
-            return Residual(format=format, scaling=scaling)
-        holders = holders_by_tensor(held.manifest)
-        # A master is held where its elements are (the served naming's inverse: packed codes too).
-        elements = {master: served[0] for master, served in served_masters(holders).items()}
-        kept = {n: a for n, a in r.tensors.items()
-                if n in groups and holders.get(elements.get(n, n)) == groups[n]}
-        return Residual(version=r.version, tensors=kept, format=r.format, scaling=r.scaling)
 
     async def commit(
         self,
@@ -175,7 +151,7 @@ class Committer:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.
                     if residual is not None:
-                        write = functools.partial(self._files.write_residual, m.model, residual[1], residual[2])
+                        write = functools.partial(self.residuals.write, m.model, residual[1], residual[2])
                         await self.on_disk(m.model, m.version, write, locked=True)
                         crash_point("commit.residual-written")
                     # Served from its file now.
@@ -201,12 +177,12 @@ class Committer:
                 return held, False
             created = decided.created or part_of is not None
             if record is not None:  # should the registry lose the version, this replica gives it back
-                await self._records.keep(m.model, m.version, record)
+                await self._recovery.records.keep(m.model, m.version, record)
             evicted = self._index.add(version)
-            self._records.forget(m.model, {v.manifest.version for v in self._index.versions(m.model)})
+            self._recovery.records.forget(m.model, {v.manifest.version for v in self._index.versions(m.model)})
             self._acks.committed(m.model, m.version, m.committed_unix)
             if residual is not None:
-                self._residuals[m.model] = residual[1]
+                self.residuals.committed(m.model, residual[1])
         self._metrics.versions_committed.labels(m.model).inc()
         if m.lag is not None:
             self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
@@ -217,7 +193,7 @@ class Committer:
         if self._files is not None and (evicted or residual is not None):
             # Outside the lock, so the next commit may be writing its residual meanwhile: bounded by
             # the latest version, the prune leaves that file alone.
-            kept, latest = kept_residual(self._residuals, m.model), self._index.latest(m.model)
+            kept, latest = self.residuals.kept(m.model), self._index.latest(m.model)
             await asyncio.to_thread(self._files.prune, m.model, evicted, kept, latest)
         return version, created
 
@@ -259,18 +235,17 @@ class Committer:
         """Load committed versions from the data dir; returns how many. Skips damaged files."""
         if self._files is None:
             return 0
-        count = _restore.restore(self._files, self._index, self._acks, self._residuals)
+        count = self._recovery.restore()
         self._metrics.damaged_files.set(len(self._files.damaged))
         return count
 
     async def sync_registry(self) -> None:
-        """After a restart, make the registry and the restored versions agree (`_restore.sync_registry`)."""
-        await _restore.sync_registry(self._index, self._files, self._parts, self._registry, self._residuals,
-                                     self._records)
+        """After a restart, make the registry and the restored versions agree (`Recovery.sync_registry`)."""
+        await self._recovery.sync_registry()
 
     def registry_lost(self) -> None:
         """The registry lost its data (this replica's registration, or a model it holds, vanished):
-        give it back every version this replica holds (`_restore.give_back`), in the background."""
+        give it back every version this replica holds (`Recovery.give_back`), in the background."""
         self._parts.registry_lost()
         if self._giving_back is None or self._giving_back.done():
             self._giving_back = asyncio.create_task(self.give_back(), name="give-back")
@@ -281,7 +256,7 @@ class Committer:
         for model in self._index.models():
             try:
                 async with self._locks.setdefault(model, asyncio.Lock()):
-                    against = await _restore.give_back(self._index, model, self._registry, self._records)
+                    against = await self._recovery.give_back(model)
                     self._index.drop(model, [v for v in against if self._index.find(model, v) is not None])
             except Unavailable as e:
                 log.warning("model %s: cannot give the registry its versions back yet: %s", model, e)
@@ -290,5 +265,5 @@ class Committer:
                 log.warning("model %s: the registry decided against %s (retention, or other content); dropped",
                             model, named(against))
                 if self._files is not None:
-                    await asyncio.to_thread(self._files.prune, model, against, kept_residual(self._residuals, model),
+                    await asyncio.to_thread(self._files.prune, model, against, self.residuals.kept(model),
                                             self._index.latest(model))

@@ -28,7 +28,7 @@ from weightsvc.protocol.manifest import manifest_from_header
 from weightsvc.protocol.refs import MAX_STEP, check_model_name
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, framed, header_length, read_safetensors_header
 from weightsvc.rounding import RESIDUAL_FORMAT_KEY, RESIDUAL_SCALING_KEY, RESIDUAL_VERSION_KEY, Residual
-from weightsvc.service.versions.index import Version, VersionFile
+from weightsvc.service.record import Version, VersionFile
 
 log = logging.getLogger("weightsvc.store")
 _serial = itertools.count()

@@ -11,112 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import mmap
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import BinaryIO
 
 from weightsvc._aio import BIG_MANIFEST, let_go
 from weightsvc.errors import NotFound
 from weightsvc.memory import BufferPool
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.manifest import Manifest
-from weightsvc.protocol.parts import Segment, held_span
-
-
-@dataclass(frozen=True)
-class FileRange:
-    """Bytes [offset, offset + count) of an open file, for a transport that sends them without copying."""
-
-    file: BinaryIO
-    offset: int
-    count: int
-
-    def __len__(self) -> int:  # (a piece's size, whether bytes or a range of a file)
-        return self.count
-
-
-@dataclass(eq=False)
-class VersionFile:
-    """The file a version's data section lives in (a data dir), open and mapped: pulls read the
-    mapping or send the file itself, so the bytes sit in the page cache, not in this process's memory."""
-
-    path: Path
-    file: BinaryIO
-    mapping: mmap.mmap
-    data_start: int  # the file offset of the data section
-
-    @property
-    def data(self) -> memoryview:
-        return memoryview(self.mapping)[self.data_start :]
-
-    def close(self) -> None:
-        """Unmap and close. A view still held by a transport keeps the mapping until it is dropped."""
-        with contextlib.suppress(BufferError, ValueError):
-            self.mapping.close()
-        self.file.close()
-
-
-@dataclass(eq=False)
-class Version:
-    """A committed version. Its bytes never change; `readers` and `evicted` are the index's."""
-
-    manifest: Manifest
-    header: bytes  # the safetensors prefix
-    data: memoryview  # the data section (uint8)
-    readers: int = 0  # pulls in progress
-    evicted: bool = False
-    shared_views: bool = False  # views of `data` were handed to code we do not control: never recycle
-    # Sharded replicas: this replica's part of the version (the manifest of its own file; `manifest`
-    # is then the whole version's) and which bytes of the version's data section `data` holds.
-    part: Manifest | None = None
-    segments: tuple[Segment, ...] = ()
-    # With a data dir: the file `data` maps (its data section is `data`, this replica's bytes).
-    file: VersionFile | None = None
-
-    @property
-    def spans(self) -> tuple[Segment, ...]:
-        """The ranges of the version's data section that this server holds (all of it, or a part's)."""
-        return self.segments if self.part is not None else (Segment(0, 0, len(self.data)),)
-
-    def span(self, start: int, end: int) -> Segment | None:
-        """The held range that holds the bytes [start, end) of the data section, if one does."""
-        return held_span(self.spans, start, end)
-
-    @functools.cached_property
-    def etag(self) -> str:
-        """The HTTP entity tag of this version's file (hashes its header: computed once)."""
-        return self.manifest.etag(self.header)
-
-    @property
-    def digest(self) -> str:
-        """The master digest of what this server committed (its part's, for a part)."""
-        return (self.part or self.manifest).master_digest
-
-    @property
-    def size(self) -> int:
-        """Bytes of the version's safetensors file (of which a part's replica holds the header and its part)."""
-        return len(self.header) + self.manifest.data_bytes
-
-    def file_range(self, start: int, end: int, piece: int, zero_copy: bool = False) -> Iterator[memoryview | FileRange]:
-        """Pieces of at most `piece` bytes covering [start, end) of the safetensors file (for a part:
-        a range of the header and the bytes this replica holds). With `zero_copy`, the data section of
-        a version in a file comes as ranges of that file, for the transport to send as they are."""
-        head = memoryview(self.header)
-        at = self.span(max(start, len(head)) - len(head), max(end - len(head), 0))
-        skip = len(head) + (at.start - at.local if at is not None else 0)  # offset of data[0] in the served file
-        while start < end:
-            if start < len(head):
-                stop = min(end, len(head), start + piece)
-                yield head[start:stop]
-            else:
-                stop = min(end, start + piece)
-                if zero_copy and self.file is not None:
-                    yield FileRange(self.file.file, self.file.data_start + start - skip, stop - start)
-                else:
-                    yield self.data[start - skip : stop - skip]
-            start = stop
+from weightsvc.service.record import FileRange as FileRange  # (re-exported: the transports read it here)
+from weightsvc.service.record import Version
+from weightsvc.service.record import VersionFile as VersionFile
 
 
 class VersionIndex:

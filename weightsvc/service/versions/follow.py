@@ -13,17 +13,18 @@ import logging
 from collections.abc import Callable
 
 from weightsvc.errors import Unavailable, WeightsvcError
+from weightsvc.service.record import Version
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import Registry, manifest_from_registry
 from weightsvc.service.versions.acks import Acks
-from weightsvc.service.versions.index import Version, VersionIndex
+from weightsvc.service.versions.index import VersionIndex
 
 log = logging.getLogger("weightsvc.store")
 FOLLOW_MODELS_S = 2.0  # how soon a sharded replica follows a model that is new to it
 RETRY_S = 1.0  # how soon a model's events are read again after the registry went away
 
 
-class Follower:
+class CommitFollower:
     """Shows in the index what the registry committed without this replica. `locks` are the
     committer's, per model: a version is added under its model's lock, as a commit adds one. `lost`
     is called when the registry no longer knows a model this replica shows (it lost its data)."""
