@@ -40,7 +40,8 @@ def server() -> Iterator[ServeProcess]:
 
 
 @pytest.mark.parametrize("step", ["push", "grpc pull", "http pull"])
-def test_no_full_collection_stops_the_loop_during_a_push_and_pulls_of_100k_tensors(server: ServeProcess, step: str) -> None:
+def test_no_full_collection_stops_the_loop_during_a_push_and_pulls_of_100k_tensors(server: ServeProcess,
+                                                                                   step: str) -> None:
     masters = {f"model.layers.{i // 1000:02d}.mlp.experts.{i % 1000:03d}.down_proj.weight_{i:06d}":
                np.full((4, 4), 0.01 + i % 7 * 1e-3, np.float32) for i in range(N)} if step == "push" else {}
     full = full_collections(server.url)
