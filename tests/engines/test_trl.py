@@ -114,6 +114,7 @@ def test_grpo_pushes_each_step_rolls_out_on_the_following_engine_and_reports_mis
         assert b["by_copy"]["served"] == batches[b["step"]]["by_version"][str(b["step"])]
 
 
+@pytest.mark.timeout(600)  # an engine start and 16 trainer steps: past the suite's 300 s on a busy 2-core machine
 def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
         service: BackgroundServer, tmp_path: Path) -> None:
     """With sr export, the engine samples from a stochastic rounding of the masters: the learner's log-
