@@ -29,7 +29,8 @@ BATCH_TOKENS = 16 * 4  # per rollout batch: 16 completions of 4 tokens (the show
 # seeds 1-6, one run each: over 7 moved steps masters were 1.21-1.65x and the rtn copy 1.29-2.07x the
 # served k3 (masters: log-ratio mean 0.29, sd 0.12: a margin of 1.05 is 2.0 sd below the mean, 1.1 is 1.6);
 # over 15 moved steps masters 1.40-1.90x, the rtn copy 1.83-3.24x (masters: log-ratio mean 0.45, sd 0.13: 1.1 is
-# 2.7 sd below). Hence 16 steps, and the margin below the lowest ratio measured.
+# 2.7 sd below); this test's own seed 0: 1.82x and 3.55x. Hence 16 steps, and the margin below the lowest
+# ratio measured.
 ABLATION_STEPS = 16
 MARGIN = 1.1
 
