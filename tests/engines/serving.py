@@ -35,11 +35,18 @@ def free_port() -> int:
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:
+    """The JSON answer (None when empty; the text of one that is not JSON: vLLM answers a LoRA load or
+    unload with a sentence)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout) as response:
         raw = response.read()
-    return json.loads(raw) if raw.strip() else None
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
 
 
 class VllmServer:

@@ -2,12 +2,16 @@
 loads each version of an adapter model as the revision `MODEL@vN`, keeps the newest N, and a
 request keeps the revision it named to its end.
 
-One engine start for every test (in order): the engine is started with version 1's pulled served
-copy as a static adapter (the reference: what a fresh engine with that adapter generates), then
-followed."""
+One engine start for the module: the engine is started with version 1 of the model `FRESH` (its
+pulled served copy) as a static adapter, the reference: what a fresh engine with that adapter
+generates. Each test follows with followers of its own, numbers its versions from the latest the
+service holds, and leaves the engine as it found it (its revisions unloaded and dropped from the
+engine's cache), so that none depends on another having run, or on their order.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -21,8 +25,9 @@ import torch
 
 from tests.conftest import serving
 from tests.engines.engines import PROMPTS, checkpoint, masters
-from tests.engines.serving import VllmServer, following, http, vllm_serve
+from tests.engines.serving import FollowProcess, VllmServer, following, http, vllm_serve
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import NotFound
 from weightsvc.integrations.peft import adapter_state
 from weightsvc.protocol.adapter import Adapter
 
@@ -30,6 +35,7 @@ pytestmark = pytest.mark.engine
 LORA = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
 LONG = 1024  # the model length: room for a request that outlasts an update
 MODEL, OTHER = "pol", "aux"
+FRESH = "fresh"  # the model of the static reference adapter: version 1 only
 
 
 class AdapterPolicy:
@@ -61,6 +67,38 @@ def adapters_of(engine: VllmServer) -> list[str]:
     return sorted(c["id"] for c in http("GET", f"{engine.url}/v1/models")["data"] if c.get("parent"))
 
 
+def cached(engine: VllmServer) -> set[int]:
+    """The ids of the adapters the engine's workers hold."""
+    return set(http("POST", f"{engine.url}/collective_rpc", {"method": "list_loras"})["results"][0])
+
+
+def latest(setup: dict[str, Any], model: str) -> int:
+    """The newest version of `model` the service holds (0: none yet); a test numbers its versions from it."""
+    with InferenceClient(setup["service"].grpc_target) as client:
+        try:
+            return client.manifest(model).version
+        except NotFound:
+            return 0
+
+
+@contextlib.contextmanager
+def follow(setup: dict[str, Any], engine: VllmServer, model: str, adapter_dir: Path,
+           max_live: int = 2) -> Iterator[FollowProcess]:
+    """`weightsvc follow --max-live N` for `model`; on exit the engine is as it was before: the model's
+    revisions unloaded, and every adapter loaded since dropped from the engine's cache."""
+    before = cached(engine)
+    try:
+        with following(engine, setup["service"].grpc_target, model, "--max-live", str(max_live),
+                       "--adapter-dir", str(adapter_dir)) as f:
+            yield f
+    finally:
+        for name in adapters_of(engine):
+            if name.startswith(f"{model}@v"):
+                http("POST", f"{engine.url}/v1/unload_lora_adapter", {"lora_name": name})
+        for adapter_id in cached(engine) - before:
+            http("POST", f"{engine.url}/collective_rpc", {"method": "remove_lora", "args": [adapter_id]})
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("lora")
@@ -75,20 +113,20 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def push(setup: dict[str, Any], version: int, model: str = MODEL) -> None:
-    policy = setup["policy"] if model == MODEL else setup["other"]
+    policy = setup["other"] if model == OTHER else setup["policy"]
     tensors, adapter = policy.at(version, setup["base"])
     setup["learner"].push(version, tensors, model=model, adapter=adapter)
 
 
 @pytest.fixture(scope="module")
 def engine(setup: dict[str, Any]) -> Iterator[VllmServer]:
-    """The engine, started with version 1's pulled served copy (and PEFT's own config of it) as the
-    static adapter `ref`: what a fresh engine with that adapter generates."""
-    push(setup, 1)
+    """The engine, started with `FRESH` version 1's pulled served copy (and PEFT's own config of it) as
+    the static adapter `ref`: what a fresh engine with that adapter generates."""
+    push(setup, 1, FRESH)
     ref = setup["tmp"] / "ref"
     ref.mkdir()
     with InferenceClient(setup["service"].grpc_target) as client:
-        client.pull_file(ref / "adapter_model.safetensors", MODEL, 1)
+        client.pull_file(ref / "adapter_model.safetensors", FRESH, 1)
     setup["policy"].peft.peft_config["default"].save_pretrained(str(ref))
     with vllm_serve(setup["base"], setup["tmp"] / "engine.log", "--enable-lora", "--max-lora-rank", "8",
                     "--max-loras", "4", "--max-cpu-loras", "4", "--lora-modules", f"ref={ref}",
@@ -97,95 +135,108 @@ def engine(setup: dict[str, Any]) -> Iterator[VllmServer]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def follower(setup: dict[str, Any], engine: VllmServer) -> Iterator[Any]:
-    with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
-                   "--adapter-dir", str(setup["tmp"] / "revisions")) as f:
-        yield f
-
-
 def test_revision_generates_as_a_fresh_engine_with_its_served_copy(
-        setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
+        setup: dict[str, Any], engine: VllmServer, tmp_path: Path) -> None:
     reference = setup["reference"]
-    follower.wait_for("loaded", 1)
-    assert adapters_of(engine) == [f"{MODEL}@v1", "ref"]
-    live = [completion(engine, f"{MODEL}@v1", p) for p in PROMPTS]
-    assert [g["tokens"] for g in live] == [g["tokens"] for g in reference]
-    assert [g["logprobs"] for g in live] == [g["logprobs"] for g in reference]
-    base = [completion(engine, str(setup["base"]), p) for p in PROMPTS]
-    assert [g["tokens"] for g in base] != [g["tokens"] for g in live]  # the adapter moves the answers
-    status, body = follower.get("/ready")
-    assert status == 200 and json.loads(body)["revisions"] == [f"{MODEL}@v1"]
+    with follow(setup, engine, FRESH, tmp_path / "revisions") as follower:
+        follower.wait_for("loaded", 1)
+        assert adapters_of(engine) == [f"{FRESH}@v1", "ref"]
+        live = [completion(engine, f"{FRESH}@v1", p) for p in PROMPTS]
+        assert [g["tokens"] for g in live] == [g["tokens"] for g in reference]
+        assert [g["logprobs"] for g in live] == [g["logprobs"] for g in reference]
+        base = [completion(engine, str(setup["base"]), p) for p in PROMPTS]
+        assert [g["tokens"] for g in base] != [g["tokens"] for g in live]  # the adapter moves the answers
+        status, body = follower.get("/ready")
+        assert status == 200 and json.loads(body)["revisions"] == [f"{FRESH}@v1"]
 
 
 def test_request_on_a_revision_finishes_on_it_across_the_next_load(
-        setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
-    for v in (2, 3):
-        push(setup, v)
-        follower.wait_for("loaded", v)
-    prompt, n = PROMPTS[0], LONG - 2 * len(PROMPTS[0])
-    body = {"model": f"{MODEL}@v3", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-            "stream": True, "return_token_ids": True}
-    request = urllib.request.Request(f"{engine.url}/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    chunks: list[tuple[float, list[int]]] = []
-    first = threading.Event()
+        setup: dict[str, Any], engine: VllmServer, tmp_path: Path) -> None:
+    v = latest(setup, MODEL)  # versions v+1 and v+2 live, a request on v+2 across the load of v+3
+    with follow(setup, engine, MODEL, tmp_path / "revisions") as follower:
+        for version in (v + 1, v + 2):
+            push(setup, version)
+            follower.wait_for("loaded", version)
+        prompt, n = PROMPTS[0], LONG - 2 * len(PROMPTS[0])
+        body = {"model": f"{MODEL}@v{v + 2}", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        request = urllib.request.Request(f"{engine.url}/v1/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        chunks: list[tuple[float, list[int]]] = []
+        first = threading.Event()
 
-    def read() -> None:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            for line in response:
-                if line.startswith(b"data: {"):
-                    chunks.append((time.monotonic(), json.loads(line[6:])["choices"][0]["token_ids"]))
-                    first.set()
+        def read() -> None:
+            with urllib.request.urlopen(request, timeout=300) as response:
+                for line in response:
+                    if line.startswith(b"data: {"):
+                        chunks.append((time.monotonic(), json.loads(line[6:])["choices"][0]["token_ids"]))
+                        first.set()
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert first.wait(120)
-    push(setup, 4)
-    follower.wait_for("loaded", 4)
-    loaded = time.monotonic()
-    reader.join(300)
-    tokens = [t for _, ts in chunks for t in ts]
-    assert len(tokens) == n
-    assert chunks[-1][0] > loaded, "the request ended before version 4 was loaded: nothing was tested"
-    assert adapters_of(engine) == [f"{MODEL}@v3", f"{MODEL}@v4", "ref"]
-    assert completion(engine, f"{MODEL}@v3", prompt, n)["tokens"] == tokens  # v3 from its first token to its last
-    assert completion(engine, f"{MODEL}@v4", prompt, n)["tokens"] != tokens
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first.wait(120)
+        # The request is held where it is (vLLM's `keep` pause: nothing pauses for an adapter load) until
+        # the next version is loaded: it spans the load whatever the machine's speed.
+        http("POST", f"{engine.url}/pause?mode=keep")
+        try:
+            push(setup, v + 3)
+            follower.wait_for("loaded", v + 3)
+            loaded = time.monotonic()
+        finally:
+            http("POST", f"{engine.url}/resume")
+        reader.join(300)
+        tokens = [t for _, ts in chunks for t in ts]
+        assert len(tokens) == n
+        assert chunks[-1][0] > loaded, f"the request ended before version {v + 3} was loaded: nothing was tested"
+        assert adapters_of(engine) == [f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}", "ref"]
+        # On v+2 from its first token to its last:
+        assert completion(engine, f"{MODEL}@v{v + 2}", prompt, n)["tokens"] == tokens
+        assert completion(engine, f"{MODEL}@v{v + 3}", prompt, n)["tokens"] != tokens
 
 
-def test_max_live_window_and_adapters_of_two_models(setup: dict[str, Any], engine: VllmServer, follower: Any) -> None:
-    push(setup, 5)
-    follower.wait_for("loaded", 5)
-    follower.wait_for("removed", 3, timeout=60)  # unloaded, and once no request runs on it, deleted
-    assert adapters_of(engine) == [f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
-    assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()) == [f"{MODEL}@v4", f"{MODEL}@v5"]
-    # The engine's cache holds the live ones and the static one; its LRU alone would keep 4 (--max-cpu-loras).
-    assert len(http("POST", f"{engine.url}/collective_rpc", {"method": "list_loras"})["results"][0]) == 3
-    push(setup, 1, OTHER)
-    with following(engine, setup["service"].grpc_target, OTHER, "--max-live", "1",
-                   "--adapter-dir", str(setup["tmp"] / "revisions")) as other:
-        other.wait_for("loaded", 1)
-        assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
-        mine, theirs = (completion(engine, m, PROMPTS[1])["tokens"] for m in (f"{MODEL}@v5", f"{OTHER}@v1"))
-        assert mine != theirs
-        # A version whose base is not the engine's is refused by name, and nothing changes.
-        tensors, adapter = setup["other"].at(2, setup["base"])
-        setup["learner"].push(2, tensors, model=OTHER, adapter=Adapter("another-base", adapter.rank, adapter.alpha,
-                                                                       adapter.target_modules))
-        refused = other.wait_for("refused")
-        assert refused["version"] == 2 and "another-base" in refused["error"]
-        assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v4", f"{MODEL}@v5", "ref"]
+def test_max_live_window_and_adapters_of_two_models(setup: dict[str, Any], engine: VllmServer,
+                                                    tmp_path: Path) -> None:
+    v = latest(setup, MODEL)
+    revisions = tmp_path / "revisions"
+    with follow(setup, engine, MODEL, revisions) as follower:
+        for version in (v + 1, v + 2, v + 3):
+            push(setup, version)
+            follower.wait_for("loaded", version)
+        follower.wait_for("removed", v + 1, timeout=60)  # unloaded, and once no request runs on it, deleted
+        assert adapters_of(engine) == [f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}", "ref"]
+        assert sorted(p.name for p in revisions.iterdir()) == [f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}"]
+        # The engine's cache holds the live ones and the static one; its LRU alone would keep 4 (--max-cpu-loras).
+        assert len(http("POST", f"{engine.url}/collective_rpc", {"method": "list_loras"})["results"][0]) == 3
+        push(setup, 1, OTHER)
+        with follow(setup, engine, OTHER, revisions, max_live=1) as other:
+            other.wait_for("loaded", 1)
+            assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}", "ref"]
+            mine, theirs = (completion(engine, m, PROMPTS[1])["tokens"] for m in (f"{MODEL}@v{v + 3}", f"{OTHER}@v1"))
+            assert mine != theirs
+            # A version whose base is not the engine's is refused by name, and nothing changes.
+            tensors, adapter = setup["other"].at(2, setup["base"])
+            setup["learner"].push(2, tensors, model=OTHER, adapter=Adapter("another-base", adapter.rank,
+                                                                           adapter.alpha, adapter.target_modules))
+            refused = other.wait_for("refused")
+            assert refused["version"] == 2 and "another-base" in refused["error"]
+            assert adapters_of(engine) == [f"{OTHER}@v1", f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}", "ref"]
 
 
 def test_a_restarted_follower_adopts_the_live_revisions(setup: dict[str, Any], engine: VllmServer,
-                                                       follower: Any) -> None:
-    follower.kill()  # (the module's follower: the last test to use it)
-    push(setup, 6)
-    with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
-                   "--adapter-dir", str(setup["tmp"] / "revisions")) as again:
-        assert again.wait_for("connected")["revisions"] == [f"{MODEL}@v4", f"{MODEL}@v5"]
-        again.wait_for("loaded", 6)
-        again.wait_for("removed", 4, timeout=60)
-    assert [a for a in adapters_of(engine) if a.startswith(MODEL)] == [f"{MODEL}@v5", f"{MODEL}@v6"]
-    assert sorted(p.name for p in (setup["tmp"] / "revisions").iterdir()
-                  if p.name.startswith(MODEL)) == [f"{MODEL}@v5", f"{MODEL}@v6"]
+                                                       tmp_path: Path) -> None:
+    v = latest(setup, MODEL)
+    revisions = tmp_path / "revisions"
+    with follow(setup, engine, MODEL, revisions) as follower:
+        for version in (v + 1, v + 2):
+            push(setup, version)
+            follower.wait_for("loaded", version)
+        follower.kill()
+        push(setup, v + 3)
+        with following(engine, setup["service"].grpc_target, MODEL, "--max-live", "2",
+                       "--adapter-dir", str(revisions)) as again:
+            assert again.wait_for("connected")["revisions"] == [f"{MODEL}@v{v + 1}", f"{MODEL}@v{v + 2}"]
+            again.wait_for("loaded", v + 3)
+            again.wait_for("removed", v + 1, timeout=60)
+        assert [a for a in adapters_of(engine) if a.startswith(MODEL)] == [f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}"]
+        assert sorted(p.name for p in revisions.iterdir()
+                      if p.name.startswith(MODEL)) == [f"{MODEL}@v{v + 2}", f"{MODEL}@v{v + 3}"]

@@ -6,16 +6,19 @@ serve the module, and fresh references come from servers that then follow: the s
 nearest, so a version pushed from the same masters as an earlier one is served bit for bit as it
 was, and an engine that loads it in place must then answer as the fresh engine started from it did.
 - `llama` (weightsvc's backend) starts from version 1's served copy: its first answers are version
-  1's fresh ones. It follows version 2 (equal to `rpc`'s fresh answers) and version 3 (version 1's
-  masters again: equal to its own fresh answers).
+  1's fresh ones. Its tests push versions made of version 1's or version 2's masters, and compare.
 - `rpc` (the worker extension only) starts from version 2's served copy: version 2's fresh answers;
-  then it follows the latest through `/collective_rpc`.
-- `qwen2` (head tied to the embeddings, weightsvc's backend) does the same round trip on its own."""
+  then it follows a model of its own through `/collective_rpc`.
+- `qwen2` (head tied to the embeddings, weightsvc's backend) does the same round trip on its own.
+The tests share engines, never an order: each numbers its versions from the latest the service
+holds, and one that needs the engine on a version (not on the checkpoint it started from) gets it
+from `on_latest`."""
 
 from __future__ import annotations
 
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,15 +33,61 @@ from tests.engines.serving import BACKEND, FollowProcess, VllmServer, following,
 from tests.engines.test_vllm import step
 from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import NotFound
+from weightsvc.integrations.vllm.follower import UPDATING
 from weightsvc.loaders import tp_select
 from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
 LONG = 2048  # the model length of the engine that answers a long request across an update
+RPC_MODEL = "llama-rpc"  # what `rpc` follows: its acks are not among those of `llama`'s followers
 
 
 def acked(server: BackgroundServer, model: str) -> dict[str, int]:
     return {c.client_id: c.version for c in server.service.clients(model)}
+
+
+def latest(service: BackgroundServer, model: str = "llama") -> int:
+    """The newest version of `model` the service holds (0: none yet); a test numbers its versions from it."""
+    with InferenceClient(service.grpc_target) as client:
+        try:
+            return client.manifest(model).version
+        except NotFound:
+            return 0
+
+
+def on_latest(service: BackgroundServer, learner: LearnerClient, llama: dict[str, Any]) -> int:
+    """The version the `llama` engine serves, the latest of the model: when it serves another (or still
+    the checkpoint it started from), a version of version 1's masters is pushed and followed first."""
+    engine: VllmServer = llama["engine"]
+    version = latest(service)
+    if engine.weight_version() != str(version):
+        version += 1
+        learner.push(version, llama["policy"].at(1), model="llama")
+        with following(engine, service.grpc_target, "llama") as follower:
+            follower.wait_for("update", version)
+    return version
+
+
+def generate_streamed(engine: VllmServer, prompt: list[int], max_tokens: int,
+                      generating: threading.Event) -> dict[str, Any]:
+    """One greedy generation, streamed: `generating` is set once its first tokens came; its token ids
+    and its `weight_versions` (on the last chunk) when it ends."""
+    params = {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True}
+    body = {"token_ids": prompt, "sampling_params": params, "stream": True}
+    request = urllib.request.Request(f"{engine.url}/inference/v1/generate", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    tokens: list[int] = []
+    spans = None
+    with urllib.request.urlopen(request, timeout=300) as response:
+        for line in response:
+            if line.startswith(b"data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += choice.get("token_ids") or []
+                    spans = choice.get("weight_versions") or spans
+                if tokens:
+                    generating.set()
+    return {"tokens": tokens, "weight_versions": spans}
 
 
 class Policy:
@@ -87,7 +136,8 @@ def llama(service: BackgroundServer, learner: LearnerClient,
     try:
         engine.wait_ready()
         rpc.wait_ready()
-        yield {"engine": engine, "rpc": rpc, "policy": policy, "fresh": {1: engine.generate(), 2: rpc.generate()}}
+        yield {"engine": engine, "rpc": rpc, "policy": policy, "label": engine.weight_version(),
+               "fresh": {1: engine.generate(), 2: rpc.generate()}}
     finally:
         engine.stop()
         rpc.stop()
@@ -99,85 +149,93 @@ def test_the_backend_follows_two_versions_each_as_a_fresh_engine_answers(
     engine: VllmServer = llama["engine"]
     fresh = llama["fresh"]
     assert fresh[1] != fresh[2]  # the versions differ in what they generate
-    assert engine.weight_version() == "default"
+    assert llama["label"] == "default"  # as started: no version yet, nothing to ack
+    v = latest(service)
+    learner.push(v + 1, llama["policy"].at(1), model="llama")
+    learner.push(v + 2, llama["policy"].at(2), model="llama")
     with following(engine, service.grpc_target, "llama") as follower:
         connected = follower.wait_for("connected")
         assert connected["path"] == "transfer"
-        # Version 2 is the latest when it starts: version 1 is skipped, never loaded.
-        update = follower.wait_for("update", 2)
-        assert engine.weight_version() == "2"
-        assert acked(service, "llama") == {"follow-llama": 2}
+        # Version v+2 is the latest when it starts: version v+1 is skipped, never loaded.
+        update = follower.wait_for("update", v + 2)
+        assert engine.weight_version() == str(v + 2)
+        assert acked(service, "llama") == {"follow-llama": v + 2}
         assert engine.generate() == fresh[2]
-        assert all(s == [{"version": "2", "start": 0, "end": 16}] for s in engine.spans())
+        assert all(s == [{"version": str(v + 2), "start": 0, "end": 16}] for s in engine.spans())
         assert 0 < update["pause_s"] < update["update_s"]
 
-        learner.push(3, llama["policy"].at(1), model="llama")  # version 1's masters again
-        with InferenceClient(service.grpc_target) as client:
-            v1, v3 = client.pull("llama", 1), client.pull("llama", 3)
+        learner.push(v + 3, llama["policy"].at(1), model="llama")  # version v+1's masters again
+        with InferenceClient(service.grpc_target) as client:  # (version 1 itself may be retained no more)
+            v1, v3 = client.pull("llama", v + 1), client.pull("llama", v + 3)
         assert all(np.array_equal(bits(v1[n]), bits(v3[n])) for n in v1)
-        follower.wait_for("update", 3)
-        assert engine.weight_version() == "3" and acked(service, "llama") == {"follow-llama": 3}
+        follower.wait_for("update", v + 3)
+        assert engine.weight_version() == str(v + 3) and acked(service, "llama") == {"follow-llama": v + 3}
         assert engine.generate() == fresh[1]
 
         status, body = follower.get("/ready")
-        assert status == 200 and '"served": 3' in body
+        assert status == 200 and f'"served": {v + 3}' in body
         _, metrics = follower.get("/metrics")
         assert 'weightsvc_follower_update_seconds_count{path="transfer"} 2.0' in metrics
-        assert "weightsvc_follower_engine_version 3.0" in metrics
+        assert f"weightsvc_follower_engine_version {v + 3}.0" in metrics
         assert "weightsvc_follower_versions_behind 0.0" in metrics
-    assert not any(e["event"] == "update" and e["version"] == 1 for e in list(follower.events.queue))
+    assert not any(e["event"] == "update" and e["version"] == v + 1 for e in list(follower.events.queue))
 
 
 def test_a_version_that_does_not_fit_is_refused_and_the_engine_keeps_its_weights(
     service: BackgroundServer, learner: LearnerClient, llama: dict[str, Any]
 ) -> None:
     engine: VllmServer = llama["engine"]
-    assert engine.weight_version() == "3"
+    served = on_latest(service, learner, llama)
     before = engine.generate()
-    wrong = {n: t for n, t in llama["policy"].at(4).items() if "layers.1." not in n}  # a layer short
-    learner.push(4, wrong, model="llama")
+    wrong = {n: t for n, t in llama["policy"].at(1).items() if "layers.1." not in n}  # a layer short
+    learner.push(served + 1, wrong, model="llama")
     with following(engine, service.grpc_target, "llama") as follower:
-        refused = follower.wait_for("refused", 4)
+        refused = follower.wait_for("refused", served + 1)
         assert refused["stage"] == "stage"
-        assert "model 'llama' version 4" in refused["error"] and "lacks tensor 'model.layers.1." in refused["error"]
-        assert engine.weight_version() == "3" and engine.generate() == before
-        assert acked(service, "llama") == {"follow-llama": 3}
+        assert f"model 'llama' version {served + 1}" in refused["error"]
+        assert "lacks tensor 'model.layers.1." in refused["error"]
+        assert engine.weight_version() == str(served) and engine.generate() == before
+        assert acked(service, "llama") == {"follow-llama": served}
         status, _ = follower.get("/ready")
         assert status == 503  # a version behind, with --max-lag 0
         _, metrics = follower.get("/metrics")
         assert 'weightsvc_follower_failures_total{stage="stage"} 1.0' in metrics
         # The next version that fits is loaded (version 2's masters: version 2's fresh answers).
-        learner.push(5, llama["policy"].at(2), model="llama")
-        follower.wait_for("update", 5)
+        learner.push(served + 2, llama["policy"].at(2), model="llama")
+        follower.wait_for("update", served + 2)
         assert engine.generate() == llama["fresh"][2]
-        assert acked(service, "llama") == {"follow-llama": 5}
+        assert acked(service, "llama") == {"follow-llama": served + 2}
 
 
 def test_a_request_across_an_update_shows_the_two_versions_that_generated_it(
     service: BackgroundServer, learner: LearnerClient, llama: dict[str, Any]
 ) -> None:
     engine: VllmServer = llama["engine"]
-    assert engine.weight_version() == "5"
+    served = on_latest(service, learner, llama)
+    version = served + 1
     prompt = [1, 5, 9, 33, 70]  # (5 tokens: LONG - 5 more fill the engine's model length)
     with following(engine, service.grpc_target, "llama") as follower:
         follower.wait_for("connected")
-        # The request must still be generating when the follower pauses the engine. Staging goes first
-        # and its time varies (a cold machine compiles kernels on the first export): a request that
-        # ended before the pause tests nothing, and the next version tries again.
-        for version in (6, 7, 8):
-            out: dict[str, Any] = {}
-            long = threading.Thread(target=lambda into=out: into.update(engine.generate_one(prompt, LONG - 5)))
-            long.start()
+        out: dict[str, Any] = {}
+        generating = threading.Event()
+        long = threading.Thread(target=lambda: out.update(generate_streamed(engine, prompt, LONG - 5, generating)))
+        long.start()
+        assert generating.wait(120)
+        # The request is held where it is (a `keep` pause) and the pause is handed to the follower under
+        # its own label, as a follower that was stopped in the middle of the update leaves it: the
+        # follower takes it as its own, swaps, and its resume lets the request go on. The request spans
+        # the update whatever the machine's speed.
+        http("POST", f"{engine.url}/pause?mode=keep")
+        try:
+            http("POST", f"{engine.url}/update_weight_version", {"new_version": f"{UPDATING}{version}"})
             learner.push(version, llama["policy"].at(1 + version % 2), model="llama")
             paused = follower.wait_for("paused", version)
-            in_flight = long.is_alive()
             assert paused["mode"] == "keep"
             follower.wait_for("update", version)
-            long.join(300)
-            if in_flight:
-                break
-        else:
-            pytest.fail("the long request ended before the pause three times")
+        finally:
+            if http("GET", f"{engine.url}/is_paused")["is_paused"]:  # (the follower failed: let the request end)
+                http("POST", f"{engine.url}/resume")
+        long.join(300)
     spans = out["weight_versions"]
     assert [s["version"] for s in spans] == [str(version - 1), str(version)]  # in flight across the swap
     assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
@@ -188,7 +246,7 @@ def test_a_follower_killed_in_the_middle_of_an_update_converges_when_restarted(
     service: BackgroundServer, learner: LearnerClient, llama: dict[str, Any]
 ) -> None:
     engine: VllmServer = llama["engine"]
-    served = int(engine.weight_version())  # (the test before may have taken more than one version)
+    served = on_latest(service, learner, llama)
     follower = FollowProcess(engine, service.grpc_target, "llama")
     try:
         follower.wait_for("connected")
@@ -209,15 +267,15 @@ def test_an_engine_with_the_worker_extension_only_follows_through_collective_rpc
     service: BackgroundServer, learner: LearnerClient, llama: dict[str, Any]
 ) -> None:
     rpc: VllmServer = llama["rpc"]
-    latest = InferenceClient(service.grpc_target).manifest("llama").version + 1
-    learner.push(latest, llama["policy"].at(1), model="llama")
-    with following(rpc, service.grpc_target, "llama", "--client-id", "rpc") as follower:
+    version = latest(service, RPC_MODEL) + 1
+    learner.push(version, llama["policy"].at(1), model=RPC_MODEL)
+    with following(rpc, service.grpc_target, RPC_MODEL, "--client-id", "rpc") as follower:
         assert follower.wait_for("connected")["path"] == "collective_rpc"
-        update = follower.wait_for("update", latest)
+        update = follower.wait_for("update", version)
     assert update["path"] == "collective_rpc"
-    assert rpc.weight_version() == str(latest) and acked(service, "llama")["rpc"] == latest
+    assert rpc.weight_version() == str(version) and acked(service, RPC_MODEL)["rpc"] == version
     assert rpc.generate() == llama["fresh"][1]  # the latest is version 1's masters
-    assert all(s == [{"version": str(latest), "start": 0, "end": 16}] for s in rpc.spans())
+    assert all(s == [{"version": str(version), "start": 0, "end": 16}] for s in rpc.spans())
 
 
 def round_trip(engine: VllmServer, follower: FollowProcess, learner: LearnerClient, policy: Policy,
