@@ -152,3 +152,22 @@ def test_imports_run_down_the_floors() -> None:
             if other and other != own and other not in MAY_IMPORT[own]:
                 upward.append(f"{name} -> {target}")
     assert upward == []
+
+
+# The rooms whose modules call the service from outside it, and the only modules of it they may name:
+# the façade and its requests and answers. A part below them (pushes, pulls, versions, replicas) can
+# change without a transport knowing.
+OUTSIDE_THE_FACADE = ("transport", "server")
+FACADE = {"weightsvc.service.service", "weightsvc.service.api"}
+
+
+def test_transports_import_only_the_facade() -> None:
+    mods = modules()
+    past = []
+    for name, path in sorted(mods.items()):
+        if room(name) not in OUTSIDE_THE_FACADE:
+            continue
+        for target in sorted(imports(name, path, set(mods))):
+            if room(target) == "service" and target not in FACADE:
+                past.append(f"{name} -> {target}")
+    assert past == []

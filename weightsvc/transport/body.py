@@ -17,7 +17,7 @@ from typing import Any, BinaryIO
 
 from starlette.types import Receive, Scope, Send
 
-from weightsvc.service.versions.index import FileRange
+from weightsvc.service.api import FileRange, Piece
 
 SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
 OFFLOAD = "weightsvc.offload"
@@ -40,7 +40,7 @@ def _reset(transport: asyncio.Transport) -> None:
 _writers: ThreadPoolExecutor | None = None
 
 
-def _write(fd: int, piece: memoryview | FileRange, dropped: threading.Event) -> None:
+def _write(fd: int, piece: Piece, dropped: threading.Event) -> None:
     """Write `piece` to the non-blocking socket `fd` (in a writer thread): wait for room without the
     GIL, stop within WAKE_S once the pull is `dropped`. ConnectionError when the client is gone."""
     ready = select.poll()
@@ -86,7 +86,7 @@ class Writer:
         self.held = True
         await empty
 
-    async def write(self, piece: memoryview | FileRange) -> None:
+    async def write(self, piece: Piece) -> None:
         global _writers
         if _writers is None:
             _writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="weightsvc-pull")
