@@ -26,6 +26,7 @@ from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.relay import Relay
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
+from weightsvc.transport._internals import start_uvicorn, stop_uvicorn
 from weightsvc.transport.auth import Auth, HttpAuth
 from weightsvc.transport.body import Sendfile
 from weightsvc.transport.connections import GrpcConnections
@@ -132,13 +133,7 @@ class Server:
             log_config=None,
             access_log=False,
         )
-        self._http = uvicorn.Server(config)
-        config.load()
-        # serve() would also install signal handlers; the CLI owns those, so drive the phases here.
-        self._http.lifespan = config.lifespan_class(config)
-        await self._http.startup(sockets=[sock])
-        # uvicorn's tick loop (Date header, shutdown flag); we stop it through should_exit.
-        self._http_task = asyncio.create_task(self._http.main_loop())
+        self._http, self._http_task = await start_uvicorn(config, sock)
         if s.relay_from:
             self._relay = Relay(s.relay_from, service)
             self._relay.start()
@@ -177,9 +172,7 @@ class Server:
         if self._relay is not None:
             await self._relay.stop()
         if self._http is not None and self._http_task is not None:
-            self._http.should_exit = True
-            await self._http_task
-            await self._http.shutdown()
+            await stop_uvicorn(self._http, self._http_task)
         if self._grpc_connections is not None:
             await self._grpc_connections.stop()
         if self._grpc is not None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from weightsvc._aio import off_loop
 from weightsvc.errors import WeightsvcError
@@ -31,6 +30,7 @@ from weightsvc.protocol.wire import (
     select_from_proto,
 )
 from weightsvc.service.service import Service
+from weightsvc.transport._internals import HealthServicer
 from weightsvc.transport.auth import Auth, GrpcAuth, peer_caller, token_caller
 from weightsvc.transport.connections import GrpcConnections, headroom
 from weightsvc.transport.push import push_messages
