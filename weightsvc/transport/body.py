@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
@@ -118,7 +118,7 @@ class Sendfile:
     """ASGI middleware that offers the app `scope["extensions"][OFFLOAD]`: `offload()` is a `Writer`
     that writes a body to the connection from worker threads (a range of a file with the kernel's
     sendfile, so a version in the data dir goes from the page cache to the socket without passing
-    through this process), and `[SENDFILE]`: `await sendfile(file, offset, count)`, the loop's own.
+    through this process), and `[SENDFILE]`: `await sendfile(file_range)`, the loop's own.
     uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP connections;
     on TLS (or another server) nothing is offered and the app sends bytes as usual."""
 
@@ -132,12 +132,12 @@ class Sendfile:
             scope = {**scope, "extensions": {**(scope.get("extensions") or {}), ABORT: lambda: _reset(transport)}}
         if scope["type"] == "http" and scope.get("scheme") == "http" and cycle is not None and transport is not None:
 
-            async def sendfile(file: BinaryIO, offset: int, count: int) -> None:
-                _internals.sent_around(cycle, count)  # (uvicorn's send checks the body against Content-Length)
+            async def sendfile(piece: FileRange) -> None:
+                _internals.sent_around(cycle, piece.count)  # (uvicorn's send checks the body against Content-Length)
                 if transport.is_closing():
                     return  # the client went away; uvicorn's own send ignores what follows
                 with contextlib.suppress(ConnectionError):
-                    await asyncio.get_running_loop().sendfile(transport, file, offset, count)
+                    await asyncio.get_running_loop().sendfile(transport, piece.file, piece.offset, piece.count)
 
             extensions: dict[str, Any] = {SENDFILE: sendfile}
             if _internals.can_hold_writes(transport):

@@ -141,7 +141,7 @@ class PullResponse(Response):
         self.pull.keep_buffer()
         for piece in self.pieces:
             if isinstance(piece, FileRange):
-                await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
+                await self.pull.send(sendfile(piece), piece.count)
                 continue
             await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}), len(piece))
 
