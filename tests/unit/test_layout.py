@@ -164,3 +164,22 @@ def test_replicas_never_import_versions() -> None:
               for target in sorted(imports(name, path, set(mods)))
               if target.startswith("weightsvc.service.versions")]
     assert upward == []
+
+
+# The rooms whose modules call the service from outside it, and the only modules of it they may name:
+# the façade and its requests and answers. A part below them (pushes, pulls, versions, replicas) can
+# change without a transport knowing.
+OUTSIDE_THE_FACADE = ("transport", "server")
+FACADE = {"weightsvc.service.service", "weightsvc.service.api"}
+
+
+def test_transports_import_only_the_facade() -> None:
+    mods = modules()
+    past = []
+    for name, path in sorted(mods.items()):
+        if room(name) not in OUTSIDE_THE_FACADE:
+            continue
+        for target in sorted(imports(name, path, set(mods))):
+            if room(target) == "service" and target not in FACADE:
+                past.append(f"{name} -> {target}")
+    assert past == []

@@ -94,7 +94,7 @@ class Relay:
         """Follow the models the upstream lists, up to --max-models in all (counting those this relay
         holds already); a name no model can have is not followed (it would name a path)."""
         limit = self.service.settings.max_models
-        held = set(self.service.index.models()) | set(self._followers)
+        held = set(self.service.held_models()) | set(self._followers)
         unfollowed = {"invalid_name": 0, "max_models": 0}
         for model in listed:
             if model in self._followers:
@@ -127,7 +127,7 @@ class Relay:
             try:
                 # Start from the newest upstream version: older ones are not worth the bytes.
                 upstream = await self._run(self._client.versions, model)
-                local = self.service.index.latest(model)
+                local = self.service.latest(model)
                 after = max(local if local is not None else -1, upstream[-1].version - 1 if upstream else -1)
                 events = self._client.watch(model, after=after)
                 while (info := await self._run(_next, events)) is not None:
@@ -146,7 +146,7 @@ class Relay:
 
     async def _mirror(self, model: str, version: int) -> None:
         async with self._pulling:
-            local = self.service.index.latest(model)
+            local = self.service.latest(model)
             if local is not None and version <= local:
                 return
             held = self._client.held(model)
@@ -170,9 +170,9 @@ class Relay:
                 raise
             # The next pull's delta base: the committed version (with a data dir, its file's pages),
             # so the pulled buffer goes, and the relay holds no version per model in its own memory.
-            committed = self.service.index.find(model, version)
+            committed = self.service.committed(model, version)
             if committed is not None:
-                self._client.hold(committed.manifest, committed.data)
+                self._client.hold(*committed)
             log.info("relayed model=%s version=%d bytes=%d pulled=%d", model, version, len(data),
                      self._client.last_pull_bytes)
 

@@ -275,17 +275,17 @@ class Exporter:
             self.staged(-nbytes)
 
 
-def exporter_for(setting: str, staged: Callable[[int], None] = lambda n: None) -> Exporter:
+def exporter_for(setting: str, staged: Callable[[int], None] = lambda n: None, **residuals: Any) -> Exporter:
     """The kernels `--device` asks for (`rounding.export_device`): `cpu`; `cuda` (refused with a
     clear error when no GPU is visible, or Triton is missing); `auto`: the GPU when one is visible,
-    else the CPU."""
+    else the CPU. `residuals`: the GPU's bound and counters of its resident ef residuals (`Exporter`)."""
     where = rounding.export_device(setting)
     if where == "cuda":
         import torch
 
         log.info("exporting on %s", torch.cuda.get_device_name())
-        return Exporter(f"cuda:{torch.cuda.current_device()}", "cuda", staged)
+        return Exporter(f"cuda:{torch.cuda.current_device()}", "cuda", staged, **residuals)
     if where == "interpreted":
         log.info("exporting with the Triton kernels on the CPU (TRITON_INTERPRET=1): for tests")
-        return Exporter("cuda-interpreted", "cpu", staged)
-    return Exporter("cpu", "", staged)
+        return Exporter("cuda-interpreted", "cpu", staged, **residuals)
+    return Exporter("cpu", "", staged, **residuals)

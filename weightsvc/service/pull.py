@@ -146,7 +146,11 @@ class Pulls:
 class Pull:
     """One pull in progress. `body` is what follows the manifest: the bytes of the data section this
     replica holds (from `start`), or, when `base` is set, the delta encoding against that version.
-    With a `selection`, the manifest and the bytes are the selection's."""
+    With a `selection`, the manifest and the bytes are the selection's.
+
+    Where those bytes lie is asked of the pull, by every transport alike: `chunks` by offset in the
+    body, `file_pieces` by offset in the safetensors file, each piece a view of memory or a
+    `FileRange` of the version's file (`api.Piece`); a transport only frames and sends them."""
 
     def __init__(self, pulls: Pulls, version: Version, transport: str) -> None:
         self.pulls = pulls

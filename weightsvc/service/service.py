@@ -1,22 +1,22 @@
-"""The transport-agnostic core: the service's parts, wired, and the calls of the transports that
-take more than one of them.
+"""The data plane: the one façade every transport calls, the parts it builds, and the order they
+start and stop in.
 
-The gRPC servicer and the HTTP routes translate their requests into calls and the domain errors
-back; nothing about versions, export or metrics lives in them. They call the part that owns a call
-when one does: `pushes` (the push package, push/), `pulls` (pull.py), `index` (the committed
-versions), `acks`; and the service for the rest (listings, watches, topology, clients). Below this
-module nothing holds the service: a push gets a `PushContext` of exactly what it needs.
+The gRPC servicer and the HTTP routes translate their requests into one call of `Service` each and
+its domain errors back; the requests and answers are `api`'s types. Nothing about versions, export or
+metrics lives in a transport, and no transport names a part below this module: a push is `push`
+(the push package, push/), a pull `open_pull` (pull.py), and so on. Below this module nothing holds
+the service: a push gets a `PushContext` of exactly what it needs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 from weightsvc import rounding
 from weightsvc.errors import (
@@ -24,35 +24,33 @@ from weightsvc.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    WeightsvcError,
 )
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest, check_manifest
+from weightsvc.protocol.mismatch import RolloutMismatch
 from weightsvc.protocol.refs import check_model_name
-from weightsvc.protocol.topology import Replica
+from weightsvc.protocol.selection import Select
+from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
+from weightsvc.service.api import ClientStatus, DamagedFile, ModelSummary, PushMessage, Reported
 from weightsvc.service.device import Exporter, exporter_for
 from weightsvc.service.publish import Publisher
-from weightsvc.service.pull import Pulls, Watches, events
+from weightsvc.service.publish import restore as restore_from_store
+from weightsvc.service.pull import Pull, Pulls, Watches, events
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.pushes import Pushes
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.replicas.registry import Registry
-from weightsvc.service.versions.acks import Acks, ClientStatus
+from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.commit import Committer
-from weightsvc.service.versions.disk import DamagedFile, VersionFiles
+from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.index import Version, VersionIndex
-from weightsvc.service.versions.mismatch import Mismatches, Reported
+from weightsvc.service.versions.mismatch import Mismatches
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.service")
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    model: str
-    latest_version: int
-    versions: list[int]  # retained, oldest first
 
 
 class _Changes:
@@ -75,8 +73,9 @@ class _Changes:
 
 
 class Service:
-    """The core shared by every transport: settings, metrics, the versions' parts, the pushes, the
-    pulls and the export workers."""
+    """The data plane: one method per call of the transports (push, open a pull, manifest, watch, ack,
+    report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the order
+    in which they come up and go down."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -87,20 +86,20 @@ class Service:
         # carries events and acks; the index holds the bytes.
         shared = None if settings.relay_from else settings.redis_url
         self.registry: Registry = RedisRegistry(shared, prefix=settings.redis_prefix) if shared else MemoryRegistry()
-        self.index = VersionIndex(settings.retain, self.metrics)
-        self.index.pool.max_bytes = settings.max_staged_bytes  # reusable buffers count in the staging budget
+        # Reusable buffers count in the staging budget.
+        self.index = VersionIndex(settings.retain, self.metrics, pool_bytes=settings.max_staged_bytes)
         self.files = VersionFiles(settings.data_dir) if settings.data_dir is not None else None
         self.parts = Parts(self.registry, settings.retain)
-        self.acks = Acks(self.index, self.registry, self.metrics)
-        self.acks.forget_s = settings.client_forget_s
+        self.acks = Acks(self.index, self.registry, self.metrics, forget_s=settings.client_forget_s)
         self.mismatches = Mismatches(self.index, self.registry, self.metrics)
+        self.publisher = Publisher(settings, self.metrics, self.index) if settings.object_store else None
         self.committer = Committer(index=self.index, files=self.files, parts=self.parts, acks=self.acks,
-                                   registry=self.registry, metrics=self.metrics)
+                                   registry=self.registry, metrics=self.metrics, publisher=self.publisher)
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
-        self.exporter = exporter_for(settings.device, self.metrics.gpu_staged_bytes.inc)
-        self.exporter.resident_max = settings.gpu_residual_bytes
-        self.exporter.resident_bytes = self.metrics.gpu_residual_bytes.inc
-        self.exporter.residual_found = lambda source: self.metrics.gpu_residual_chunks.labels(source).inc()
+        self.exporter = exporter_for(
+            settings.device, self.metrics.gpu_staged_bytes.inc, resident_max=settings.gpu_residual_bytes,
+            resident_bytes=self.metrics.gpu_residual_bytes.inc,
+            residual_found=lambda source: self.metrics.gpu_residual_chunks.labels(source).inc())
         # One export at a time, its kernels on one thread (why: `rounding.use_threads`).
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="weightsvc-export", initializer=rounding.use_threads, initargs=(1,)
@@ -112,11 +111,59 @@ class Service:
             parts=self.parts, index=self.index, changed=self.changed,
         ))
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
-        self._topology: list[Replica] | None = None  # the last the registry gave (before it lost its data)
-        self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
+        self.membership = Membership(self.registry, self.parts, self.committer)
         self.watches = Watches(settings.watch_limit, self.metrics)
-        self.publisher = Publisher(settings, self.metrics, self.index) if settings.object_store else None
-        self.committer.publisher = self.publisher
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._follow: asyncio.Task[None] | None = None
+
+    # ---- start and stop ----------------------------------------------------------------------
+
+    @property
+    def sharded(self) -> bool:
+        """This replica holds parts of versions with others (a relay keeps a registry of its own)."""
+        return bool(self.settings.redis_url) and not self.settings.relay_from
+
+    async def start(self, listen: Callable[[], Awaitable[Replica]]) -> None:
+        """Bring the service up: the versions of the data dir, the registry's view of them, the object
+        store; then `listen` (the transports serve from there on, and say where: this replica); then
+        this replica takes part: it catches up with the versions committed without it, registers,
+        and follows the others' commits."""
+        restored = await asyncio.to_thread(self.committer.restore)
+        if restored:
+            log.info("restored %d committed versions from %s", restored, self.settings.data_dir)
+        await self.committer.sync_registry()
+        await _start_publisher(self)
+        replica = await listen()
+        self.parts.replica_id = replica.id  # (its id names the ports it listens on: known only now)
+        if self.sharded:
+            await self.committer.follower.catch_up()  # before it takes part in pushes
+        await self.registry.register(replica)
+        if self.sharded:
+            self.membership.replica = replica  # (its registration vanishing tells a registry that lost its data)
+        self._heartbeat = asyncio.create_task(self.membership.renew(replica), name="heartbeat")
+        if self.sharded:
+            self._follow = asyncio.create_task(self.committer.follower.follow(), name="follow")
+
+    async def stop(self, close: Callable[[], Awaitable[None]]) -> None:
+        """`start` in reverse: this replica leaves the registry, the watches end (an open stream would
+        hold up the transports' shutdown), `close` stops the transports, then the uploads, the export
+        workers and the registry's connection."""
+        for task in (self._heartbeat, self._follow):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        replica_id = self.parts.replica_id
+        self.membership.replica = None  # (gone from the registry now, not to register again)
+        if replica_id:
+            with contextlib.suppress(WeightsvcError):
+                await self.registry.deregister(replica_id)
+        self.end_watches()
+        await close()
+        if self.publisher is not None:
+            await self.publisher.stop()
+        await asyncio.to_thread(self.close)
+        await self.registry.close()
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -134,6 +181,34 @@ class Service:
     async def wait_pushes(self, count: int) -> None:
         """Return once exactly `count` staging sessions are open (0: every staging buffer released)."""
         await self.wait_for(lambda: len(self.pushes.sessions) == count)
+
+    # ---- pushes and pulls -----------------------------------------------------------------------
+
+    async def push(self, messages: AsyncIterator[PushMessage]) -> tuple[Manifest, bool]:
+        """One rank's push stream (header, chunks, commit): the committed version's manifest, and
+        whether this push created it (False: the same version was pushed before)."""
+        version, created = await self.pushes.run(messages)
+        return version.manifest, created
+
+    async def open_pull(self, model: str, version: int | None, transport: str, *, base: int | None = None,
+                        dense_fallback: bool = True, select: Select | None = None) -> Pull:
+        """A pull of `version` (None: the latest), holding it until `Pull.close`: its pieces, in memory
+        or in the version's file, sent under the stall timeout (`Pulls.open`)."""
+        return await self.pulls.open(model, version, transport, base=base, dense_fallback=dense_fallback,
+                                     select=select)
+
+    def manifest(self, model: str, version: int | None) -> Manifest:
+        """The manifest of a retained version (None: the latest)."""
+        return self.index.get(model, version).manifest
+
+    async def ack(self, model: str, version: int, client_id: str, caller: str) -> int:
+        """A client holds `version`: the latest version, for it to compare."""
+        return await self.acks.ack(model, version, client_id, caller)
+
+    async def report_mismatch(self, model: str, versions: Mapping[Any, Mapping[str, Any]], step: int | None
+                              ) -> dict[int, RolloutMismatch]:
+        """A learner's report of the trainer-rollout mismatch per version: the totals so far."""
+        return await self.mismatches.report(model, versions, step)
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -213,6 +288,63 @@ class Service:
         return self.exporter
 
     async def topology(self) -> list[Replica]:
+        """The replicas as the registry knows them (`Membership.topology`)."""
+        return await self.membership.topology()
+
+    @property
+    def device(self) -> str:
+        """Where pushes export (`Exporter.name`): what the ready line and /readyz say."""
+        return self.exporter.name
+
+    def latest(self, model: str) -> int | None:
+        """The latest retained version of `model`, None when none is."""
+        return self.index.latest(model)
+
+    def held_models(self) -> list[str]:
+        """The models this server retains a version of."""
+        return self.index.models()
+
+    def committed(self, model: str, version: int) -> tuple[Manifest, memoryview] | None:
+        """A retained version's manifest and data section (with a data dir: its file's pages), or None."""
+        found = self.index.find(model, version)
+        return None if found is None else (found.manifest, found.data)
+
+    def clients(self, model: str) -> list[ClientStatus]:
+        """The clients that acked a version of `model`: what each holds, how far behind, whether it is
+        still around (NOT_FOUND for an unknown model, as every model read)."""
+        self.index.get(model, None)
+        return self.acks.clients(model)
+
+
+async def _start_publisher(service: Service) -> None:
+    """--object-store: a server that starts with no versions (an empty or no data dir) first brings
+    back those the store retains (not a sharded replica: it holds parts); one that has versions
+    queues them (those in the store already are skipped); then uploads begin."""
+    publisher = service.publisher
+    if publisher is None:
+        return
+    await publisher.open()
+    if not service.index.models() and not service.sharded:
+        restored = await restore_from_store(publisher, service.settings, service.mirror)
+        log.info("restored %d committed versions from the object store %s", restored, publisher.url)
+    else:  # what the data dir holds and the store does not (uploads a stop or a crash cut off) goes up
+        for model in service.index.models():
+            for version in service.index.versions(model):
+                if version.part is None:
+                    publisher.committed(version)
+    publisher.start()
+
+
+class Membership:
+    """This replica in the registry: its registration, kept alive, and the topology as the registry
+    last gave it (what clients are told while the registry is away, or after it lost its data)."""
+
+    def __init__(self, registry: Registry, parts: Parts, committer: Committer) -> None:
+        self.registry, self.parts, self.committer = registry, parts, committer
+        self.replica: Replica | None = None  # this replica, once it registered (sharded replicas)
+        self._last: list[Replica] | None = None  # the last the registry gave (before it lost its data)
+
+    async def topology(self) -> list[Replica]:
         """The replicas as the registry knows them; while it is unreachable, as it last knew them
         (clients keep pulling from the owners; pushes fail at their commit, with UNAVAILABLE). A
         registry that no longer knows this replica lost its data: this replica registers again, and
@@ -221,27 +353,32 @@ class Service:
             live = await self.registry.replicas()
             if self.replica is not None and self.replica not in live:
                 await self.registry.register(self.replica)
-                self.registry_lost()
+                self.lost()
                 live = sorted({*live, self.replica})
         except Unavailable:
-            if self._topology is None:
+            if self._last is None:
                 raise
-            return self._topology
+            return self._last
         if self.parts.recovering():  # so that no push goes to fewer owners than hold each tensor
-            return sorted({*live, *(self._topology or [])})
-        self._topology = live
+            return sorted({*live, *(self._last or [])})
+        self._last = live
         self.parts.replicas_seen = len(live)
         return live
 
-    def registry_lost(self) -> None:
+    def lost(self) -> None:
         """The registry lost its data (this replica's registration vanished): the topology holds what
         it was for a while, and this replica gives the registry back the versions it holds."""
         log.warning("the registry lost this replica's registration (its data): registered again; giving it back "
                     "the versions held here")
         self.committer.registry_lost()
 
-    def clients(self, model: str) -> list[ClientStatus]:
-        """The clients that acked a version of `model`: what each holds, how far behind, whether it is
-        still around (NOT_FOUND for an unknown model, as every model read)."""
-        self.index.get(model, None)
-        return self.acks.clients(model)
+    async def renew(self, replica: Replica) -> None:
+        """Keep this replica's registration alive (it expires if the process dies)."""
+        while True:
+            await asyncio.sleep(REPLICA_TTL_S / 3)
+            try:
+                if not await self.registry.register(replica) and self.replica is not None:
+                    self.lost()  # it forgot this replica: it lost its data, or was away too long
+                await self.topology()  # (kept fresh: what the topology was, should the registry lose it)
+            except WeightsvcError as e:  # the registry is away: keep serving, try again
+                log.warning("cannot renew replica %s: %s", replica.id, e)

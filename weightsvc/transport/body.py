@@ -13,11 +13,12 @@ import socket
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from weightsvc.service.versions.index import FileRange
+from weightsvc.service.api import FileRange, Piece
+from weightsvc.transport import _internals
 
 SENDFILE = "weightsvc.sendfile"  # the ASGI extensions `Sendfile` adds
 OFFLOAD = "weightsvc.offload"
@@ -40,7 +41,7 @@ def _reset(transport: asyncio.Transport) -> None:
 _writers: ThreadPoolExecutor | None = None
 
 
-def _write(fd: int, piece: memoryview | FileRange, dropped: threading.Event) -> None:
+def _write(fd: int, piece: Piece, dropped: threading.Event) -> None:
     """Write `piece` to the non-blocking socket `fd` (in a writer thread): wait for room without the
     GIL, stop within WAKE_S once the pull is `dropped`. ConnectionError when the client is gone."""
     ready = select.poll()
@@ -82,15 +83,15 @@ class Writer:
         self.fd = self.transport.get_extra_info("socket").fileno()
         self.reading = self.transport.is_reading()
         self.transport.pause_reading()  # (what the client sends now waits: nothing answers it meanwhile)
-        empty = self.transport._make_empty_waiter()  # the transport's own writes fail until `done`
+        empty = _internals.hold_writes(self.transport)  # the transport's own writes fail until `done`
         self.held = True
         await empty
 
-    async def write(self, piece: memoryview | FileRange) -> None:
+    async def write(self, piece: Piece) -> None:
         global _writers
         if _writers is None:
             _writers = ThreadPoolExecutor(WRITERS, thread_name_prefix="weightsvc-pull")
-        self.cycle.expected_content_length -= len(piece)  # the body goes around uvicorn's send and its count
+        _internals.sent_around(self.cycle, len(piece))
         writing = asyncio.wrap_future(_writers.submit(_write, self.fd, piece, self.dropped))
         try:
             await asyncio.shield(writing)
@@ -102,13 +103,13 @@ class Writer:
         except ConnectionError:
             self.done()
             _reset(self.transport)
-            self.cycle.disconnected = True  # (as the transport's connection_lost, soon): uvicorn sends no more
+            _internals.disconnected(self.cycle)
             raise
 
     def done(self) -> None:
         if self.held:
             self.held = False
-            self.transport._reset_empty_waiter()
+            _internals.release_writes(self.transport)
             if self.reading:
                 self.transport.resume_reading()
 
@@ -117,7 +118,7 @@ class Sendfile:
     """ASGI middleware that offers the app `scope["extensions"][OFFLOAD]`: `offload()` is a `Writer`
     that writes a body to the connection from worker threads (a range of a file with the kernel's
     sendfile, so a version in the data dir goes from the page cache to the socket without passing
-    through this process), and `[SENDFILE]`: `await sendfile(file, offset, count)`, the loop's own.
+    through this process), and `[SENDFILE]`: `await sendfile(file_range)`, the loop's own.
     uvicorn has no ASGI extension for it: this reaches the transport of its plain-HTTP connections;
     on TLS (or another server) nothing is offered and the app sends bytes as usual."""
 
@@ -125,23 +126,21 @@ class Sendfile:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        cycle = getattr(send, "__self__", None)  # uvicorn's request-response cycle
-        transport = getattr(cycle, "transport", None)
-        counted = isinstance(getattr(cycle, "expected_content_length", None), int)
+        cycle = _internals.response_cycle(send)  # uvicorn's request-response cycle, counting the body it sends
+        transport = _internals.connection_of(send)
         if scope["type"] == "http" and transport is not None:
             scope = {**scope, "extensions": {**(scope.get("extensions") or {}), ABORT: lambda: _reset(transport)}}
-        if scope["type"] == "http" and scope.get("scheme") == "http" and counted and transport is not None:
+        if scope["type"] == "http" and scope.get("scheme") == "http" and cycle is not None and transport is not None:
 
-            async def sendfile(file: BinaryIO, offset: int, count: int) -> None:
-                # The body goes around uvicorn's send, which checks it against Content-Length.
-                cycle.expected_content_length -= count  # type: ignore[union-attr]
+            async def sendfile(piece: FileRange) -> None:
+                _internals.sent_around(cycle, piece.count)  # (uvicorn's send checks the body against Content-Length)
                 if transport.is_closing():
                     return  # the client went away; uvicorn's own send ignores what follows
                 with contextlib.suppress(ConnectionError):
-                    await asyncio.get_running_loop().sendfile(transport, file, offset, count)
+                    await asyncio.get_running_loop().sendfile(transport, piece.file, piece.offset, piece.count)
 
             extensions: dict[str, Any] = {SENDFILE: sendfile}
-            if hasattr(transport, "_make_empty_waiter"):  # (asyncio's selector transports)
+            if _internals.can_hold_writes(transport):
                 extensions[OFFLOAD] = lambda: Writer(transport, cycle)
             scope = {**scope, "extensions": {**(scope.get("extensions") or {}), **extensions}}
         await self.app(scope, receive, send)

@@ -4,8 +4,8 @@ gRPC closes a new connection once `grpc.max_allowed_incoming_connections` are he
 them: tokenless clients that each made one refused call, or watchers whose stream ended, kept a
 learner with a valid token out for as long as they liked. gRPC offers no way to close one connection,
 so this module finds the connection's socket among the process's descriptors (by its peer's address,
-as a call's `context.peer()` gives it) and shuts it down; gRPC then drops the connection, and a
-client's channel reconnects at its next call.
+as a call's `context.peer()` gives it; `_internals`) and shuts it down; gRPC then drops the
+connection, and a client's channel reconnects at its next call.
 
 - A connection that fails authentication is closed once the refusal is sent (unless a call of it
   is still running).
@@ -22,11 +22,11 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
-import socket
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from weightsvc.transport import _internals
 
 log = logging.getLogger("weightsvc.grpc")
 
@@ -53,46 +53,10 @@ def _host(host: str) -> str:
     return host.removeprefix("::ffff:")  # an IPv4 client of a dual-stack socket
 
 
-def _sockets(port: int) -> dict[Peer, int]:
-    """The connected sockets of this process whose local port is `port`: peer -> descriptor."""
-    out: dict[Peer, int] = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError, ValueError):
-            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                continue
-            peer = _peer_of(int(name), port)
-            if peer is not None:
-                out[peer] = int(name)
-    return out
-
-
-def _peer_of(fd: int, port: int) -> Peer | None:
-    sock = socket.socket(fileno=fd)
-    try:
-        local = sock.getsockname()
-        if not (isinstance(local, tuple) and local[1] == port):
-            return None
-        peer = sock.getpeername()
-        return _host(peer[0]), peer[1]
-    except OSError:
-        return None  # the listening socket, or one going away
-    finally:
-        sock.detach()  # the descriptor is gRPC's: never closed here
-
-
-def _shut(fd: int, port: int, peer: Peer) -> bool:
-    """Shut down the socket `fd` if it still is the connection from `peer` (descriptors are reused)."""
-    sock = socket.socket(fileno=fd)
-    try:
-        local, remote = sock.getsockname(), sock.getpeername()
-        if not (isinstance(local, tuple) and local[1] == port and (_host(remote[0]), remote[1]) == peer):
-            return False
-        sock.shutdown(socket.SHUT_RDWR)
-        return True
-    except OSError:
-        return False
-    finally:
-        sock.detach()
+def _sockets(port: int) -> dict[Peer, tuple[int, Peer]]:
+    """The connected sockets of this process whose local port is `port`: peer (as `parse_peer` gives it)
+    -> (descriptor, peer address as the socket gives it)."""
+    return {(_host(host), p): (fd, (host, p)) for (host, p), fd in _internals.connected_sockets(port).items()}
 
 
 class GrpcConnections:
@@ -197,6 +161,7 @@ class GrpcConnections:
                           key=lambda p: (p in self._last, max(self._last.get(p, 0.0), self._seen[p])))
             close.update((p, "over_limit") for p in idle[:over])
         if close:
-            shut = await asyncio.to_thread(lambda: [(p, r) for p, r in close.items() if _shut(held[p], self.port, p)])
+            shut = await asyncio.to_thread(
+                lambda: [(p, r) for p, r in close.items() if _internals.shut_down(held[p][0], self.port, held[p][1])])
             for _, reason in shut:
                 self.dropped(reason)

@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 
 from weightsvc._aio import off_loop
 from weightsvc.errors import WeightsvcError
@@ -31,6 +30,7 @@ from weightsvc.protocol.wire import (
     select_from_proto,
 )
 from weightsvc.service.service import Service
+from weightsvc.transport._internals import HealthServicer
 from weightsvc.transport.auth import Auth, GrpcAuth, peer_caller, token_caller
 from weightsvc.transport.connections import GrpcConnections, headroom
 from weightsvc.transport.push import push_messages
@@ -91,16 +91,15 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
-        version, created = await self.service.pushes.run(
-            push_messages(request_iterator, self.service.settings.max_tensors))
-        return pb.PushResponse(version=info_to_proto(version.manifest), created=created)
+        manifest, created = await self.service.push(push_messages(request_iterator, self.service.settings.max_tensors))
+        return pb.PushResponse(version=info_to_proto(manifest), created=created)
 
     @_abort_on_domain_error
     async def Pull(self, request: pb.PullRequest, context: Any) -> None:
         base = parse_version_ref(request.base) if request.base else None
         select = select_from_proto(request.select) if request.select else None
-        pull = await self.service.pulls.open(request.model, parse_version_ref(request.version), "grpc", base=base,
-                                             select=select)
+        pull = await self.service.open_pull(request.model, parse_version_ref(request.version), "grpc", base=base,
+                                            select=select)
         try:
             chunks = pull.chunks(request.offset, self.service.settings.chunk_bytes)
             # Written rather than yielded: only the stall timeout around a write (which waits on flow
@@ -129,7 +128,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
     @_abort_on_domain_error
     async def ReportMismatch(self, request: pb.ReportMismatchRequest, context: Any) -> pb.ReportMismatchResponse:
         step = request.step if request.HasField("step") else None
-        totals = await self.service.mismatches.report(
+        totals = await self.service.report_mismatch(
             request.model, {v: fields_from_proto(m) for v, m in request.versions.items()}, step)
         return pb.ReportMismatchResponse(versions={v: mismatch_to_proto(m) for v, m in totals.items()})
 
@@ -138,7 +137,7 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def GetManifest(self, request: pb.GetManifestRequest, context: Any) -> pb.Manifest:
-        m = self.service.index.get(request.model, parse_version_ref(request.version)).manifest
+        m = self.service.manifest(request.model, parse_version_ref(request.version))
         return await off_loop(manifest_from, m, request.tensors_from)
 
     @_abort_on_domain_error
@@ -158,13 +157,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         metadata = dict(context.invocation_metadata() or ())
         caller = token_caller(metadata.get("authorization")) if self.authenticated else peer_caller(context.peer())
         client_id = request.client_id or context.peer()
-        latest = await self.service.acks.ack(request.model, request.version, client_id, caller)
+        latest = await self.service.ack(request.model, request.version, client_id, caller)
         return pb.AckResponse(latest_version=latest)
 
     @_abort_on_domain_error
     async def ListClients(self, request: pb.ListClientsRequest, context: Any) -> pb.ListClientsResponse:
         statuses = self.service.clients(request.model)
-        latest = self.service.index.get(request.model, None).manifest.version
+        latest = self.service.manifest(request.model, None).version
         return pb.ListClientsResponse(model=request.model, latest_version=latest,
                                       clients=[pb.ClientStatus(**dataclasses.asdict(c)) for c in statuses])
 

@@ -25,10 +25,8 @@ from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
 from weightsvc.protocol.topology import HASHING
-from weightsvc.service.pull import Pull
-from weightsvc.service.push.messages import PushHeader, PushMessage
+from weightsvc.service.api import FileRange, Piece, Pull, PushHeader, PushMessage
 from weightsvc.service.service import Service
-from weightsvc.service.versions.index import FileRange
 from weightsvc.transport.auth import CALLER, peer_caller
 from weightsvc.transport.body import ABORT, OFFLOAD, SENDFILE, Writer
 from weightsvc.transport.limits import BodyBudget
@@ -95,7 +93,7 @@ class PullResponse(Response):
     """Streams the pieces of a pull; releases the pull when done (also when the client goes away).
     Ranges of a version's file go out with the server's sendfile (`SENDFILE`)."""
 
-    def __init__(self, pull: Pull, pieces: Iterator[memoryview | FileRange], status: int,
+    def __init__(self, pull: Pull, pieces: Iterator[Piece], status: int,
                  headers: dict[str, str]) -> None:
         m = pull.manifest
         headers = {"etag": pull.etag, "x-weightsvc-model": m.model, "x-weightsvc-version": str(m.version),
@@ -143,7 +141,7 @@ class PullResponse(Response):
         self.pull.keep_buffer()
         for piece in self.pieces:
             if isinstance(piece, FileRange):
-                await self.pull.send(sendfile(piece.file, piece.offset, piece.count), piece.count)
+                await self.pull.send(sendfile(piece), piece.count)
                 continue
             await self.pull.send(send({"type": "http.response.body", "body": piece, "more_body": True}), len(piece))
 
@@ -298,7 +296,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         if is_ready():
-            return JSONResponse({"status": "ready", "device": service.exporter.name})
+            return JSONResponse({"status": "ready", "device": service.device})
         return http_error(503, "UNAVAILABLE", "weightsvc is starting")
 
     @app.get("/metrics")
@@ -321,7 +319,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         """A learner's report of the trainer-rollout mismatch, per version (role push)."""
         what = f"the mismatch report of model {model!r}"
         body = parse_body(MismatchBody, await read_body(request, MISMATCH_BODY_BYTES, bodies, what), what)
-        totals = await service.mismatches.report(model, body.versions, body.step)
+        totals = await service.report_mismatch(model, body.versions, body.step)
         return {"model": model, "versions": {str(v): m.as_dict() for v, m in totals.items()}}
 
     @app.post("/v1/models/{model}/push", openapi_extra=_PUSH_BODY)
@@ -340,12 +338,12 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         return await _pushed(file_messages(body, model, step, format, rounding))
 
     async def _pushed(messages: AsyncIterator[PushMessage]) -> dict[str, Any]:
-        version, created = await service.pushes.run(messages)
-        return {**version.manifest.info(), "created": created}
+        manifest, created = await service.push(messages)
+        return {**manifest.info(), "created": created}
 
     @app.get("/v1/models/{model}/versions/{version}/manifest", response_model=None)
     async def manifest(model: str, version: str) -> Response:
-        m = service.index.get(model, parse_version_ref(version)).manifest
+        m = service.manifest(model, parse_version_ref(version))
         body = await off_loop(memo, m, "json", _json)
         if len(body) <= BODY_SLICE:
             return Response(body, media_type="application/json")
@@ -367,7 +365,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
     async def safetensors_selection(model: str, version: str, request: Request) -> Response:
         """The selection's file, as `GET ...?select=` answers it, for a selection too long for a URL
         (a tensor-parallel worker's slices of 100,000 tensors): the selectors in a JSON body."""
-        m = service.index.get(model, parse_version_ref(version)).manifest
+        m = service.manifest(model, parse_version_ref(version))
         what = f"the selection of model {model!r} version {m.version}"
         cap = await off_loop(memo, m, "selection_body_bytes", selection_body_bytes)
         raw = await read_body(request, cap, bodies, what)
@@ -378,7 +376,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     async def _file(model: str, version: str, request: Request, select: list[str]) -> Response:
         selected = selection(map(parse_selector, select)) if select else None
-        pull = await service.pulls.open(model, parse_version_ref(version), "http", select=selected)
+        pull = await service.open_pull(model, parse_version_ref(version), "http", select=selected)
         try:
             span: tuple[int, int] | None = None
             size = pull.file_size
@@ -412,7 +410,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
 
     @app.get("/v1/models/{model}/versions/{version}/delta", response_model=None, responses=_DELTA)
     async def delta(model: str, version: str, base: int = Query(ge=0)) -> Response:
-        pull = await service.pulls.open(model, parse_version_ref(version), "http", base=base, dense_fallback=False)
+        pull = await service.open_pull(model, parse_version_ref(version), "http", base=base, dense_fallback=False)
         headers = {"content-length": str(len(pull.body)), "x-weightsvc-base-version": str(base)}
         return PullResponse(pull, (piece for _, piece in pull.chunks(0, PIECE_BYTES)), 200, headers)
 
@@ -437,7 +435,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         peer = request.client
         client_id = body.client_id or (f"{peer.host}:{peer.port}" if peer else "")
         caller = request.scope.get(CALLER) or peer_caller(peer.host if peer else "")
-        return {"latest_version": await service.acks.ack(model, body.version, client_id, caller)}
+        return {"latest_version": await service.ack(model, body.version, client_id, caller)}
 
     @app.get("/v1/topology")
     async def topology() -> dict[str, Any]:
@@ -450,7 +448,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         statuses = service.clients(model)
         return {
             "model": model,
-            "latest_version": service.index.get(model, None).manifest.version,
+            "latest_version": service.manifest(model, None).version,
             "clients": [dataclasses.asdict(c) for c in statuses],
         }
 

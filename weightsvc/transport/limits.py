@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 from prometheus_client import Gauge
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from weightsvc.errors import ResourceExhausted, TooManyRequests
+from weightsvc.transport._internals import HttpToolsProtocol
 
 MAX_HEAD_BYTES = 64 << 10
 BODY_BYTES_PER_S = 1 << 20  # the slowest pace a request body may come at, past the head timeout

@@ -13,7 +13,7 @@ from weightsvc.errors import InvalidArgument, ResourceExhausted
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length
 from weightsvc.protocol.wire import ChunkView, Malformed, adapter_from_proto, decode_push_request
-from weightsvc.service.push.messages import PushChunk, PushCommit, PushHeader, PushMessage
+from weightsvc.service.api import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 FRAME_PREFIX = 5  # gRPC's framing of a message: a flag byte (0: not compressed), a big-endian u32 length

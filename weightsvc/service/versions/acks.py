@@ -41,7 +41,7 @@ class ClientAck:
 class Acks:
     """The clients' acks per model, against the history of committed versions (which outlives retention)."""
 
-    def __init__(self, index: VersionIndex, registry: Registry, metrics: Metrics) -> None:
+    def __init__(self, index: VersionIndex, registry: Registry, metrics: Metrics, forget_s: float = 3600.0) -> None:
         self._index = index
         self._registry = registry
         self._metrics = metrics
@@ -49,7 +49,7 @@ class Acks:
         self._history: dict[str, list[tuple[int, float]]] = {}  # committed versions, in order
         # A client silent for longer than this is forgotten by the staleness metrics; until then it
         # counts (with the version it acked last), so one that is stuck keeps its alert firing.
-        self.forget_s = 3600.0
+        self.forget_s = forget_s
         metrics.watch_clients(self.tracked)
 
     def committed(self, model: str, version: int, committed_unix: float) -> None:

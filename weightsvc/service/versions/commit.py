@@ -62,6 +62,7 @@ class Committer:
         acks: Acks,
         registry: Registry,
         metrics: Metrics,
+        publisher: Publishing | None = None,
     ) -> None:
         self._index = index
         self._files = files
@@ -76,7 +77,7 @@ class Committer:
         self._recovery = Recovery(index=index, files=files, parts=parts, acks=acks, registry=registry,
                                   residuals=self.residuals)
         self._giving_back: asyncio.Task[None] | None = None
-        self.publisher: Publishing | None = None  # --object-store: whole versions are written through to it
+        self.publisher = publisher  # --object-store: whole versions are written through to it
         self.follower = CommitFollower(index=index, parts=parts, acks=acks, registry=registry, locks=self._locks,
                                  lost=self.registry_lost)
 

@@ -24,10 +24,10 @@ from weightsvc.service.record import VersionFile as VersionFile
 class VersionIndex:
     """The newest `retain` committed versions of each model, and the buffers of evicted ones."""
 
-    def __init__(self, retain: int, metrics: Metrics) -> None:
+    def __init__(self, retain: int, metrics: Metrics, pool_bytes: int | None = None) -> None:
         self.retain = retain
         self.metrics = metrics
-        self.pool = BufferPool(wanted=self._retained_size)
+        self.pool = BufferPool(pool_bytes, wanted=self._retained_size)  # (at most `pool_bytes` kept for reuse)
         self._versions: dict[str, dict[int, Version]] = {}
         self._changed = asyncio.Condition()
 
