@@ -24,7 +24,9 @@ from tests.helpers import assert_served, same_bits, small_step
 from weightsvc.client import (
     ClientInfo,
     GrpcInferenceClient,
+    GrpcLearnerClient,
     HttpInferenceClient,
+    HttpLearnerClient,
     InferenceClient,
     LearnerClient,
     read_version_file,
@@ -38,6 +40,13 @@ def test_the_target_picks_the_transport(server: BackgroundServer, client: Infere
     expected = GrpcInferenceClient if transport == "grpc" else HttpInferenceClient
     assert type(client) is expected and isinstance(client, InferenceClient)
     assert client.transport == transport
+
+
+def test_the_target_picks_the_learners_transport(server: BackgroundServer, transport: str) -> None:
+    with LearnerClient(target(server, transport)) as learner:
+        expected = GrpcLearnerClient if transport == "grpc" else HttpLearnerClient
+        assert type(learner) is expected and isinstance(learner, LearnerClient)
+        assert learner.transport == transport
 
 
 def test_pull_gives_the_fair_cast_bits(learner: LearnerClient, client: InferenceClient, model: str) -> None:

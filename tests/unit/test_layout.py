@@ -100,6 +100,16 @@ def test_the_cycle_finder_finds_one() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_no_two_classes_share_a_name() -> None:
+    """A class name says which class it is: a reader (and a traceback) never has to ask which of two."""
+    where: dict[str, list[str]] = {}
+    for name, path in sorted(modules().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(name)
+    assert {c: found for c, found in where.items() if len(found) > 1} == {}
+
+
 @pytest.mark.parametrize("name", sorted(modules()))
 def test_no_module_or_class_is_too_large(name: str) -> None:
     path = modules()[name]

@@ -6,9 +6,10 @@
     weights = InferenceClient("s3://bucket/prefix").pull()     # an object store, no server
     learner.report_mismatch(model, rollout_mismatch(learner_lp, engine_lp, versions, mask=mask), step=step)
 
-`InferenceClient(target)` is a `GrpcInferenceClient`, an `HttpInferenceClient` or a
-`StoreInferenceClient`, by the target; each offers the pulls (whole, delta, selected) and watch, the
-first two also what needs a server (acks, clients, topology). Every pulled tensor is verified
+The target picks the transport, one way for both (`_targets`): `InferenceClient(target)` is a
+`GrpcInferenceClient`, an `HttpInferenceClient` or a `StoreInferenceClient`, and `LearnerClient(target)`
+a `GrpcLearnerClient` or an `HttpLearnerClient`. Each inference client offers the pulls (whole, delta,
+selected) and watch, the first two also what needs a server (acks, clients, topology). Every pulled tensor is verified
 against the checksum in the version's manifest. Server errors arrive as `weightsvc.errors`
 exceptions carrying the server's message.
 
@@ -19,10 +20,12 @@ that builds torch tensors, and `LearnerClient.push` takes numpy arrays as well.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Limits, RetryPolicy, VersionInfo, read_version_file, verify_data
+from weightsvc.client._targets import register
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.clients import ClientStatus as ClientInfo
 from weightsvc.protocol.manifest import Slice
@@ -32,6 +35,8 @@ if TYPE_CHECKING:
     from weightsvc.client._grpc import GrpcInferenceClient
     from weightsvc.client._http import HttpInferenceClient
     from weightsvc.client._learner import LearnerClient, Shard
+    from weightsvc.client._learner_grpc import GrpcLearnerClient
+    from weightsvc.client._learner_http import HttpLearnerClient
     from weightsvc.client._mismatch import rollout_mismatch
     from weightsvc.client._store import StoreInferenceClient
     from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
@@ -41,7 +46,9 @@ __all__ = [
     "ClientInfo",
     "Credentials",
     "GrpcInferenceClient",
+    "GrpcLearnerClient",
     "HttpInferenceClient",
+    "HttpLearnerClient",
     "InferenceClient",
     "LearnerClient",
     "Limits",
@@ -64,7 +71,9 @@ __all__ = [
 # asks a server for its status (`weightsvc status`) needs none of them.
 _LAZY = {
     "GrpcInferenceClient": "_grpc",
+    "GrpcLearnerClient": "_learner_grpc",
     "HttpInferenceClient": "_http",
+    "HttpLearnerClient": "_learner_http",
     "LearnerClient": "_learner",
     "Shard": "_learner",
     "rollout_mismatch": "_mismatch",
@@ -82,23 +91,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'weightsvc.client' has no attribute {name!r}")
 
 
-def _grpc() -> type[InferenceClient]:
-    from weightsvc.client._grpc import GrpcInferenceClient
-
-    return GrpcInferenceClient
+def _lazy(name: str) -> Callable[[], type[Any]]:
+    return lambda: __getattr__(name)
 
 
-def _http() -> type[InferenceClient]:
-    from weightsvc.client._http import HttpInferenceClient
-
-    return HttpInferenceClient
-
-
-def _store() -> type[InferenceClient]:
-    from weightsvc.client._store import StoreInferenceClient
-
-    return StoreInferenceClient
-
-
-# `InferenceClient(target)` is the client of the target's transport.
-InferenceClient.transports.update(grpc=_grpc, http=_http, s3=_store)
+# Each family's client of each transport: `InferenceClient(target)` and `LearnerClient(target)` make
+# the one of the target's (the transports import their family's base, so it cannot import them).
+register("inference", grpc=_lazy("GrpcInferenceClient"), http=_lazy("HttpInferenceClient"),
+         s3=_lazy("StoreInferenceClient"))
+register("learner", grpc=_lazy("GrpcLearnerClient"), http=_lazy("HttpLearnerClient"))

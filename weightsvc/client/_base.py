@@ -12,7 +12,7 @@ import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from weightsvc.client._common import (
     Credentials,
@@ -22,12 +22,12 @@ from weightsvc.client._common import (
     RetryPolicy,
     VersionInfo,
     check_pull,
-    is_http,
     pull_selection_by_part,
     read_base_file,
     verify_data,
     write_version_file,
 )
+from weightsvc.client._targets import ByTarget
 from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest
@@ -40,22 +40,15 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class InferenceClient:
+class InferenceClient(ByTarget):
     """Pulls served copies. `target` is "host:port" (or "grpcs://host:port") for gRPC, "http://host:port"
     (or "https://...") for HTTP, "s3://bucket/prefix" for an object store a server writes to.
 
-    `InferenceClient(target)` returns the transport's client (`GrpcInferenceClient` or
-    `HttpInferenceClient`); both offer every operation, and both are `InferenceClient`s."""
+    `InferenceClient(target)` returns the transport's client (`GrpcInferenceClient`,
+    `HttpInferenceClient` or `StoreInferenceClient`, picked by `weightsvc.client._targets`); each
+    offers every pull, and each is an `InferenceClient`."""
 
-    transport: str = ""  # "grpc", "http" or "s3"
-    # Each transport's class, loaded when first asked for: `weightsvc.client` fills this in (the
-    # transports import this module, so it cannot import them).
-    transports: ClassVar[dict[str, Callable[[], type[InferenceClient]]]] = {}
-
-    def __new__(cls, target: str, **kwargs: Any) -> InferenceClient:
-        if cls is InferenceClient:
-            cls = cls.transports["s3" if target.startswith("s3://") else "http" if is_http(target) else "grpc"]()
-        return super().__new__(cls)
+    family = "inference"
 
     def __init__(
         self,

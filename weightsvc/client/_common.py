@@ -285,10 +285,6 @@ def check_pull(model: str, base: int | None, select: Select | None, held: tuple[
         raise InvalidArgument(f"model {model!r}: this client holds no copy of version {base} to pull a delta on")
 
 
-def is_http(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
 def gather(jobs: list[Callable[[], None]], name: str) -> None:
     """Run `jobs` at once, one thread each; the first error is raised once all have ended."""
     if not jobs:

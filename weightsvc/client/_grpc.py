@@ -19,10 +19,10 @@ from weightsvc.client._common import (
     Receiver,
     VersionInfo,
     check_delta,
-    is_http,
     patched,
     pull_parts,
 )
+from weightsvc.client._targets import transport_of
 from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
@@ -110,9 +110,9 @@ class _Bearer(
 
 def channel(target: str, credentials: Credentials, who: str = "this client speaks gRPC") -> grpc.Channel:
     """`host:port` in clear, `grpcs://host:port` over TLS (system roots, or the CA bundle given)."""
-    if is_http(target):
+    if (transport := transport_of(target)) != "grpc":
         raise InvalidArgument(
-            f"{target} is an HTTP URL, and {who}: give host:port (or grpcs://host:port for TLS), "
+            f"{target} is an {transport.upper()} URL, and {who}: give host:port (or grpcs://host:port for TLS), "
             f"the service's gRPC port"
         )
     options = [

@@ -1,30 +1,26 @@
-"""The learner's client: pushes fp32 masters (torch tensors or numpy arrays) over gRPC or HTTP."""
+"""`LearnerClient`, the base of each transport's learner: pushes fp32 masters (torch tensors or numpy
+arrays), to one replica or sharded over several, over the transport's calls."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import queue
 import sys
 import threading
-import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Protocol, Union
 
-import grpc
 import numpy as np
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Credentials, Progress, VersionInfo, is_http
-from weightsvc.client._grpc import Replicas, channel, error
-from weightsvc.client._http import HttpInferenceClient, post_framed
-from weightsvc.errors import FailedPrecondition, Unavailable, WeightsvcError
+from weightsvc.client._common import Credentials, Progress, VersionInfo
+from weightsvc.client._targets import ByTarget
+from weightsvc.errors import Unavailable, WeightsvcError
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
-from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
-from weightsvc.protocol.names import PUSH, REASON_KEY
+from weightsvc.protocol.mismatch import RolloutMismatch
 from weightsvc.protocol.topology import Replica, groups
 from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, adapter_to_proto, chunk_pieces, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -53,41 +49,12 @@ class Shard:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
 
 
-# replica id ("": the target), its channel (None over HTTP), its header and parts
-Stream = tuple[str, "grpc.Channel | None", pb.PushHeader, dict[str, "Array | Shard"]]
+# replica id ("": the target), its header and parts
+Stream = tuple[str, pb.PushHeader, dict[str, "Array | Shard"]]
 Message = Sequence[bytes | memoryview]  # a serialized PushRequest, in pieces (a chunk's framing, then its data)
 
 
-def _joined(message: Message) -> bytes:
-    return message[0] if len(message) == 1 and isinstance(message[0], bytes) else b"".join(message)
-
-
-class _HttpTopology:
-    """The replicas a push over HTTP goes to: the target alone. A deployment of several replicas is
-    refused: its sharded push needs each replica's own stream, which only gRPC fans out."""
-
-    replication = 1
-
-    def __init__(self, client: HttpInferenceClient) -> None:
-        self.client = client
-        self.left_out: dict[str, float] = {}
-
-    def live(self) -> list[Replica]:
-        replicas = self.client.topology()
-        if len(replicas) > 1:
-            raise FailedPrecondition(f"{self.client.target}: the deployment has {len(replicas)} replicas; a sharded "
-                                     "push goes over gRPC (target host:port or grpcs://), not HTTP",
-                                     reason="invalid_header")
-        return replicas
-
-    def leave_out(self, replica_id: str) -> None:  # pragma: no cover - no replica is left out over HTTP
-        pass
-
-    def close(self) -> None:
-        self.client.close()
-
-
-class _ReplicaDown(Exception):
+class ReplicaDown(Exception):
     """A push stream failed because its replica could not be reached."""
 
     def __init__(self, replica: str, error: WeightsvcError) -> None:
@@ -197,58 +164,29 @@ def untie(parts: Mapping[str, Array | Shard], tied: Mapping[str, str] | None = N
 Messages = Callable[[pb.PushHeader, dict[str, "Array | Shard"], list[threading.Thread]], Iterator[Message]]
 
 
-def _http_push(client: HttpInferenceClient, streams: list[Stream], messages: Messages) -> VersionInfo:
-    """The one stream of a push over HTTP, as the body of POST /v1/models/{model}/push."""
-    (_, _, header, parts), = streams
-    path = f"/v1/models/{urllib.parse.quote(header.model, safe='')}/push"
-    return VersionInfo.from_dict(post_framed(client, path, messages(header, parts, [])))
+class Deployment(Protocol):
+    """The replicas a learner pushes to, as its transport reaches them."""
 
+    replication: int  # how many replicas hold each tensor
+    left_out: dict[str, float]  # replicas a push could not reach -> until when to leave them out
 
-def _grpc_push(streams: list[Stream], messages: Messages, target: str, timeout: float | None) -> VersionInfo:
-    """Run push streams at once, a call each; the first to fail cancels the others."""
-    senders: list[threading.Thread] = []  # the threads gRPC runs the streams on
-    done: queue.SimpleQueue[grpc.Future] = queue.SimpleQueue()
-    calls = []
-    replica_of = {}
-    try:
-        for replica, ch, header, parts in streams:
-            # Chunks are pre-encoded by `protocol.wire` (joined: one copy).
-            assert ch is not None
-            push = ch.stream_unary(PUSH, request_serializer=_joined,
-                                   response_deserializer=pb.PushResponse.FromString)
-            call = push.future(messages(header, parts, senders), timeout=timeout)
-            call.add_done_callback(done.put)
-            calls.append(call)
-            replica_of[id(call)] = replica
-        for _ in calls:
-            call = done.get()
-            failure = call.exception()
-            if failure is not None:
-                err = error(failure, target)
-                # (a replica that answers that the registry is away is up: the learner retries later)
-                if replica_of[id(call)] and failure.code() == grpc.StatusCode.UNAVAILABLE and \
-                        (REASON_KEY, "registry") not in (failure.trailing_metadata() or ()):
-                    raise _ReplicaDown(replica_of[id(call)], err) from None
-                raise err from None
-        resp = calls[0].result()
-        return VersionInfo.from_proto(resp.version, resp.created)
-    finally:
-        if any(not c.done() or c.exception() is not None for c in calls):  # one failed, or we were interrupted
-            for c in calls:
-                c.cancel()
-            # Refused early, a call ends while gRPC's thread may still be sending: let it finish,
-            # or a process that exits right after can abort inside gRPC.
-            for sender in senders:
-                if sender is not threading.current_thread():
-                    sender.join(5)
+    def live(self) -> list[Replica]: ...
+    def leave_out(self, replica_id: str) -> None: ...
+    def close(self) -> None: ...
 
 
 # Tensors (or a rank's parts of them) this small travel packed, several to a chunk (Chunk in the proto).
 PACK_BYTES = 64 << 10
 
 
-class LearnerClient:
-    """Pushes fp32 masters to weightsvc over gRPC (`host:port`, `grpcs://`) or HTTP (`http://`, `https://`)."""
+class LearnerClient(ByTarget):
+    """Pushes fp32 masters to weightsvc over gRPC (`host:port`, `grpcs://`) or HTTP (`http://`, `https://`).
+
+    `LearnerClient(target)` returns the transport's learner (`GrpcLearnerClient` or
+    `HttpLearnerClient`, picked by `weightsvc.client._targets`); each is a `LearnerClient`."""
+
+    family = "learner"
+    _replicas: Deployment  # set by each transport's learner
 
     def __init__(
         self,
@@ -267,16 +205,24 @@ class LearnerClient:
         self.chunk_bytes = chunk_bytes
         self.timeout = timeout
         self.credentials = Credentials.resolve(token, ca_cert)
-        self._channel: grpc.Channel | None = None
-        self._http: HttpInferenceClient | None = None
-        self._replicas: Replicas | _HttpTopology
-        if is_http(target):
-            self._http = HttpInferenceClient(target, timeout=timeout, token=self.credentials.token or "",
-                                             ca_cert=self.credentials.ca)
-            self._replicas = _HttpTopology(self._http)
-        else:
-            self._channel = channel(target, self.credentials, "the learner pushes over gRPC")
-            self._replicas = Replicas(self._channel, target, self.credentials, timeout)
+
+    # ---- the transport's part (each transport's learner defines these) -------------------------
+
+    def _push_streams(self, streams: list[Stream], messages: Messages) -> VersionInfo:
+        """Run push streams at once (one per replica). A replica that cannot be reached raises
+        `ReplicaDown`."""
+        raise NotImplementedError
+
+    def _committed(self, model: str, step: int, owners: list[str]) -> VersionInfo | None:
+        """The version `step` if a push to `owners` committed it (None: not known)."""
+        raise NotImplementedError
+
+    def _report(self, model: str, by_version: Mapping[int, RolloutMismatch],
+                step: int | None) -> dict[int, RolloutMismatch]:
+        """Send a mismatch report (its values checked); each version's accumulated mismatch."""
+        raise NotImplementedError
+
+    # ---- push ----------------------------------------------------------------------------------
 
     def push(
         self,
@@ -338,13 +284,13 @@ class LearnerClient:
                 whole.ClearField("owners")
                 whole.replication = 0
                 whole.aliases.update(aliases)
-                streams: list[Stream] = [("", self._channel, whole, dict(parts))]
+                streams: list[Stream] = [("", whole, dict(parts))]
             else:
-                streams = self._sharded(header, parts, aliases, replicas, where)
+                streams = self._sharded(header, parts, aliases, replicas)
             try:
-                info = self._push_streams(streams, specs, progress)
+                info = self._push_streams(streams, self._messages_of(specs, progress))
                 break
-            except _ReplicaDown as down:
+            except ReplicaDown as down:
                 # Committed all the same (the replica went down after the last part was in)?
                 committed = self._committed(model, step, [s[0] for s in streams])
                 if committed is not None:
@@ -361,7 +307,7 @@ class LearnerClient:
         return info
 
     def _sharded(self, header: pb.PushHeader, parts: dict[str, Array | Shard], aliases: dict[str, str],
-                 replicas: list[Replica], where: str) -> list[Stream]:
+                 replicas: list[Replica]) -> list[Stream]:
         """One stream per replica, each with the tensors it owns (and the aliases of those)."""
         replication = min(self._replicas.replication, len(replicas))
         of = groups([*parts, *aliases.values()], [r.id for r in replicas], replication)
@@ -374,37 +320,17 @@ class LearnerClient:
             own = pb.PushHeader()
             own.CopyFrom(header)
             own.aliases.update({a: t for a, t in aliases.items() if r.id in of[t]})  # (whichever rank holds t)
-            assert isinstance(self._replicas, Replicas)  # (over HTTP, `live` refuses several replicas)
-            streams.append((r.id, self._replicas.channel(r.id, where), own, mine))
+            streams.append((r.id, own, mine))
         return streams
 
-    def _committed(self, model: str, step: int, owners: list[str]) -> VersionInfo | None:
-        """The version `step` if a push to `owners` committed it, asked of any replica that answers."""
-        if not isinstance(self._replicas, Replicas):
-            return None
-        try:
-            m = self._replicas.ask(lambda stub: stub.GetManifest(pb.GetManifestRequest(model=model, version=str(step)),
-                                                                 timeout=self.timeout))
-        except WeightsvcError:
-            return None
-        if not m.parts or not {h for p in m.parts for h in (p.holders or [p.owner])} <= set(owners):
-            return None
-        info = pb.VersionInfo(model=model, version=step, format=m.format, rounding=m.rounding, lag=m.lag,
-                              committed_unix=m.committed_unix, tensor_count=m.tensor_count, data_bytes=m.data_bytes)
-        return VersionInfo.from_proto(info, True)
-
-    def _push_streams(self, streams: list[Stream], specs: dict[str, pb.TensorSpec],
-                      progress: Progress | None) -> VersionInfo:
-        """Run push streams at once (one per replica), over gRPC; over HTTP, the one stream is the body
-        of a POST. A replica that cannot be reached raises `_ReplicaDown`."""
+    def _messages_of(self, specs: dict[str, pb.TensorSpec], progress: Progress | None) -> Messages:
+        """The messages of each push stream, given its header and parts."""
 
         def messages(header: pb.PushHeader, parts: dict[str, Array | Shard], senders: list[threading.Thread]
                      ) -> Iterator[Message]:
             return self._messages(header, parts, specs, progress, senders)
 
-        if self._http is not None:
-            return _http_push(self._http, streams, messages)
-        return _grpc_push(streams, messages, self.target, self.timeout)
+        return messages
 
     def _messages(
         self, header: pb.PushHeader, parts: dict[str, Array | Shard], specs: dict[str, pb.TensorSpec],
@@ -467,18 +393,10 @@ class LearnerClient:
         returns each version's accumulated mismatch over every report so far. The service records
         all versions of the report or none: a version that is not retained raises `NotFound`, a bad
         value `InvalidArgument`. `step`: the learner's step that measured it."""
-        request = pb.ReportMismatchRequest(model=model, step=step)
         for version, m in by_version.items():
             if not isinstance(m, RolloutMismatch):
                 raise TypeError(f"version {version!r}: report a RolloutMismatch, not a {type(m).__name__}")
-            request.versions[int(version)].CopyFrom(mismatch_to_proto(m))
-        if self._http is not None:
-            body = {"versions": {str(v): m.as_dict() for v, m in by_version.items()}, "step": step}
-            answer = self._http._json(f"/v1/models/{urllib.parse.quote(model, safe='')}/mismatch", body)
-            return {int(v): RolloutMismatch(**m) for v, m in answer["versions"].items()}
-        assert isinstance(self._replicas, Replicas)
-        resp = self._replicas.ask(lambda stub: stub.ReportMismatch(request, timeout=self.timeout))
-        return {v: mismatch_from_proto(m) for v, m in resp.versions.items()}
+        return self._report(model, by_version, step)
 
     def close(self) -> None:
         self._replicas.close()

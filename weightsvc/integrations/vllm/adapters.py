@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from weightsvc.client import InferenceClient
 from weightsvc.errors import NotFound
 from weightsvc.integrations.vllm.engine_api import EngineError
-from weightsvc.integrations.vllm.follower import Follower, FollowerConfig, FollowerMetrics, Refused
+from weightsvc.integrations.vllm.follower import Follower, FollowerConfig, Refused, UpdateMetrics
 from weightsvc.integrations.vllm.revisions import write_revision
 from weightsvc.protocol.adapter import parse_revision, revision
 from weightsvc.protocol.manifest import Manifest
@@ -36,7 +36,7 @@ _LORA_INFO = re.compile(r"^vllm:lora_requests_info\{(?P<labels>[^}]*)\}\s+(?P<va
 _LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
-class AdapterMetrics(FollowerMetrics, Protocol):
+class AdapterMetrics(UpdateMetrics, Protocol):
     def live(self, revisions: int) -> None: ...
 
 

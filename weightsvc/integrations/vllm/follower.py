@@ -41,7 +41,9 @@ class Refused(EngineError):
     """A version that does not fit the engine: never loaded, never acked, not tried again."""
 
 
-class FollowerMetrics(Protocol):
+class UpdateMetrics(Protocol):
+    """What a follower records of its updates (`weightsvc follow` gives it `weightsvc.metrics.FollowerMetrics`)."""
+
     def updated(self, path: str, update_s: float, pause_s: float) -> None: ...
     def failed(self, stage: str) -> None: ...
     def position(self, served: int | None, latest: int | None) -> None: ...
@@ -66,7 +68,7 @@ class FollowerConfig:
 
 
 class Follower:
-    def __init__(self, config: FollowerConfig, metrics: FollowerMetrics,
+    def __init__(self, config: FollowerConfig, metrics: UpdateMetrics,
                  say: Callable[[str], None] = print) -> None:
         self.config = config
         self.metrics = metrics

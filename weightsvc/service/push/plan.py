@@ -66,7 +66,7 @@ class Fused:
         return not self.started and all(t.received == t.nbytes for t in self.members)
 
 
-class Shard:
+class RankShard:
     """A learner rank's shard of a tensor: the bytes [start, end) it pushes, in order."""
 
     def __init__(self, tensor: PushedTensor, start: int, end: int) -> None:
@@ -105,7 +105,7 @@ class Plan:
     each rank pushes of it."""
 
     tensors: dict[str, PushedTensor]
-    shards: dict[int, dict[str, Shard]]  # rank -> tensor name -> that rank's shard
+    shards: dict[int, dict[str, RankShard]]  # rank -> tensor name -> that rank's shard
     data_bytes: int
     slots: list[ServedTensor]
     numel: int  # elements of all the masters
@@ -159,7 +159,7 @@ def make_plan(header: PushHeader, spec: rounding.ExportSpec, ranks: Mapping[int,
             pushed.fused = fused.setdefault(rounding.fused_group(pushed.spec.name), Fused())
             pushed.fused.members.append(pushed)
     shards = {
-        rank: {s.name: Shard(tensors[s.name], s.elements[0] * MASTER_ITEMSIZE, sum(s.elements) * MASTER_ITEMSIZE)
+        rank: {s.name: RankShard(tensors[s.name], s.elements[0] * MASTER_ITEMSIZE, sum(s.elements) * MASTER_ITEMSIZE)
                for s in specs}
         for rank, specs in ranks.items()
     }

@@ -31,7 +31,7 @@ from weightsvc.service.push.plan import (
     MASTER_ITEMSIZE,
     Plan,
     PushedTensor,
-    Shard,
+    RankShard,
     exported_manifest,
     header_room,
     make_plan,
@@ -301,7 +301,7 @@ class PushSession:
         self.data = self.jobs.data = memoryview(b"")
 
 
-def _let_go(tensors: dict[str, PushedTensor], shards: dict[int, dict[str, Shard]]) -> None:
+def _let_go(tensors: dict[str, PushedTensor], shards: dict[int, dict[str, RankShard]]) -> None:
     """Drop a push's objects of each tensor (its gathered master, its residual, its digest, samples
     and shards) one tensor at a time: a few hundred thousand freed at once would hold the GIL, and so
     the event loop, for most of a second."""
