@@ -28,7 +28,7 @@ from weightsvc.client._common import (
     write_version_file,
 )
 from weightsvc.client._targets import ByTarget
-from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError
+from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError, subject
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
@@ -226,7 +226,7 @@ class InferenceClient(ByTarget):
                 model, str(whole.version), None, moved, select=group, owner=source))
         sent = {t.name: t.slice for t in manifest.tensors}
         if sent != dict(select):
-            raise DataLoss(f"model {model!r} version {manifest.version}: the server sent another selection "
+            raise DataLoss(f"{subject(model, manifest.version)}: the server sent another selection "
                            f"({sorted(sent)}) than the one asked for ({sorted(select)})")
         return manifest, data
 

@@ -17,7 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from weightsvc.errors import DataLoss, InvalidArgument, NotFound, ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import (
+    DataLoss,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    WeightsvcError,
+    subject,
+)
 from weightsvc.memory import alloc, half_the_memory
 from weightsvc.protocol.digest import verify_data
 from weightsvc.protocol.lag import LagMetrics
@@ -224,7 +232,7 @@ def read_base_file(path: str | Path, model: str, base: int) -> tuple[Manifest, m
     held = read_version_file(path)
     if (held[0].model, held[0].version) != (model, base):
         raise InvalidArgument(
-            f"{path} holds model {held[0].model!r} version {held[0].version}, not model {model!r} version {base}"
+            f"{path} holds {subject(held[0].model, held[0].version)}, not {subject(model, base)}"
         )
     verify_data(*held)
     return held
@@ -257,7 +265,7 @@ def check_delta(manifest: Manifest, nbytes: object, where: str) -> int:
 def patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memoryview) -> memoryview:
     """The data section of `manifest`: the held version's, with `delta` applied."""
     if len(held[1]) != manifest.data_bytes:  # (a server sends a delta only between versions of one layout)
-        raise DataLoss(f"model {manifest.model!r} version {manifest.version}: a delta on version {held[0].version} "
+        raise DataLoss(f"{subject(manifest.model, manifest.version)}: a delta on version {held[0].version} "
                        f"of {len(held[1])} bytes cannot make a data section of {manifest.data_bytes}")
     full = alloc(manifest.data_bytes)
     full[:] = held[1]
@@ -267,7 +275,7 @@ def patched(manifest: Manifest, held: tuple[Manifest, memoryview], delta: memory
         delta_apply(manifest, delta, full)
     except (ValueError, struct.error) as e:
         raise DataLoss(
-            f"model {manifest.model!r} version {manifest.version}: bad delta on version {held[0].version}: {e}"
+            f"{subject(manifest.model, manifest.version)}: bad delta on version {held[0].version}: {e}"
         ) from None
     return full
 
@@ -318,7 +326,7 @@ def pull_parts(retry: RetryPolicy, manifest: Manifest, data: memoryview, receive
                pull_part: Callable[[Manifest, str, Receiver], None]) -> None:
     """The bytes of `manifest`'s parts above `received`, each from a replica that holds it, all at
     once; `pull_part(manifest, replica, rx)` is one try at the bytes `rx` still wants."""
-    where = f"model {manifest.model!r} version {manifest.version}"
+    where = subject(manifest.model, manifest.version)
 
     def pull(part: Part) -> None:
         end = part.offset + part.nbytes
@@ -340,7 +348,7 @@ def pull_selection_by_part(retry: RetryPolicy, whole: Manifest, select: Select,
     got: dict[Part, tuple[Manifest, memoryview]] = {}
 
     def pull_group(part: Part, group: Select) -> None:
-        where = f"model {whole.model!r} version {whole.version}, tensors of replicas {list(part.sources)}"
+        where = f"{subject(whole.model, whole.version)}, tensors of replicas {list(part.sources)}"
         got[part] = from_holders(retry, part, lambda source: pull(group, source), where)
 
     gather([lambda p=p, g=g: pull_group(p, g) for p, g in groups.items()], "weightsvc-part")  # type: ignore[misc]

@@ -23,7 +23,15 @@ from weightsvc.client._common import (
     pull_parts,
 )
 from weightsvc.client._targets import transport_of
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import (
+    BY_GRPC_CODE,
+    DataLoss,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    WeightsvcError,
+    subject,
+)
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest
@@ -268,7 +276,7 @@ class GrpcInferenceClient(InferenceClient):
         manifest: Manifest | None = None
         rx: Receiver | None = None  # made at the first chunk: its size depends on whether a delta comes
         delta = False
-        ch = self._channel if owner is None else self._replicas.channel(owner, f"model {model!r} version {version}")
+        ch = self._channel if owner is None else self._replicas.channel(owner, subject(model, version))
         pull = _pull_method(ch)
         selected = select_to_proto(select) if select is not None else []
 
@@ -280,14 +288,14 @@ class GrpcInferenceClient(InferenceClient):
                                      base="" if held is None else str(held[0].version), select=selected)
             with errors_of(self.target):
                 stream = pull(request, timeout=self.timeout)
-                got = _read_manifest(stream, f"model {model!r} version {pinned}", self.limits.max_tensors)
+                got = _read_manifest(stream, subject(model, pinned), self.limits.max_tensors)
                 if got is None:
-                    raise DataLoss(f"model {model!r} version {pinned}: the pull did not start with a manifest")
+                    raise DataLoss(f"{subject(model, pinned)}: the pull did not start with a manifest")
                 got = self.limits.check(got, model, pinned)  # before anything is allocated for it
                 if manifest is not None and got.master_digest != manifest.master_digest:
-                    raise DataLoss(f"model {model!r} version {pinned} changed while resuming its pull")
+                    raise DataLoss(f"{subject(model, pinned)} changed while resuming its pull")
                 manifest = got
-                where = f"model {model!r} version {manifest.version}"
+                where = subject(model, manifest.version)
                 for chunk in stream:
                     if isinstance(chunk, pb.PullResponse) and chunk.HasField("delta"):
                         if rx is None:  # the bytes that follow encode changes from the held version
@@ -313,7 +321,7 @@ class GrpcInferenceClient(InferenceClient):
         expected = rx.end if rx else manifest.data_bytes
         if received != expected:
             raise DataLoss(
-                f"model {model!r} version {manifest.version}: stream ended after {received} of {expected} bytes"
+                f"{subject(model, manifest.version)}: stream ended after {received} of {expected} bytes"
             )
         data = rx.data if rx else alloc(0)
         return (manifest, patched(manifest, held, data)) if delta and held else (manifest, data)
@@ -335,13 +343,13 @@ class GrpcInferenceClient(InferenceClient):
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         head = self._call(self._stub.GetManifest, pb.GetManifestRequest(model=model, version=str(version)))
-        _check_count(head, f"model {model!r} version {head.version}", self.limits.max_tensors)
+        _check_count(head, subject(model, head.version), self.limits.max_tensors)
         more, got = [], len(head.tensors)
         while got < head.tensor_count:  # a big manifest comes in pieces: ask from where we got to
             piece = self._call(self._stub.GetManifest, pb.GetManifestRequest(
                 model=model, version=str(head.version), tensors_from=got))
             if piece.master_digest != head.master_digest or not piece.tensors:
-                raise DataLoss(f"model {model!r} version {head.version}: its manifest changed or ended after "
+                raise DataLoss(f"{subject(model, head.version)}: its manifest changed or ended after "
                                f"{got} of {head.tensor_count} tensors")
             more.append(piece.tensors)
             got += len(piece.tensors)

@@ -15,7 +15,15 @@ from typing import Any, TypeVar
 
 from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Progress, Receiver, VersionInfo, check_delta, patched, pull_parts
-from weightsvc.errors import BY_GRPC_CODE, DataLoss, FailedPrecondition, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.errors import (
+    BY_GRPC_CODE,
+    DataLoss,
+    FailedPrecondition,
+    InvalidArgument,
+    Unavailable,
+    WeightsvcError,
+    subject,
+)
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.manifest import Manifest, manifest_from_header
@@ -203,7 +211,7 @@ class HttpInferenceClient(InferenceClient):
         method, body = "GET", None
         if select:
             method, body = "POST", json.dumps({"select": [selector(*s) for s in select.items()]}).encode()
-        url = None if owner is None else self._owner_url(owner, f"model {model!r} version {version}")
+        url = None if owner is None else self._owner_url(owner, subject(model, version))
 
         def attempt() -> None:
             nonlocal etag, start, rx
@@ -215,12 +223,12 @@ class HttpInferenceClient(InferenceClient):
                     etag = resp.getheader("etag") or ""
                     head = resp.read(8)
                     if len(head) < 8 or (header_len := header_length(head)) > MAX_HEADER_BYTES:
-                        raise DataLoss(f"model {model!r} version {version}: not a safetensors stream")
-                    where = f"model {model!r} version {version}"
+                        raise DataLoss(f"{subject(model, version)}: not a safetensors stream")
+                    where = subject(model, version)
                     start, header = _parsed(lambda: read_safetensors_header(head + resp.read(header_len)), where)
                     m = self.limits.check(_parsed(lambda: manifest_from_header(header), where), model, version)
                     manifest_of.append(m)
-                    rx = Receiver(alloc(m.data_bytes), 0, m.data_bytes, moved, f"model {model!r} version {m.version}")
+                    rx = Receiver(alloc(m.data_bytes), 0, m.data_bytes, moved, subject(model, m.version))
                     rx.read(resp)
                 return
             # Resume the same version (If-Range: never splice two versions).
@@ -248,7 +256,7 @@ class HttpInferenceClient(InferenceClient):
     def _pull_delta(self, manifest: Manifest, held: tuple[Manifest, memoryview], moved: Progress) -> memoryview:
         """The data section of `manifest` from its delta on the held version; a break asks again."""
         path = f"/v1/models/{_quote(manifest.model)}/versions/{manifest.version}/delta?base={held[0].version}"
-        where = f"model {manifest.model!r} version {manifest.version} (delta on version {held[0].version})"
+        where = f"{subject(manifest.model, manifest.version)} (delta on version {held[0].version})"
 
         def attempt() -> memoryview:
             with self._open("GET", path) as resp:
@@ -298,7 +306,7 @@ class HttpInferenceClient(InferenceClient):
 
     def manifest(self, model: str = "default", version: int | str = "latest") -> Manifest:
         got = self._json(f"/v1/models/{_quote(model)}/versions/{_quote(str(version))}/manifest")
-        return self.limits.check(_parsed(lambda: Manifest.from_dict(got), f"model {model!r} version {version}"),
+        return self.limits.check(_parsed(lambda: Manifest.from_dict(got), subject(model, version)),
                              model, version)
 
     def versions(self, model: str = "default") -> list[VersionInfo]:

@@ -17,7 +17,7 @@ import numpy as np
 from weightsvc.client._base import InferenceClient
 from weightsvc.client._common import Credentials, Progress, VersionInfo
 from weightsvc.client._targets import ByTarget
-from weightsvc.errors import Unavailable, WeightsvcError
+from weightsvc.errors import Unavailable, WeightsvcError, subject
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
 from weightsvc.protocol.mismatch import RolloutMismatch
@@ -272,7 +272,7 @@ class LearnerClient(ByTarget):
         header = pb.PushHeader(model=model, step=step, format=format, rounding=rounding, rank=rank,
                                world_size=world_size,
                                adapter=None if adapter is None else adapter_to_proto(adapter))
-        where = f"model {model!r} step {step}"
+        where = subject(model, step=step)
         while True:
             replicas = self._replicas.live()
             if not replicas and self._replicas.left_out:

@@ -13,7 +13,7 @@ import grpc
 from weightsvc.client._common import VersionInfo
 from weightsvc.client._grpc import Replicas, channel, error
 from weightsvc.client._learner import LearnerClient, Message, Messages, ReplicaDown, Stream
-from weightsvc.errors import WeightsvcError
+from weightsvc.errors import WeightsvcError, subject
 from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import PUSH, REASON_KEY
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -35,7 +35,7 @@ class GrpcLearnerClient(LearnerClient):
 
     def _push_streams(self, streams: list[Stream], messages: Messages) -> VersionInfo:
         """Run push streams at once, a call each; the first to fail cancels the others."""
-        where = f"model {streams[0][1].model!r} step {streams[0][1].step}"
+        where = subject(streams[0][1].model, step=streams[0][1].step)
         # Every replica's channel before any call starts: one that is not known refuses the push whole.
         channels = [self._channel if not replica else self._replicas.channel(replica, where)
                     for replica, _, _ in streams]

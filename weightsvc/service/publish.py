@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from weightsvc.errors import AlreadyExists, DataLoss, NotFound, WeightsvcError
+from weightsvc.errors import AlreadyExists, DataLoss, NotFound, WeightsvcError, subject
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.delta import compatible
 from weightsvc.protocol.digest import verify_data
@@ -215,7 +215,7 @@ class Publisher:
 
 
 def _named(version: Version) -> str:
-    return f"model {version.manifest.model!r} version {version.manifest.version}"
+    return subject(version.manifest.model, version.manifest.version)
 
 
 async def restore(publisher: Publisher, settings: Settings,

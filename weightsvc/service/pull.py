@@ -23,6 +23,7 @@ from weightsvc.errors import (
     NotFound,
     TooManyRequests,
     Unavailable,
+    subject,
 )
 from weightsvc.metrics import Metrics
 from weightsvc.protocol import selection
@@ -108,7 +109,7 @@ class Pulls:
         m = version.manifest
 
         def none(why: str) -> FailedPrecondition:
-            return FailedPrecondition(f"model {m.model!r} version {m.version}: no delta against base {base}: {why}; "
+            return FailedPrecondition(f"{subject(m.model, m.version)}: no delta against base {base}: {why}; "
                                       "pull the whole version")
 
         not_smaller = f"it would not be smaller than the {m.data_bytes} dense bytes"
@@ -176,7 +177,7 @@ class Pull:
         return self.version.size if self.selection is None else self.selection.size
 
     def _where(self) -> str:
-        return f"model {self.manifest.model!r} version {self.manifest.version}"
+        return subject(self.manifest.model, self.manifest.version)
 
     def use_delta(self, base: int, delta: bytes) -> None:
         self.base, self.body = base, memoryview(delta)

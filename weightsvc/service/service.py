@@ -25,6 +25,7 @@ from weightsvc.errors import (
     ResourceExhausted,
     Unavailable,
     WeightsvcError,
+    subject,
 )
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest, check_manifest
@@ -252,11 +253,11 @@ class Service:
         s = self.settings
         await asyncio.to_thread(check_manifest, manifest, max_bytes=s.max_version_bytes, max_tensors=s.max_tensors)
         if len(data) != manifest.data_bytes:
-            raise DataLoss(f"model {manifest.model!r} version {manifest.version}: {len(data)} bytes of data for a "
+            raise DataLoss(f"{subject(manifest.model, manifest.version)}: {len(data)} bytes of data for a "
                            f"data section of {manifest.data_bytes}")
         held = self.index.models()
         if manifest.model not in held and len(held) >= s.max_models:
-            raise ResourceExhausted(f"model {manifest.model!r} version {manifest.version}: this server holds "
+            raise ResourceExhausted(f"{subject(manifest.model, manifest.version)}: this server holds "
                                     f"{len(held)} models, the most it takes (--max-models {s.max_models})",
                                     reason="too_many")
         manifest = dataclasses.replace(manifest, parts=())

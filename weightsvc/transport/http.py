@@ -20,7 +20,15 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from weightsvc._aio import in_thread, memo, off_loop
-from weightsvc.errors import Aborted, DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable, WeightsvcError
+from weightsvc.errors import (
+    Aborted,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    WeightsvcError,
+    subject,
+)
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
@@ -334,7 +342,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
                         ) -> dict[str, Any]:
         """A safetensors file of F32 masters as the version `step` (role push; `curl -T`): the committed
         version. `format` / `rounding` override the server's export, as a push's header does."""
-        body = Received(_until_gone(request.stream(), f"the push of model {model!r} step {step}"))
+        body = Received(_until_gone(request.stream(), f"the push of {subject(model, step=step)}"))
         return await _pushed(file_messages(body, model, step, format, rounding))
 
     async def _pushed(messages: AsyncIterator[PushMessage]) -> dict[str, Any]:
@@ -366,7 +374,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         """The selection's file, as `GET ...?select=` answers it, for a selection too long for a URL
         (a tensor-parallel worker's slices of 100,000 tensors): the selectors in a JSON body."""
         m = service.manifest(model, parse_version_ref(version))
-        what = f"the selection of model {model!r} version {m.version}"
+        what = f"the selection of {subject(model, m.version)}"
         cap = await off_loop(memo, m, "selection_body_bytes", selection_body_bytes)
         raw = await read_body(request, cap, bodies, what)
         body = await in_thread(len(raw) > BIG_BODY, parse_body, SelectBody, raw, what)
@@ -392,7 +400,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
                 416,
                 "OUT_OF_RANGE",
                 f"range {excerpt(request.headers.get('range') or '')} is outside the {size} bytes of "
-                f"model {model!r} version {pull.manifest.version}",
+                f"{subject(model, pull.manifest.version)}",
                 {"content-range": f"bytes */{size}"},
             )
         except BaseException:

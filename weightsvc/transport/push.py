@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from weightsvc._aio import BIG_MANIFEST, in_thread
-from weightsvc.errors import InvalidArgument, ResourceExhausted
+from weightsvc.errors import InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length
 from weightsvc.protocol.wire import ChunkView, Malformed, adapter_from_proto, decode_push_request
@@ -38,7 +38,7 @@ async def push_messages(
             yield _unpacked(layout, req.chunk.tensor, req.chunk.offset, memoryview(req.chunk.data))
         elif kind == "header":
             h = req.header
-            where = f"model {h.model!r} step {h.step}"
+            where = subject(h.model, step=h.step)
             if h.tensor_count > max_tensors:
                 raise ResourceExhausted(f"{where}: {h.tensor_count} tensors, more than the {max_tensors} a version "
                                         "may have (--max-tensors)", reason="too_large")
@@ -187,7 +187,7 @@ async def file_messages(body: Received, model: str, step: int, format: str, roun
                         ) -> AsyncIterator[PushMessage]:
     """A safetensors file of F32 tensors as one rank's push: its header, its data section as chunks
     (tensors in data order), and the commit once the body has ended at the end of the data."""
-    where = f"model {model!r} step {step}"
+    where = subject(model, step=step)
     if not await body.fill(8):
         raise InvalidArgument(f"{where}: the body is not a safetensors file: shorter than 8 bytes")
     n = header_length(body.take(8))

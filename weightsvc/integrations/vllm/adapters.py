@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weightsvc.client import InferenceClient
-from weightsvc.errors import NotFound
+from weightsvc.errors import NotFound, subject
 from weightsvc.integrations.vllm.engine_api import EngineError
 from weightsvc.integrations.vllm.follower import Follower, FollowerConfig, Refused, UpdateMetrics
 from weightsvc.integrations.vllm.revisions import write_revision
@@ -105,7 +105,7 @@ class AdapterFollower(Follower):
                 shutil.rmtree(where, ignore_errors=True)
                 hint = ("; start it with --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1" if e.status == 404
                         else "")
-                raise Refused("load", f"model {self.config.model!r} version {version}: the engine refused "
+                raise Refused("load", f"{subject(self.config.model, version)}: the engine refused "
                               f"adapter {name!r}: {e}{hint}", e.status) from None
             raise
         after = self._engine_ids()
@@ -121,7 +121,7 @@ class AdapterFollower(Follower):
 
     def _check(self, manifest: Manifest) -> None:
         """Refuse (by name) a version that is no adapter, or whose base is not the engine's."""
-        where = f"model {self.config.model!r} version {manifest.version}"
+        where = subject(self.config.model, manifest.version)
         a = manifest.adapter
         if a is None:
             raise Refused("load", f"{where} is not an adapter version (its manifest names no base); follow it "

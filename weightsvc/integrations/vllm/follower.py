@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from weightsvc.client import InferenceClient
-from weightsvc.errors import NotFound, WeightsvcError
+from weightsvc.errors import NotFound, WeightsvcError, subject
 from weightsvc.integrations.vllm.engine_api import EngineApi, EngineError
 
 __all__ = ["PATHS", "PAUSE_MODES", "UPDATING", "Follower", "FollowerConfig", "Refused"]
@@ -216,7 +216,7 @@ class Follower:
         label = self.engine.weight_version(stage="pause")
         if self.engine.is_paused() and not label.startswith(UPDATING):
             raise EngineError("pause", f"engine {self.config.engine} is paused by someone else (weight_version "
-                              f"{label!r}); model {self.config.model!r} version {version} waits for its resume", 409)
+                              f"{label!r}); {subject(self.config.model, version)} waits for its resume", 409)
         self.engine.post(f"/pause?mode={self.config.pause_mode}", stage="pause",
                          timeout_s=self.config.update_timeout_s if self.config.pause_mode == "wait" else None)
         paused = time.monotonic()
@@ -259,15 +259,15 @@ class Follower:
                                        timeout=self.config.update_timeout_s)
             reports = self._reports.pop(version, {})
         if self._stop.is_set():
-            raise EngineError("stage", f"stopped while model {self.config.model!r} version {version} was staged")
+            raise EngineError("stage", f"stopped while {subject(self.config.model, version)} was staged")
         if not done:
             raise EngineError("stage", f"engine {self.config.engine}: {len(reports)} of {self._world} workers "
-                              f"staged model {self.config.model!r} version {version} within "
+                              f"staged {subject(self.config.model, version)} within "
                               f"{self.config.update_timeout_s:g} s")
         errors = sorted(str(r["error"]) for r in reports.values() if r.get("error"))
         if errors:
             kind = Refused if any(e.startswith("Mismatch") for e in errors) else EngineError
-            raise kind("stage", f"engine {self.config.engine}: model {self.config.model!r} version {version} "
+            raise kind("stage", f"engine {self.config.engine}: {subject(self.config.model, version)} "
                        f"was not staged: {errors[0]}")
         return [reports[rank].get("pulled_bytes") for rank in sorted(reports)]
 
@@ -289,7 +289,7 @@ class Follower:
                 self.engine.label(str(version), stage="swap")
         except EngineError as e:
             if "Mismatch" in str(e):
-                raise Refused(e.stage, f"model {c.model!r} version {version} does not fit: {e}", e.status) from None
+                raise Refused(e.stage, f"{subject(c.model, version)} does not fit: {e}", e.status) from None
             raise
 
     def _ack(self, version: int) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 
 from weightsvc import rounding
-from weightsvc.errors import ResourceExhausted
+from weightsvc.errors import ResourceExhausted, subject
 from weightsvc.memory import BufferPool, anonymous_bytes
 from weightsvc.service.push.messages import PushHeader
 from weightsvc.settings import Settings
@@ -44,13 +44,13 @@ class StagingBudget:
         what = "(served bytes, ef residuals and fp8 masters gathered for their scales)"
         if rss + nbytes > mark:
             raise ResourceExhausted(
-                f"model {header.model!r} step {header.step}: this server holds {rss} bytes; staging {nbytes} more "
+                f"{subject(header.model, step=header.step)}: this server holds {rss} bytes; staging {nbytes} more "
                 f"{what} would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
                 reason="too_large",
             )
         if self.reserved + nbytes > budget:
             raise ResourceExhausted(
-                f"model {header.model!r} step {header.step}: pushes in progress hold "
+                f"{subject(header.model, step=header.step)}: pushes in progress hold "
                 f"{self.reserved} bytes; {nbytes} more {what} would exceed the staging budget of "
                 f"{budget} bytes (--max-staged-bytes); retry later",
                 reason="too_large",

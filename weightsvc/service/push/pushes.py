@@ -29,6 +29,7 @@ from weightsvc.errors import (
     ResourceExhausted,
     TooManyRequests,
     WeightsvcError,
+    subject,
 )
 from weightsvc.memory import trim_heap
 from weightsvc.protocol.adapter import Adapter
@@ -56,7 +57,7 @@ class Push:
     def __init__(self, pushes: Pushes, header: PushHeader) -> None:
         self.pushes = pushes
         self.model, self.step, self.world_size = header.model, header.step, header.world_size
-        self.where = f"model {header.model!r} step {header.step}"
+        self.where = subject(header.model, step=header.step)
         self.join_timeout = pushes.context.settings.push_rank_timeout_s
         self.deadline = time.monotonic() + self.join_timeout
         self.shards: dict[int, tuple[TensorSpec, ...]] = {}  # each rank's, from its header
@@ -359,14 +360,14 @@ class Pushes:
         context = self.context
         if self.settings.relay_from:
             raise FailedPrecondition(
-                f"model {header.model!r} step {header.step}: this server relays {self.settings.relay_from}; "
+                f"{subject(header.model, step=header.step)}: this server relays {self.settings.relay_from}; "
                 "push there",
                 reason="relay",
             )
         replica_id = context.parts.replica_id
         if header.owners and replica_id not in header.owners:
             raise FailedPrecondition(
-                f"model {header.model!r} step {header.step}: this server is replica {replica_id!r}, "
+                f"{subject(header.model, step=header.step)}: this server is replica {replica_id!r}, "
                 f"not one of the owners {list(header.owners)}; push each part to its owner (GetTopology)",
                 reason="invalid_header",
             )
@@ -379,7 +380,7 @@ class Pushes:
             others = len(held | set(self.pushing))
             if others >= self.settings.max_models:
                 raise ResourceExhausted(
-                    f"model {header.model!r} step {header.step}: this server holds or is receiving {others} models, "
+                    f"{subject(header.model, step=header.step)}: this server holds or is receiving {others} models, "
                     f"the most it takes (--max-models {self.settings.max_models}); push to one of them, or raise "
                     "the limit",
                     reason="too_many",

@@ -22,7 +22,7 @@ from prometheus_client import Gauge
 
 from weightsvc import rounding
 from weightsvc._aio import BIG_MANIFEST, in_thread, let_go
-from weightsvc.errors import Aborted, InvalidArgument
+from weightsvc.errors import Aborted, InvalidArgument, subject
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
@@ -112,7 +112,7 @@ class PushSession:
                 self._start(self.jobs.export_chunk, t, 0, b"")
 
     def where(self, rank: int | None = None) -> str:
-        where = f"model {self.header.model!r} step {self.header.step}"
+        where = subject(self.header.model, step=self.header.step)
         return where if rank is None or len(self.shards) == 1 else f"{where} rank {rank}"
 
     def rank_bytes(self, rank: int) -> int:
@@ -317,7 +317,7 @@ async def open_session(context: PushContext, header: PushHeader,
                        ranks: dict[int, tuple[TensorSpec, ...]]) -> PushSession:
     """Stage the version that `header` declares (whole tensors); `ranks` holds each rank's shards."""
     s, files = context.settings, context.files
-    where = f"model {header.model!r} step {header.step}"
+    where = subject(header.model, step=header.step)
     if header.owners:  # decide from the latest version the registry holds, as the other owners do
         await context.committer.follower.catch_up(header.model)
     try:

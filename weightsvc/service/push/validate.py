@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightsvc.errors import InvalidArgument, ResourceExhausted
+from weightsvc.errors import InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE
 from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
 from weightsvc.protocol.safetensors import check_header_size
@@ -14,7 +14,7 @@ from weightsvc.settings import Settings
 def validate_header(header: PushHeader, settings: Settings) -> None:
     """Refuse a header that breaks a rule of its own or a limit of `settings` (linear in its tensors)."""
     check_model_name(header.model)
-    where = f"model {header.model!r} step {header.step}"
+    where = subject(header.model, step=header.step)
     if not 0 <= header.step <= MAX_STEP:
         raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
     if not 1 <= header.world_size <= MAX_WORLD_SIZE:

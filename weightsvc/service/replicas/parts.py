@@ -25,6 +25,7 @@ from weightsvc.errors import (
     FailedPrecondition,
     Unavailable,
     WeightsvcError,
+    subject,
 )
 from weightsvc.protocol.manifest import Manifest, Part
 from weightsvc.protocol.parts import Segment
@@ -84,7 +85,7 @@ class Parts:
         unless there were not as many replicas before either."""
         if holders < min(replication, self.replicas_seen) and self.recovering():
             raise Unavailable(
-                f"model {model!r} step {step}: the registry lost its data lately and the replicas are registering "
+                f"{subject(model, step=step)}: the registry lost its data lately and the replicas are registering "
                 f"again; a push to {holders} holder(s) of each tensor, fewer than the {replication} of the deployment, "
                 "waits for them: push again in a few seconds", reason="registry")
 
@@ -106,13 +107,13 @@ class Parts:
         waiting = self._waiting.get(model)
         if waiting is not None and waiting.part_of.abandoned.is_set():  # (withdrawn once the registry answers)
             raise Unavailable(
-                f"model {model!r} step {step}: this replica's part of version {waiting.version}, which its learner "
+                f"{subject(model, step=step)}: this replica's part of version {waiting.version}, which its learner "
                 "abandoned, is still being withdrawn from the registry; push again shortly",
                 reason="registry",
             )
         if waiting is not None:
             raise FailedPrecondition(
-                f"model {model!r} step {step}: this replica's part of version {waiting.version} is waiting for the "
+                f"{subject(model, step=step)}: this replica's part of version {waiting.version} is waiting for the "
                 "other owners' parts; push again once it commits or is withdrawn",
                 reason="step_not_above_latest",
             )
@@ -133,7 +134,7 @@ class Parts:
         Raises only while the version is not committed: once it is, this replica keeps its part.
         `text`: the part's manifest as JSON, when the caller has made it."""
         m = part.manifest
-        where = f"model {m.model!r} version {m.version}"
+        where = subject(m.model, m.version)
         if part_of.abandoned.is_set():
             raise Aborted(f"{where}: the learner abandoned the push; nothing was committed", reason="aborted")
         mine = text if text is not None else await asyncio.to_thread(m.json)
@@ -211,7 +212,7 @@ class Parts:
     async def _withdraw(self, model: str, version: int, owners: tuple[str, ...]) -> bool:
         """Take this replica's part back: True, or False if the version committed first."""
         return await _registry_answer(lambda: self._registry.withdraw_part(model, version, self.replica_id, owners),
-                              f"withdrawing its part of model {model!r} version {version}")
+                              f"withdrawing its part of {subject(model, version)}")
 
     async def _other_parts(self, model: str, version: int, part_of: PartOf,
                            record: Callable[[], Awaitable[CommitResult | None]]) -> bool:
@@ -266,7 +267,7 @@ def _served(part: Version, raw: str) -> Version | None:
     version, or None when that version holds no such part (another owner, size or digest)."""
     m = part.manifest
     owner = m.parts[0].owner
-    whole = manifest_from_registry(raw, f"model {m.model!r} version {m.version}")
+    whole = manifest_from_registry(raw, subject(m.model, m.version))
     if json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
         return None
     segments = []

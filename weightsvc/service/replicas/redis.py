@@ -12,7 +12,7 @@ import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from weightsvc.errors import Unavailable
+from weightsvc.errors import Unavailable, subject
 from weightsvc.protocol.mismatch import DEFAULT_BAND
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
@@ -255,7 +255,7 @@ class RedisRegistry:
 
     async def commit(self, model: str, version: int, digest: str, manifest: str, retain: int) -> CommitResult:
         args: list[str | int] = [model, version, digest, manifest, retain, EVENTS_KEPT]
-        out = await self._call(f"committing model {model!r} version {version}",
+        out = await self._call(f"committing {subject(model, version)}",
                                self._commit(keys=self._keys(model), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         return self._decided(model, version, digest, status, rest)
@@ -285,7 +285,7 @@ class RedisRegistry:
         ttl_ms = int(PART_TTL_S * 1000)
         args: list[str | int] = [model, version, owner, owners_json, digest, manifest, retain, EVENTS_KEPT, ttl_ms,
                                  json.dumps(dict(groups or {}))]
-        out = await self._call(f"committing replica {owner!r}'s part of model {model!r} version {version}",
+        out = await self._call(f"committing replica {owner!r}'s part of {subject(model, version)}",
                                self._commit_part(keys=self._keys(model, version, owners), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         if status == "pending":
@@ -296,7 +296,7 @@ class RedisRegistry:
 
     async def restore(self, model: str, version: int, digest: str, manifest: str, retain: int) -> bool:
         args: list[str | int] = [model, version, digest, manifest, retain]
-        out = await self._call(f"restoring model {model!r} version {version}",
+        out = await self._call(f"restoring {subject(model, version)}",
                                self._restore(keys=self._keys(model), args=args))
         status, *rest = [x.decode() if isinstance(x, bytes) else str(x) for x in out]
         if status == "conflict":
@@ -304,14 +304,14 @@ class RedisRegistry:
         return status == "held"
 
     async def withdraw_part(self, model: str, version: int, owner: str, owners: Sequence[str] = ()) -> bool:
-        out = await self._call(f"withdrawing replica {owner!r}'s part of model {model!r} version {version}",
+        out = await self._call(f"withdrawing replica {owner!r}'s part of {subject(model, version)}",
                                self._withdraw_part(keys=self._keys(model, version, owners),
                                                    args=[version, owner]))
         return bool(int(out))
 
     async def part_pending(self, model: str, version: int, owner: str, owners: Sequence[str]) -> bool:
         pending = self._keys(model, version, owners)[-1]
-        return bool(await self._call(f"reading the parts of model {model!r} version {version}",
+        return bool(await self._call(f"reading the parts of {subject(model, version)}",
                                      self._redis.hexists(pending, owner)))
 
     async def versions(self, model: str) -> list[int]:
@@ -319,7 +319,7 @@ class RedisRegistry:
         return sorted(int(v) for v in raw)  # type: ignore[attr-defined]
 
     async def manifest(self, model: str, version: int) -> str | None:
-        raw = await self._call(f"reading model {model!r} version {version}",
+        raw = await self._call(f"reading {subject(model, version)}",
                                self._redis.hget(self._key(model, "manifests"), str(version)))
         return raw.decode() if isinstance(raw, bytes) else None
 

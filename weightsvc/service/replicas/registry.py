@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition
+from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, subject
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.mismatch import DEFAULT_BAND, Band, RolloutMismatch
 from weightsvc.protocol.parts import combine_parts
@@ -152,14 +152,14 @@ def manifest_from_registry(raw: str, where: str) -> Manifest:
 
 def diverged_error(model: str, version: int, group: str) -> DataLoss:
     return DataLoss(
-        f"model {model!r} version {version}: the owners {group.split(',')} of a group of tensors exported "
+        f"{subject(model, version)}: the owners {group.split(',')} of a group of tensors exported "
         "different bytes for it; nothing was committed"
     )
 
 
 def conflict(model: str, version: int, existing: str, pushed: str) -> AlreadyExists:
     return AlreadyExists(
-        f"model {model!r} version {version} is already committed with different content "
+        f"{subject(model, version)} is already committed with different content "
         f"(master digest {existing}, pushed {pushed})",
         reason="content_conflict",
     )

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 from weightsvc._faults import crash_point
-from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable
+from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable, subject
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.safetensors import check_header_size
@@ -132,7 +132,7 @@ class Committer:
                 return existing, False
             if residual is not None and residual[0] != latest:
                 raise FailedPrecondition(
-                    f"model {m.model!r} step {m.version}: version {latest} committed while this ef push "
+                    f"{subject(m.model, step=m.version)}: version {latest} committed while this ef push "
                     f"continued from version {residual[0]}; push again",
                     reason="step_not_above_latest",
                 )
@@ -147,7 +147,7 @@ class Committer:
             version = dataclasses.replace(version, manifest=m, header=header)
             record = None
             try:
-                check_header_size(len(version.header) - 8, f"model {m.model!r} step {m.version}")
+                check_header_size(len(version.header) - 8, subject(m.model, step=m.version))
                 if self._files is not None:
                     # Durable before visible: a version reported committed survives a crash. The
                     # residual goes first, named by its version, so a restart pairs it correctly.

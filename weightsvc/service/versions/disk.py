@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from weightsvc._faults import crash_point
-from weightsvc.errors import DiskFull, InvalidArgument, Unavailable, WeightsvcError
+from weightsvc.errors import DiskFull, InvalidArgument, Unavailable, WeightsvcError, subject
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.manifest import manifest_from_header
 from weightsvc.protocol.refs import MAX_STEP, check_model_name
@@ -57,7 +57,7 @@ class VersionFiles:
             raise InvalidArgument(f"model {model!r}: version {version!r} is not a step in [0, {MAX_STEP}]")
         path = self.data_dir / "models" / model / f"{version:020d}.safetensors"
         if not path.resolve().is_relative_to(self.data_dir.resolve()):
-            raise InvalidArgument(f"model {model!r} version {version}: {path} is not under the data dir "
+            raise InvalidArgument(f"{subject(model, version)}: {path} is not under the data dir "
                                   f"{self.data_dir}: refused")
         return path
 
@@ -86,7 +86,7 @@ class VersionFiles:
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as e:
-            raise _failure(f"model {model!r} version {version}: cannot persist to {path.parent}", e,
+            raise _failure(f"{subject(model, version)}: cannot persist to {path.parent}", e,
                            start + data_bytes, self.data_dir) from None
         return VersionFile(tmp, f, mapping, start)
 
@@ -124,7 +124,7 @@ class VersionFiles:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             needed = len(version.header) + (0 if in_place else len(version.data))
-            raise _failure(f"model {m.model!r} version {m.version}: cannot persist to {path.parent}", e, needed,
+            raise _failure(f"{subject(m.model, m.version)}: cannot persist to {path.parent}", e, needed,
                            self.data_dir) from None
         return dataclasses.replace(version, header=bytes(file.mapping[: file.data_start]), data=file.data, file=file)
 
@@ -158,7 +158,7 @@ class VersionFiles:
                 tmp.unlink(missing_ok=True)
                 raise
         except OSError as e:
-            raise _failure(f"model {model!r} version {version}: cannot persist the ef residual to {path.parent}",
+            raise _failure(f"{subject(model, version)}: cannot persist the ef residual to {path.parent}",
                            e, 8 + len(raw) + end, self.data_dir) from None
         mapping[: 8 + len(raw)] = framed(raw)
         staged = VersionFile(tmp, f, mapping, 8 + len(raw))
@@ -181,7 +181,7 @@ class VersionFiles:
             _sync_dir(path.parent)
         except OSError as e:
             needed = sum(r.nbytes for r in residual.tensors.values())
-            raise _failure(f"model {model!r} version {residual.version}: cannot persist the ef residual to "
+            raise _failure(f"{subject(model, residual.version)}: cannot persist the ef residual to "
                            f"{path.parent}", e, needed, self.data_dir) from None
 
     def remove(self, model: str, version: int, residual: bool) -> None:
@@ -238,7 +238,7 @@ class VersionFiles:
                     version = load_version(path)
                     m = version.manifest
                     if (m.model, f"{m.version:020d}.safetensors") != (model_dir.name, path.name):
-                        raise ValueError(f"its manifest is of model {m.model!r} version {m.version}")
+                        raise ValueError(f"its manifest is of {subject(m.model, m.version)}")
                 except Exception as e:  # one damaged file must not take the others down
                     self._set_aside(path, e)
                     continue
@@ -315,7 +315,7 @@ def write_record(files: VersionFiles, model: str, version: int, record: str) -> 
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise _failure(f"model {model!r} version {version}: cannot keep the registry's record in {path.parent}",
+        raise _failure(f"{subject(model, version)}: cannot keep the registry's record in {path.parent}",
                        e, len(record), files.data_dir) from None
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 
-from weightsvc.errors import Unavailable, WeightsvcError
+from weightsvc.errors import Unavailable, WeightsvcError, subject
 from weightsvc.service.record import Version
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import Registry, manifest_from_registry
@@ -96,7 +96,7 @@ class CommitFollower:
         raw = await self._registry.manifest(model, v)
         if raw is None:
             return
-        whole = await asyncio.to_thread(manifest_from_registry, raw, f"model {model!r} version {v}")
+        whole = await asyncio.to_thread(manifest_from_registry, raw, subject(model, v))
         if not whole.parts:
             return  # one server holds it whole: clients pull it there
         if not held_too and self._parts.replica_id in {h for p in whole.parts for h in p.sources}:

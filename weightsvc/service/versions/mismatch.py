@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from weightsvc.errors import InvalidArgument, NotFound
+from weightsvc.errors import InvalidArgument, NotFound, subject
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.mismatch import MEANS, RolloutMismatch
@@ -47,12 +47,12 @@ def _mismatch(model: str, version: int, fields: Mapping[str, Any]) -> RolloutMis
     missing = [f for f in ("tokens", *MEANS) if f not in fields]
     extra = sorted(set(fields) - {"tokens", *MEANS, "band"})  # (no band: the default one)
     if missing or extra:
-        raise InvalidArgument(f"model {model!r} version {version}: "
+        raise InvalidArgument(f"{subject(model, version)}: "
                               + (f"missing {missing}" if missing else f"unknown fields {extra}"))
     try:
         return RolloutMismatch(**fields)
     except ValueError as e:
-        raise InvalidArgument(f"model {model!r} version {version}: {e}; nothing of this report was recorded") from None
+        raise InvalidArgument(f"{subject(model, version)}: {e}; nothing of this report was recorded") from None
 
 
 class Mismatches:
