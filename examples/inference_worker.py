@@ -12,7 +12,8 @@ Each swap prints one JSON line on stdout.
 With `--vllm CHECKPOINT_DIR` the worker runs a real vLLM engine started from that checkpoint
 instead of the toy policy: sampling and updates take turns (vLLM reloads its weights in place,
 between two generations), and `weightsvc.loaders.update_vllm` pulls, checks, loads and acks each
-version (each tensor-parallel worker pulls only its slice).
+version (each tensor-parallel worker pulls only its slice); a swap is printed once the version has served a
+batch.
 
     python examples/inference_worker.py --target 127.0.0.1:50051 --model policy --vllm ./my-model
 """
@@ -173,13 +174,16 @@ def follow_vllm(target: str, model: str, checkpoint: str, until_version: int | N
     state: dict[str, int | None] = {"version": None}
     steps: Counter[int | None] = Counter()
     stop = threading.Event()
+    sampled = threading.Condition()  # a batch was sampled (on the version `steps` counts it under)
 
     def sample() -> None:
         sampling = SamplingParams(temperature=1.0, max_tokens=8, seed=0)
         while not stop.is_set():
             with turn:
                 llm.generate(prompts, sampling, use_tqdm=False)
-                steps[state["version"]] += 1
+                with sampled:
+                    steps[state["version"]] += 1
+                    sampled.notify_all()
 
     sampler = threading.Thread(target=sample, name="sampler", daemon=True)
     client_id = f"{socket.gethostname()}-vllm"
@@ -192,6 +196,8 @@ def follow_vllm(target: str, model: str, checkpoint: str, until_version: int | N
                 state["version"] = info.version
             if not sampler.is_alive():
                 sampler.start()
+            with sampled:  # a swap is announced once the version has served a batch
+                sampled.wait_for(lambda v=info.version: steps[v] > 0)
             emit(event="swap", version=info.version)
             if until_version is not None and info.version >= until_version:
                 break
