@@ -14,6 +14,11 @@ if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ] && [ "$(id -u)" = 0
   apt-get install -y -q --no-install-recommends nginx-light >/dev/null 2>&1 \
     || echo "setup: nginx-light did not install; the bench will skip P1_nginx" >&2
 fi
+# promtool checks the alerting rules (tests/integration/test_deploy_observability.py): Debian's prometheus.
+if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
+    || echo "setup: prometheus did not install; the promtool tests will skip" >&2
+fi
 want=$("$PYTHON" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')
 if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "${WEIGHTSVC_REINSTALL:-0}" != 1 ]; then
   exit 0
