@@ -8,6 +8,10 @@ it is of; its data section is gathered from the version's bytes (a whole tensor 
 a view of them, any other slice a copy). Over HTTP a selection is a list of `NAME` (whole) and
 `NAME@DIM:START:STOP` selectors.
 
+Where the bytes of a tensor, or of a slice of it, lie in a version's data section is computed once,
+here (`byte_ranges`): the selection's gather copies by it, and `Version.pieces` turns the same ranges
+into views of memory or ranges of the version's file for a transport that reads them in place.
+
 Numpy is loaded by the first slice that needs a copy: the clients import this module.
 """
 
@@ -118,20 +122,49 @@ def by_part(manifest: Manifest, select: Select) -> dict[Part, dict[str, Slice | 
     return groups
 
 
-def _bytes_of(t: ServedTensor, cut: Slice | None, raw: memoryview) -> memoryview:
-    """The bytes of `cut` of tensor `t`, whose bytes are `raw`: a view of them when they are contiguous
-    (the whole tensor, a range of its outermost dim), else a copy."""
+def _runs(t: ServedTensor, cut: Slice | None) -> tuple[int, int, int, int]:
+    """Where `cut` of tensor `t` (None: all of it) lies in the data section, as (offset, count, nbytes,
+    stride): `count` runs of `nbytes` bytes, the first at `offset`, each `stride` after the one before.
+
+    Row-major: a slice on dim d is one run per index of the dims before d, each the slice's block of
+    the dims from d on. Runs that touch are one: a whole tensor, a range of dim 0 (or of a dim after
+    dims of size 1) and all of a dim are one run. Sizes are bytes of served elements (`DTYPE_SIZES`):
+    FP4 is served two elements per U8 byte, so its shape, and any slice of it, is in bytes already.
+    No bytes: no runs (count 0)."""
     if cut is None:
-        return raw
-    itemsize = DTYPE_SIZES[t.dtype]
-    outer = math.prod(t.shape[: cut.dim])
-    inner = math.prod(t.shape[cut.dim + 1 :]) * itemsize  # bytes of one index of `dim`
-    if outer <= 1 or inner == 0:
-        return raw[cut.start * inner * outer : cut.stop * inner * outer]
+        return t.offset, 1 if t.nbytes else 0, t.nbytes, t.nbytes
+    inner = math.prod(t.shape[cut.dim + 1 :]) * DTYPE_SIZES[t.dtype]  # bytes of one index of `dim`
+    count = math.prod(t.shape[: cut.dim])
+    offset, nbytes, stride = t.offset + cut.start * inner, (cut.stop - cut.start) * inner, t.shape[cut.dim] * inner
+    if count == 0 or nbytes == 0:
+        return offset, 0, 0, stride
+    if count == 1 or nbytes == stride:
+        return offset, 1, count * nbytes, count * nbytes
+    return offset, count, nbytes, stride
+
+
+def byte_ranges(t: ServedTensor, cut: Slice | None) -> list[tuple[int, int]]:
+    """Where `cut` of tensor `t` (None: all of it) lies: (offset in the data section, nbytes) ranges in
+    row-major order, as few as the layout allows and none empty. A whole tensor or a range of dim 0 is
+    one range; a slice on dim d is one per index of the dims before it (an [R, C] tensor's columns: R).
+    The slice is taken as given: `chosen` checks it against the tensor."""
+    offset, count, nbytes, stride = _runs(t, cut)
+    return [(at, nbytes) for at in range(offset, offset + count * stride, stride)] if count else []
+
+
+def _bytes_of(t: ServedTensor, cut: Slice | None, data: memoryview, skip: int) -> memoryview:
+    """The bytes of `cut` of tensor `t` (`byte_ranges`) from `data`, which holds byte `o` of the data
+    section at `o - skip`: a view when they are one range, else one copy. The copy is one strided numpy
+    gather over the runs, not a loop over ranges: a tall tensor's columns are many short ones."""
+    offset, count, nbytes, stride = _runs(t, cut)
+    at = offset - skip
+    if count <= 1:
+        return data[at : at + count * nbytes]
     import numpy as np
 
-    grid = np.frombuffer(raw, np.uint8).reshape(outer, t.shape[cut.dim], inner)
-    return np.ascontiguousarray(grid[:, cut.start : cut.stop]).reshape(-1).data
+    span = np.frombuffer(data, np.uint8, count=(count - 1) * stride + nbytes, offset=at)
+    runs = np.lib.stride_tricks.as_strided(span, (count, nbytes), (stride, 1), writeable=False)
+    return np.ascontiguousarray(runs).reshape(-1).data
 
 
 @dataclass(frozen=True)
@@ -194,8 +227,7 @@ def gather(manifest: Manifest, data: memoryview, spans: Sequence[Segment], selec
     tensors, segments = [], []
     for p in placed:
         t, cut = source[p.name]
-        at = t.offset - skips[t.name]
-        piece = _bytes_of(t, cut, data[at : at + t.nbytes])
+        piece = _bytes_of(t, cut, data, skips[t.name])
         tensors.append(replace(p, checksum=t.checksum if cut is None else checksum(piece), slice=cut))
         segments.append(piece)
     m = replace(manifest, tensors=tuple(tensors), data_bytes=data_bytes, parts=())

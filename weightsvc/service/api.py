@@ -6,7 +6,8 @@ façade can change without a transport knowing.
 
 The bytes of a pull lie in memory or in a version's file: `Pull` answers them as `Piece`s, a view of
 memory or a `FileRange` of an open file, for whichever transport sends them (HTTP's writer threads
-and sendfile, gRPC's chunks). A transport tells them apart by type, never by where they came from.
+and sendfile, gRPC's chunks), by offset or, for a transport that reads a tensor's slices in place, by
+tensor and slice (`Pull.pieces`). A transport tells them apart by type, never by where they came from.
 """
 
 from __future__ import annotations

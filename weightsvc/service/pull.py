@@ -29,7 +29,7 @@ from weightsvc.metrics import Metrics
 from weightsvc.protocol import selection
 from weightsvc.protocol.delta import compatible as delta_compatible
 from weightsvc.protocol.delta import encode as delta_encode
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.manifest import Manifest, Slice
 from weightsvc.protocol.selection import Select, Selected
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.registry import Registry
@@ -150,8 +150,9 @@ class Pull:
     With a `selection`, the manifest and the bytes are the selection's.
 
     Where those bytes lie is asked of the pull, by every transport alike: `chunks` by offset in the
-    body, `file_pieces` by offset in the safetensors file, each piece a view of memory or a
-    `FileRange` of the version's file (`api.Piece`); a transport only frames and sends them."""
+    body, `file_pieces` by offset in the safetensors file, `pieces` by tensor and slice, each piece a
+    view of memory or a `FileRange` of the version's file (`api.Piece`); a transport only frames and
+    sends them (or registers them, to be read in place)."""
 
     def __init__(self, pulls: Pulls, version: Version, transport: str) -> None:
         self.pulls = pulls
@@ -220,6 +221,12 @@ class Pull:
                 "gathers the parts from their owners"
             )
         return v.file_range(start, end, size, zero_copy)
+
+    def pieces(self, name: str, cut: Slice | None = None, zero_copy: bool = False) -> list[memoryview | FileRange]:
+        """Where the bytes of tensor `name` of the pulled version, or of its slice `cut`, lie on this
+        server (`Version.pieces`: as few pieces as the layout allows). They are the version's, even in a
+        selection pull, and held against eviction until this pull closes."""
+        return self.version.pieces(name, cut, zero_copy=zero_copy)
 
     def keep_buffer(self) -> None:
         """The transport may keep views of the body beyond this pull: never recycle the version's buffer

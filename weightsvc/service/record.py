@@ -3,6 +3,12 @@ whole version, or a sharded replica's part of one), and the file they lie in wit
 
 Its own module: the versions this server keeps (`versions/`) and the registry's bookkeeping of parts
 (`replicas/`) both read it, and neither depends on the other for it.
+
+Where a version's bytes lie is answered here, for every transport: `Version.file_range` by range of
+the safetensors file, `Version.pieces` by tensor and slice (`selection.byte_ranges`: as few ranges as
+the layout allows). Both answer views of memory or `FileRange`s of the version's file, so a
+transport sends (or registers) what it gets and never reaches for the buffer, the mapping or the
+parts behind it.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.errors import FailedPrecondition, subject
+from weightsvc.protocol.manifest import Manifest, Slice
 from weightsvc.protocol.parts import Segment, held_span
+from weightsvc.protocol.selection import byte_ranges, chosen, owner_of
 
 
 @dataclass(frozen=True)
@@ -111,3 +119,26 @@ class Version:
                 else:
                     yield self.data[start - skip : stop - skip]
             start = stop
+
+    def pieces(self, name: str, cut: Slice | None = None, *, zero_copy: bool = False) -> list[memoryview | FileRange]:
+        """Where the bytes of tensor `name`, or of its slice `cut`, lie on this server: one piece per
+        range of `selection.byte_ranges`, in row-major order (a whole tensor or a dim-0 range is one).
+        Views of memory, or with `zero_copy` and a version in a file, ranges of that file. They stay
+        valid while the version is held (an open pull).
+
+        INVALID_ARGUMENT for a tensor the version lacks or a slice outside it, as a selection words it;
+        FAILED_PRECONDITION for a tensor that other replicas hold (a sharded replica holds its part)."""
+        m = self.manifest
+        ((t, cut),) = chosen(m, {name: cut})
+        held = self.span(t.offset, t.offset + t.nbytes)
+        if held is None:
+            raise FailedPrecondition(
+                f"{subject(m.model, m.version, tensor=name)} is held by other replicas ({owner_of(m, t)}), not "
+                "by this one: read its bytes from its owners (the InferenceClient does)"
+            )
+        skip = held.start - held.local  # byte o of the data section is data[o - skip]
+        ranges = byte_ranges(t, cut)
+        if zero_copy and self.file is not None:
+            at = self.file.data_start - skip
+            return [FileRange(self.file.file, at + o, n) for o, n in ranges]
+        return [self.data[o - skip : o - skip + n] for o, n in ranges]
