@@ -6,15 +6,12 @@ must decide alike: accepted, and each kind of refusal."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 import pytest
 
-from tests.helpers import REDIS_URL, needs_redis
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition
-from weightsvc.service.replicas.memory import MemoryRegistry
-from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.replicas.registry import CommitResult, Registry, combined_digest, commit_rule, part_rule
 
 RETAIN = 10
@@ -129,16 +126,6 @@ def manifest(model: str, version: int) -> str:
 async def pushed(registry: Registry, model: str, p: Part) -> CommitResult | None:
     return await registry.commit_part(model, p.version, p.owner, p.owners, p.digest, manifest(model, p.version),
                                       RETAIN, p.groups)
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
-async def registry(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[Registry]:
-    if request.param == "memory":
-        yield MemoryRegistry()
-        return
-    reg = RedisRegistry(REDIS_URL, prefix=redis_prefix)
-    yield reg
-    await reg.close()
 
 
 def test_the_table_holds_each_decision() -> None:

@@ -8,7 +8,7 @@ import json
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,16 +25,6 @@ from weightsvc.server.server import BackgroundServer
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.redis import RedisRegistry
 from weightsvc.service.replicas.registry import MismatchRecord, Registry, combined_digest, record_digest
-
-
-@pytest.fixture(params=["memory", pytest.param("redis", marks=needs_redis)])
-async def registry(request: pytest.FixtureRequest, redis_prefix: str) -> AsyncIterator[Registry]:
-    if request.param == "memory":
-        yield MemoryRegistry()
-        return
-    reg = RedisRegistry(REDIS_URL, prefix=redis_prefix)
-    yield reg
-    await reg.close()
 
 
 def manifest(version: int) -> str:
