@@ -97,8 +97,8 @@ _COMMIT_PART = (
 local v, owner = ARGV[2], ARGV[3]
 local committed = redis.call('HGET', KEYS[2], v)
 if committed then
-  local part = cjson.decode(committed)[owner]
-  if part and part['digest'] == ARGV[5] then return {'exists'} end
+  local part = cjson.decode(committed)[owner]  -- (a whole version's manifest holds other fields: no part)
+  if type(part) == 'table' and part['digest'] == ARGV[5] then return {'exists'} end
   return {'conflict', redis.call('HGET', KEYS[3], v)}
 end
 local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
