@@ -15,7 +15,7 @@ from tests.conftest import TRANSPORTS, serving, target
 from tests.helpers import REDIS_URL, bits, needs_redis, push_ranks
 from weightsvc import InferenceClient, LearnerClient, rounding
 from weightsvc.client import Adapter, Shard, Slice
-from weightsvc.errors import InvalidArgument, NotFound
+from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound
 from weightsvc.integrations.peft import served_adapter
 from weightsvc.protocol.adapter import parse_revision, revision
 
@@ -68,6 +68,10 @@ def test_adapter_version_served_unscaled_bit_for_bit_with_its_config(transport: 
     ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(4, IN),
       f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(OUT, 4)}, "rank 8"),
     ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(RANK, IN)}, "has no lora_B.weight"),
+    ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(()),  # (was INTERNAL: shape[0] of a scalar)
+      f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(OUT, RANK)}, r"lora_A.weight' has shape \[\]"),
+    ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(RANK, IN),
+      f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(())}, r"lora_B.weight' has shape \[\]"),
 ])
 def test_tensors_that_are_not_the_adapter_are_refused_by_name(tensors: dict[str, torch.Tensor],
                                                               message: str) -> None:
@@ -103,6 +107,26 @@ def test_ranks_push_one_adapter_and_must_declare_the_same() -> None:
             info = b.push(2, parts[1], "ad", rank=1, world_size=2, adapter=ADAPTER)
             pool.shutdown(wait=True)
             assert rank0.result() == info
+
+
+@pytest.mark.parametrize("push_transport", TRANSPORTS)
+def test_a_model_takes_pushes_of_its_own_kind_only(push_transport: str) -> None:
+    """An adapter model's versions are all the adapter's, a whole model's all whole: a push of the other
+    kind is refused naming the model, and the model keeps what it holds."""
+    with serving() as srv, LearnerClient(target(srv, push_transport)) as learner:
+        learner.push(1, masters(1), model="ad", adapter=ADAPTER)
+        learner.push(1, masters(1), model="full")
+        with pytest.raises(FailedPrecondition, match=r"model 'ad' step 2: the model's versions are a LoRA adapter of "
+                                                     r"base 'policy-base' \(latest: version 1\), and this push "
+                                                     "declares no adapter"):
+            learner.push(2, masters(2), model="ad")
+        with pytest.raises(FailedPrecondition, match=r"model 'full' step 2: the model's versions are whole \(latest: "
+                                                     r"version 1\), and this push declares an adapter of base "
+                                                     "'policy-base'"):
+            learner.push(2, masters(2), model="full", adapter=ADAPTER)
+        with InferenceClient(srv.grpc_target) as client:
+            assert [m.version for m in client.versions("ad")] == [1] == [m.version for m in client.versions("full")]
+        assert learner.push(2, masters(2), model="ad", adapter=ADAPTER).created
 
 
 def test_revision_names() -> None:

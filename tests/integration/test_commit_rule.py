@@ -78,6 +78,8 @@ CASES = [
     Case("a part of a version others committed", (OfParts(1, {"r0": "a", "r1": "b"}),),
          Part(1, "r2", "a", owners=("r0", "r2")), "conflict"),
     Case("a part where a whole version is", (Whole(1, "a"),), Part(1, "r0", "a"), "conflict"),
+    Case("a part of a replica named as a manifest's field, where a whole version is", (Whole(1, "a"),),
+         Part(1, "version", "a", owners=("r0", "version")), "conflict"),
     Case("a part below the latest", (Whole(3, "c"),), Part(2, "r0", "a"), "not_above"),
 ]
 

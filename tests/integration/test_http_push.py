@@ -8,7 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -95,6 +95,61 @@ def test_a_frame_over_the_message_limit_is_refused(server: BackgroundServer, mod
 def test_the_header_must_name_the_model_of_the_route(server: BackgroundServer, model: str) -> None:
     status, answer = post(server, f"/v1/models/{model}/push", header("another", 1, 4))
     assert status == 400 and "'another'" in answer["error"]["message"], answer  # type: ignore[index]
+
+
+def file_body(header: bytes, data_bytes: int = 16) -> bytes:
+    return len(header).to_bytes(8, "little") + header + bytes(data_bytes)
+
+
+def entry(shape: bytes, offsets: bytes = b"[0, 16]") -> bytes:
+    return b'{"w": {"dtype": "F32", "shape": %s, "data_offsets": %s}}' % (shape, offsets)
+
+
+def framed_push(model: str, after: bytes) -> bytes:
+    """A push of one tensor of 4 elements, its chunk sent, then `after`."""
+    return header(model, 1, 4) + frame(encode_chunk("w", 0, torch.ones(4).numpy().view("uint8").data)) + after
+
+
+COMMIT = frame(pb.PushRequest(commit=pb.PushCommit()).SerializeToString())
+# Each answered 500 and dropped the keep-alive connection, or was taken for what it is not: a shape of
+# [4.7] or ["4"], offsets [0.5, 16.5] or a byte order mark served as [4]; frames after the commit ignored.
+BAD_BODIES = [
+    ("PUT", lambda m: file_body(b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}"), "nests deeper than any"),
+    ("PUT", lambda m: file_body(entry(b"[1e400]")), "model {m!r} step 1 tensor 'w': shape [Infinity] is not a "
+                                                    "list of integers in [0, 2^64)"),
+    ("PUT", lambda m: file_body(entry(b"[4.7]")), "tensor 'w': shape [4.7] is not a list of integers"),
+    ("PUT", lambda m: file_body(entry(b'["4"]')), """tensor 'w': shape ["4"] is not a list of integers"""),
+    ("PUT", lambda m: file_body(entry(b"[4]", b"[0.5, 16.5]")), "tensor 'w': data_offsets [0.5, 16.5] are not two "
+                                                                 "integers"),
+    ("PUT", lambda m: file_body(b"\xef\xbb\xbf" + entry(b"[4]")), "a JSON object from its first byte, not start "
+                                                                   "with '\\ufeff'"),
+    ("PUT", lambda m: file_body(b"", 0), "model {m!r} step 1: the safetensors header cannot be read"),
+    ("POST", lambda m: framed_push(m, b"\0" * 5), "empty push message"),  # a frame of 0 bytes, the body's last
+    ("POST", lambda m: framed_push(m, COMMIT + header(m, 2, 4)), "the body goes on past its commit frame (at byte"),
+    ("POST", lambda m: framed_push(m, COMMIT + b"x"), "the body goes on past its commit frame"),
+]
+
+
+@pytest.mark.parametrize(("method", "body", "words"), BAD_BODIES, ids=[f"{m}-{i}" for i, (m, _, _) in
+                                                                       enumerate(BAD_BODIES)])
+def test_a_malformed_push_body_is_refused_and_keeps_its_connection(
+    server: BackgroundServer, model: str, method: str, body: Callable[[str], bytes], words: str
+) -> None:
+    path = f"/v1/models/{model}/push" if method == "POST" else f"/v1/models/{model}/versions/1/safetensors"
+    conn = http.client.HTTPConnection("127.0.0.1", int(server.http_url.rsplit(":", 1)[1]), timeout=30)
+    try:
+        conn.request(method, path, body=body(model))
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert (resp.status, answer["error"]["code"]) == (400, "INVALID_ARGUMENT"), answer
+        assert words.format(m=model) in answer["error"]["message"], answer
+        conn.request("GET", "/healthz")  # on the same connection
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    settled(server)
+    with InferenceClient(server.http_url) as puller:
+        assert model not in {m["model"] for m in puller.models()}
 
 
 @pytest.fixture

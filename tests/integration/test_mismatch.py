@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 import torch
 from typer.testing import CliRunner
 
@@ -24,6 +25,7 @@ from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli.main import app
 from weightsvc.client import RolloutMismatch, rollout_mismatch
 from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from weightsvc.protocol.mismatch import MAX_TOKENS
 from weightsvc.server.server import BackgroundServer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -150,6 +152,63 @@ def test_a_bad_value_is_refused_and_nothing_recorded(srv: BackgroundServer, mode
     if "tokens" in change or change.get("k3_kl") == -0.5 or "outside_band" in change:
         assert f"version 2: {words}" in answer["error"]["message"], answer
     assert listed(srv.grpc_target, model) == {1: (None, None), 2: (None, None)}
+
+
+# Reports past the bounds. Each answered 500, or was stored and from then on failed every listing of the
+# model and every later report of the version (a sum overflowed to inf; tokens past int64) until it retired.
+BEYOND = [
+    ({"1": {**GOOD, "tokens": 10, "k3_kl": 1e308}}, "version 1: k3_kl must be at most 1e+100, not 1e+308"),
+    ({"1": {**GOOD, "mean_abs_logp_delta": 1e300}}, "version 1: mean_abs_logp_delta must be at most 1e+100"),
+    ({"1": {**GOOD, "tokens": 10**30}}, f"version 1: tokens must be at most {MAX_TOKENS}, not {10**30}"),
+    ({"1": {**GOOD, "tokens": 2**63 - 1}}, f"version 1: tokens must be at most {MAX_TOKENS}"),
+    ({"1": {**GOOD, "tokens": 10**400}}, "tokens must be at most 9007199254740991, not 10000000000000000000... "
+                                         "(401 digits)"),
+    ({"1" * 5000: GOOD}, "version 11111111111111111111... (5000 digits) is outside [0, "),
+]
+
+
+@pytest.mark.parametrize("registry", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_report_past_the_bounds_is_refused_and_the_model_stays_listable(registry: str, redis_prefix: str,
+                                                                           model: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix} if registry == "redis" else {}
+    with serving(**shared) as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=model)
+        for versions, words in BEYOND:
+            status, answer = post(srv.http_url, f"/v1/models/{model}/mismatch", {"versions": versions})
+            assert (status, answer["error"]["code"]) == (400, "INVALID_ARGUMENT"), answer
+            assert f"model {model!r}" in answer["error"]["message"] and words in answer["error"]["message"], answer
+        for bad in ({"k3_kl": 1e308, "tokens": 10}, {"tokens": 2**63 - 1}):
+            e = _raw_report(srv.grpc_target, pb.ReportMismatchRequest(
+                model=model, versions={1: pb.RolloutMismatch(**{**GOOD, **bad})}))
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+            assert f"model {model!r} version 1: " in (e.details() or ""), e.details()
+        good = RolloutMismatch(**GOOD)  # type: ignore[arg-type]
+        assert LearnerClient(srv.grpc_target).report_mismatch(model, {1: good}, step=3) == {1: good}
+        for to in (srv.grpc_target, srv.http_url):
+            assert listed(to, model) == {1: (good, 3)}
+        report = CliRunner().invoke(app, ["status", "--target", srv.http_url, "--model", model, "--json"])
+        assert report.exit_code == 0, report.output
+        assert json.loads(report.output)["models"][0]["versions"][0]["mismatch"] == good.as_dict()
+
+
+@needs_redis
+def test_totals_recorded_past_the_bounds_before_they_were_refused_leave_the_listing_whole(
+        redis_prefix: str, model: str) -> None:
+    """A registry may hold totals an earlier server recorded past what a record holds: that version is
+    listed without them, the others with theirs."""
+    with serving(redis_url=REDIS_URL, redis_prefix=redis_prefix) as srv:
+        learner = LearnerClient(srv.grpc_target)
+        for step in (1, 2):
+            learner.push(step, make_masters(seed=step), model=model)
+        good = RolloutMismatch(**GOOD)  # type: ignore[arg-type]
+        learner.report_mismatch(model, {2: good})
+        redis.Redis.from_url(REDIS_URL).hset(f"{redis_prefix}:{{{model}}}:mismatch",
+                                             mapping={"1:tokens": 2**63 - 1, "1:k3": 1.0})
+        for to in (srv.grpc_target, srv.http_url):
+            assert listed(to, model) == {1: (None, None), 2: (good, None)}
+        with pytest.raises(FailedPrecondition, match=r"would take the mismatch totals of version\(s\) \[1\] past"):
+            learner.report_mismatch(model, {1: good, 2: good})
+        assert listed(srv.http_url, model)[2] == (good, None)
 
 
 def test_unknown_model_and_versions_not_retained(srv: BackgroundServer, model: str, push_transport: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import time
 import uuid
@@ -19,7 +20,7 @@ from tests.conftest import make_masters, serving
 from tests.helpers import REDIS_URL, PrivateRedis, needs_redis
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, Unavailable
-from weightsvc.protocol.mismatch import RolloutMismatch
+from weightsvc.protocol.mismatch import MAX_TOKENS, RolloutMismatch
 from weightsvc.protocol.topology import Replica
 from weightsvc.server.server import BackgroundServer
 from weightsvc.service.replicas.memory import MemoryRegistry
@@ -62,6 +63,34 @@ async def test_mismatch_records_add_up_and_follow_retention(registry: Registry) 
     await registry.add_mismatch("m", {6: a}, keep=[5, 6])  # version 4 retired: its record goes
     assert (await registry.mismatch("m")).keys() == {5, 6}
     assert await registry.mismatch("other") == {}
+
+
+async def test_a_report_past_what_a_record_holds_adds_nothing(registry: Registry) -> None:
+    """All or nothing: a report that would take a version's totals past MAX_TOKENS tokens or a finite sum
+    is refused whole (its other versions too), and the totals stay as they were, readable."""
+    held = {1: MismatchRecord(100, 1.0, 1e308, 5.0, step=1), 2: MismatchRecord(MAX_TOKENS - 10, 2.0, 0.5, 0.0)}
+    await registry.add_mismatch("m", held, keep=[1, 2])
+    fine = MismatchRecord(10, 0.5, 0.5, 1.0, step=2)
+    for too_much, which in (({1: MismatchRecord(10, 0.5, 1e308, 0.0, step=2)}, [1]),  # k3 sum past a double
+                            ({2: MismatchRecord(11, 0.5, 0.5, 0.0)}, [2]),  # one token past MAX_TOKENS
+                            ({1: MismatchRecord(2**63 - 1, 0.0, 0.0, 0.0)}, [1]),  # past Redis's integers too
+                            ({3: fine, 1: MismatchRecord(1, float("inf"), 0.0, 0.0)}, [1])):
+        refused = (rf"model 'm': the report would take the mismatch totals of version\(s\) {re.escape(str(which))} "
+                   rf"past {MAX_TOKENS} tokens or past a finite sum; nothing of this report was recorded")
+        with pytest.raises(FailedPrecondition, match=refused):
+            await registry.add_mismatch("m", too_much, keep=[1, 2, 3])
+    assert await registry.mismatch("m") == held
+    totals = await registry.add_mismatch("m", {2: MismatchRecord(10, 0.5, 0.5, 0.0)}, keep=[1, 2])  # to the bound
+    assert totals[2].tokens == MAX_TOKENS
+    assert (await registry.mismatch("m"))[2].mismatch().tokens == MAX_TOKENS
+
+
+async def test_mismatch_records_of_big_version_numbers_are_kept(registry: Registry) -> None:
+    a = MismatchRecord(10, 1.0, 0.1, 2.0)
+    big = [10**15, 10**18 - 1]  # (as numbers, Lua writes them 1e+15 and 1e+18)
+    await registry.add_mismatch("m", {big[0]: a}, keep=big[:1])
+    await registry.add_mismatch("m", {big[1]: a}, keep=big)
+    assert await registry.mismatch("m") == {big[0]: a, big[1]: a}
 
 
 async def test_retention_keeps_the_newest_versions(registry: Registry) -> None:

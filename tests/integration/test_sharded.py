@@ -303,6 +303,45 @@ def test_replication_two_survives_any_one_replica_killed(
                 proc.kill()
 
 
+def test_a_push_made_again_after_a_replica_restart_is_idempotent(redis_prefix: str, model: str) -> None:
+    """A replica SIGKILLed without a data dir comes back holding none of its part of a version: it shows
+    the version (clients fetch from the replicas that hold it), and has no part digest of its own to
+    compare a push of it with. The same masters pushed again are the same version (it used to answer
+    "already committed with different content", comparing the part's digest with the whole version's):
+    pushed with another rounding the replica serves on as it was; pushed as before it holds its part
+    again, and every replica serves the version bit for bit."""
+    def replica(replica_id: str) -> ServeProcess:  # replication 1: each tensor on its owner alone
+        return ServeProcess("--redis-url", REDIS_URL, "--redis-prefix", redis_prefix, "--replica-id", replica_id,
+                            "--push-rank-timeout-s", "30", "--replication", "1", "--rounding", "sr")
+
+    procs = {r: replica(r) for r in REPLICAS}
+    state = make_masters(scale=0.05)
+    try:
+        with LearnerClient(procs["r0"].target) as learner:
+            first = learner.push(1, state, model)
+        with InferenceClient(procs["r0"].target) as puller:
+            committed, expected = puller.manifest(model, 1), puller.pull(model, 1)
+        assert {p.owner for p in committed.parts} == set(REPLICAS)
+        procs["r1"].kill()
+        procs["r1"] = replica("r1")  # ready once it has caught up: it shows version 1, holding none of it
+        with LearnerClient(procs["r1"].target) as learner:
+            again = learner.push(1, state, model, rounding="rtn")  # other bytes of the same masters
+            assert (again.version, again.created, again.rounding) == (1, False, "sr")
+            assert not learner.push(1, state, model).created
+        for proc in procs.values():
+            with InferenceClient(proc.target) as puller:
+                assert puller.manifest(model, 1) == committed
+                got = puller.pull(model, 1)
+            assert got.keys() == expected.keys()
+            for name, t in expected.items():
+                assert torch.equal(got[name].view(torch.int16), t.view(torch.int16)), (name, proc.target)
+        assert first.created
+    finally:
+        for proc in procs.values():
+            if proc.proc.poll() is None:
+                proc.kill()
+
+
 def test_learner_ranks_push_to_sharded_replicas(redis_prefix: str, model: str) -> None:
     """FSDP-style ranks, each with whole tensors and a shard of one, over three replicas: each rank
     sends every replica its share (possibly nothing); the version equals a one-rank push to one server."""

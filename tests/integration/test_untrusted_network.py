@@ -58,7 +58,8 @@ BAD: dict[str, tuple[Alter, type[WeightsvcError], str]] = {
     "an unknown dtype": (lambda m: altered(m, tensor0={"dtype": "Q99"}), DataLoss, "dtype 'Q99'"),
     # (over HTTP its entry in the file's header takes the manifest's place)
     "a reserved tensor name": (lambda m: altered(m, tensor0={"name": "__metadata__"}), DataLoss,
-                               "'__metadata__' is reserved|carries no weightsvc manifest"),
+                               "'__metadata__' is reserved|carries no weightsvc manifest|"
+                               r"header names \['__metadata__'\] more than once"),
     "a sound manifest of 1 TiB": (lambda m: claiming(m, 1 << 40), ResourceExhausted,
                                   "1099511627776 bytes is more than the"),
 }

@@ -7,7 +7,15 @@ import json
 import pytest
 
 from weightsvc.errors import InvalidArgument
-from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, framed, header_length, read_safetensors_header
+from weightsvc.protocol.safetensors import (
+    MAX_HEADER_BYTES,
+    check_metadata,
+    framed,
+    header_length,
+    load_header,
+    read_safetensors_header,
+    tensor_entry,
+)
 
 
 def test_a_framed_header_reads_back_with_its_data_start() -> None:
@@ -34,3 +42,47 @@ def test_a_header_padded_to_a_size_keeps_its_json() -> None:
 def test_what_is_not_a_safetensors_prefix_is_refused(prefix: bytes) -> None:
     with pytest.raises(InvalidArgument, match="not a safetensors file"):
         read_safetensors_header(prefix)
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    (b'{"a":' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nests deeper than any safetensors header does"),
+    (b'\xef\xbb\xbf{"w": {}}', "must be a JSON object from its first byte, not start with '\\ufeff'"),
+    (b' {"w": {}}', "must be a JSON object from its first byte"),
+    (b'{"w": {}, "w": {}}', "the header names ['w'] more than once"),
+    (b'{"w": "\xff"}', "can't decode byte 0xff"),
+])
+def test_a_header_is_read_as_strictly_as_the_format_says(raw: bytes, words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        load_header(raw)
+    assert words in str(e.value)
+
+
+def test_a_padded_header_reads() -> None:
+    assert load_header(b'{"w": {}}   ') == {"w": {}}
+
+
+@pytest.mark.parametrize(("entry", "words"), [
+    ([], "its entry is list"),
+    ({"dtype": 4, "shape": [], "data_offsets": [0, 4]}, "dtype 4 is not a string"),
+    ({"dtype": "F32", "shape": [4.7], "data_offsets": [0, 16]}, "shape [4.7] is not a list of integers"),
+    ({"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}, 'shape ["4"] is not'),
+    ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "shape [true] is not"),
+    ({"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 4]}, "shape [Infinity] is not"),
+    ({"dtype": "F32", "shape": [1 << 64], "data_offsets": [0, 4]}, "is not a list of integers in [0, 2^64)"),
+    ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "is not a list of integers in [0, 2^64)"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0.5, 16.5]}, "data_offsets [0.5, 16.5] are not two integers"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16, 3]}, "data_offsets [0, 16, 3] are not"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}, "begin <= end"),
+    ({"dtype": "F32", "shape": [4]}, "data_offsets null are not"),
+])
+def test_a_tensor_entry_breaking_the_format_is_refused(entry: object, words: str) -> None:
+    with pytest.raises(ValueError) as e:
+        tensor_entry(entry)
+    assert words in str(e.value)
+
+
+def test_a_tensor_entry_reads() -> None:
+    assert tensor_entry({"dtype": "F32", "shape": [2, 3], "data_offsets": [8, 32]}) == ("F32", (2, 3), 8, 32)
+    check_metadata({"format": "pt"})
+    with pytest.raises(ValueError, match="__metadata__ 5 does not map names to strings"):
+        check_metadata(5)

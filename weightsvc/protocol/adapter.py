@@ -73,8 +73,7 @@ class Adapter:
             if module.rpartition(".")[2] not in self.target_modules:
                 raise InvalidArgument(f"{bad}: tensor {name!r} adapts a module outside target_modules "
                                       f"{sorted(self.target_modules)}", reason="invalid_header")
-            rank = shape[0] if m["side"] == "A" else shape[-1]
-            if len(shape) != 2 or rank != self.rank:
+            if len(shape) != 2 or (shape[0] if m["side"] == "A" else shape[1]) != self.rank:
                 raise InvalidArgument(f"{bad}: tensor {name!r} has shape {list(shape)}; lora_A is (rank, in) and "
                                       f"lora_B (out, rank), rank {self.rank}", reason="invalid_header")
             sides.setdefault(module, {})[m["side"]] = shape

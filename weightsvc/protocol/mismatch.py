@@ -20,6 +20,13 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 
 MEANS = ("mean_abs_logp_delta", "k3_kl", "outside_band")
 DEFAULT_BAND = (0.5, 2.0)
+# A report's tokens, and a version's total over every report: integers a double holds exactly (Redis's
+# Lua and JSON readers hold numbers as doubles), far beyond any count of generated tokens.
+MAX_TOKENS = 2**53 - 1
+# A mean per token: far above any real batch's (a token's k3 reaches 1e100 only at log r ≈ 230, a token
+# the engine sampled at a probability under 1e-100), and low enough that a version's sums over
+# MAX_TOKENS tokens stay finite.
+MAX_MEAN = 1e100
 Band = tuple[float, float]
 
 
@@ -37,8 +44,8 @@ def check_band(band: object) -> Band:
 @dataclass(frozen=True)
 class RolloutMismatch:
     """Token means over `tokens` tokens of one weight version. Construction checks the values (a
-    `ValueError` names the field): tokens > 0, every mean finite and ≥ 0, `outside_band` ≤ 1, `band`
-    0 < low < high < inf."""
+    `ValueError` names the field): 0 < tokens ≤ MAX_TOKENS, every mean finite and in [0, MAX_MEAN],
+    `outside_band` ≤ 1, `band` 0 < low < high < inf."""
 
     tokens: int
     mean_abs_logp_delta: float
@@ -52,13 +59,21 @@ class RolloutMismatch:
         object.__setattr__(self, "tokens", int(self.tokens))  # (numpy and torch integers too)
         if self.tokens <= 0:
             raise ValueError(f"tokens must be > 0, not {self.tokens}")
+        if self.tokens > MAX_TOKENS:
+            raise ValueError(f"tokens must be at most {MAX_TOKENS}, not {_shown(self.tokens)}")
         for field in MEANS:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise ValueError(f"{field} must be a number, not {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{field} must be finite and >= 0, not {value}")
-            object.__setattr__(self, field, float(value))
+            try:
+                number = float(value)
+            except OverflowError:  # (an integer beyond any double)
+                number = math.inf
+            if not math.isfinite(number) or number < 0:
+                raise ValueError(f"{field} must be finite and >= 0, not {_shown(value)}")
+            if number > MAX_MEAN:
+                raise ValueError(f"{field} must be at most {MAX_MEAN:g}, not {_shown(value)}")
+            object.__setattr__(self, field, number)
         if self.outside_band > 1:
             raise ValueError(f"outside_band is a share of tokens, in [0, 1], not {self.outside_band}")
         object.__setattr__(self, "band", check_band(self.band))
@@ -71,14 +86,25 @@ class RolloutMismatch:
                              "their outside_band shares do not add up")
         tokens = self.tokens + other.tokens
         a, b = self.tokens / tokens, other.tokens / tokens
-        means = {f: a * getattr(self, f) + b * getattr(other, f) for f in MEANS}
-        means["outside_band"] = min(means["outside_band"], 1.0)  # (a rounding above 1 is still "all")
+        means = {f: bounded_mean(f, a * getattr(self, f) + b * getattr(other, f)) for f in MEANS}
         return RolloutMismatch(tokens, **means, band=self.band)
 
     __add__ = combined
 
     def as_dict(self) -> dict[str, float | int]:
         return {"tokens": self.tokens, **{f: getattr(self, f) for f in MEANS}, "band": list(self.band)}
+
+
+def _shown(value: object) -> str:
+    """A number as a message shows it: an integer of hundreds of digits by its first ones and its length."""
+    text = str(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+
+
+def bounded_mean(field: str, value: float) -> float:
+    """A mean made of token-weighted sums, within its field's bound: a rounding past it is still the
+    bound, as every part it was made of was within it (a share above 1 is still "all")."""
+    return min(value, 1.0 if field == "outside_band" else MAX_MEAN)
 
 
 def combine(*reports: dict[int, RolloutMismatch]) -> dict[int, RolloutMismatch]:

@@ -17,7 +17,7 @@ import contextlib
 import functools
 import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -91,9 +91,23 @@ class Version:
         """The HTTP entity tag of this version's file (hashes its header: computed once)."""
         return self.manifest.etag(self.header)
 
+    @classmethod
+    def elsewhere(cls, whole: Manifest) -> Version:
+        """A sharded version as a replica that holds none of its bytes shows it (committed without it,
+        or its part was lost): the whole manifest and no data; clients fetch the bytes from the replicas
+        that hold them. Blocking (makes the file's header)."""
+        return cls(whole, whole.safetensors_header(), memoryview(b""),
+                   part=replace(whole, tensors=(), data_bytes=0, parts=()))
+
+    @property
+    def held_elsewhere(self) -> bool:
+        """Whether this server shows the version without holding any of it (`elsewhere`)."""
+        return self.part is not None and not self.part.parts
+
     @property
     def digest(self) -> str:
-        """The master digest of what this server committed (its part's, for a part)."""
+        """The master digest of what this server committed (its part's, for a part; for a version held
+        elsewhere, the whole version's: no part's to compare a push with)."""
         return (self.part or self.manifest).master_digest
 
     @property

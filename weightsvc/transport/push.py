@@ -4,14 +4,13 @@ HTTP's body of gRPC-framed ones), and a safetensors file (HTTP's PUT)."""
 from __future__ import annotations
 
 import collections
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from weightsvc._aio import BIG_MANIFEST, in_thread
 from weightsvc.errors import InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
-from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length
+from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, check_metadata, header_length, load_header, tensor_entry
 from weightsvc.protocol.wire import ChunkView, Malformed, adapter_from_proto, decode_push_request
 from weightsvc.service.api import PushChunk, PushCommit, PushHeader, PushMessage
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -139,6 +138,8 @@ class Received:
         return True
 
     def take(self, n: int) -> memoryview | bytes:
+        if not n:
+            return b""  # (an empty frame, or header, may come when nothing more is held)
         first = self._held[0]
         if len(first) >= n:
             span: memoryview | bytes = first[:n]
@@ -180,7 +181,11 @@ async def framed_requests(body: Received, max_message_bytes: int
             raise InvalidArgument(f"the body ended inside the frame at byte {at} ({body.size} of its {n} bytes "
                                   "came)", reason="aborted")
         raw = body.take(n)
-        yield await in_thread(n >= BIG_FRAME and raw[:1] != b"\x12", decode_push_request, raw)
+        message = await in_thread(n >= BIG_FRAME and raw[:1] != b"\x12", decode_push_request, raw)
+        if isinstance(message, pb.PushRequest) and message.WhichOneof("kind") == "commit" and await body.fill(1):
+            raise InvalidArgument(f"the body goes on past its commit frame (at byte {at}): the commit ends a push",
+                                  reason="bad_chunk")
+        yield message
 
 
 async def file_messages(body: Received, model: str, step: int, format: str, rounding: str
@@ -196,7 +201,7 @@ async def file_messages(body: Received, model: str, step: int, format: str, roun
     if not await body.fill(n):
         raise InvalidArgument(f"{where}: the body ended inside the safetensors header ({body.size} of {n} bytes)")
     raw = bytes(body.take(n))
-    tensors = await in_thread(n >= BIG_FRAME, _file_tensors, raw, where)
+    tensors = await in_thread(n >= BIG_FRAME, _file_tensors, raw, model, step)
     yield PushHeader(model=model, step=step, tensors=tensors, format=format, rounding=rounding)
     data = body.taken
     for spec in tensors:
@@ -213,27 +218,25 @@ async def file_messages(body: Received, model: str, step: int, format: str, roun
     yield PushCommit()
 
 
-def _file_tensors(raw: bytes, where: str) -> tuple[TensorSpec, ...]:
+def _file_tensors(raw: bytes, model: str, step: int) -> tuple[TensorSpec, ...]:
     """The tensors of a safetensors header in data order, each with its size: F32 only, laid end to end."""
+    where = subject(model, step=step)
     try:
-        header = json.loads(raw)
+        header = load_header(raw)
+        check_metadata(header.pop("__metadata__", {}))
     except ValueError as e:
-        raise InvalidArgument(f"{where}: the safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
-        raise InvalidArgument(f"{where}: the safetensors header is not a JSON object")
+        raise InvalidArgument(f"{where}: the safetensors header cannot be read: {e}", reason="invalid_header") from None
     entries: list[tuple[int, int, TensorSpec]] = []
     for name, t in header.items():
-        if name == "__metadata__":
-            continue
         try:
-            dtype, shape, (begin, end) = t["dtype"], [int(d) for d in t["shape"]], t["data_offsets"]
-        except (TypeError, KeyError, ValueError) as e:
-            raise InvalidArgument(f"{where}: tensor {name!r}: a bad safetensors entry ({e!r})") from None
+            dtype, shape, begin, end = tensor_entry(t)
+        except ValueError as e:
+            raise InvalidArgument(f"{subject(model, step=step, tensor=name)}: {e}", reason="invalid_header") from None
         if dtype != "F32":
             raise InvalidArgument(f"{where}: tensor {name!r} is {dtype}; push F32 masters (a file of another "
                                   "dtype: convert it, or push it with LearnerClient, which widens BF16/F16)",
                                   reason="invalid_header")
-        entries.append((int(begin), int(end), TensorSpec(name, tuple(shape), MASTER_DTYPE, None)))
+        entries.append((begin, end, TensorSpec(name, shape, MASTER_DTYPE, None)))
     entries.sort(key=lambda e: e[0])
     at = 0
     for begin, end, spec in entries:

@@ -375,6 +375,7 @@ class Pushes:
             holders = header.replication if header.owners else 1
             context.parts.check_holders(header.model, header.step, holders, self.settings.replication)
         context.committer.check_step(header.model, header.step)
+        _check_kind(context, header)
         held = set(context.index.models())
         if header.model not in held and header.model not in self.pushing:
             others = len(held | set(self.pushing))
@@ -428,6 +429,24 @@ class Pushes:
         session.reserved = 0
         self.sessions.discard(session)
         self.context.changed()
+
+
+def _check_kind(context: PushContext, header: PushHeader) -> None:
+    """A model's versions are all of a LoRA adapter, or all whole: its latest version says which."""
+    latest = context.index.latest(header.model)
+    if latest is None:
+        return
+    held, pushed = context.index.get(header.model, latest).manifest.adapter, header.adapter
+    where = subject(header.model, step=header.step)
+    if held is not None and pushed is None:
+        raise FailedPrecondition(
+            f"{where}: the model's versions are a LoRA adapter of base {held.base_model!r} (latest: version {latest}), "
+            "and this push declares no adapter: push the adapter's tensors with its config, or push to another model",
+            reason="invalid_header")
+    if held is None and pushed is not None:
+        raise FailedPrecondition(
+            f"{where}: the model's versions are whole (latest: version {latest}), and this push declares an adapter "
+            f"of base {pushed.base_model!r}: push the adapter to a model of its own", reason="invalid_header")
 
 
 async def next_message(messages: AsyncIterator[PushMessage], idle: float,

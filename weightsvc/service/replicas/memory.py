@@ -20,6 +20,7 @@ from weightsvc.service.replicas.registry import (
     diverged_error,
     not_above,
     part_rule,
+    totals_overflow,
 )
 
 
@@ -144,10 +145,11 @@ class MemoryRegistry:
                      if v in records and records[v].band != r.band}
         if conflicts:
             raise band_conflict(model, conflicts)
-        for v, r in added.items():
-            records[v] = records[v].plus(r) if v in records else r
-        self._mismatch[model] = records
-        return {v: records[v] for v in added}
+        totals = {v: records[v].plus(r) if v in records else r for v, r in added.items()}
+        if overflown := [v for v, total in totals.items() if not total.fits()]:
+            raise totals_overflow(model, overflown)
+        self._mismatch[model] = records | totals
+        return totals
 
     async def mismatch(self, model: str) -> dict[int, MismatchRecord]:
         return dict(self._mismatch.get(model, {}))

@@ -129,8 +129,9 @@ class Parts:
     async def commit(self, part: Version, part_of: PartOf, text: str | None = None
                      ) -> tuple[CommitResult, Version, str]:
         """Commit this replica's part; wait for the other owners' parts, or withdraw it. Returns the
-        registry's decision, the version as served (the whole manifest, this part's bytes) and the
-        registry's record of it (to keep beside the part: `Records`).
+        registry's decision, the version as served (the whole manifest, this part's bytes; held elsewhere
+        when the registry holds this part from an earlier push whose bytes differ from these: another
+        rounding, another ef residual) and the registry's record of it (to keep beside the part: `Records`).
         Raises only while the version is not committed: once it is, this replica keeps its part.
         `text`: the part's manifest as JSON, when the caller has made it."""
         m = part.manifest
@@ -181,8 +182,10 @@ class Parts:
             raise Unavailable(f"{where}: the registry lost the version (its data) as it committed; push again",
                               reason="registry")
         served = await asyncio.to_thread(_served, part, raw)  # parses the whole manifest, makes its header
-        if served is None:
+        if served is None and decided.created:
             raise DataLoss(f"{where}: the registry's manifest does not hold this replica's part")
+        if served is None:  # this very part (its masters) committed before, exported then to other bytes
+            served = await asyncio.to_thread(Version.elsewhere, manifest_from_registry(raw, where))
         return decided, served, raw
 
     async def restored(self, part: Version, record: str | None) -> tuple[Version | None, str | None]:
@@ -264,12 +267,16 @@ def group_digests(m: Manifest) -> dict[str, str]:
 
 def _served(part: Version, raw: str) -> Version | None:
     """This replica's part (as in its file) served under the registry's manifest `raw` of the whole
-    version, or None when that version holds no such part (another owner, size or digest)."""
+    version, or None when that version holds no such part (another owner, size, digest or bytes)."""
     m = part.manifest
     owner = m.parts[0].owner
     whole = manifest_from_registry(raw, subject(m.model, m.version))
-    if json.loads(raw).get(owner, {}).get("digest") != m.master_digest:
+    recorded = json.loads(raw).get(owner)
+    if not isinstance(recorded, dict) or recorded.get("digest") != m.master_digest:
         return None
+    committed = {t.name: t.checksum for t in whole.tensors}
+    if any(committed.get(t.name) != t.checksum for t in m.tensors):
+        return None  # the same masters, exported to other bytes than those committed
     segments = []
     for mine in m.parts:
         held = next((p for p in whole.parts if p.nbytes == mine.nbytes and

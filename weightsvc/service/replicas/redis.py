@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from weightsvc.errors import Unavailable, subject
-from weightsvc.protocol.mismatch import DEFAULT_BAND
+from weightsvc.protocol.mismatch import DEFAULT_BAND, MAX_TOKENS
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.replicas.registry import (
     ACKS_KEPT,
@@ -25,6 +25,7 @@ from weightsvc.service.replicas.registry import (
     conflict,
     diverged_error,
     not_above,
+    totals_overflow,
 )
 
 # Every script's KEYS: versions (zset), manifests (hash), digests (hash), events (stream), models (set),
@@ -96,8 +97,8 @@ _COMMIT_PART = (
 local v, owner = ARGV[2], ARGV[3]
 local committed = redis.call('HGET', KEYS[2], v)
 if committed then
-  local part = cjson.decode(committed)[owner]
-  if part and part['digest'] == ARGV[5] then return {'exists'} end
+  local part = cjson.decode(committed)[owner]  -- (a whole version's manifest holds other fields: no part)
+  if type(part) == 'table' and part['digest'] == ARGV[5] then return {'exists'} end
   return {'conflict', redis.call('HGET', KEYS[3], v)}
 end
 local top = redis.call('ZREVRANGE', KEYS[1], 0, 0)
@@ -165,27 +166,45 @@ return 1
 
 
 # KEYS: the model's mismatch records (hash: "<version>:<field>" -> a number). ARGV: the retained versions
-# (JSON), then per added version: version, tokens, |log r| sum, k3 sum, outside-band tokens, step ("": none),
-# band ("low,high"). Sums add in Redis's long doubles (HINCRBYFLOAT), not through cjson, which keeps 14
-# digits. Returns the added versions' totals, in order, each [tokens, abs, k3, outside, step]; or, adding
-# nothing, {"band", version, its band, ...} for the versions reported before with another band.
+# (JSON, as strings: cjson would round big numbers), the most tokens a record holds, then per added version:
+# version, tokens, |log r| sum, k3 sum, outside-band tokens, step ("": none), band ("low,high"). Sums add in
+# Redis's long doubles (HINCRBYFLOAT), not through cjson, which keeps 14 digits. Every check comes before
+# the first write (a script that fails keeps what it wrote before): returns the added versions' totals, in
+# order, each [tokens, abs, k3, outside, step]; or, adding nothing, {"band", version, its band, ...} for the
+# versions reported before with another band, or {"overflow", version, ...} for the versions whose totals
+# would go past what a record holds (`MismatchRecord.fits`).
 _ADD_MISMATCH = """
+local function finite(x) return x ~= nil and x == x and x > -math.huge and x < math.huge end
 local keep = {}
-for _, v in ipairs(cjson.decode(ARGV[1])) do keep[tostring(v)] = true end
+for _, v in ipairs(cjson.decode(ARGV[1])) do keep[v] = true end
+local max_tokens = tonumber(ARGV[2])
+local conflicts, overflown = {'band'}, {'overflow'}
+for i = 3, #ARGV, 7 do
+  local v = ARGV[i]
+  local had = {}
+  if keep[v] then  -- (a version not kept starts afresh)
+    had = redis.call('HMGET', KEYS[1], v .. ':band', v .. ':tokens', v .. ':abs', v .. ':k3', v .. ':outside')
+  end
+  if had[1] and had[1] ~= ARGV[i + 6] then
+    table.insert(conflicts, v)
+    table.insert(conflicts, had[1])
+  end
+  local held, tokens = tonumber(had[2] or '0'), tonumber(ARGV[i + 1])
+  -- (an integer string: above 2^53 its double rounds, but never to or below the room left, an exact integer)
+  local fits = held ~= nil and string.match(ARGV[i + 1], '^%d+$') ~= nil and tokens >= 1 and tokens <= max_tokens - held
+  for j = 1, 3 do
+    local sum, add = tonumber(had[2 + j] or '0'), tonumber(ARGV[i + 1 + j])
+    fits = fits and finite(sum) and finite(add) and add >= 0 and finite(sum + add)
+  end
+  if not fits then table.insert(overflown, v) end
+end
+if #conflicts > 1 then return conflicts end
+if #overflown > 1 then return overflown end
 for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
   if not keep[string.match(field, '^[^:]*')] then redis.call('HDEL', KEYS[1], field) end
 end
-local conflicts = {'band'}
-for i = 2, #ARGV, 7 do
-  local had = redis.call('HGET', KEYS[1], ARGV[i] .. ':band')
-  if had and had ~= ARGV[i + 6] then
-    table.insert(conflicts, ARGV[i])
-    table.insert(conflicts, had)
-  end
-end
-if #conflicts > 1 then return conflicts end
 local out = {}
-for i = 2, #ARGV, 7 do
+for i = 3, #ARGV, 7 do
   local v = ARGV[i]
   local total = {redis.call('HINCRBY', KEYS[1], v .. ':tokens', ARGV[i + 1])}
   for j, field in ipairs({'abs', 'k3', 'outside'}) do
@@ -368,7 +387,7 @@ class RedisRegistry:
 
     async def add_mismatch(self, model: str, added: Mapping[int, MismatchRecord], keep: Sequence[int]
                            ) -> dict[int, MismatchRecord]:
-        args: list[Any] = [json.dumps(list(keep))]
+        args: list[Any] = [json.dumps([str(v) for v in keep]), MAX_TOKENS]
         for v, r in added.items():
             args += [v, r.tokens, repr(r.abs_logp_delta), repr(r.k3_kl), repr(r.outside_band),
                      "" if r.step is None else r.step, _band_text(r.band)]
@@ -377,6 +396,8 @@ class RedisRegistry:
         if totals and totals[0] == b"band":
             had = dict(zip(totals[1::2], totals[2::2], strict=True))
             raise band_conflict(model, {int(v): (_band(b), added[int(v)].band) for v, b in had.items()})
+        if totals and totals[0] == b"overflow":
+            raise totals_overflow(model, [int(v) for v in totals[1:]])
         return {v: _record(tokens, abs_sum, k3_sum, outside, step, _band_text(r.band))
                 for (v, r), (tokens, abs_sum, k3_sum, outside, step) in zip(added.items(), totals, strict=True)}
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from weightsvc.errors import AlreadyExists, DataLoss, FailedPrecondition, subject
 from weightsvc.protocol.manifest import Manifest
-from weightsvc.protocol.mismatch import DEFAULT_BAND, Band, RolloutMismatch
+from weightsvc.protocol.mismatch import DEFAULT_BAND, MAX_TOKENS, Band, RolloutMismatch, bounded_mean
 from weightsvc.protocol.parts import combine_parts
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 
@@ -59,7 +60,13 @@ class MismatchRecord:
 
     def mismatch(self) -> RolloutMismatch:
         n = self.tokens
-        return RolloutMismatch(n, self.abs_logp_delta / n, self.k3_kl / n, min(1.0, self.outside_band / n), self.band)
+        sums = {"mean_abs_logp_delta": self.abs_logp_delta, "k3_kl": self.k3_kl, "outside_band": self.outside_band}
+        return RolloutMismatch(n, **{f: bounded_mean(f, total / n) for f, total in sums.items()}, band=self.band)
+
+    def fits(self) -> bool:
+        """Whether these totals still read as a `RolloutMismatch`: at most MAX_TOKENS tokens, finite sums."""
+        return 0 < self.tokens <= MAX_TOKENS and all(
+            math.isfinite(s) and s >= 0 for s in (self.abs_logp_delta, self.k3_kl, self.outside_band))
 
 
 def band_conflict(model: str, conflicts: Mapping[int, tuple[Band, Band]]) -> FailedPrecondition:
@@ -69,6 +76,14 @@ def band_conflict(model: str, conflicts: Mapping[int, tuple[Band, Band]]) -> Fai
     return FailedPrecondition(f"model {model!r}: the report's IcePop band differs from the version's ({which}): "
                               "outside_band shares of different bands do not add up; nothing of this report was "
                               "recorded")
+
+
+def totals_overflow(model: str, versions: Sequence[int]) -> FailedPrecondition:
+    """The error of a report that would take versions' totals past what a record holds (`MismatchRecord.fits`):
+    refused whole, so that every version's totals stay listable."""
+    return FailedPrecondition(f"model {model!r}: the report would take the mismatch totals of version(s) "
+                              f"{sorted(versions)} past {MAX_TOKENS} tokens or past a finite sum; nothing of this "
+                              "report was recorded")
 
 
 def commit_rule(version: int, digest: str, existing: str | None, latest: int | None) -> str:
@@ -232,7 +247,8 @@ class Registry(Protocol):
                            ) -> dict[int, MismatchRecord]:
         """Add each version's record to what the version holds, all at once; the records of versions
         not in `keep` (the retained ones) go. Returns the added versions' totals. A record whose band
-        is not its version's raises FAILED_PRECONDITION (`band_conflict`) and adds nothing."""
+        is not its version's (`band_conflict`), or one that would take its version's totals past what a
+        record holds (`totals_overflow`), raises FAILED_PRECONDITION: nothing is added, nothing goes."""
         ...
 
     async def mismatch(self, model: str) -> dict[int, MismatchRecord]:

@@ -126,8 +126,12 @@ class Committer:
         async with self._locks.setdefault(m.model, asyncio.Lock()):
             existing = self._index.find(m.model, m.version)
             latest = self._index.latest(m.model)
-            # Checked here first too: a rejected push must not overwrite this server's files.
-            if not check_commit(m.model, m.version, m.master_digest, existing.digest if existing else None, latest):
+            # Checked here first too: a rejected push must not overwrite this server's files. A part of a
+            # version this replica holds none of (committed without it, or it lost its part: it restarted
+            # without a data dir) has no part digest here to be compared with: the registry decides.
+            elsewhere = part_of is not None and existing is not None and existing.held_elsewhere
+            if not elsewhere and not check_commit(m.model, m.version, m.master_digest,
+                                                  existing.digest if existing else None, latest):
                 assert existing is not None
                 return existing, False
             if residual is not None and residual[0] != latest:
@@ -172,21 +176,30 @@ class Committer:
                     await asyncio.to_thread(self._files.remove, m.model, m.version, residual is not None)
                 raise
             # Committed meanwhile (by another replica, or by an earlier try of this push whose answer
-            # was lost): what this server holds of it is served from now on.
+            # was lost): what this server holds of it is served from now on, and a part of it that this
+            # replica held none of is taken back when this push brought the bytes committed.
             held = self._index.find(m.model, m.version)
-            if not decided.created and held is not None:
+            if version.held_elsewhere and self._files is not None:  # (this push's bytes are not those)
+                await asyncio.to_thread(self._files.remove, m.model, m.version, residual is not None)
+            if not decided.created and held is not None and (version.held_elsewhere or not held.held_elsewhere):
+                self._lag[m.model] = before
                 return held, False
-            created = decided.created or part_of is not None
-            if record is not None:  # should the registry lose the version, this replica gives it back
+            created = decided.created or (part_of is not None and held is None and not version.held_elsewhere)
+            if not created:  # an idempotent push: the lag went on from the version it repeats
+                self._lag[m.model] = before
+            if version.held_elsewhere:
+                residual = None
+            elif record is not None:  # should the registry lose the version, this replica gives it back
                 await self._recovery.records.keep(m.model, m.version, record)
             evicted = self._index.add(version)
             self._recovery.records.forget(m.model, {v.manifest.version for v in self._index.versions(m.model)})
-            self._acks.committed(m.model, m.version, m.committed_unix)
+            self._acks.committed(m.model, m.version, (m if created else version.manifest).committed_unix)
             if residual is not None:
                 self.residuals.committed(m.model, residual[1])
-        self._metrics.versions_committed.labels(m.model).inc()
-        if m.lag is not None:
-            self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
+        if created:
+            self._metrics.versions_committed.labels(m.model).inc()
+            if m.lag is not None:
+                self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
         await self._index.announce()
         if self.publisher is not None and part_of is None:
             self.publisher.committed(version)

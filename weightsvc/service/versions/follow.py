@@ -8,7 +8,6 @@ Loop-owned: every method runs on the service's event loop.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -101,9 +100,7 @@ class CommitFollower:
             return  # one server holds it whole: clients pull it there
         if not held_too and self._parts.replica_id in {h for p in whole.parts for h in p.sources}:
             return  # this replica holds a part: its own commit (or restore) shows the version
-        header = await asyncio.to_thread(whole.safetensors_header)
-        nothing = dataclasses.replace(whole, tensors=(), data_bytes=0, parts=())
-        version = Version(whole, header, memoryview(b""), part=nothing)
+        version = await asyncio.to_thread(Version.elsewhere, whole)
         async with self._locks.setdefault(model, asyncio.Lock()):
             if self._index.find(model, v) is not None:
                 return  # its own commit showed it meanwhile

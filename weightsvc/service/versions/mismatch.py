@@ -10,6 +10,7 @@ Loop-owned: every method runs on the service's event loop.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from weightsvc.protocol.refs import MAX_STEP
 from weightsvc.service.replicas.registry import MismatchRecord, Registry
 from weightsvc.service.versions.index import VersionIndex
 
+log = logging.getLogger("weightsvc.mismatch")
 MAX_REPORTED_VERSIONS = 1024  # versions one report may name (a batch spans a few)
 
 
@@ -34,12 +36,18 @@ class Reported:
 
 
 def _version(model: str, key: object) -> int:
+    """A report's version: gRPC's key is an int64, HTTP's the text of a JSON object's key."""
     text = str(key)
-    if isinstance(key, bool) or not (isinstance(key, int) or (text.isascii() and text.isdigit())):
-        raise InvalidArgument(f"model {model!r}: version {text[:40]!r} is not a version number")
-    version = int(text)
+    if isinstance(key, int) and not isinstance(key, bool):
+        version = key
+    else:
+        if not (text.isascii() and text.isdigit()):
+            raise InvalidArgument(f"model {model!r}: version {text[:40]!r} is not a version number")
+        # (a number of more digits than any version is not read: Python refuses ints of 4,300 digits)
+        version = int(text) if len(text.lstrip("0")) <= len(str(MAX_STEP)) else MAX_STEP + 1
     if not 0 <= version <= MAX_STEP:
-        raise InvalidArgument(f"model {model!r}: version {version} is outside [0, {MAX_STEP}]")
+        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text)} digits)"
+        raise InvalidArgument(f"model {model!r}: version {shown} is outside [0, {MAX_STEP}]")
     return version
 
 
@@ -100,7 +108,16 @@ class Mismatches:
         """The records of `model`'s retained versions (NOT_FOUND for an unknown model)."""
         retained = self._retained(model)
         records = await self._registry.mismatch(model)
-        return {v: Reported(r.mismatch(), r.step) for v, r in records.items() if v in retained}
+        listed = {}
+        for v, r in records.items():
+            if v not in retained:
+                continue
+            if not r.fits():  # (recorded before the registry refused such totals: left out, not a failed listing)
+                log.warning("%s: mismatch totals past what a record holds (%d tokens); not listed",
+                            subject(model, v), r.tokens)
+                continue
+            listed[v] = Reported(r.mismatch(), r.step)
+        return listed
 
     def _retained(self, model: str) -> dict[int, Manifest]:
         return {v.manifest.version: v.manifest for v in self._index.versions(model)}
