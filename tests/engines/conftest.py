@@ -12,11 +12,6 @@ if os.environ.get("WEIGHTSVC_ENGINES") == "1":
     # An engine's workers are stopped with SIGTERM once this grace has passed (5 s by default): its
     # worker is done with by then, and every engine a test starts would wait it out.
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
-    # The tests' in-process engines (`LLM`) run their engine core in this process: a start then costs
-    # ~3 s instead of ~25 s (two spawned processes, each importing vLLM and torch). The load path under
-    # test is the same (collective_rpc into the worker); the engine-core process and its RPC are
-    # exercised by every `vllm serve` test, whose servers get vLLM's default back (serving.py).
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     collect_ignore_glob: list[str] = []
 else:
     collect_ignore_glob = [] if importlib.util.find_spec("vllm") else ["test_*.py"]

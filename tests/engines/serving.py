@@ -26,9 +26,6 @@ from tests.engines.engines import PROMPTS
 
 START_TIMEOUT_S = 600.0
 BACKEND = '{"backend": "weightsvc"}'
-# What the processes a test starts (servers, example workers) run with: vLLM's own default, the engine
-# core in a process of its own, whatever the test process itself uses (conftest.py).
-DEFAULT_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
 
 
 def free_port() -> int:
@@ -63,7 +60,7 @@ class VllmServer:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--port", str(self.port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len",
                    str(max_model_len), "--enforce-eager", "--seed", "0", "--enable-scale-out", *args]
-        environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **DEFAULT_ENGINE, **(env or {})}
+        environ = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", **(env or {})}
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=environ,
                                          start_new_session=True)

@@ -4,7 +4,6 @@ started from the pulled served copy gives. Run alone with `scripts/test_engines.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -28,7 +27,6 @@ from tests.engines.engines import (
     quantized_checkpoint,
     served_checkpoint,
 )
-from tests.engines.serving import DEFAULT_ENGINE
 from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.loaders import Mismatch, compressed_tensors_config, dequantize, tp_select, update_vllm
@@ -36,9 +34,6 @@ from weightsvc.server.server import BackgroundServer
 
 pytestmark = pytest.mark.engine
 CPU_EMULATION = "weightsvc.loaders.VllmCpuEmulationExtension"  # vLLM's MXFP8 and NVFP4 kernels on the CPU
-# Its engines run their worker in a process of its own: at start vLLM's kernel dispatcher rewrites what it
-# finds in every imported module, and the test process's modules (pytest's) break that scan.
-EMULATED = dict(worker_extension_cls=CPU_EMULATION, distributed_executor_backend="mp")
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
 
 
@@ -193,7 +188,7 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
     proc = subprocess.Popen(
         [sys.executable, str(EXAMPLE), "--target", server.grpc_target, "--model", "llama-worker",
          "--until-version", "2", "--vllm", str(start)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, **DEFAULT_ENGINE},
+        stdout=subprocess.PIPE, text=True,
     )
     lines: queue.Queue[str] = queue.Queue()  # the worker's events (vLLM logs to stdout too)
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout if line.startswith('{"event"')],  # type: ignore[union-attr]
@@ -221,9 +216,7 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
     start = checkpoint(module, tmp_path / "v0")
     learner.push(1, step(module, 1), model="llama-dies")
     died = r"model 'llama-dies' version 1: the vLLM engine died during the update"
-    # The worker runs in a process of its own (the engine core runs in this one): it dies, the tests go on.
-    with engine(start, worker_extension_cls="tests.engines.dying.DyingWorkerExtension",
-                distributed_executor_backend="mp") as llm, \
+    with engine(start, worker_extension_cls="tests.engines.dying.DyingWorkerExtension") as llm, \
             pytest.raises(RuntimeError, match=died):
         update_vllm(llm, server.grpc_target, "llama-dies", client_id="dies")
     assert acked(server, "llama-dies") == {}
@@ -237,14 +230,14 @@ def test_an_mxfp8_engine_loads_mxfp8_versions_as_they_are_served(tmp_path: Path)
     with serving(format="mxfp8", rounding="sr", fp8_pattern=LINEARS) as server, \
             LearnerClient(server.grpc_target) as learner:
         learner.push(1, step(module, 1), model="llama-mxfp8")
-        with engine(start, **EMULATED) as llm:
+        with engine(start, worker_extension_cls=CPU_EMULATION) as llm:
             before = generate(llm)
             assert update_vllm(llm, server.grpc_target, "llama-mxfp8", client_id="mx") == 1
             got = generate(llm)
         assert acked(server, "llama-mxfp8") == {"mx": 1}
         served = served_checkpoint(start, server.grpc_target, "llama-mxfp8", 1, tmp_path / "v1",
                                    quantization=compressed_tensors_config("mxfp8"))
-    with engine(served, **EMULATED) as fresh:
+    with engine(served, worker_extension_cls=CPU_EMULATION) as fresh:
         assert got == generate(fresh)
     assert [g[0] for g in got] != [b[0] for b in before]
 
@@ -262,7 +255,7 @@ def test_an_nvfp4_engine_loads_nvfp4_versions_in_place(tmp_path: Path) -> None:
             learner.push(version, step(module, version), model="llama-nvfp4")
         v1 = served_checkpoint(start, server.grpc_target, "llama-nvfp4", 1, tmp_path / "v1",
                                quantization=compressed_tensors_config("nvfp4"))
-        with engine(v1, **EMULATED) as llm:
+        with engine(v1, worker_extension_cls=CPU_EMULATION) as llm:
             fresh = generate(llm)
             assert update_vllm(llm, server.grpc_target, "llama-nvfp4", 2, client_id="nv") == 2
             other = generate(llm)
