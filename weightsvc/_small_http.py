@@ -50,8 +50,13 @@ class SmallHttpServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
-                 max_connections: int = 32, deadline_s: float = 5.0) -> None:
-        super().__init__(address, handler)
+                 max_connections: int = 32, deadline_s: float = 5.0, listening: socket.socket | None = None) -> None:
+        """`listening`: a socket bound and listening already (another process's), served instead of
+        binding `address`."""
+        super().__init__(address, handler, bind_and_activate=listening is None)
+        if listening is not None:
+            self.socket.close()
+            self.socket, self.server_address = listening, listening.getsockname()
         self.deadline_s = deadline_s
         self.refused = 0  # connections closed for want of a slot
         self._slots = threading.BoundedSemaphore(max_connections)

@@ -83,8 +83,8 @@ def loop_held(srv: BackgroundServer) -> Iterator[None]:
 
 
 def test_the_probes_answer_while_the_event_loop_is_held() -> None:
-    """A big push or pull may keep the loop busy for a while (1 s and more): the probe port answers
-    from a thread of its own, so a Kubernetes probe never fails a busy server."""
+    """A big push or pull may keep the loop busy for a while (1 s and more): the probe port is answered
+    by a process of its own, so a Kubernetes probe never fails a busy server."""
     with serving() as srv, loop_held(srv):
         status, _, body = http_get(srv.server.probe_url, "/healthz")
         assert status == 200 and json.loads(body)["status"] == "ok"

@@ -22,7 +22,6 @@ import grpc
 import uvicorn
 
 from weightsvc.protocol.topology import Replica
-from weightsvc.server.loop import Heartbeat
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.probes import Probes
 from weightsvc.server.relay import Relay
@@ -71,8 +70,7 @@ class Server:
         self._relay: Relay | None = None
         self.replica: Replica | None = None
         self._loop_monitor: asyncio.Task[None] | None = None
-        self.heartbeat = Heartbeat()
-        self._probes = Probes(self.heartbeat, lambda: self.ready, lambda: self.device, settings.loop_wedged_s)
+        self._probes = Probes()
 
     @property
     def device(self) -> str:
@@ -98,12 +96,14 @@ class Server:
         s = self.settings
         _tune_process()
         self.service = Service(s)
-        self.heartbeat.beat()
-        self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics, self.heartbeat),
+        self._probes.turned()
+        self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics, self._probes.turned),
                                                  name="loop-monitor")
-        self.probe_port = self._probes.start(s.host, s.probe_port)  # first: they answer while it starts
+        # First: the probes answer while it starts (restoring a data dir can take a while).
+        self.probe_port = self._probes.start(s.host, s.probe_port, self.service.device, s.loop_wedged_s)
         await self.service.start(self._listen)  # the start-up order is the service's
         self.ready = True
+        self._probes.ready(True)
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
             self.grpc_target,
@@ -174,6 +174,7 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
+        self._probes.ready(False)
         if self._loop_monitor is not None:
             self._loop_monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
