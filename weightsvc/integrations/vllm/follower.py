@@ -103,6 +103,7 @@ class Follower:
         self._stop = threading.Event()
         self._client: InferenceClient | None = None
         self.server_down: str | None = None  # why the weightsvc server does not answer (None: it does)
+        self._said = threading.Lock()
 
     # ---- what the sidecar's HTTP server asks -------------------------------------------------------
 
@@ -377,5 +378,7 @@ class Follower:
         self._log("refused" if refused else "failed", stage=stage, version=self._version, error=error)
 
     def _log(self, event: str, **fields: Any) -> None:
-        self.say(json.dumps({"event": event, "engine": self.config.engine, "model": self.config.model,
-                             "path": self.path, **fields}))
+        line = json.dumps({"event": event, "engine": self.config.engine, "model": self.config.model,
+                           "path": self.path, **fields})
+        with self._said:  # three threads log: one line at a time (print writes the newline apart)
+            self.say(line)
