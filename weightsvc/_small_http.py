@@ -1,6 +1,6 @@
 """Small HTTP/1 exchanges in threads, each bounded as a whole: a socket's timeout bounds each read, and
 a peer that sends a byte just within it holds the exchange for as long as it likes. `cut_after` shuts
-a socket once its time is up; `SmallHttpServer` (the follower's server, the server's probes) gives
+a socket once its time is up; `SmallHttpServer` (the follower's server) gives
 each connection that long for its one request and answer, and serves at most so many at once."""
 
 from __future__ import annotations
@@ -50,13 +50,8 @@ class SmallHttpServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
-                 max_connections: int = 32, deadline_s: float = 5.0, listening: socket.socket | None = None) -> None:
-        """`listening`: a socket bound and listening already (another process's), served instead of
-        binding `address`."""
-        super().__init__(address, handler, bind_and_activate=listening is None)
-        if listening is not None:
-            self.socket.close()
-            self.socket, self.server_address = listening, listening.getsockname()
+                 max_connections: int = 32, deadline_s: float = 5.0) -> None:
+        super().__init__(address, handler)
         self.deadline_s = deadline_s
         self.refused = 0  # connections closed for want of a slot
         self._slots = threading.BoundedSemaphore(max_connections)
