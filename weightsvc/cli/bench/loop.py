@@ -16,6 +16,7 @@ Histogram = list[tuple[float, float]]
 _POLL = textwrap.dedent("""
     import select, sys, time, urllib.request
     url, worst = sys.argv[1], 0.0
+    urllib.request.urlopen(url + "/healthz", timeout=60).read()  # (its first request loads urllib's parts)
     print("polling", flush=True)
     while True:
         start = time.perf_counter()
