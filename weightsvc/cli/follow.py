@@ -84,10 +84,11 @@ def follow(
     bound = f"{host}:{http.server_address[1]}"
     local = f"127.0.0.1:{http.server_address[1]}" if host in ("0.0.0.0", "::", "") else bound  # (the workers are local)
     engine_port = engine.rstrip("/").rpartition(":")[2]
+    staged_at = notify or f"http://{local}/staged"  # the workers' reports: at the secret's URL below it
     config = FollowerConfig(
         engine=engine, model=model, target=url or target, max_lag=max_lag, pause_mode=pause_mode, path=path,
         client_id=client_id or f"{socket.gethostname()}-vllm-{engine_port}", timeout_s=timeout_s,
-        update_timeout_s=update_timeout_s, notify=f"{notify or f'http://{local}/staged'}/{secret}", token=token,
+        update_timeout_s=update_timeout_s, notify=f"{staged_at.rstrip('/')}/{secret}", token=token,
         ca_cert=None if ca_cert is None else str(ca_cert), dequantize=dequantize,
     )
     if max_live:

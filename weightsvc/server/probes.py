@@ -4,9 +4,9 @@ HTTP, no token), so a push or pull that keeps the loop busy for a while (a 100,0
 port answers the same two paths from the loop, as it always has.
 
 They are answered by a small process of their own (`_probe_process`), not a thread: a thread of the
-server needs its GIL, which a busy worker holds for as long as the kernel leaves it off a core while
-holding it, and its memory-map lock, which a worker populating a buffer takes; on a loaded 2-core
-machine either kept a probe thread waiting 0.2-0.5 s. The server tells the process what it needs in
+server would wait for its GIL, which a busy worker keeps for as long as the kernel leaves it off a
+core, and for its memory-map lock, which a worker populating a buffer takes; a process waits for a
+core alone. The server tells the process what it needs in
 16 bytes of shared memory: when its event loop last turned (the loop monitor's every wake-up) and
 whether it has started. The process ends when the server does (its end of a pipe closes, even on
 SIGKILL).
