@@ -234,7 +234,7 @@ def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
             "--enforce-eager", "--seed", str(args.seed), "--enable-scale-out", "--logprobs-mode",
             "processed_logprobs", "--weight-transfer-config", '{"backend": "weightsvc"}']
     traces = []
-    with (BackgroundServer(Settings(grpc_port=0, http_port=0)) as service,
+    with (BackgroundServer(Settings(grpc_port=0, http_port=0, probe_port=0)) as service,
           process(vllm, work / "vllm.log", {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}) as engine):
         _wait_http(f"{url}/health", engine, work / "vllm.log")
         for mode in args.modes.split(","):

@@ -9,15 +9,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 STAMP=.venv/.weightsvc-install
-# The bench's reference server (P1_nginx): Debian's nginx-light when it is missing and apt can install it.
-if ! command -v nginx >/dev/null && [ ! -x /usr/sbin/nginx ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q --no-install-recommends nginx-light >/dev/null 2>&1 \
-    || echo "setup: nginx-light did not install; the bench will skip P1_nginx" >&2
-fi
-# promtool checks the alerting rules (tests/integration/test_deploy_observability.py): Debian's prometheus.
-if ! command -v promtool >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q --no-install-recommends prometheus >/dev/null 2>&1 \
-    || echo "setup: prometheus did not install; the promtool tests will skip" >&2
+# Debian's packages where root can install them (a fresh machine's package lists are empty: they are
+# read first). nginx-light is the bench's reference server (P1_nginx); prometheus brings promtool, which
+# checks the alerting rules and runs their unit tests (tests/integration/test_deploy_observability.py).
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
+  command -v promtool >/dev/null || missing+=(prometheus)
+  if [ ${#missing[@]} -gt 0 ]; then
+    apt-get update -q >/dev/null 2>&1 || echo "setup: apt-get update failed" >&2
+    for package in "${missing[@]}"; do
+      apt-get install -y -q --no-install-recommends "$package" >/dev/null 2>&1 \
+        || echo "setup: $package did not install" >&2
+    done
+  fi
 fi
 want=$("$PYTHON" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')
 if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "${WEIGHTSVC_REINSTALL:-0}" != 1 ]; then

@@ -49,7 +49,7 @@ def redis_prefix() -> Iterator[str]:
 
 def serving(**overrides: object) -> BackgroundServer:
     """A service on ports 0, for `with serving(...) as srv:`."""
-    return BackgroundServer(Settings(**{"grpc_port": 0, "http_port": 0, **overrides}))
+    return BackgroundServer(Settings(**{"grpc_port": 0, "http_port": 0, "probe_port": 0, **overrides}))
 
 
 def start_server(**overrides: object) -> BackgroundServer:

@@ -318,7 +318,8 @@ class _ClientCollector(Collector):
 
 
 # The steps of a follower's update (`weightsvc follow`), which label its failures.
-FOLLOWER_STAGES = ("watch", "connect", "stage", "pause", "swap", "resume", "verify", "ack", "load", "unload")
+FOLLOWER_STAGES = ("watch", "server", "connect", "stage", "pause", "swap", "resume", "verify", "ack", "load", "unload",
+                   "internal")
 FOLLOWER_PATHS = ("transfer", "collective_rpc", "lora")
 _UPDATE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

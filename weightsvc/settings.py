@@ -26,6 +26,16 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind.")
     grpc_port: int = Field(50051, ge=0, le=65535, description="gRPC port (0 picks one).")
     http_port: int = Field(8080, ge=0, le=65535, description="HTTP port (0 picks one).")
+    probe_port: int = Field(
+        8081, ge=0, le=65535,
+        description="Port of /healthz and /readyz answered off the event loop, plain HTTP without a token, for "
+        "Kubernetes probes (0 picks one).",
+    )
+    loop_wedged_s: float = Field(
+        30.0, gt=0,
+        description="/healthz and /readyz answer 503 once the event loop has not turned for this long: a server "
+        "that is wedged, not busy.",
+    )
     data_dir: Path | None = Field(None, description="Persist committed versions and ef residuals here.")
     # ---- the export
     format: str = Field("bf16", description="Served format.", json_schema_extra={"choices": list(FORMATS)})

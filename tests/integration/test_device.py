@@ -181,7 +181,8 @@ def test_host_buffers_are_reused_and_bounded() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible here")
 def test_device_cuda_without_a_gpu_refuses_to_start_and_auto_takes_the_cpu() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([*WEIGHTSVC_CMD, "serve", "--device", "cuda", "--grpc-port", "0", "--http-port", "0"],
+    out = subprocess.run([*WEIGHTSVC_CMD, "serve", "--device", "cuda", "--grpc-port", "0", "--http-port", "0",
+                          "--probe-port", "0"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1
     assert "--device cuda: torch sees no CUDA device (use --device cpu or auto)" in out.stderr

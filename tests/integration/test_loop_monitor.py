@@ -1,8 +1,12 @@
-"""The event loop is watched: a call that blocks it shows in `weightsvc_event_loop_lag_seconds`."""
+"""The event loop is watched: a call that blocks it shows in `weightsvc_event_loop_lag_seconds`, and
+the probes, answered off the loop, tell a busy loop (alive, ready) from a wedged one."""
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from threading import Event
 
 import pytest
@@ -59,3 +63,46 @@ def test_a_blocked_event_loop_shows_in_the_loop_lag_histogram(monkeypatch: pytes
         assert total >= 0.4
         # One observation of at least 0.25 s: the block, not a spread of small ones.
         assert after["0.25"] - before["0.25"] < count - count_before
+
+
+@contextmanager
+def loop_held(srv: BackgroundServer) -> Iterator[None]:
+    """The server's event loop blocked by a call on it, until the block ends."""
+    entered, release = Event(), Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait()
+
+    srv.loop.call_soon_threadsafe(hold)
+    assert entered.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+
+
+def test_the_probes_answer_while_the_event_loop_is_held() -> None:
+    """A big push or pull may keep the loop busy for a while (1 s and more): the probe port is answered
+    by a process of its own, so a Kubernetes probe never fails a busy server."""
+    with serving() as srv, loop_held(srv):
+        status, _, body = http_get(srv.server.probe_url, "/healthz")
+        assert status == 200 and json.loads(body)["status"] == "ok"
+        status, _, body = http_get(srv.server.probe_url, "/readyz")
+        assert status == 200 and json.loads(body) == {"status": "ready", "device": "cpu"}
+        assert http_get(srv.server.probe_url, "/metrics")[0] == 404  # the probes alone, no data
+
+
+def test_a_wedged_event_loop_fails_both_probes_until_it_turns_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    with serving(loop_wedged_s=2.0) as srv:
+        any_lag, _ = watch_observations(srv, monkeypatch)
+        with loop_held(srv):
+            time.sleep(2.1)  # (what is awaited is time itself: the loop has not turned for longer than 2 s)
+            for path in ("/healthz", "/readyz"):
+                status, _, body = http_get(srv.server.probe_url, path)
+                assert status == 503, path
+                assert json.loads(body)["error"]["message"].startswith("the event loop has not turned for 2."), body
+        any_lag.clear()
+        assert any_lag.wait(30)  # the monitor's timer fired: the loop turns again
+        assert http_get(srv.server.probe_url, "/healthz")[0] == 200
+        assert http_get(srv.server.probe_url, "/readyz")[0] == 200

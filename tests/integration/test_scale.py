@@ -11,9 +11,6 @@ message (5.3 MB) would not pass, as 100,000 tensors' would not pass the default 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +21,7 @@ import torch
 from tests.conftest import ServeProcess, serving
 from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.cli.bench.loop import HealthPoller
 from weightsvc.client import Slice
 from weightsvc.errors import ResourceExhausted
 from weightsvc.protocol import safetensors as safetensors_module
@@ -32,35 +30,6 @@ from weightsvc.protocol.manifest import Manifest
 pytestmark = pytest.mark.slow
 N = 50_000
 LIMIT = ("--max-message-bytes", str(9 << 19))  # 4.5 MiB
-POLL = textwrap.dedent("""
-    import sys, time, urllib.request
-    url, worst = sys.argv[1], 0.0
-    print("polling", flush=True)
-    while not sys.stdin.closed:
-        start = time.perf_counter()
-        urllib.request.urlopen(url + "/healthz", timeout=60).read()
-        worst = max(worst, time.perf_counter() - start)
-        import select
-        if select.select([sys.stdin], [], [], 0.05)[0]:
-            break
-    print(worst, flush=True)
-""")
-
-
-class HealthPoller:
-    """Polls /healthz every 50 ms from a process of its own (the test's own threads would compete
-    with the learner for this process's GIL); `worst()` stops it and answers the slowest answer."""
-
-    def __init__(self, url: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", POLL, url], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "polling"
-
-    def worst(self) -> float:
-        out, _ = self.proc.communicate("stop\n", timeout=120)
-        return float(out.strip())
-
-
 def masters(step: int = 1) -> dict[str, np.ndarray]:
     """N small tensors with realistic 60-character names (a DeepSeek-V3-shaped MoE has ~90,000)."""
     return {f"model.layers.{i // 1000:02d}.mlp.experts.{i % 1000:03d}.down_proj.weight_{i:06d}":

@@ -24,7 +24,7 @@ class ServeProcess:
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, capture_stderr: bool = True) -> None:
         self.proc = subprocess.Popen(
-            [*WEIGHTSVC_CMD, "serve", "--grpc-port", "0", "--http-port", "0", *args],
+            [*WEIGHTSVC_CMD, "serve", "--grpc-port", "0", "--http-port", "0", "--probe-port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE if capture_stderr else None,
             text=True,
@@ -37,7 +37,7 @@ class ServeProcess:
             _, log = self.proc.communicate()
             raise RuntimeError(f"weightsvc serve did not start: {line!r} {log or ''}")
         fields = dict(part.split("=", 1) for part in line.split()[2:])
-        self.target, self.url = fields["grpc"], fields["http"]
+        self.target, self.url, self.probes = fields["grpc"], fields["http"], fields["probes"]
 
     def memory(self) -> dict[str, int]:
         """The server's sizes from /proc (VmRSS, VmHWM, RssAnon, ...), in bytes."""

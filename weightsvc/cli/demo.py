@@ -147,7 +147,7 @@ def run_demo(
     log: Callable[[str], Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     say = log or (lambda _m: None)
-    settings = Settings(grpc_port=0, http_port=0, retain=4, format=format)
+    settings = Settings(grpc_port=0, http_port=0, probe_port=0, retain=4, format=format)
     spec = rounding.ExportSpec(settings.format, "rtn", settings.seed, settings.scaling, settings.fp8_pattern)
     traces = {}
     with BackgroundServer(settings) as srv:

@@ -39,7 +39,7 @@ def serve(settings: Settings) -> None:
         gc.set_threshold(700, 10, 1000)
         # One machine-readable line on stdout, for scripts that started us with port 0.
         print(f"weightsvc ready grpc={server.grpc_target} http={server.http_url} "
-              f"device={server.device}", flush=True)
+              f"probes={server.probe_url} device={server.device}", flush=True)
         await stop.wait()
         logging.getLogger("weightsvc").info("shutting down")
         await server.stop()

@@ -2,7 +2,8 @@
 blocks it stalls them all. A timer asks to be woken every `CHECK_EVERY_S`; how late it wakes is how
 long the loop was blocked (`weightsvc_event_loop_lag_seconds`). A block of d seconds shows as at
 least d - CHECK_EVERY_S. The garbage collector's pauses, one common cause, are timed too
-(`weightsvc_gc_pause_seconds`)."""
+(`weightsvc_gc_pause_seconds`). Each wake-up is told to `turned` (the probes': how long ago the
+loop last turned)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import asyncio
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 from weightsvc.metrics import Metrics
 
@@ -19,7 +21,7 @@ CHECK_EVERY_S = 0.05
 WARN_AFTER_S = 1.0  # a block this long is logged (with the metric, it names the moment)
 
 
-async def monitor(metrics: Metrics, every: float = CHECK_EVERY_S) -> None:
+async def monitor(metrics: Metrics, turned: Callable[[], None], every: float = CHECK_EVERY_S) -> None:
     loop = asyncio.get_running_loop()
     timed = _GcPauses(metrics)
     gc.callbacks.append(timed)
@@ -27,6 +29,7 @@ async def monitor(metrics: Metrics, every: float = CHECK_EVERY_S) -> None:
         while True:
             start = loop.time()
             await asyncio.sleep(every)
+            turned()
             lag = max(0.0, loop.time() - start - every)
             metrics.event_loop_lag.observe(lag)
             if lag >= WARN_AFTER_S:

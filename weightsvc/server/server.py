@@ -23,6 +23,7 @@ import uvicorn
 
 from weightsvc.protocol.topology import Replica
 from weightsvc.server.loop import monitor as loop_monitor
+from weightsvc.server.probes import Probes
 from weightsvc.server.relay import Relay
 from weightsvc.service.service import Service
 from weightsvc.settings import Settings
@@ -61,6 +62,7 @@ class Server:
         self.ready = False
         self.grpc_port = 0
         self.http_port = 0
+        self.probe_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._grpc_connections: GrpcConnections | None = None
         self._http: uvicorn.Server | None = None
@@ -68,6 +70,7 @@ class Server:
         self._relay: Relay | None = None
         self.replica: Replica | None = None
         self._loop_monitor: asyncio.Task[None] | None = None
+        self._probes = Probes()
 
     @property
     def device(self) -> str:
@@ -84,13 +87,23 @@ class Server:
         scheme = "https" if self.settings.tls_cert else "http"
         return f"{scheme}://{self.settings.host}:{self.http_port}"
 
+    @property
+    def probe_url(self) -> str:
+        """Where /healthz and /readyz are answered off the event loop (plain HTTP)."""
+        return f"http://{self.settings.host}:{self.probe_port}"
+
     async def start(self) -> None:
         s = self.settings
         _tune_process()
         self.service = Service(s)
-        self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics), name="loop-monitor")
+        self._probes.turned()
+        self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics, self._probes.turned),
+                                                 name="loop-monitor")
+        # First: the probes answer while it starts (restoring a data dir can take a while).
+        self.probe_port = self._probes.start(s.host, s.probe_port, self.service.device, s.loop_wedged_s)
         await self.service.start(self._listen)  # the start-up order is the service's
         self.ready = True
+        self._probes.ready(True)
         log.info(
             "weightsvc serving grpc=%s http=%s format=%s rounding=%s retain=%d data_dir=%s relay_from=%s",
             self.grpc_target,
@@ -101,6 +114,7 @@ class Server:
             s.data_dir,
             s.relay_from,
         )
+        log.info("probes (off the event loop) at %s", self.probe_url)
 
     async def _listen(self) -> Replica:
         """Serve both transports (and relay, with --relay-from): this replica, as clients reach it."""
@@ -160,12 +174,14 @@ class Server:
 
     async def stop(self) -> None:
         self.ready = False
+        self._probes.ready(False)
         if self._loop_monitor is not None:
             self._loop_monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_monitor
         if self.service is not None:
             await self.service.stop(self._close)  # the order it goes down in is the service's
+        self._probes.stop()
 
     async def _close(self) -> None:
         """Stop relaying and serving: what `_listen` started, in reverse."""
@@ -182,7 +198,7 @@ class Server:
 class BackgroundServer:
     """A Server on its own event-loop thread: for the demo, the bench and in-process tests.
 
-    with BackgroundServer(Settings(grpc_port=0, http_port=0)) as srv:
+    with BackgroundServer(Settings(grpc_port=0, http_port=0, probe_port=0)) as srv:
         LearnerClient(srv.grpc_target).push(...)
     """
 

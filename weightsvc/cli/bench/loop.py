@@ -1,7 +1,11 @@
-"""L1: how long a server's event loop was blocked, at most, read from its lag histogram."""
+"""L1: how long a server's event loop was blocked, at most, read from its lag histogram; and how long
+/healthz took to answer meanwhile, on the probe port (answered off the loop) and on the HTTP port."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import urllib.request
 from typing import Any
 
@@ -9,6 +13,33 @@ from weightsvc.cli.bench._common import row
 
 L1_TARGET_S = 0.1
 Histogram = list[tuple[float, float]]
+_POLL = textwrap.dedent("""
+    import select, sys, time, urllib.request
+    url, worst = sys.argv[1], 0.0
+    urllib.request.urlopen(url + "/healthz", timeout=60).read()  # (its first request loads urllib's parts)
+    print("polling", flush=True)
+    while True:
+        start = time.perf_counter()
+        urllib.request.urlopen(url + "/healthz", timeout=60).read()
+        worst = max(worst, time.perf_counter() - start)
+        if select.select([sys.stdin], [], [], 0.05)[0]:
+            break
+    print(worst, flush=True)
+""")
+
+
+class HealthPoller:
+    """Asks `url`/healthz every 50 ms from a process of its own (a thread here would compete with the
+    clients under test for this process's GIL); `worst()` stops it and answers the slowest answer, in s."""
+
+    def __init__(self, url: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _POLL, url], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline().strip() == "polling"
+
+    def worst(self) -> float:
+        out, _ = self.proc.communicate("stop\n", timeout=120)
+        return float(out.strip())
 
 
 def loop_lag(url: str) -> Histogram:
@@ -43,3 +74,14 @@ def l1(result: dict[str, Any]) -> None:
         result["L1"] = max(lags)
         result["report"]["L1"] = row("event loop blocked at most (bucket), every server after its first push",
                                      f"<= {max(lags) * 1000:.0f} ms", f"<= {L1_TARGET_S * 1000:.0f} ms")
+    probes = {k.removeprefix("probe_worst_s_"): v for k, v in result["details"].items()
+              if k.startswith("probe_worst_s_")}
+    if probes:
+        http = {k: result["details"].get(f"http_healthz_worst_s_{k}") for k in probes}
+        result["L1_probes"] = max(probes.values())
+        result["report"]["L1_probes"] = row(
+            "/healthz answered within, worst, polled every 50 ms during the pushes and pulls of "
+            f"{' and '.join(probes)}: on the probe port (off the event loop; the HTTP port's, from the loop)",
+            f"{max(probes.values()) * 1000:.0f} ms ({', '.join(f'{k} {v * 1000:.0f}' for k, v in probes.items())}; "
+            f"HTTP port {', '.join(f'{k} {(v or 0) * 1000:.0f}' for k, v in http.items())})",
+            f"<= {L1_TARGET_S * 1000:.0f} ms")

@@ -30,7 +30,8 @@ def store_bench(model: dict[str, torch.Tensor], *, repeat: int, say: Callable[[s
     out: dict[str, Any] = {"details": {}}
     for mode in ("rtn", "sr-sticky", "sr"):
         url = f"{base.rstrip('/')}/bench-{uuid.uuid4().hex[:8]}"
-        settings = Settings(grpc_port=0, http_port=0, rounding=mode, object_store=url, full_every=100, retain=4)
+        settings = Settings(grpc_port=0, http_port=0, probe_port=0, rounding=mode, object_store=url, full_every=100,
+                            retain=4)
         with BackgroundServer(settings) as srv, LearnerClient(srv.grpc_target) as learner:
             publisher = srv.service.publisher
             assert publisher is not None

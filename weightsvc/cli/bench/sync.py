@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from weightsvc.cli.bench._common import best, row, serve, slope
-from weightsvc.cli.bench.loop import loop_lag, loop_lag_max_s
+from weightsvc.cli.bench.loop import HealthPoller, loop_lag, loop_lag_max_s
 from weightsvc.cli.bench.peers import start_file_reader, start_watchers
 from weightsvc.cli.bench.rawtcp import RawTcp
 from weightsvc.client import InferenceClient, LearnerClient
@@ -54,6 +54,7 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
             return max(held) - start, pushed - start
 
         served_bytes = InferenceClient(server.url).manifest().data_bytes
+        probes, http_port = HealthPoller(server.probes), HealthPoller(server.url)
         for n in pullers:
             for transport, target in (("grpc", server.target), ("http", server.url)):
                 procs = start_watchers(target, step, n)
@@ -69,12 +70,15 @@ def sync_bench(model: dict[str, torch.Tensor], *, pullers: tuple[int, ...], repe
                 say(f"E1: {n} {transport} puller(s) hold the version {sync[n, transport]:.2f} s after the push call "
                     f"(commit at {commit[n, transport]:.2f} s)")
         lag = loop_lag_max_s(server.url, warm)
+        probe_worst, http_worst = probes.worst(), http_port.worst()
         for learner in learners.values():
             learner.close()
     finally:
         server.stop()
     file_s = file_sync_seconds(model, repeat)
-    out: dict[str, Any] = {"details": {"loop_lag_max_s_E1": lag, "e1_file_sync_s": round(file_s, 3)}, "report": {}}
+    out: dict[str, Any] = {"details": {"loop_lag_max_s_E1": lag, "probe_worst_s_E1": round(probe_worst, 4),
+                                       "http_healthz_worst_s_E1": round(http_worst, 4),
+                                       "e1_file_sync_s": round(file_s, 3)}, "report": {}}
     for n in pullers:
         bound = tcp.up(master_bytes) + tcp.fanout(served_bytes, n)
         ratios = {t: sync[n, t] / bound for t in ("grpc", "http")}
@@ -142,6 +146,7 @@ def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
         step = 1
         learner.push(step, {"w": torch.zeros(1 << 16)})  # warm-up: kernels compiled
         warm = loop_lag(server.url)
+        probes, http_port = HealthPoller(server.probes), HealthPoller(server.url)
         for count in counts:
             # Views of one block at distinct offsets: distinct tensors to the learner, built at once.
             model = {f"t.{i}": t for i, t in enumerate((torch.randn(count, elements // count, generator=gen) * 0.02)
@@ -165,6 +170,7 @@ def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
             say(f"S1: {count} tensors: push {times['push'][-1]:.2f} s, pull grpc {times['pull_grpc'][-1]:.2f} s, "
                 f"http {times['pull_http'][-1]:.2f} s")
         lag = loop_lag_max_s(server.url, warm)
+        probe_worst, http_worst = probes.worst(), http_port.worst()
         for client in clients.values():
             client.close()
         learner.close()
@@ -184,6 +190,8 @@ def tensor_cost_bench(*, total_mib: int, counts: tuple[int, ...], repeat: int,
             **{f"s1_{k}_s": [round(x, 4) for x in v] for k, v in times.items()},
             **{f"s1_{k}_us_per_tensor": round(v, 2) for k, v in us.items()},
             "loop_lag_max_s_S1": lag,
+            "probe_worst_s_S1": round(probe_worst, 4),
+            "http_healthz_worst_s_S1": round(http_worst, 4),
         },
         "report": {
             "S1": row(

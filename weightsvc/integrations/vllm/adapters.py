@@ -67,7 +67,7 @@ class AdapterFollower(Follower):
         self.path = "lora"
         self.live = {v: self.live.get(v) for v in sorted(loaded)}
         self.served = max(self.live, default=None)
-        with InferenceClient(self.config.target, token=self.config.token, ca_cert=self.config.ca_cert) as client:
+        with self._server() as client:
             try:
                 versions = [v.version for v in client.versions(self.config.model)]
             except NotFound:

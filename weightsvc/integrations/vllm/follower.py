@@ -13,6 +13,11 @@ While its update holds the engine paused, the engine's `weight_version` is `weig
 (no token is generated under it): a follower restarted after it was killed mid-update knows the
 pause is its own and finishes the work; a pause under any other label is someone else's, and the
 follower waits for it to end. A version is acked only once `/weight_info` says the engine serves it.
+
+Nothing an engine or the weightsvc server answers ends the follower: every answer is checked
+(`EngineApi`), and a bad one, like a failed call, is logged, counted and retried with backoff. A worker's
+staging report is taken only for the version being staged, from a rank of the engine's world. The
+server is asked every `SERVER_CHECK_S` whether it answers: the follower is not ready while it does not.
 """
 
 from __future__ import annotations
@@ -27,14 +32,25 @@ from typing import Any, Protocol
 
 from weightsvc.client import InferenceClient
 from weightsvc.errors import NotFound, WeightsvcError, subject
-from weightsvc.integrations.vllm.engine_api import EngineApi, EngineError
+from weightsvc.integrations.vllm.engine_api import MAX_VERSION, EngineApi, EngineError, version_of
 
-__all__ = ["PATHS", "PAUSE_MODES", "UPDATING", "Follower", "FollowerConfig", "Refused"]
+__all__ = ["PATHS", "PAUSE_MODES", "UPDATING", "Follower", "FollowerConfig", "Refused", "ReportRefused"]
 
 PAUSE_MODES = ("keep", "wait", "abort")
 PATHS = ("auto", "transfer", "collective_rpc")
 UPDATING = "weightsvc-updating-"
 MAX_BACKOFF_S = 30.0
+SERVER_CHECK_S = 5.0  # how often the follower asks whether its weightsvc server answers
+MAX_REPORTED_ERROR_CHARS = 2000  # of a worker's error, kept for the log
+
+
+class ReportRefused(ValueError):
+    """A staging report that is not taken: `status` is the HTTP answer to it (400: malformed, 409: not
+    the version being staged)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Refused(EngineError):
@@ -81,24 +97,51 @@ class Follower:
         self._world = 1
         self._version: int | None = None  # the version of the update under way
         self._cut_short = False
-        self._reports: dict[int, dict[int, dict[str, Any]]] = {}  # version -> rank -> the worker's report
+        self._staging: int | None = None  # the version the workers are staging, whose reports are taken
+        self._reports: dict[int, dict[str, Any]] = {}  # rank -> the worker's report of `_staging`
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._client: InferenceClient | None = None
+        self.server_down: str | None = None  # why the weightsvc server does not answer (None: it does)
+        self._said = threading.Lock()
 
     # ---- what the sidecar's HTTP server asks -------------------------------------------------------
 
-    def staged(self, report: dict[str, Any]) -> None:
-        """A worker's word that it staged a version (or failed to): `{"rank", "version", "error"}`."""
+    def staged(self, report: Any) -> None:
+        """A worker's word that it staged a version (or failed to): `{"rank", "version", "pulled_bytes",
+        "error"}`. ReportRefused for anything else, and for a version not being staged: nothing is kept."""
+        if not isinstance(report, dict):
+            raise ReportRefused("a staging report is a JSON object")
+        fields: dict[str, Any] = {k: report.get(k) for k in ("rank", "version", "pulled_bytes", "error")}
+        for key, kinds in (("rank", (int,)), ("version", (int,)), ("pulled_bytes", (int, type(None))),
+                           ("error", (str, type(None)))):
+            value = fields[key]
+            if isinstance(value, bool) or not isinstance(value, kinds):
+                raise ReportRefused(f"the staging report's {key!r} is {type(value).__name__}, not "
+                                    f"{' or '.join('null' if k is type(None) else k.__name__ for k in kinds)}")
+            if isinstance(value, int) and not 0 <= value <= MAX_VERSION:
+                raise ReportRefused(f"the staging report's {key!r} is not between 0 and {MAX_VERSION}")
+        rank, version, pulled, error = fields["rank"], fields["version"], fields["pulled_bytes"], fields["error"]
         with self._cond:
-            self._reports.setdefault(int(report["version"]), {})[int(report["rank"])] = report
+            if version != self._staging:
+                raise ReportRefused(f"version {version} is not being staged (now: "
+                                    f"{'none' if self._staging is None else self._staging})", 409)
+            if rank >= self._world:
+                raise ReportRefused(f"the staging report's rank {rank} is not one of the engine's {self._world} "
+                                    "workers")
+            self._reports[rank] = {"rank": rank, "version": version, "pulled_bytes": pulled,
+                                   "error": None if error is None else error[:MAX_REPORTED_ERROR_CHARS]}
             self._cond.notify_all()
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        """Whether the engine serves the latest version within `max_lag` versions."""
+        """Whether the engine serves the latest version within `max_lag` versions, and the weightsvc
+        server answers (else the engine may be far behind without anybody knowing)."""
         state = {"path": self.path, "served": self.served, "latest": self.latest, "max_lag": self.config.max_lag}
         if self.path is None:
             return False, {**state, "reason": "not connected to the engine"}
+        if self.server_down is not None:
+            return False, {**state, "reason": f"the weightsvc server {self.config.target} does not answer: "
+                                              f"{self.server_down}"}
         if self.latest is None:
             return True, state
         behind = self.latest - (self.served or 0)
@@ -117,6 +160,7 @@ class Follower:
         """Follow until `stop`: every failure is logged, counted, and retried with backoff."""
         watcher = threading.Thread(target=self._watch, name="weightsvc-follow-watch", daemon=True)
         watcher.start()
+        threading.Thread(target=self._check_server, name="weightsvc-follow-server", daemon=True).start()
         failures = 0
         while not self._stop.is_set():
             self._version = None
@@ -140,21 +184,47 @@ class Follower:
                 failures += 1
                 self._failed("ack" if self._version is not None else "connect", str(e))
                 self._stop.wait(min(MAX_BACKOFF_S, 0.5 * 2 ** min(failures, 6)))
+            except Exception as e:  # a defect of ours: the sidecar stays up all the same
+                failures += 1
+                self._failed("internal", f"{type(e).__name__}: {e}")
+                self._stop.wait(min(MAX_BACKOFF_S, 0.5 * 2 ** min(failures, 6)))
+
+    def _server(self, timeout: bool = True) -> InferenceClient:
+        """A client of the weightsvc server (each call bounded by `timeout_s`, but for a watch)."""
+        c = self.config
+        return InferenceClient(c.target, token=c.token, ca_cert=c.ca_cert, timeout=c.timeout_s if timeout else None)
+
+    def _check_server(self) -> None:
+        """Whether the weightsvc server answers, asked every SERVER_CHECK_S; a change is logged."""
+        while not self._stop.is_set():
+            try:
+                with self._server() as client:
+                    client.versions(self.config.model)
+                down = None
+            except NotFound:  # nothing committed yet: it answers
+                down = None
+            except WeightsvcError as e:
+                down = str(e)
+            if down is not None and self.server_down is None:
+                self._failed("server", f"the weightsvc server {self.config.target} does not answer: {down}")
+            elif down is None and self.server_down is not None:
+                self._log("server_answers", target=self.config.target)
+            self.server_down = down
+            self._stop.wait(SERVER_CHECK_S)
 
     def _watch(self) -> None:
         """The latest committed version, as the service announces them (reconnecting when it is lost)."""
         while not self._stop.is_set():
             try:
-                with InferenceClient(self.config.target, token=self.config.token,
-                                     ca_cert=self.config.ca_cert) as client:
+                with self._server(timeout=False) as client:
                     self._client = client
                     for info in client.watch(self.config.model):
                         with self._cond:
                             self.latest = max(info.version, self.latest or 0)
                             self._cond.notify_all()
                         self.metrics.position(self.served, self.latest)
-            except WeightsvcError as e:
-                self._failed("watch", str(e))
+            except Exception as e:  # (a WeightsvcError, or a defect of ours: the watch goes on)
+                self._failed("watch", str(e) if isinstance(e, WeightsvcError) else f"{type(e).__name__}: {e}")
                 self._stop.wait(1.0)
 
     def _next(self) -> int | None:
@@ -171,6 +241,7 @@ class Follower:
         label = self.engine.weight_version()
         self._cut_short = label.startswith(UPDATING) and self.engine.is_paused(stage="connect")
         path = self.config.path
+        self._world = 1
         if path in ("auto", "transfer"):
             try:
                 self.engine.post("/init_weight_transfer_engine", {"init_info": self._init_info()}, stage="connect")
@@ -188,8 +259,8 @@ class Follower:
                                   "'{\"backend\": \"weightsvc\"}' or with --worker-extension-cls "
                                   "weightsvc.loaders.VllmWorkerExtension", e.status) from None
         self.path = path
-        self.served = int(label) if label.isdigit() else None
-        with InferenceClient(self.config.target, token=self.config.token, ca_cert=self.config.ca_cert) as client:
+        self.served = version_of(label)
+        with self._server() as client:
             try:
                 versions = [v.version for v in client.versions(self.config.model)]
             except NotFound:  # nothing committed yet: the watch says when
@@ -248,16 +319,19 @@ class Follower:
         """Every worker pulls, checks and verifies the version while the engine generates; the bytes
         each pulled, by rank (unknown without `notify`)."""
         with self._cond:
-            self._reports.pop(version, None)
-        self.engine.post("/init_weight_transfer_engine",
-                         {"init_info": self._init_info(stage=version, notify=self.config.notify)}, stage="stage")
-        if self.config.notify is None:  # nobody to tell us: update_weights waits for the staged copy
-            return []
-        with self._cond:
-            done = self._cond.wait_for(lambda: self._stop.is_set()
-                                       or len(self._reports.get(version, {})) >= self._world,
-                                       timeout=self.config.update_timeout_s)
-            reports = self._reports.pop(version, {})
+            self._staging, self._reports = version, {}
+        try:
+            self.engine.post("/init_weight_transfer_engine",
+                             {"init_info": self._init_info(stage=version, notify=self.config.notify)}, stage="stage")
+            if self.config.notify is None:  # nobody to tell us: update_weights waits for the staged copy
+                return []
+            with self._cond:
+                done = self._cond.wait_for(lambda: self._stop.is_set() or len(self._reports) >= self._world,
+                                           timeout=self.config.update_timeout_s)
+                reports = self._reports
+        finally:
+            with self._cond:
+                self._staging, self._reports = None, {}
         if self._stop.is_set():
             raise EngineError("stage", f"stopped while {subject(self.config.model, version)} was staged")
         if not done:
@@ -293,7 +367,7 @@ class Follower:
             raise
 
     def _ack(self, version: int) -> None:
-        with InferenceClient(self.config.target, token=self.config.token, ca_cert=self.config.ca_cert) as client:
+        with self._server() as client:
             client.ack(self.config.model, version, self.config.client_id)
         self.metrics.position(self.served, self.latest)
 
@@ -304,5 +378,7 @@ class Follower:
         self._log("refused" if refused else "failed", stage=stage, version=self._version, error=error)
 
     def _log(self, event: str, **fields: Any) -> None:
-        self.say(json.dumps({"event": event, "engine": self.config.engine, "model": self.config.model,
-                             "path": self.path, **fields}))
+        line = json.dumps({"event": event, "engine": self.config.engine, "model": self.config.model,
+                           "path": self.path, **fields})
+        with self._said:  # three threads log: one line at a time (print writes the newline apart)
+            self.say(line)
