@@ -4,8 +4,12 @@ already), and a selection of a version.
 
 Nothing the store holds is trusted: each marker is checked (`Marker.from_json`; its manifest by the
 caller's `check` before anything is allocated for it), each object against the size and checksum in
-its marker before it is used, and the tensors of a selection against the manifest's checksums.
-The caller verifies a whole version's tensors (`verify_data`).
+its marker before it is used, a full version's marker against the object's own header (what the
+object's checksum covers: the marker alone could rename, retype or reshape a tensor whose bytes still
+match its checksum), each delta's tensors against the layout of the version it is applied to, and
+the tensors of a selection against the manifest's checksums. The caller verifies a whole version's
+tensors (`verify_data`). What is damaged is no version: listings and `latest` pass over it, and
+`damaged` says what it was.
 
 Blocking: the clients call it from their own threads.
 """
@@ -14,18 +18,31 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable
+from itertools import zip_longest
 
-from weightsvc.errors import DataLoss, NotFound, subject
+from weightsvc.errors import DataLoss, InvalidArgument, NotFound, subject
 from weightsvc.memory import alloc
 from weightsvc.protocol import delta
 from weightsvc.protocol.digest import verify
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.manifest import Manifest, ServedTensor, manifest_from_header
 from weightsvc.protocol.parts import Segment
+from weightsvc.protocol.refs import check_model_name
+from weightsvc.protocol.safetensors import read_safetensors_header
 from weightsvc.protocol.selection import Select, chosen, gather
-from weightsvc.store.layout import FULL, VERSIONS, Marker, chain, marker_name, model_folder, version_of
+from weightsvc.store.layout import (
+    FULL,
+    VERSIONS,
+    Damaged,
+    Marker,
+    chain,
+    marker_name,
+    model_folder,
+    version_of,
+)
 from weightsvc.store.s3 import Bucket
 from weightsvc.store.writer import object_checksum
 
+OWN_HEADER = "the object's own header says"
 Progress = Callable[[int], None]
 Check = Callable[[Manifest], Manifest]  # a manifest from the store, checked before anything is allocated for it
 
@@ -34,31 +51,72 @@ class StoreReader:
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
         self._markers: dict[tuple[str, int], Marker] = {}  # a version's marker never changes
+        self._damaged: dict[tuple[str, int], DataLoss] = {}  # nor does a damaged one
 
     def models(self) -> list[str]:
-        return self.bucket.folders(VERSIONS)
+        """The models the store holds a folder of, with a name a model can have (`damaged` names the rest)."""
+        return [model for model in self.bucket.folders(VERSIONS) if _model_name(model)]
+
+    def markers(self, model: str) -> dict[int, Marker]:
+        """The sound markers of `model`'s versions, by version (a damaged one: `damaged`)."""
+        listed = {v for name in self.bucket.names(model_folder(model)) if (v := version_of(model, name)) is not None}
+        for key in [k for k in (*self._markers, *self._damaged) if k[0] == model and k[1] not in listed]:
+            self._markers.pop(key, None)  # removed from the store (by its retention)
+            self._damaged.pop(key, None)
+        out = {}
+        for version in sorted(listed):
+            try:
+                out[version] = self._read(model, version)
+            except (DataLoss, NotFound):
+                continue  # damaged, or removed since the listing
+        return out
 
     def versions(self, model: str) -> list[int]:
-        """The versions of `model` in the store, oldest first (NOT_FOUND: none)."""
-        found = sorted(v for name in self.bucket.names(model_folder(model))
-                       if (v := version_of(model, name)) is not None)
+        """The versions of `model` in the store, oldest first: those whose marker is sound (NOT_FOUND: none)."""
+        found = sorted(self.markers(model))
         if not found:
-            raise NotFound(f"unknown model {model!r}: the object store {self.bucket.url} holds no version of it")
+            aside = "".join(f"; {d.name} is damaged: {d.reason}" for d in self._damaged_of(model))
+            raise NotFound(f"unknown model {model!r}: the object store {self.bucket.url} holds no version of it{aside}")
         return found
 
     def marker(self, model: str, version: int | None) -> Marker:
-        """The marker of `version` of `model` (None: the latest)."""
+        """The marker of `version` of `model` (None: the latest with a sound marker)."""
         if version is None:
             version = self.versions(model)[-1]
+        try:
+            return self._read(model, version)
+        except NotFound:
+            kept = ", ".join(map(str, self.versions(model)))
+            raise NotFound(f"model {model!r} has no version {version} in the object store {self.bucket.url} "
+                           f"(retained: {kept})") from None
+
+    def damaged(self, models: Iterable[str] | None = None) -> list[Damaged]:
+        """What the store holds of `models` (None: every folder) that is no version: a folder no model
+        can be named after, and each damaged commit marker."""
+        out = []
+        for model in self.bucket.folders(VERSIONS) if models is None else models:
+            if not _model_name(model):
+                out.append(Damaged(model, model_folder(model), "no model can have this name"))
+                continue
+            self.markers(model)
+            out += self._damaged_of(model)
+        return out
+
+    def _damaged_of(self, model: str) -> list[Damaged]:
+        return [Damaged(model, marker_name(model, v), e.message) for (m, v), e in sorted(self._damaged.items())
+                if m == model]
+
+    def _read(self, model: str, version: int) -> Marker:
         key = (model, version)
+        if key in self._damaged:
+            raise self._damaged[key]
         if key not in self._markers:
+            raw = self.bucket.get(marker_name(model, version))
             try:
-                raw = self.bucket.get(marker_name(model, version))
-            except NotFound:
-                kept = ", ".join(map(str, self.versions(model)))
-                raise NotFound(f"model {model!r} has no version {version} in the object store {self.bucket.url} "
-                               f"(retained: {kept})") from None
-            self._markers[key] = Marker.from_json(raw, model, version)
+                self._markers[key] = Marker.from_json(raw, model, version)
+            except DataLoss as e:
+                self._damaged[key] = e
+                raise
         return self._markers[key]
 
     def load(self, marker: Marker, held: tuple[Manifest, memoryview] | None, moved: Progress,
@@ -74,15 +132,15 @@ class StoreReader:
         if at is not None and held is not None:
             data = alloc(len(held[1]))
             data[:] = held[1]
+            layout = held[0]
         else:
             at, full = 0, steps[0]
             whole = self._object(full, moved)
             data = whole[full.data_start :]
+            layout = full.manifest  # (what its object's header says: `_object` checked)
         for step in steps[at + 1 :]:
+            same_layout(step.manifest, layout)
             patch = self._object(step, moved)
-            if len(data) != step.manifest.data_bytes:
-                raise DataLoss(f"{subject(m.model, step.version)}: a delta of a data section of "
-                               f"{step.manifest.data_bytes} bytes on one of {len(data)}")
             try:
                 delta.apply(step.manifest, patch, data)
             except (ValueError, IndexError) as e:
@@ -92,12 +150,13 @@ class StoreReader:
 
     def selection(self, marker: Marker, select: Select, moved: Progress, check: Check) -> tuple[Manifest, memoryview]:
         """A selection of `marker`'s version: of a full version, the selected tensors' bytes alone
-        (whole, so each is verified against its checksum before it is sliced); of a delta version, the
-        version rebuilt first."""
-        m = marker.manifest
+        (whole, so each is verified against its checksum before it is sliced; the object's header read
+        to check the marker against); of a delta version, the version rebuilt first."""
+        m = check(marker.manifest)
         where = f"{subject(m.model, m.version)} (object store)"
         picked = [t for t, _ in chosen(m, select)]
         if marker.kind == FULL:
+            check_header(marker, self.bucket.get(marker.object, (0, marker.data_start)) if marker.data_start else b"")
             # Tensors that follow each other in the data section are read as one range: one GET each.
             spans: list[Segment] = []
             at = 0
@@ -143,4 +202,63 @@ class StoreReader:
             raise DataLoss(f"{subject(m.model, m.version)}: object {marker.object!r} of the object store "
                            f"{self.bucket.url} is {len(raw)} bytes with checksum {object_checksum(raw)}; its "
                            f"commit marker says {marker.nbytes} bytes, {marker.checksum}")
+        if marker.kind == FULL:
+            check_header(marker, raw[: marker.data_start])
         return raw
+
+
+def check_header(marker: Marker, prefix: bytes | memoryview) -> None:
+    """A full version's object starts with the header its manifest makes (what a replica serves): the
+    marker's manifest must be that one. DATA_LOSS names the first tensor they differ on."""
+    m = marker.manifest
+    if bytes(prefix[8:]).rstrip(b" ") == m.safetensors_header()[8:].rstrip(b" "):
+        return
+    where = f"{subject(m.model, m.version)}: object {marker.object!r} of the object store"
+    try:
+        start, header = read_safetensors_header(prefix)
+        own = manifest_from_header(header)
+    except (InvalidArgument, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise DataLoss(f"{where} does not start with a header weightsvc writes (in the {len(prefix)} bytes its "
+                       f"commit marker says it takes): {e}") from None
+    if start != len(prefix):
+        raise DataLoss(f"{where}: its header takes {start} bytes, its commit marker says {len(prefix)}")
+    for said, truth in zip_longest(m.tensors, own.tensors):
+        if said != truth:
+            raise DataLoss(f"{where}: {_differ(said, truth, OWN_HEADER)}")
+    said_fields, own_fields = m.to_dict(tensors=False), own.to_dict(tensors=False)
+    fields = sorted(k for k in said_fields.keys() | own_fields.keys() if said_fields.get(k) != own_fields.get(k))
+    raise DataLoss(f"{where}: the manifest of its commit marker differs from the one in the object's own header "
+                   f"(in {', '.join(fields) if fields else 'the tensor entries of the header'})")
+
+
+def same_layout(m: Manifest, layout: Manifest) -> None:
+    """A delta of `m` is applied to a version laid out as `layout`: the same tensors, dtypes, shapes and
+    places (`protocol.delta.compatible`), or DATA_LOSS naming the first tensor they differ on."""
+    key = ("name", "dtype", "shape", "offset", "nbytes")
+    for said, truth in zip_longest(m.tensors, layout.tensors):
+        if said is None or truth is None or any(getattr(said, k) != getattr(truth, k) for k in key):
+            raise DataLoss(f"{subject(m.model, m.version)}: "
+                           f"{_differ(said, truth, f'version {layout.version}, which its delta is on, holds')}")
+    if m.data_bytes != layout.data_bytes:
+        raise DataLoss(f"{subject(m.model, m.version)}: a delta of a data section of {m.data_bytes} bytes on one of "
+                       f"version {layout.version}, of {layout.data_bytes}")
+
+
+def _differ(said: ServedTensor | None, truth: ServedTensor | None, other: str) -> str:
+    """How the tensor a commit marker says and the one its object (or base) holds differ."""
+    def described(t: ServedTensor | None) -> str:
+        if t is None:
+            return "no tensor"
+        checksum = f", checksum {t.checksum}" if said and truth and said.checksum != truth.checksum else ""
+        return f"tensor {t.name!r} {t.dtype} {list(t.shape)} at bytes [{t.offset}, +{t.nbytes}){checksum}"
+
+    name = (truth or said).name  # type: ignore[union-attr]
+    return f"tensor {name!r}: the commit marker says {described(said)}; {other} {described(truth)}"
+
+
+def _model_name(name: str) -> bool:
+    try:
+        check_model_name(name)
+    except InvalidArgument:
+        return False
+    return True
