@@ -397,7 +397,8 @@ def test_a_delta_chain_that_loops_is_refused_as_damaged(store: str, seaweed: Sea
         with InferenceClient(store) as remote:
             same_bits(remote.pull(MODEL, 1), first)
             for version in (2, 3):
-                with pytest.raises(DataLoss, match=f"model 'policy' version 2: the store's commit marker .* on version {base}"):
+                damaged = f"model 'policy' version 2: the store's commit marker .* on version {base}"
+                with pytest.raises(DataLoss, match=damaged):
                     remote.pull(MODEL, version)
             assert [v.version for v in remote.versions(MODEL)] == [1, 3]  # 2 is no version: its marker is damaged
     # A fresh server restores what is sound and sets the rest aside.
@@ -482,10 +483,12 @@ def test_restore_sets_the_damaged_aside_and_serves_the_rest(store: str, seaweed:
         assert "commit marker says" in aside[(MODEL, f"/{marker_name(MODEL, 2)}")]
         assert "it says model 'policy' version 3" in aside[("other", f"/{marker_name('other', 3)}")]
         assert srv.service.metrics.damaged_files._value.get() == 4
-        push_steps(srv, range(5, 6))  # and the store goes on: 5 (its damaged marker replaced)
+        # And the store goes on: 5 (its damaged marker replaced) full, 6 a delta on it; retention as ever.
+        push_steps(srv, range(5, 7))
         drained(srv)
+        assert (uploads(srv, "full"), uploads(srv, "delta")) == (1, 1)
     with InferenceClient(store) as remote:
-        assert [v.version for v in remote.versions(MODEL)] == [1, 2, 3, 4, 5]
+        assert [v.version for v in remote.versions(MODEL)] == [3, 4, 5, 6]
 
 
 # ---- sharded replicas ------------------------------------------------------------------------------

@@ -7,15 +7,18 @@ import dataclasses
 import pytest
 
 from weightsvc.errors import DataLoss, InvalidArgument
-from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.manifest import Manifest, ServedTensor
 from weightsvc.store import Marker, StoreUrl
 from weightsvc.store.layout import DELTA, FULL, chain, marker_name, version_of
 from weightsvc.store.writer import StoredModel, expired
 
 
 def marker(version: int, base: int | None, chain_length: int = 0) -> Marker:
-    m = Manifest("m", version, "bf16", "sr", 0, 0.0, 0, "digest")
-    return Marker(m, FULL if base is None else DELTA, base, chain_length, 10, "xxh3_64:0")
+    """A marker of a version of one BF16 tensor of 10 elements: full (a header of 8 bytes), or a delta."""
+    m = Manifest("m", version, "bf16", "sr", 0, 0.0, 20, "digest", (ServedTensor("w", (10,), "BF16", 0, 20),))
+    if base is None:
+        return Marker(m, FULL, None, chain_length, 28, "xxh3_64:0", 8)
+    return Marker(m, DELTA, base, chain_length, 29, "xxh3_64:0")
 
 
 def test_names_sort_as_versions_and_read_back() -> None:
@@ -62,6 +65,15 @@ def test_a_delta_chain_that_loops_or_lies_about_its_length_is_damaged() -> None:
         Marker.from_json(marker(3, 2, 0).to_json(), "m", 3)
     with pytest.raises(DataLoss, match="full version is 2 deltas after one"):
         Marker.from_json(marker(3, None, 2).to_json(), "m", 3)
+    # Its object's size follows from its manifest: nothing larger is read for it.
+    assert Marker.from_json(marker(3, 2, 1).to_json(), "m", 3).nbytes == 29  # a dense delta of its one tensor
+    for lie in (dataclasses.replace(marker(3, 2, 1), nbytes=30), dataclasses.replace(marker(3, None), nbytes=29),
+                dataclasses.replace(marker(3, None), data_start=0, nbytes=20)):
+        with pytest.raises(DataLoss, match=r"is damaged: a (delta|full version) of"):
+            Marker.from_json(lie.to_json(), "m", 3)
+    with pytest.raises(DataLoss, match="versions are steps in"):
+        Marker.from_json(dataclasses.replace(marker(3, None), manifest=dataclasses.replace(
+            marker(3, None).manifest, version=10**19)).to_json(), "m", 10**19)
     looped = {1: marker(1, None), 2: marker(2, 1, 5), 3: marker(3, 2, 6)}  # 2 says 5 deltas on a full version
     with pytest.raises(DataLoss, match="version 2 says it is 5 deltas after a full version, that of version 1"):
         chain(looped[3], looped.get)

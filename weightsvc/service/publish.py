@@ -214,6 +214,7 @@ class Publisher:
         marker: Marker = await self._run(write_version, self.bucket, version.manifest, version.header, version.data,
                                          None if base is None or latest is None else (latest, base.data))
         stored.markers[m.version] = marker
+        self.reader.wrote(marker)
         self._metrics.store_uploads.labels(marker.kind).inc()
         self._metrics.store_bytes.labels(marker.kind).inc(marker.nbytes)
         log.info("object store: model=%s version=%d kind=%s bytes=%d", m.model, m.version, marker.kind, marker.nbytes)

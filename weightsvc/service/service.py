@@ -340,7 +340,7 @@ async def _start_publisher(service: Service) -> None:
     else:  # what the data dir holds and the store does not (uploads a stop or a crash cut off) goes up
         for model in service.index.models():
             for version in service.index.versions(model):
-                if version.part is None or (version.part.parts and publishes(version)):
+                if version.part is None or publishes(version):
                     publisher.committed(version)
     publisher.start()
 

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsvc.errors import DataLoss, subject
+from weightsvc.protocol import delta
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.refs import MAX_STEP
 
 FULL, DELTA = "full", "delta"
 VERSIONS = "versions/"
@@ -96,6 +98,16 @@ class Marker:
                            "deltas after a full version; a delta is on an earlier version, one or more after it")
         if marker.kind == FULL and marker.chain != 0:
             raise DataLoss(f"{where} is damaged: it says a full version is {marker.chain} deltas after one")
+        if version > MAX_STEP or type(m.data_bytes) is not int or type(m.tensors) is not tuple:
+            raise DataLoss(f"{where} is not one weightsvc writes (versions are steps in [0, {MAX_STEP}], with a "
+                           "data section of a whole number of bytes)")
+        # The object's size follows from the manifest: nothing larger is read for it.
+        if marker.kind == FULL and not (marker.data_start >= 8 and marker.nbytes == marker.data_start + m.data_bytes):
+            raise DataLoss(f"{where} is damaged: a full version of {marker.nbytes} bytes, its header "
+                           f"{marker.data_start} of them, and a data section of {m.data_bytes}")
+        if marker.kind == DELTA and not (marker.data_start == 0 and marker.nbytes <= delta.most_bytes(m)):
+            raise DataLoss(f"{where} is damaged: a delta of {marker.nbytes} bytes, more than one of a data section "
+                           f"of {m.data_bytes} bytes in {len(m.tensors)} tensors takes")
         return marker
 
     def info(self) -> dict[str, Any]:

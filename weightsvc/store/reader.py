@@ -17,6 +17,8 @@ Blocking: the clients call it from their own threads.
 from __future__ import annotations
 
 import itertools
+import struct
+import threading
 from collections.abc import Callable, Iterable
 from itertools import zip_longest
 
@@ -27,7 +29,7 @@ from weightsvc.protocol.digest import verify
 from weightsvc.protocol.manifest import Manifest, ServedTensor, manifest_from_header
 from weightsvc.protocol.parts import Segment
 from weightsvc.protocol.refs import check_model_name
-from weightsvc.protocol.safetensors import read_safetensors_header
+from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, read_safetensors_header
 from weightsvc.protocol.selection import Select, chosen, gather
 from weightsvc.store.layout import (
     FULL,
@@ -51,7 +53,8 @@ class StoreReader:
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
         self._markers: dict[tuple[str, int], Marker] = {}  # a version's marker never changes
-        self._damaged: dict[tuple[str, int], DataLoss] = {}  # nor does a damaged one
+        self._damaged: dict[tuple[str, int], str] = {}  # nor does a damaged one: why it is
+        self._lock = threading.Lock()  # (a client's watch and pulls read from threads of their own)
 
     def models(self) -> list[str]:
         """The models the store holds a folder of, with a name a model can have (`damaged` names the rest)."""
@@ -60,9 +63,10 @@ class StoreReader:
     def markers(self, model: str) -> dict[int, Marker]:
         """The sound markers of `model`'s versions, by version (a damaged one: `damaged`)."""
         listed = {v for name in self.bucket.names(model_folder(model)) if (v := version_of(model, name)) is not None}
-        for key in [k for k in (*self._markers, *self._damaged) if k[0] == model and k[1] not in listed]:
-            self._markers.pop(key, None)  # removed from the store (by its retention)
-            self._damaged.pop(key, None)
+        with self._lock:
+            for key in [k for k in (*self._markers, *self._damaged) if k[0] == model and k[1] not in listed]:
+                self._markers.pop(key, None)  # removed from the store (by its retention)
+                self._damaged.pop(key, None)
         out = {}
         for version in sorted(listed):
             try:
@@ -80,9 +84,10 @@ class StoreReader:
         return found
 
     def marker(self, model: str, version: int | None) -> Marker:
-        """The marker of `version` of `model` (None: the latest with a sound marker)."""
+        """The marker of `version` of `model` (None: the latest that can be built: its chain's markers
+        sound, their objects in place at their size)."""
         if version is None:
-            version = self.versions(model)[-1]
+            version = self._latest(model)
         try:
             return self._read(model, version)
         except NotFound:
@@ -102,22 +107,63 @@ class StoreReader:
             out += self._damaged_of(model)
         return out
 
+    def _latest(self, model: str) -> int:
+        versions = self.versions(model)
+        for version in reversed(versions):
+            try:
+                for step in chain(self._read(model, version), lambda v: self._lookup(model, v)):
+                    self._in_place(step)
+            except NotFound:
+                continue  # removed since the listing (by the store's retention)
+            except DataLoss as e:
+                with self._lock:  # (a marker whose object never came, or went: no version either)
+                    self._damaged[(model, version)] = e.message
+                continue
+            return version
+        raise NotFound(f"unknown model {model!r}: none of its {len(versions)} versions in the object store "
+                       f"{self.bucket.url} can be built")
+
+    def _in_place(self, marker: Marker) -> None:
+        m = marker.manifest
+        try:
+            size = self.bucket.size(marker.object)
+        except NotFound:
+            size = None
+        if size != marker.nbytes:
+            raise DataLoss(f"{subject(m.model, m.version)}: object {marker.object!r} of the object store "
+                           f"{self.bucket.url} is {'missing' if size is None else f'{size} bytes'}; its commit "
+                           f"marker says {marker.nbytes} bytes")
+
+    def wrote(self, marker: Marker) -> None:
+        """`marker` was just written (over a damaged one of its number, it may be)."""
+        key = (marker.manifest.model, marker.version)
+        with self._lock:
+            self._damaged.pop(key, None)
+            self._markers[key] = marker
+
     def _damaged_of(self, model: str) -> list[Damaged]:
-        return [Damaged(model, marker_name(model, v), e.message) for (m, v), e in sorted(self._damaged.items())
-                if m == model]
+        with self._lock:
+            return [Damaged(model, marker_name(model, v), why) for (m, v), why in sorted(self._damaged.items())
+                    if m == model]
 
     def _read(self, model: str, version: int) -> Marker:
         key = (model, version)
-        if key in self._damaged:
-            raise self._damaged[key]
-        if key not in self._markers:
-            raw = self.bucket.get(marker_name(model, version))
-            try:
-                self._markers[key] = Marker.from_json(raw, model, version)
-            except DataLoss as e:
-                self._damaged[key] = e
-                raise
-        return self._markers[key]
+        with self._lock:
+            if key in self._markers:
+                return self._markers[key]
+            why = self._damaged.get(key)
+        if why is not None:
+            raise DataLoss(why)
+        try:
+            raw = self.bucket.get(marker_name(model, version), max_bytes=MAX_HEADER_BYTES)
+            marker = Marker.from_json(raw, model, version)
+        except DataLoss as e:
+            with self._lock:
+                self._damaged[key] = e.message
+            raise
+        with self._lock:
+            self._markers[key] = marker
+        return marker
 
     def load(self, marker: Marker, held: tuple[Manifest, memoryview] | None, moved: Progress,
              check: Check) -> memoryview:
@@ -143,7 +189,7 @@ class StoreReader:
             patch = self._object(step, moved)
             try:
                 delta.apply(step.manifest, patch, data)
-            except (ValueError, IndexError) as e:
+            except (ValueError, IndexError, struct.error) as e:
                 raise DataLoss(f"{subject(m.model, step.version)}: bad delta in the object store: "
                                f"{e}") from None
         return data
@@ -196,7 +242,7 @@ class StoreReader:
     def _object(self, marker: Marker, moved: Progress) -> memoryview:
         """The object of `marker`'s version, checked against its size and checksum."""
         m = marker.manifest
-        raw = self.bucket.get(marker.object)
+        raw = self.bucket.get(marker.object, max_bytes=marker.nbytes)
         moved(len(raw))
         if len(raw) != marker.nbytes or object_checksum(raw) != marker.checksum:
             raise DataLoss(f"{subject(m.model, m.version)}: object {marker.object!r} of the object store "
