@@ -200,7 +200,8 @@ class Publisher:
         None when it was not: in the store already, older than what it holds, or retired before its
         parts could be gathered."""
         m = version.manifest
-        # What the store holds, listed again: another replica may have published since.
+        # What the store holds, listed again (another replica may have published since): its versions
+        # that can be built (a marker whose objects are missing must not stop the uploads).
         stored = self._stored[m.model] = StoredModel(await self._run(self.reader.markers, m.model))
         latest = stored.latest
         if (latest is not None and m.version < latest.version) or not check_new(stored, m):
@@ -286,8 +287,8 @@ def _named(version: Version) -> str:
 
 async def restore(publisher: Publisher, settings: Settings, mirror: Callable[[Manifest, memoryview], Awaitable[None]],
                   wanted: Callable[[Manifest], Awaitable[bool]] | None = None) -> int:
-    """Bring back the versions the store retains of every model (the newest --retain with a sound
-    marker), oldest first, each rebuilt from its chain (on the one before it where it can), verified,
+    """Bring back the versions the store retains of every model (the newest --retain that can be
+    built), oldest first, each rebuilt from its chain (on the one before it where it can), verified,
     and committed by `mirror` as a relay commits; returns how many. The ef residual is not in the
     store: the next ef push starts from a zero residual. `wanted`: whether a version is one to bring
     back (None: every one).
@@ -310,7 +311,7 @@ async def restore(publisher: Publisher, settings: Settings, mirror: Callable[[Ma
 
     aside: list[Damaged] = []
     for model in await asyncio.to_thread(reader.models):
-        markers = await asyncio.to_thread(reader.markers, model)
+        markers = await asyncio.to_thread(reader.markers, model)  # (a damaged version takes no place)
         held = None
         for version in sorted(markers)[-s.retain :]:
             try:

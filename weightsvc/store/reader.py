@@ -16,6 +16,7 @@ Blocking: the clients call it from their own threads.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import struct
 import threading
@@ -52,42 +53,39 @@ Check = Callable[[Manifest], Manifest]  # a manifest from the store, checked bef
 class StoreReader:
     def __init__(self, bucket: Bucket) -> None:
         self.bucket = bucket
-        self._markers: dict[tuple[str, int], Marker] = {}  # a version's marker never changes
-        self._damaged: dict[tuple[str, int], str] = {}  # nor does a damaged one: why it is
+        # What was read of each version (model, version): its marker never changes, its object is
+        # written before it, and retention deletes the marker first; a listing forgets what it no
+        # longer holds.
+        self._markers: dict[tuple[str, int], Marker] = {}
+        self._damaged: dict[tuple[str, int], str] = {}  # why a version is no version
+        self._in_place: set[tuple[str, int]] = set()  # versions whose object is there at its size
         self._lock = threading.Lock()  # (a client's watch and pulls read from threads of their own)
 
     def models(self) -> list[str]:
         """The models the store holds a folder of, with a name a model can have (`damaged` names the rest)."""
         return [model for model in self.bucket.folders(VERSIONS) if _model_name(model)]
 
-    def markers(self, model: str) -> dict[int, Marker]:
-        """The sound markers of `model`'s versions, by version (a damaged one: `damaged`)."""
-        listed = {v for name in self.bucket.names(model_folder(model)) if (v := version_of(model, name)) is not None}
-        with self._lock:
-            for key in [k for k in (*self._markers, *self._damaged) if k[0] == model and k[1] not in listed]:
-                self._markers.pop(key, None)  # removed from the store (by its retention)
-                self._damaged.pop(key, None)
-        out = {}
-        for version in sorted(listed):
-            try:
-                out[version] = self._read(model, version)
-            except (DataLoss, NotFound):
-                continue  # damaged, or removed since the listing
-        return out
-
     def versions(self, model: str) -> list[int]:
-        """The versions of `model` in the store, oldest first: those whose marker is sound (NOT_FOUND: none)."""
-        found = sorted(self.markers(model))
+        """The versions of `model` in the store, oldest first: those that can be built, their chain's
+        markers sound and objects in place at their size (NOT_FOUND: none). The rest are damaged
+        (`damaged`): listings and `latest` pass over them."""
+        found = [v for v in self._listed(model) if self._buildable(model, v)]
         if not found:
             aside = "".join(f"; {d.name} is damaged: {d.reason}" for d in self._damaged_of(model))
             raise NotFound(f"unknown model {model!r}: the object store {self.bucket.url} holds no version of it{aside}")
         return found
 
+    def markers(self, model: str) -> dict[int, Marker]:
+        """The markers of `model`'s versions (`versions`), by version."""
+        try:
+            return {v: self._read(model, v) for v in self.versions(model)}
+        except NotFound:
+            return {}
+
     def marker(self, model: str, version: int | None) -> Marker:
-        """The marker of `version` of `model` (None: the latest that can be built: its chain's markers
-        sound, their objects in place at their size)."""
+        """The marker of `version` of `model` (None: the latest)."""
         if version is None:
-            version = self._latest(model)
+            version = self.versions(model)[-1]
         try:
             return self._read(model, version)
         except NotFound:
@@ -97,49 +95,66 @@ class StoreReader:
 
     def damaged(self, models: Iterable[str] | None = None) -> list[Damaged]:
         """What the store holds of `models` (None: every folder) that is no version: a folder no model
-        can be named after, and each damaged commit marker."""
+        can be named after, and each damaged version (by its commit marker)."""
         out = []
         for model in self.bucket.folders(VERSIONS) if models is None else models:
             if not _model_name(model):
                 out.append(Damaged(model, model_folder(model), "no model can have this name"))
                 continue
-            self.markers(model)
+            with contextlib.suppress(NotFound):
+                self.versions(model)
             out += self._damaged_of(model)
         return out
 
-    def _latest(self, model: str) -> int:
-        versions = self.versions(model)
-        for version in reversed(versions):
-            try:
-                for step in chain(self._read(model, version), lambda v: self._lookup(model, v)):
-                    self._in_place(step)
-            except NotFound:
-                continue  # removed since the listing (by the store's retention)
-            except DataLoss as e:
-                with self._lock:  # (a marker whose object never came, or went: no version either)
-                    self._damaged[(model, version)] = e.message
-                continue
-            return version
-        raise NotFound(f"unknown model {model!r}: none of its {len(versions)} versions in the object store "
-                       f"{self.bucket.url} can be built")
+    def wrote(self, marker: Marker) -> None:
+        """`marker` was just written, its object first (over a damaged version of its number, it may be)."""
+        key = (marker.manifest.model, marker.version)
+        with self._lock:
+            self._damaged.pop(key, None)
+            self._markers[key] = marker
+            self._in_place.add(key)
 
-    def _in_place(self, marker: Marker) -> None:
-        m = marker.manifest
+    def _listed(self, model: str) -> list[int]:
+        """The versions whose marker the store lists, whatever they hold; what it no longer lists is forgotten."""
+        listed = {v for name in self.bucket.names(model_folder(model)) if (v := version_of(model, name)) is not None}
+        with self._lock:
+            for known in (self._markers, self._damaged):
+                for key in [k for k in known if k[0] == model and k[1] not in listed]:
+                    del known[key]
+            self._in_place -= {k for k in self._in_place if k[0] == model and k[1] not in listed}
+        return sorted(listed)
+
+    def _buildable(self, model: str, version: int) -> bool:
+        """Whether a version can be built: the markers of its chain sound, their objects in place at
+        their size. One that cannot is damaged from now on."""
         try:
-            size = self.bucket.size(marker.object)
+            for step in chain(self._read(model, version), lambda v: self._lookup(model, v)):
+                self._check_in_place(step)
+        except NotFound:
+            return False  # removed since the listing (by the store's retention)
+        except DataLoss as e:
+            with self._lock:
+                self._markers.pop((model, version), None)
+                self._damaged[(model, version)] = e.message
+            return False
+        return True
+
+    def _check_in_place(self, marker: Marker) -> None:
+        m = marker.manifest
+        key = (m.model, m.version)
+        with self._lock:
+            if key in self._in_place:
+                return
+        try:
+            size: int | None = self.bucket.size(marker.object)
         except NotFound:
             size = None
         if size != marker.nbytes:
             raise DataLoss(f"{subject(m.model, m.version)}: object {marker.object!r} of the object store "
                            f"{self.bucket.url} is {'missing' if size is None else f'{size} bytes'}; its commit "
                            f"marker says {marker.nbytes} bytes")
-
-    def wrote(self, marker: Marker) -> None:
-        """`marker` was just written (over a damaged one of its number, it may be)."""
-        key = (marker.manifest.model, marker.version)
         with self._lock:
-            self._damaged.pop(key, None)
-            self._markers[key] = marker
+            self._in_place.add(key)
 
     def _damaged_of(self, model: str) -> list[Damaged]:
         with self._lock:
@@ -149,9 +164,9 @@ class StoreReader:
     def _read(self, model: str, version: int) -> Marker:
         key = (model, version)
         with self._lock:
-            if key in self._markers:
-                return self._markers[key]
             why = self._damaged.get(key)
+            if why is None and key in self._markers:
+                return self._markers[key]
         if why is not None:
             raise DataLoss(why)
         try:
@@ -235,7 +250,7 @@ class StoreReader:
 
     def _lookup(self, model: str, version: int) -> Marker | None:
         try:
-            return self.marker(model, version)
+            return self._read(model, version)
         except NotFound:
             return None
 
