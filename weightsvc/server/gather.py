@@ -19,19 +19,21 @@ class Gatherer:
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._client: InferenceClient | None = None
+        self._target: str | None = None  # this replica's address, once it serves
+        self._client: InferenceClient | None = None  # made at the first call
         self._lock = threading.Lock()
 
     def serving(self, replica: Replica) -> None:
         """This replica listens at `replica.grpc` from now on."""
-        s = self._settings
-        tokens = [t.strip() for listed in configured_tokens(s.tokens(), s.auth_file).values() for t in listed]
-        with self._lock:
-            self._client = InferenceClient(replica.grpc, token=next((t for t in tokens if t), None),
-                                           limits=Limits(s.max_version_bytes, s.max_tensors))
+        self._target = replica.grpc
 
     def __call__(self, model: str, version: int) -> tuple[Manifest, memoryview]:
         with self._lock:
+            if self._client is None and self._target is not None:
+                s = self._settings
+                tokens = [t.strip() for listed in configured_tokens(s.tokens(), s.auth_file).values() for t in listed]
+                self._client = InferenceClient(self._target, token=next((t for t in tokens if t), None),
+                                               limits=Limits(s.max_version_bytes, s.max_tensors))
             client = self._client
         if client is None:
             raise Unavailable(f"{subject(model, version)}: this replica does not serve yet; its parts are gathered "
@@ -40,6 +42,6 @@ class Gatherer:
 
     def close(self) -> None:
         with self._lock:
-            client, self._client = self._client, None
+            client, self._client, self._target = self._client, None, None
         if client is not None:
             client.close()

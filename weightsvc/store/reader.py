@@ -204,7 +204,7 @@ class StoreReader:
             patch = self._object(step, moved)
             try:
                 delta.apply(step.manifest, patch, data)
-            except (ValueError, IndexError, struct.error) as e:
+            except (ValueError, IndexError, OverflowError, struct.error) as e:
                 raise DataLoss(f"{subject(m.model, step.version)}: bad delta in the object store: "
                                f"{e}") from None
         return data
