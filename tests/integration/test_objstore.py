@@ -3,7 +3,8 @@
 Written through on every commit (full every --full-every versions, deltas between, the marker last),
 pulled from the store alone bit for bit as a replica serves them, uploads queued while the store is
 down, --object-store-required, restore into an empty server, a relay and a watch following the
-store, and wrong credentials."""
+store, and wrong credentials; a store that lies (delta chains that loop, markers that relabel what
+the objects hold, damaged versions and junk beside the sound ones); sharded replicas publishing."""
 
 from __future__ import annotations
 
@@ -417,7 +418,7 @@ def test_a_delta_chain_that_loops_is_refused_as_damaged(store: str, seaweed: Sea
     (2, swap_names, SWAPPED),
     (2, relabel, RELABELLED),
     (1, huge_shape, f"tensor {Q!r} has dtype 'BF16', shape \\[{10**30}, 128\\]"),
-])
+], ids=["names-swapped-full", "relabelled-full", "names-swapped-delta", "relabelled-delta", "huge-shape"])
 def test_a_marker_cannot_relabel_what_the_objects_hold(store: str, seaweed: SeaweedS3, version: int,
                                                         change: Callable[[dict], None], said: str) -> None:  # type: ignore[type-arg]
     """A full version's object carries its manifest in its own header, which the marker's checksum
