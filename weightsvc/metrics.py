@@ -71,7 +71,8 @@ class Metrics:
         )
         self.damaged_files = Gauge(
             "weightsvc_damaged_files",
-            "Version files found damaged at start-up and moved aside (under <data dir>/damaged)", registry=r,
+            "Versions found damaged at start-up and set aside: files of the data dir (moved under <data dir>/damaged) "
+            "and versions of the object store (left where they are)", registry=r,
         )
         self.retained_versions = Gauge(
             "weightsvc_retained_versions", "Committed versions held per model", ["model"], registry=r

@@ -166,6 +166,13 @@ class Settings(BaseSettings):
             raise ValueError("--tls-cert and --tls-key go together")
         return self
 
+    @model_validator(mode="after")
+    def _required_alone(self) -> Settings:
+        if self.object_store_required and self.redis_url and not self.relay_from:
+            raise ValueError("--object-store-required is a single server's: sharded replicas (--redis-url) publish a "
+                             "version once every owner's part is in, so after it commits")
+        return self
+
     @field_validator("format", "rounding", "scaling", "device")
     @classmethod
     def _choice(cls, v: str, info: ValidationInfo) -> str:

@@ -3,15 +3,19 @@
 Written through on every commit (full every --full-every versions, deltas between, the marker last),
 pulled from the store alone bit for bit as a replica serves them, uploads queued while the store is
 down, --object-store-required, restore into an empty server, a relay and a watch following the
-store, and wrong credentials."""
+store, and wrong credentials; a store that lies (delta chains that loop, markers that relabel what
+the objects hold, damaged versions and junk beside the sound ones); sharded replicas publishing."""
 
 from __future__ import annotations
 
+import copy
+import json
 import logging
 import os
+import re
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
@@ -19,8 +23,9 @@ import pytest
 import torch
 
 from tests.conftest import WEIGHTSVC_CMD, make_masters, serving
-from tests.helpers import S3_KEY, S3_SECRET, Gate, SeaweedS3, relayed, same_bits, small_step
+from tests.helpers import REDIS_URL, S3_KEY, S3_SECRET, Gate, SeaweedS3, needs_redis, relayed, same_bits, small_step
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.cli.status import status_report
 from weightsvc.client import Slice
 from weightsvc.errors import DataLoss, NotFound, Unauthenticated, Unavailable
 from weightsvc.server.server import BackgroundServer
@@ -245,7 +250,7 @@ def test_a_torn_upload_is_never_a_version(store: str, seaweed: SeaweedS3) -> Non
     cut = s3.get_object(Bucket="weights", Key=key)["Body"].read()[:-5]
     s3.put_object(Bucket="weights", Key=key, Body=cut)
     with InferenceClient(store) as remote:
-        assert [v.version for v in remote.versions(MODEL)] == [1, 2]
+        assert [v.version for v in remote.versions(MODEL)] == [1]
         remote.pull(MODEL, 1)
         with pytest.raises(DataLoss, match="commit marker says"):
             remote.pull(MODEL, 2)
@@ -322,3 +327,216 @@ def test_cli_pull_from_the_store(store: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     same_bits(load_file(out), expected)
+
+
+# ---- a store that lies: nothing it holds is trusted ------------------------------------------------
+
+Q, K, W = "layers.1.attn.q.weight", "layers.1.attn.k.weight", "layers.1.mlp.w.weight"
+
+
+class Tamper:
+    """The objects under a test's prefix, read and rewritten behind weightsvc's back, as someone with
+    write access to the bucket could."""
+
+    def __init__(self, seaweed: SeaweedS3, url: str) -> None:
+        self.s3 = raw_store(seaweed)
+        self.prefix = url.removeprefix("s3://weights/")
+
+    def get(self, name: str) -> bytes:
+        return bytes(self.s3.get_object(Bucket="weights", Key=f"{self.prefix}/{name}")["Body"].read())
+
+    def put(self, name: str, body: bytes) -> None:
+        self.s3.put_object(Bucket="weights", Key=f"{self.prefix}/{name}", Body=body)
+
+    def marker(self, version: int) -> dict:  # type: ignore[type-arg]
+        return json.loads(self.get(marker_name(MODEL, version)))  # type: ignore[no-any-return]
+
+    def put_marker(self, version: int, marker: dict) -> None:  # type: ignore[type-arg]
+        self.put(marker_name(MODEL, version), json.dumps(marker).encode())
+
+
+def retagged(marker: dict, change: Callable[[dict], None]) -> dict:  # type: ignore[type-arg]
+    """`marker` with `change` applied to its manifest's tensors (a dict by name)."""
+    out = copy.deepcopy(marker)
+    tensors = {t["name"]: t for t in out["manifest"]["tensors"]}
+    change(tensors)
+    return out
+
+
+def swap_names(tensors: dict) -> None:  # type: ignore[type-arg]
+    tensors[Q]["name"], tensors[K]["name"] = K, Q
+
+
+def relabel(tensors: dict) -> None:  # type: ignore[type-arg]
+    tensors[W] |= {"dtype": "F32", "shape": [128, 64]}  # as many bytes as BF16 [128, 128]
+
+
+def huge_shape(tensors: dict) -> None:  # type: ignore[type-arg]
+    tensors[Q]["shape"] = [10**30, 128]
+
+
+SWAPPED = f"tensor ({Q!r}|{K!r}): the commit marker says tensor ({K!r}|{Q!r}) BF16"
+RELABELLED = f"tensor {W!r}: the commit marker says tensor {W!r} F32 \\[128, 64\\]"
+
+
+def square_masters() -> dict[str, torch.Tensor]:
+    """`make_masters` and three BF16 [128, 128] tensors once served: two to swap, one to relabel."""
+    gen = torch.Generator().manual_seed(3)
+    return make_masters() | {name: torch.randn(128, 128, generator=gen) * 0.02 for name in (Q, K, W)}
+
+
+def test_a_delta_chain_that_loops_is_refused_as_damaged(store: str, seaweed: SeaweedS3) -> None:
+    with serving(object_store=store, full_every=10, retain=10) as srv:
+        push_steps(srv, range(1, 4))  # 1 full, 2 a delta on 1, 3 a delta on 2
+        drained(srv)
+        with InferenceClient(srv.grpc_target) as replica:
+            first = replica.pull(MODEL, 1)
+    tamper = Tamper(seaweed, store)
+    two = tamper.marker(2)
+    for base in (2, 3):  # 2 on itself; 2 on 3 and 3 on 2
+        tamper.put_marker(2, two | {"base": base})
+        with InferenceClient(store) as remote:
+            same_bits(remote.pull(MODEL, 1), first)
+            for version in (2, 3):
+                damaged = f"model 'policy' version 2: the store's commit marker .* on version {base}"
+                with pytest.raises(DataLoss, match=damaged):
+                    remote.pull(MODEL, version)
+            assert [v.version for v in remote.versions(MODEL)] == [1]  # 2's marker is damaged, 3 is on it
+            assert remote.manifest(MODEL).version == 1
+    # A fresh server restores what is sound and sets the rest aside.
+    with serving(object_store=store, retain=10) as srv, InferenceClient(srv.grpc_target) as restored:
+        assert [v.version for v in restored.versions(MODEL)] == [1]
+        same_bits(restored.pull(MODEL, 1), first)
+        aside = {d["file"].rsplit("/", 1)[1]: d["reason"] for d in restored.damaged_files()}
+        assert sorted(aside) == ["00000000000000000002.json", "00000000000000000003.json"]
+        assert "its delta is on version 3" in aside["00000000000000000002.json"]
+
+
+@pytest.mark.parametrize("version, change, said", [
+    (1, swap_names, SWAPPED),
+    (1, relabel, RELABELLED),
+    (2, swap_names, SWAPPED),
+    (2, relabel, RELABELLED),
+    (1, huge_shape, f"tensor {Q!r} has dtype 'BF16', shape \\[{10**30}, 128\\]"),
+], ids=["names-swapped-full", "relabelled-full", "names-swapped-delta", "relabelled-delta", "huge-shape"])
+def test_a_marker_cannot_relabel_what_the_objects_hold(store: str, seaweed: SeaweedS3, version: int,
+                                                        change: Callable[[dict], None], said: str) -> None:  # type: ignore[type-arg]
+    """A full version's object carries its manifest in its own header, which the marker's checksum
+    covers: a marker that names, types or shapes a tensor otherwise is damaged, whatever its tensors'
+    checksums say; a delta's tensors are laid out as those of the full version it is built on."""
+    masters = square_masters()
+    with serving(object_store=store, full_every=10, retain=10) as srv, LearnerClient(srv.grpc_target) as learner:
+        learner.push(1, masters, model=MODEL)
+        learner.push(2, small_step(masters), model=MODEL)  # a delta on 1
+        drained(srv)
+    tamper = Tamper(seaweed, store)
+    tamper.put_marker(version, retagged(tamper.marker(version), change))
+    where = f"model 'policy' version {version}: .*{said}"
+    with InferenceClient(store) as remote:
+        for select in (None, {Q: None, W: Slice(0, 0, 10)}):
+            with pytest.raises(DataLoss, match=where):
+                remote.pull(MODEL, version, select=select)
+        if version == 2:  # the deltas after a version held
+            remote.pull(MODEL, 1)
+            with pytest.raises(DataLoss, match=where):
+                remote.pull(MODEL, 2, base=1)
+    with serving(object_store=store, retain=10) as srv, InferenceClient(srv.grpc_target) as restored:
+        aside = {d["file"].removeprefix(f"{store}/"): d["reason"] for d in restored.damaged_files()}
+        assert re.search(where, aside[marker_name(MODEL, version)])
+        if version == 1:  # and 2, a delta on it
+            assert sorted(aside) == [marker_name(MODEL, 1), marker_name(MODEL, 2)]
+            with pytest.raises(NotFound, match="set aside at start-up"):
+                restored.versions(MODEL)
+        else:
+            assert sorted(aside) == [marker_name(MODEL, 2)]
+            assert [v.version for v in restored.versions(MODEL)] == [1]
+
+
+def test_restore_sets_the_damaged_aside_and_serves_the_rest(store: str, seaweed: SeaweedS3) -> None:
+    with serving(object_store=store, full_every=2, retain=4) as srv:
+        push_steps(srv, range(1, 5))  # 1 full, 2 a delta on 1, 3 full, 4 a delta on 3
+        drained(srv)
+        with InferenceClient(srv.grpc_target) as replica:
+            before = {v: replica.pull(MODEL, v) for v in (1, 3, 4)}
+    tamper = Tamper(seaweed, store)
+    two = object_name(MODEL, 2, "delta")
+    tamper.put(two, tamper.get(two)[:-3])  # cut short after its marker was written
+    tamper.put("versions/bad name!/00000000000000000001.json", b"junk")  # no model can have that name
+    tamper.put(marker_name("other", 3), tamper.get(marker_name(MODEL, 3)))  # another model's marker
+    tamper.put(f"versions/{MODEL}/{9:025d}.json", b"junk")  # a stray marker: 25 digits
+    tamper.put(marker_name(MODEL, 5), b"{}")  # and one above the latest
+    tamper.put(marker_name(MODEL, 7), tamper.get(marker_name(MODEL, 1)).replace(b'"version": 1,', b'"version": 7,'))
+    with InferenceClient(store) as remote:  # a client of the store alone still finds the latest
+        assert remote.manifest(MODEL).version == 4
+        assert [v.version for v in remote.versions(MODEL)] == [1, 3, 4]
+        same_bits(remote.pull(MODEL), before[4])
+        assert [m["model"] for m in remote.models()] == [MODEL]
+        assert {(d["model"], d["file"].removeprefix(store)) for d in remote.damaged_files()} == {
+            *((MODEL, f"/{marker_name(MODEL, v)}") for v in (2, 5, 7)), ("other", f"/{marker_name('other', 3)}"),
+            ("bad name!", "/versions/bad name!/")}
+    with serving(object_store=store, full_every=2, retain=4) as srv:
+        with InferenceClient(srv.http_url) as restored:  # serving: the sound versions came back
+            assert [v.version for v in restored.versions(MODEL)] == [1, 3, 4]
+            for version, tensors in before.items():
+                same_bits(restored.pull(MODEL, version), tensors)
+        report = status_report(srv.grpc_target, None, None, None, 10)
+        aside = {(d["model"], d["file"].removeprefix(store)): d["reason"] for d in report["damaged_files"]}
+        assert sorted(aside) == [("bad name!", "/versions/bad name!/"), ("other", f"/{marker_name('other', 3)}"),
+                                 *((MODEL, f"/{marker_name(MODEL, v)}") for v in (2, 5, 7))]
+        assert "commit marker says" in aside[(MODEL, f"/{marker_name(MODEL, 2)}")]
+        assert "it says model 'policy' version 3" in aside[("other", f"/{marker_name('other', 3)}")]
+        assert "is missing; its commit marker says" in aside[(MODEL, f"/{marker_name(MODEL, 7)}")]
+        assert srv.service.metrics.damaged_files._value.get() == 5
+        # And the store goes on: 5 (its damaged marker replaced) full, 6 a delta on it; retention as ever.
+        push_steps(srv, range(5, 7))
+        drained(srv)
+        assert (uploads(srv, "full"), uploads(srv, "delta")) == (1, 1)
+    with InferenceClient(store) as remote:  # (7's marker stays, for someone to look at; its object never came)
+        assert [v.version for v in remote.versions(MODEL)] == [3, 4, 5, 6]
+
+
+# ---- sharded replicas ------------------------------------------------------------------------------
+
+
+def uploaded(srv: BackgroundServer) -> float:
+    return uploads(srv, "full") + uploads(srv, "delta")
+
+
+@needs_redis
+def test_sharded_replicas_publish_each_version_once_and_a_fresh_cluster_restores(
+        store: str, seaweed: SeaweedS3, redis_prefix: str) -> None:
+    shared = {"redis_url": REDIS_URL, "redis_prefix": redis_prefix, "object_store": store, "full_every": 2,
+              "retain": 3}
+    with serving(**shared, replica_id="r0") as r0, serving(**shared, replica_id="r1") as r1, \
+            serving(**shared, replica_id="r2") as r2:
+        replicas = (r0, r1, r2)
+        push_steps(r1, range(1, 5))  # 1 full, 2 a delta on 1, 3 full, 4 a delta on 3
+        for srv in replicas:
+            drained(srv)
+        parts = r0.service.index.get(MODEL, 4).manifest.parts
+        assert len({h for p in parts for h in p.sources}) == 3  # every replica holds a part of each version
+        # Once, by r0, the first of the replicas that hold its parts: gathered whole, a delta on the one before.
+        assert [(uploads(srv, "full"), uploads(srv, "delta")) for srv in replicas] == [(2, 2), (0, 0), (0, 0)]
+        with InferenceClient(store) as remote, InferenceClient(r2.grpc_target) as replica:
+            assert [v.version for v in remote.versions(MODEL)] == [1, 2, 3, 4]
+            before = {v: replica.pull(MODEL, v) for v in (2, 3, 4)}
+            for version, tensors in before.items():
+                same_bits(remote.pull(MODEL, version), tensors)
+            assert remote.manifest(MODEL).parts == ()  # served whole from the store
+    # A fresh cluster (an empty registry, no data dirs) brings the retained versions back from the store.
+    fresh = shared | {"redis_prefix": f"{redis_prefix}:fresh"}
+    with serving(**fresh, replica_id="r0") as r0, serving(**fresh, replica_id="r1") as r1, \
+            serving(**fresh, replica_id="r2") as r2:
+        replicas = (r0, r1, r2)
+        for srv in replicas:
+            with InferenceClient(srv.grpc_target) as restored:
+                assert [v.version for v in restored.versions(MODEL)] == [2, 3, 4]
+                same_bits(restored.pull(MODEL, 4), before[4])
+        masters = push_steps(r2, range(5, 6), seed=1)  # the cluster goes on, sharded again
+        for srv in replicas:
+            drained(srv)
+        assert [uploaded(srv) for srv in replicas] == [1, 0, 0]
+        with InferenceClient(store) as remote, InferenceClient(r1.http_url) as replica:
+            assert [v.version for v in remote.versions(MODEL)] == [3, 4, 5]
+            same_bits(remote.pull(MODEL, 5), replica.pull(MODEL, 5))
+            assert sorted(remote.pull(MODEL, 5)) == sorted(masters[5])

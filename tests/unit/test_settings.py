@@ -111,6 +111,8 @@ def test_flags_win_over_variables_and_variables_over_defaults(monkeypatch: pytes
         (["--retain", "0"], {}, "Invalid value for '--retain': Input should be greater than or equal to 1 (got 0)"),
         ([], {"WEIGHTSVC_HTTP_PORT": "70000"}, "Invalid value for '--http-port' (env var: 'WEIGHTSVC_HTTP_PORT')"),
         (["--tls-cert", "cert.pem"], {}, "--tls-cert and --tls-key go together"),
+        (["--object-store-required", "--redis-url", "redis://r:6379/0"], {},
+         "--object-store-required is a single server's: sharded replicas (--redis-url) publish a version once"),
         (["--device", "tpu"], {}, "Invalid value for '--device': unknown device 'tpu'; choose one of auto, cpu, cuda"),
         ([], {"WEIGHTSVC_DEVICE": "gpu"}, "unknown device 'gpu'; choose one of auto, cpu, cuda"),
     ],

@@ -4,7 +4,8 @@ whole, as the deltas after a version held, or a selection; `watch` polls the sto
 
 The store's endpoint, region and credentials come from the environment (`weightsvc.store.s3`).
 A store has no server to take acks, report clients or a topology: `ack` only returns the latest
-version, and the rest are FAILED_PRECONDITION.
+version, and the rest are FAILED_PRECONDITION. What it holds that is damaged is no version: listings
+and `latest` pass over it, and `damaged_files` names it.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class StoreInferenceClient(InferenceClient):
         return out
 
     def damaged_files(self) -> list[dict[str, str]]:
-        return []
+        """What the store holds that is no version (listings and `latest` pass over it): each damaged
+        commit marker, and each folder no model can be named after; `file` is its URL."""
+        return [{"model": d.model, "file": f"{self.url}/{d.name}", "reason": d.reason} for d in self._reader.damaged()]
 
     def topology(self) -> list[Replica]:
         raise FailedPrecondition(f"{self.target}: an object store has no replicas; ask a server")

@@ -23,6 +23,12 @@ def compatible(a: Manifest, b: Manifest) -> bool:
     return a.data_bytes == b.data_bytes and key == [(t.name, t.shape, t.dtype, t.offset) for t in b.tensors]
 
 
+def most_bytes(manifest: Manifest) -> int:
+    """The size of the largest delta `encode` makes of a version laid out as `manifest`: every tensor
+    dense (it picks the smallest encoding of each)."""
+    return struct.calcsize("<BQ") * len(manifest.tensors) + manifest.data_bytes
+
+
 def _index_dtype(numel: int) -> type[np.unsignedinteger]:
     return np.uint32 if numel < 1 << 32 else np.uint64
 

@@ -22,6 +22,7 @@ import grpc
 import uvicorn
 
 from weightsvc.protocol.topology import Replica
+from weightsvc.server.gather import Gatherer
 from weightsvc.server.loop import monitor as loop_monitor
 from weightsvc.server.probes import Probes
 from weightsvc.server.relay import Relay
@@ -68,6 +69,7 @@ class Server:
         self._http: uvicorn.Server | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._relay: Relay | None = None
+        self._gather = Gatherer(settings)  # sharded replicas with --object-store: a version whole, for the store
         self.replica: Replica | None = None
         self._loop_monitor: asyncio.Task[None] | None = None
         self._probes = Probes()
@@ -95,7 +97,7 @@ class Server:
     async def start(self) -> None:
         s = self.settings
         _tune_process()
-        self.service = Service(s)
+        self.service = Service(s, self._gather)
         self._probes.turned()
         self._loop_monitor = asyncio.create_task(loop_monitor(self.service.metrics, self._probes.turned),
                                                  name="loop-monitor")
@@ -152,6 +154,7 @@ class Server:
             self._relay = Relay(s.relay_from, service)
             self._relay.start()
         self.replica = self._describe()
+        self._gather.serving(self.replica)
         return self.replica
 
     def _dropped_http(self, reason: str) -> None:
@@ -185,6 +188,7 @@ class Server:
 
     async def _close(self) -> None:
         """Stop relaying and serving: what `_listen` started, in reverse."""
+        self._gather.close()
         if self._relay is not None:
             await self._relay.stop()
         if self._http is not None and self._http_task is not None:

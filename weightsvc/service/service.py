@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +36,7 @@ from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.api import ClientStatus, DamagedFile, ModelSummary, PushMessage, Reported
 from weightsvc.service.device import Exporter, exporter_for
-from weightsvc.service.publish import Publisher
+from weightsvc.service.publish import Gather, Publisher, publishes
 from weightsvc.service.publish import restore as restore_from_store
 from weightsvc.service.pull import Pull, Pulls, Watches, events
 from weightsvc.service.push.context import PushContext
@@ -43,7 +44,7 @@ from weightsvc.service.push.pushes import Pushes
 from weightsvc.service.replicas.memory import MemoryRegistry
 from weightsvc.service.replicas.parts import Parts
 from weightsvc.service.replicas.redis import RedisRegistry
-from weightsvc.service.replicas.registry import Registry
+from weightsvc.service.replicas.registry import Registry, manifest_from_registry
 from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.commit import Committer
 from weightsvc.service.versions.disk import VersionFiles
@@ -78,7 +79,9 @@ class Service:
     report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the order
     in which they come up and go down."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, gather: Gather | None = None) -> None:
+        """`gather`: a version of sharded replicas, whole (the server's client of the replicas), for
+        the object store."""
         self.settings = settings
         self.loop = asyncio.get_running_loop()
         self.metrics = Metrics()
@@ -93,7 +96,7 @@ class Service:
         self.parts = Parts(self.registry, settings.retain)
         self.acks = Acks(self.index, self.registry, self.metrics, forget_s=settings.client_forget_s)
         self.mismatches = Mismatches(self.index, self.registry, self.metrics)
-        self.publisher = Publisher(settings, self.metrics, self.index) if settings.object_store else None
+        self.publisher = Publisher(settings, self.metrics, self.index, gather) if settings.object_store else None
         self.committer = Committer(index=self.index, files=self.files, parts=self.parts, acks=self.acks,
                                    registry=self.registry, metrics=self.metrics, publisher=self.publisher)
         # Where pushes export (`--device`): refused here, before anything listens, when it cannot be had.
@@ -242,9 +245,13 @@ class Service:
         return [(m, reported.get(m.version)) for m in manifests]
 
     def damaged_files(self, model: str | None = None) -> list[DamagedFile]:
-        """The files of `model` (of every model: None) that restore found damaged and set aside."""
-        files = self.files
-        return [d for d in (files.damaged if files is not None else []) if model is None or d.model == model]
+        """The files of `model` (of every model: None) that restore found damaged and set aside: of the
+        data dir, and of the object store (named by their URL)."""
+        found = list(self.files.damaged) if self.files is not None else []
+        if self.publisher is not None:
+            url = self.publisher.url
+            found += [DamagedFile(d.model, f"{url}/{d.name}", d.reason) for d in self.publisher.damaged]
+        return [d for d in found if model is None or d.model == model]
 
     async def mirror(self, manifest: Manifest, data: memoryview) -> None:
         """Commit a version pulled (and verified) from an upstream, as it is: a relay's commit. A
@@ -319,21 +326,36 @@ class Service:
 
 async def _start_publisher(service: Service) -> None:
     """--object-store: a server that starts with no versions (an empty or no data dir) first brings
-    back those the store retains (not a sharded replica: it holds parts); one that has versions
-    queues them (those in the store already are skipped); then uploads begin."""
+    back those the store retains; one that has versions queues them (those in the store already are
+    skipped); then uploads begin."""
     publisher = service.publisher
     if publisher is None:
         return
     await publisher.open()
-    if not service.index.models() and not service.sharded:
-        restored = await restore_from_store(publisher, service.settings, service.mirror)
+    if not service.index.models():
+        wanted = functools.partial(_restorable, service.registry) if service.sharded else None
+        restored = await restore_from_store(publisher, service.settings, service.mirror, wanted)
         log.info("restored %d committed versions from the object store %s", restored, publisher.url)
+        service.metrics.damaged_files.set(len(service.damaged_files()))
     else:  # what the data dir holds and the store does not (uploads a stop or a crash cut off) goes up
         for model in service.index.models():
             for version in service.index.versions(model):
-                if version.part is None:
+                if version.part is None or publishes(version):
                     publisher.committed(version)
     publisher.start()
+
+
+async def _restorable(registry: Registry, m: Manifest) -> bool:
+    """Whether a sharded replica brings back version `m` from the store (whole, as a relay holds one):
+    when the registry knows nothing of it and nothing newer (a fresh cluster), or holds it whole with
+    the same content (another replica brought it back first). One it holds in parts is served by
+    their holders; one below its latest that it does not hold is retired."""
+    raw = await registry.manifest(m.model, m.version)
+    if raw is None:
+        known = await registry.versions(m.model)
+        return not known or m.version > known[-1]
+    held = await asyncio.to_thread(manifest_from_registry, raw, subject(m.model, m.version))
+    return not held.parts and held.master_digest == m.master_digest
 
 
 class Membership:

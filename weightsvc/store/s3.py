@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightsvc.errors import (
+    DataLoss,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -91,12 +92,22 @@ class Bucket:
         with self._errors(name):
             self._s3.upload_fileobj(_Reader(body), self.url.bucket, self.url.key(name), Config=self._transfer)
 
-    def get(self, name: str, span: tuple[int, int] | None = None, into: memoryview | None = None) -> memoryview:
-        """The object's bytes (`span`: bytes [start, end) of it), read into `into` when given."""
+    def get(self, name: str, span: tuple[int, int] | None = None, into: memoryview | None = None, *,
+            max_bytes: int | None = None) -> memoryview:
+        """The object's bytes (`span`: bytes [start, end) of it), read into `into` when given. An object
+        larger than `max_bytes` (what the reader knows it can be) is DATA_LOSS, before it is read.
+        A range the object does not hold whole is DATA_LOSS too: the reader asked for what it says it holds."""
         extra = {"Range": f"bytes={span[0]}-{span[1] - 1}"} if span is not None else {}
         with self._errors(name):
             response = self._s3.get_object(Bucket=self.url.bucket, Key=self.url.key(name), **extra)
             size = int(response["ContentLength"])
+            if max_bytes is not None and size > max_bytes:
+                response["Body"].close()
+                raise DataLoss(f"{self._where(name)}: {size} bytes, more than the {max_bytes} it can hold")
+            if span is not None and size != span[1] - span[0]:
+                response["Body"].close()
+                raise DataLoss(f"{self._where(name)}: bytes [{span[0]}, {span[1]}) were read and {size} came: the "
+                               "object is shorter")
             out = into if into is not None else alloc(size)
             if len(out) != size:
                 raise Unavailable(f"{self._where(name)}: {size} bytes where {len(out)} were expected")
@@ -108,6 +119,11 @@ class Bucket:
                 out[pos : pos + len(piece)] = piece
                 pos += len(piece)
             return out
+
+    def size(self, name: str) -> int:
+        """The object's size in bytes (NOT_FOUND: no such object)."""
+        with self._errors(name):
+            return int(self._s3.head_object(Bucket=self.url.bucket, Key=self.url.key(name))["ContentLength"])
 
     def names(self, under: str) -> Iterator[str]:
         """The names of the objects under `under` (a folder: ends with '/'), in S3's (byte) order."""
@@ -165,6 +181,8 @@ class _Errors:
             said = f"{self.where}: {code or status}: {error.get('Message', '')}".rstrip(": ")
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise NotFound(f"{self.where}: no such object") from None
+            if code == "InvalidRange":  # (the reader asks for the ranges the object says it holds)
+                raise DataLoss(f"{said}: the object is shorter than the range read") from None
             if code == "NoSuchBucket":
                 raise NotFound(f"{self.where}: no such bucket") from None
             if code in _UNAUTHENTICATED:

@@ -14,29 +14,20 @@ from weightsvc.errors import AlreadyExists, subject
 from weightsvc.protocol import delta
 from weightsvc.protocol.digest import CHECKSUM_PREFIX
 from weightsvc.protocol.manifest import Manifest
-from weightsvc.store.layout import DELTA, FULL, Marker, marker_name, model_folder, version_of
+from weightsvc.store.layout import DELTA, FULL, Marker, marker_name
 from weightsvc.store.s3 import Bucket
 
 
 @dataclass
 class StoredModel:
-    """What the store holds of one model: the marker of each version, by version."""
+    """What the store holds of one model: the sound marker of each version, by version
+    (`StoreReader.markers`)."""
 
     markers: dict[int, Marker] = field(default_factory=dict)
 
     @property
     def latest(self) -> Marker | None:
         return self.markers[max(self.markers)] if self.markers else None
-
-
-def stored_model(bucket: Bucket, model: str) -> StoredModel:
-    """The versions of `model` the store holds (each marker read)."""
-    out = StoredModel()
-    for name in list(bucket.names(model_folder(model))):
-        version = version_of(model, name)
-        if version is not None:
-            out.markers[version] = Marker.from_json(bucket.get(name), model, version)
-    return out
 
 
 def object_checksum(*pieces: memoryview | bytes) -> str:

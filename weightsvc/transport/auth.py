@@ -51,6 +51,21 @@ def peer_caller(peer: str) -> str:
     return "peer:" + (address[0] if address is not None else peer.removeprefix("unix:"))
 
 
+def configured_tokens(env_tokens: Mapping[str, str | None], auth_file: Path | None) -> dict[str, list[str]]:
+    """The tokens of each role, from the settings (comma-separated) and the auth file."""
+    tokens: dict[str, list[str]] = {role: (env_tokens.get(role) or "").split(",") for role in ROLES}
+    if auth_file is not None:
+        try:
+            listed = json.loads(auth_file.read_text())
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(f"--auth-file {auth_file}: {e}") from None
+        if not isinstance(listed, dict) or not all(isinstance(v, list) for v in listed.values()):
+            raise InvalidArgument(f'--auth-file {auth_file}: expected {{"pull": [...], "push": [...], ...}}')
+        for role, values in listed.items():
+            tokens.setdefault(role, []).extend(map(str, values))
+    return tokens
+
+
 class Auth:
     def __init__(self, tokens: Mapping[str, Iterable[str]]) -> None:
         self._roles: dict[bytes, int] = {}  # token digest -> highest role index
@@ -65,17 +80,7 @@ class Auth:
     @classmethod
     def load(cls, env_tokens: Mapping[str, str | None], auth_file: Path | None) -> Auth | None:
         """Tokens from the settings and the auth file; None when there are none (auth off)."""
-        tokens: dict[str, list[str]] = {role: (env_tokens.get(role) or "").split(",") for role in ROLES}
-        if auth_file is not None:
-            try:
-                listed = json.loads(auth_file.read_text())
-            except (OSError, ValueError) as e:
-                raise InvalidArgument(f"--auth-file {auth_file}: {e}") from None
-            if not isinstance(listed, dict) or not all(isinstance(v, list) for v in listed.values()):
-                raise InvalidArgument(f'--auth-file {auth_file}: expected {{"pull": [...], "push": [...], ...}}')
-            for role, values in listed.items():
-                tokens.setdefault(role, []).extend(map(str, values))
-        auth = cls(tokens)
+        auth = cls(configured_tokens(env_tokens, auth_file))
         return auth if auth._roles else None
 
     def check(self, authorization: str | None, need: str, what: str) -> None:

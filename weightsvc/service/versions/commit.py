@@ -201,7 +201,7 @@ class Committer:
             if m.lag is not None:
                 self._metrics.observe_lag(m.model, m.format, m.rounding, m.lag)
         await self._index.announce()
-        if self.publisher is not None and part_of is None:
+        if self.publisher is not None:
             self.publisher.committed(version)
         crash_point("commit.visible")
         if self._files is not None and (evicted or residual is not None):
