@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install weightsvc with its dev and trl extras (the engine tests run TRL's trainer
+# Create .venv and install weightsvc with its dev, trl, peft and nixl extras (the engine tests run TRL's trainer
 # from this venv). Installs once, then again only when
 # pyproject.toml changes: the install is editable, so changes to the code need none.
 # A stamp in .venv holds the hash of what was installed; WEIGHTSVC_REINSTALL=1 installs regardless.
@@ -31,5 +31,5 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q -e '.[dev,trl,peft]'
+.venv/bin/python -m pip install -q -e '.[dev,trl,peft,nixl]'
 echo "$want" >"$STAMP"

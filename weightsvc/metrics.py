@@ -57,6 +57,9 @@ RELAY_REFUSALS = ("invalid", "too_large", "too_many")
 # Why a relay does not follow a model its upstream lists: no model can have its name, or the relay
 # follows --max-models already.
 RELAY_UNFOLLOWED = ("invalid_name", "max_models")
+# Why a NIXL lease failed its reader: it expired before the reader said it was done (a reader that
+# died, or one slower than its lease), or the server refused it (too many leases, a lease unknown).
+NIXL_FAILURES = ("expired", "too_many", "unknown_lease", "register")
 
 
 class Metrics:
@@ -224,6 +227,18 @@ class Metrics:
                                       "Uploads to the object store that failed (each retried)", registry=r)
         self.store_dropped = Counter("weightsvc_store_uploads_dropped",
                                      "Versions dropped unwritten: the upload queue was full", registry=r)
+        # The fabric data plane (--nixl): what readers read of leased versions, and the leases held.
+        self.nixl_read_bytes = Counter("weightsvc_nixl_read_bytes", "Bytes readers read over NIXL (counted when a "
+                                       "reader releases its lease in time)", ["model"], registry=r)
+        self.nixl_reads = Counter("weightsvc_nixl_reads", "Reads over NIXL done within their lease", ["model"],
+                                  registry=r)
+        self.nixl_leases = Gauge("weightsvc_nixl_leases", "NIXL leases held (each holds its version)", registry=r)
+        self.nixl_registered_bytes = Gauge("weightsvc_nixl_registered_bytes",
+                                           "Bytes of versions registered with the NIXL agent", registry=r)
+        self.nixl_failures = Counter("weightsvc_nixl_failures", "NIXL leases that failed, by reason", ["reason"],
+                                     registry=r)
+        for reason in NIXL_FAILURES:
+            self.nixl_failures.labels(reason)
         r.register(_ClientCollector(self))
         self._clients: Callable[[], dict[str, list[ClientStatus]]] = dict
         self._lag_labels: dict[str, tuple[str, str, str]] = {}  # model -> its lag series' labels

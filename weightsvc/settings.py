@@ -158,6 +158,17 @@ class Settings(BaseSettings):
         16, ge=1,
         description="Versions waiting for upload at most; one more drops the oldest waiting (with a warning).",
     )
+    # ---- the fabric data plane
+    nixl: bool = Field(
+        False,
+        description="Lend committed versions over NIXL: readers lease a version and READ its registered memory "
+        "(the [nixl] extra).",
+    )
+    nixl_max_lease_s: float = Field(
+        300.0, gt=0, description="The longest NIXL lease a reader is given; a reader that dies holds its version "
+        "this long at most.",
+    )
+    max_leases: int = Field(1024, ge=1, description="NIXL leases held at once.")
     log_level: str = Field("info", description="debug, info, warning or error.")
 
     @model_validator(mode="after")

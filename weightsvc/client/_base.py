@@ -6,11 +6,12 @@ Nothing here imports torch: the CLI's `status`, `pull` to a file and `push` star
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -28,8 +29,9 @@ from weightsvc.client._common import (
     write_version_file,
 )
 from weightsvc.client._targets import ByTarget
-from weightsvc.errors import DataLoss, FailedPrecondition, WeightsvcError, subject
+from weightsvc.errors import DataLoss, FailedPrecondition, Unavailable, WeightsvcError, subject
 from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.fabric import DEFAULT_LEASE_S, Lease
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import Replica
@@ -37,7 +39,12 @@ from weightsvc.protocol.topology import Replica
 if TYPE_CHECKING:
     import torch
 
+    from weightsvc.client._nixl import Reader
+
 T = TypeVar("T")
+log = logging.getLogger("weightsvc.client")
+_READER: Reader | None = None  # one NIXL agent per process, for every client (made at its first pull_into)
+_READER_LOCK = threading.Lock()
 
 
 class InferenceClient(ByTarget):
@@ -127,6 +134,13 @@ class InferenceClient(ByTarget):
     def _ack(self, model: str, version: int, client_id: str) -> int:
         raise NotImplementedError
 
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+        """A lease of the version (or the selection) to READ over NIXL (`serve --nixl`)."""
+        raise FailedPrecondition(f"{self.target}: this target lends nothing over NIXL", reason="nixl_off")
+
+    def _release(self, lease_id: str) -> None:
+        raise NotImplementedError
+
     def clients(self, model: str = "default") -> list[ClientStatus]:
         """The inference clients that acked versions of `model`."""
         raise NotImplementedError
@@ -146,6 +160,53 @@ class InferenceClient(ByTarget):
         from weightsvc.client._tensors import tensors_from_data
 
         return tensors_from_data(*self.pull_data(model, version, base=base, select=select, progress=progress))
+
+    def pull_into(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        model: str = "default",
+        version: int | str = "latest",
+        *,
+        select: Select | None = None,
+        fallback: bool = True,
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> Manifest:
+        """READ a version (or, with `select`, its selected tensors and slices) over NIXL straight into
+        `tensors`: preallocated, contiguous CPU tensors by name, one per tensor pulled, of its served
+        dtype and (sliced) shape. Every byte is checked against the checksums any pull checks; returns
+        the manifest (the selection's, with `select`). The server lends the version for `lease_s`
+        seconds at most: a READ that outlasts it fails (DEADLINE_EXCEEDED).
+
+        When NIXL cannot be had (not installed here, a server without --nixl, a READ that cannot reach
+        it), one line says so and the version comes over this client's transport into the same
+        tensors, unless `fallback` is False (the error is raised then). After a failed pull, what the
+        tensors hold is not to be used."""
+        from weightsvc.client import _nixl
+
+        where = subject(model, version)
+        try:
+            return _nixl.pull_into(lambda: self._lease(model, str(version), select, lease_s), self._release,
+                                   self._nixl_reader, tensors, where)
+        except (FailedPrecondition, Unavailable) as e:
+            if not fallback:  # (a server without --nixl, or one that holds other tensors: TCP serves both)
+                raise
+            log.warning("%s: NIXL cannot reach %s (%s): pulling over %s", where, self.target, e.message,
+                        self.transport)
+        manifest, data = self.pull_data(model, version, select=select)
+        _nixl.check_destination(manifest, tensors)
+        verify_data(manifest, data)
+        _nixl.copy_into(manifest, data, tensors)
+        return manifest
+
+    def _nixl_reader(self) -> Reader:
+        """This process's NIXL reader, made at the first pull over NIXL."""
+        from weightsvc.client._nixl import Reader
+
+        global _READER
+        with _READER_LOCK:
+            if _READER is None:
+                _READER = Reader()
+            return _READER
 
     def iter_weights(
         self,

@@ -34,6 +34,7 @@ from weightsvc.errors import (
 )
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.fabric import Lease, lease_from_proto
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.names import PULL
 from weightsvc.protocol.selection import Select
@@ -338,6 +339,18 @@ class GrpcInferenceClient(InferenceClient):
                 if not isinstance(chunk, ChunkView):
                     raise DataLoss(f"{rx.where}: unexpected message in the pull stream")
                 rx.put(chunk.offset, chunk.data)
+
+    # ---- leases over NIXL ----------------------------------------------------------------------
+
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+        request = pb.LeaseVersionRequest(model=model, version=version, lease_s=lease_s,
+                                         select=select_to_proto(select) if select is not None else ())
+        lease = lease_from_proto(self._call(self._stub.LeaseVersion, request), subject(model, version))
+        self.limits.check(lease.manifest, model, version)
+        return lease
+
+    def _release(self, lease_id: str) -> None:
+        self._call(self._stub.ReleaseLease, pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     # ---- metadata ------------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ from weightsvc.errors import (
 )
 from weightsvc.memory import alloc
 from weightsvc.protocol.clients import ClientStatus
+from weightsvc.protocol.fabric import Lease
 from weightsvc.protocol.manifest import Manifest, manifest_from_header
 from weightsvc.protocol.safetensors import MAX_HEADER_BYTES, header_length, read_safetensors_header
 from weightsvc.protocol.selection import Select, selector
@@ -323,6 +324,22 @@ class HttpInferenceClient(InferenceClient):
 
     def clients(self, model: str = "default") -> list[ClientStatus]:
         return [ClientStatus(**c) for c in self._json(f"/v1/models/{_quote(model)}/clients")["clients"]]
+
+    # ---- leases over NIXL ----------------------------------------------------------------------
+
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+        where = subject(model, version)
+        body: dict[str, Any] = {"lease_s": lease_s}
+        if select is not None:
+            body["select"] = [selector(name, cut) for name, cut in select.items()]
+        got = self._json(f"/v1/models/{_quote(model)}/versions/{_quote(version)}/lease", body)
+        lease = Lease.from_dict(got if isinstance(got, dict) else {}, where)
+        self.limits.check(lease.manifest, model, version)
+        return lease
+
+    def _release(self, lease_id: str) -> None:
+        with self._open("DELETE", f"/v1/leases/{_quote(lease_id)}") as resp:
+            resp.read()
 
     # ---- watch and ack -------------------------------------------------------------------------
 

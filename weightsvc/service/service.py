@@ -22,6 +22,7 @@ from typing import Any, overload
 from weightsvc import rounding
 from weightsvc.errors import (
     DataLoss,
+    FailedPrecondition,
     NotFound,
     ResourceExhausted,
     Unavailable,
@@ -29,6 +30,7 @@ from weightsvc.errors import (
     subject,
 )
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.fabric import Lease
 from weightsvc.protocol.manifest import Manifest, check_manifest
 from weightsvc.protocol.mismatch import RolloutMismatch
 from weightsvc.protocol.refs import check_model_name
@@ -36,6 +38,7 @@ from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.api import ClientStatus, DamagedFile, ModelSummary, PushMessage, Reported
 from weightsvc.service.device import Exporter, exporter_for
+from weightsvc.service.lender import Lender
 from weightsvc.service.publish import Gather, Publisher, publishes
 from weightsvc.service.publish import restore as restore_from_store
 from weightsvc.service.pull import Pull, Pulls, Watches, events
@@ -115,6 +118,8 @@ class Service:
             parts=self.parts, index=self.index, changed=self.changed,
         ))
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
+        # --nixl: versions lent over the fabric (refused here, before anything listens, without NIXL).
+        self.lender = Lender(settings, self.metrics, self._open_lent) if settings.nixl else None
         self.membership = Membership(self.registry, self.parts, self.committer)
         self.watches = Watches(settings.watch_limit, self.metrics)
         self._heartbeat: asyncio.Task[None] | None = None
@@ -164,6 +169,8 @@ class Service:
                 await self.registry.deregister(replica_id)
         self.end_watches()
         await close()
+        if self.lender is not None:
+            self.lender.close()
         if self.publisher is not None:
             await self.publisher.stop()
         await asyncio.to_thread(self.close)
@@ -200,6 +207,24 @@ class Service:
         or in the version's file, sent under the stall timeout (`Pulls.open`)."""
         return await self.pulls.open(model, version, transport, base=base, dense_fallback=dense_fallback,
                                      select=select)
+
+    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float) -> Lease:
+        """Lend `version` (None: the latest) over NIXL for `lease_s` seconds: the agent's metadata and
+        where each tensor, or each selected slice, lies in its registered memory (`Lender.lease`)."""
+        return await self._lender().lease(model, version, select, lease_s)
+
+    def release_lease(self, lease_id: str) -> None:
+        """A reader is done with its lease (DEADLINE_EXCEEDED when it expired first: `Lender.release`)."""
+        self._lender().release(lease_id)
+
+    def _lender(self) -> Lender:
+        if self.lender is None:
+            raise FailedPrecondition("this server lends no version over NIXL (it runs without --nixl): pull over "
+                                     "gRPC or HTTP", reason="nixl_off")
+        return self.lender
+
+    async def _open_lent(self, model: str, version: int | None, select: Select | None) -> Pull:
+        return await self.pulls.open(model, version, "nixl", select=select)
 
     def manifest(self, model: str, version: int | None) -> Manifest:
         """The manifest of a retained version (None: the latest)."""

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from weightsvc._aio import off_loop
 from weightsvc.errors import WeightsvcError
+from weightsvc.protocol.fabric import DEFAULT_LEASE_S, lease_to_proto
 from weightsvc.protocol.mismatch import fields_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
 from weightsvc.protocol.refs import parse_version_ref
@@ -113,6 +114,18 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
                 await pull.send(context.write(encode_chunk("", offset, piece)), len(piece))  # pre-encoded: one copy
         finally:
             pull.close()
+
+    @_abort_on_domain_error
+    async def LeaseVersion(self, request: pb.LeaseVersionRequest, context: Any) -> pb.VersionLease:
+        select = select_from_proto(request.select) if request.select else None
+        lease = await self.service.lease(request.model, parse_version_ref(request.version), select,
+                                         request.lease_s or DEFAULT_LEASE_S)
+        return await off_loop(lambda _, lent: lease_to_proto(lent), lease.manifest, lease)
+
+    @_abort_on_domain_error
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
+        self.service.release_lease(request.lease_id)
+        return pb.ReleaseLeaseResponse()
 
     @_abort_on_domain_error
     async def ListModels(self, request: pb.ListModelsRequest, context: Any) -> pb.ListModelsResponse:

@@ -29,6 +29,7 @@ from weightsvc.errors import (
     WeightsvcError,
     subject,
 )
+from weightsvc.protocol.fabric import DEFAULT_LEASE_S
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
@@ -157,6 +158,12 @@ class PullResponse(Response):
 class AckBody(BaseModel):
     version: int
     client_id: str | None = None  # default: the peer's address, as gRPC's Ack
+
+
+class LeaseBody(BaseModel):
+    select: list[str] = Field([], description=_SELECT + " None: every tensor, whole.")
+    lease_s: float = Field(DEFAULT_LEASE_S, description="How long the reader needs the version, in seconds (the "
+                           "server caps it at --nixl-max-lease-s).")
 
 
 class MismatchBody(BaseModel):
@@ -415,6 +422,26 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         if span:
             headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
         return PullResponse(pull, pieces, 206 if span else 200, headers)
+
+    @app.post("/v1/models/{model}/versions/{version}/lease", openapi_extra=_body_schema(LeaseBody))
+    async def lease(model: str, version: str, request: Request) -> Response:
+        """`serve --nixl`: lend the version (or the selection) to a reader that READs it over NIXL: the
+        agent's metadata, the manifest and where each tensor lies, held until its release or deadline."""
+        m = service.manifest(model, parse_version_ref(version))
+        what = f"the lease of {subject(model, m.version)}"
+        cap = await off_loop(memo, m, "selection_body_bytes", selection_body_bytes)
+        raw = await read_body(request, cap, bodies, what)
+        body = await in_thread(len(raw) > BIG_BODY, parse_body, LeaseBody, raw, what)
+        selected = selection(map(parse_selector, body.select)) if body.select else None
+        lent = await service.lease(model, m.version, selected, body.lease_s)
+        answer = await off_loop(lambda _, lease: json.dumps(lease.to_dict()).encode(), lent.manifest, lent)
+        return Response(answer, media_type="application/json")
+
+    @app.delete("/v1/leases/{lease_id}", status_code=204)
+    async def release_lease(lease_id: str) -> Response:
+        """The reader is done with its lease: 504 when it expired first (what it read is not to be used)."""
+        service.release_lease(lease_id)
+        return Response(status_code=204)
 
     @app.get("/v1/models/{model}/versions/{version}/delta", response_model=None, responses=_DELTA)
     async def delta(model: str, version: str, base: int = Query(ge=0)) -> Response:

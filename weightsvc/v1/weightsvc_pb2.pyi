@@ -473,3 +473,59 @@ class ReportMismatchResponse(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.MessageMap[int, RolloutMismatch]
     def __init__(self, versions: _Optional[_Mapping[int, RolloutMismatch]] = ...) -> None: ...
+
+class LeaseVersionRequest(_message.Message):
+    __slots__ = ("model", "version", "select", "lease_s")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SELECT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: str
+    select: _containers.RepeatedCompositeFieldContainer[TensorSelect]
+    lease_s: float
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., select: _Optional[_Iterable[_Union[TensorSelect, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+
+class MemoryRange(_message.Message):
+    __slots__ = ("addr", "nbytes", "device")
+    ADDR_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    addr: int
+    nbytes: int
+    device: int
+    def __init__(self, addr: _Optional[int] = ..., nbytes: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class TensorRanges(_message.Message):
+    __slots__ = ("tensor", "ranges")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    tensor: str
+    ranges: _containers.RepeatedCompositeFieldContainer[MemoryRange]
+    def __init__(self, tensor: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[MemoryRange, _Mapping]]] = ...) -> None: ...
+
+class VersionLease(_message.Message):
+    __slots__ = ("lease_id", "manifest_json", "agent", "memory", "lease_s", "tensors")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    manifest_json: str
+    agent: bytes
+    memory: str
+    lease_s: float
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRanges]
+    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., lease_s: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorRanges, _Mapping]]] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

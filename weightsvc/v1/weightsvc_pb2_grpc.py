@@ -84,6 +84,16 @@ class WeightServiceStub:
                 request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.SerializeToString,
                 response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.FromString,
                 _registered_method=True)
+        self.LeaseVersion = channel.unary_unary(
+                '/weightsvc.v1.WeightService/LeaseVersion',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.LeaseVersionRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.VersionLease.FromString,
+                _registered_method=True)
+        self.ReleaseLease = channel.unary_unary(
+                '/weightsvc.v1.WeightService/ReleaseLease',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -162,6 +172,22 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaseVersion(self, request, context):
+        """`serve --nixl`: lend a version (or a selection of it) to a reader that READs it over NIXL. The
+        version is held (retention and eviction wait) until ReleaseLease or the lease's deadline.
+        FAILED_PRECONDITION from a server without --nixl; otherwise the errors of a sliced Pull.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseLease(self, request, context):
+        """The reader is done. DEADLINE_EXCEEDED when the lease expired first: what it read is not to be used.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -214,6 +240,16 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.ReportMismatch,
                     request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.FromString,
                     response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.SerializeToString,
+            ),
+            'LeaseVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseVersion,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.LeaseVersionRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.VersionLease.SerializeToString,
+            ),
+            'ReleaseLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseLease,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -486,6 +522,60 @@ class WeightService:
             '/weightsvc.v1.WeightService/ReportMismatch',
             weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchRequest.SerializeToString,
             weightsvc_dot_v1_dot_weightsvc__pb2.ReportMismatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/LeaseVersion',
+            weightsvc_dot_v1_dot_weightsvc__pb2.LeaseVersionRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.VersionLease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/ReleaseLease',
+            weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

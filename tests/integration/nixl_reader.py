@@ -1,0 +1,64 @@
+"""A reader process of the NIXL tests: `InferenceClient(TARGET).pull_into(...)` of a version into
+tensors it preallocates from the manifest, saved to OUT (torch.save) when the pull succeeds.
+
+    python -m tests.integration.nixl_reader TARGET MODEL VERSION OUT [--select NAME@DIM:START:STOP ...]
+        [--lease-s S] [--wait] [--no-fallback]
+
+With --wait it prints `leased V S` once the server lent the version (S: the lease's seconds) and reads
+only after a line on stdin (or never: the test kills it). Its last line is `ok V` or `error CODE MESSAGE`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from weightsvc import InferenceClient
+from weightsvc.client._tensors import TORCH_DTYPES
+from weightsvc.errors import WeightsvcError
+from weightsvc.protocol.fabric import Lease
+from weightsvc.protocol.selection import parse_selector, selection, sliced_shape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("target")
+    parser.add_argument("model")
+    parser.add_argument("version")
+    parser.add_argument("out")
+    parser.add_argument("--select", nargs="*", default=None)
+    parser.add_argument("--lease-s", type=float, default=60.0)
+    parser.add_argument("--wait", action="store_true")
+    parser.add_argument("--no-fallback", action="store_true")
+    args = parser.parse_args()
+    client = InferenceClient(args.target)
+    select = selection(map(parse_selector, args.select)) if args.select else None
+    manifest = client.manifest(args.model, args.version)
+    wanted = select if select is not None else {t.name: None for t in manifest.tensors}
+    by_name = {t.name: t for t in manifest.tensors}
+    tensors = {name: torch.empty(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
+               for name, cut in wanted.items()}
+    if args.wait:
+        lease = client._lease
+
+        def lease_then_wait(*a: object) -> Lease:
+            lent = lease(*a)  # type: ignore[arg-type]
+            print(f"leased {lent.manifest.version} {lent.lease_s}", flush=True)
+            sys.stdin.readline()
+            return lent
+
+        client._lease = lease_then_wait  # type: ignore[method-assign]
+    try:
+        got = client.pull_into(tensors, args.model, manifest.version, select=select, fallback=not args.no_fallback,
+                               lease_s=args.lease_s)
+    except WeightsvcError as e:
+        print(f"error {e.grpc_code} {e.message}", flush=True)
+        sys.exit(3)
+    torch.save(tensors, args.out)
+    print(f"ok {got.version}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

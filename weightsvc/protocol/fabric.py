@@ -1,0 +1,110 @@
+"""The fabric data plane (NIXL), as client and server share it: a lease on a version, the memory its
+tensors lie in, and the one place that loads NIXL (the `[nixl]` extra: absent, nothing else changes).
+
+A reader leases (model, version) for a while: the server answers its NIXL agent's metadata, the
+manifest of what the reader asked for (the version's, or a selection's: the same checksums as a pull
+of it) and, per tensor, the `MemoryRange`s its bytes lie in (`selection.byte_ranges`: one for a whole
+tensor or a range of rows). The reader READs them into its own memory, then releases the lease; a
+release after the lease expired is DEADLINE_EXCEEDED, and what was read is not to be used.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from weightsvc.errors import DataLoss, Unavailable
+from weightsvc.protocol.manifest import Manifest
+from weightsvc.v1 import weightsvc_pb2 as pb
+
+DEFAULT_LEASE_S = 60.0  # a reader's lease unless it asks for another (the server caps it)
+
+
+class MemoryRange(NamedTuple):
+    """Bytes of a source's registered memory: a NIXL descriptor (`device` 0 for host memory)."""
+
+    addr: int
+    nbytes: int
+    device: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A reader's lease on a version: what it reads, where it lies, and for how long it is lent."""
+
+    lease_id: str
+    manifest: Manifest  # the version's, or the selection's
+    agent: bytes  # the source's NIXL agent metadata (it names the agent and its registered memory)
+    memory: str  # "DRAM" or "VRAM"
+    lease_s: float  # lent for this long from the answer
+    ranges: dict[str, list[MemoryRange]]  # per tensor of `manifest`, in its order
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "lease_id": self.lease_id,
+            "manifest": self.manifest.to_dict(),
+            "agent": base64.b64encode(self.agent).decode(),
+            "memory": self.memory,
+            "lease_s": self.lease_s,
+            "ranges": {name: [list(r) for r in rs] for name, rs in self.ranges.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str) -> Lease:
+        """The lease as a server answered it; DATA_LOSS when it is not one."""
+        try:
+            return cls(
+                lease_id=str(d["lease_id"]),
+                manifest=Manifest.from_dict(d["manifest"]),
+                agent=base64.b64decode(d["agent"], validate=True),
+                memory=str(d["memory"]),
+                lease_s=float(d["lease_s"]),
+                ranges={str(name): [MemoryRange(*map(int, r)) for r in rs] for name, rs in d["ranges"].items()},
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise DataLoss(f"{where}: the lease answered is not one: {type(e).__name__}: {e}") from None
+
+
+def lease_to_proto(lease: Lease) -> pb.VersionLease:
+    return pb.VersionLease(
+        lease_id=lease.lease_id, manifest_json=lease.manifest.json((",", ":")), agent=lease.agent,
+        memory=lease.memory, lease_s=lease.lease_s,
+        tensors=[pb.TensorRanges(tensor=name, ranges=[pb.MemoryRange(addr=r.addr, nbytes=r.nbytes, device=r.device)
+                                                       for r in rs])
+                 for name, rs in lease.ranges.items()],
+    )
+
+
+def lease_from_proto(m: pb.VersionLease, where: str) -> Lease:
+    """The lease as a server answered it over gRPC; DATA_LOSS when its manifest is not one."""
+    try:
+        manifest = Manifest.from_dict(json.loads(m.manifest_json))
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataLoss(f"{where}: the lease answered carries no manifest: {type(e).__name__}: {e}") from None
+    ranges = {t.tensor: [MemoryRange(r.addr, r.nbytes, r.device) for r in t.ranges] for t in m.tensors}
+    return Lease(m.lease_id, manifest, m.agent, m.memory, m.lease_s, ranges)
+
+
+def nixl_agent_class() -> Any:
+    """NIXL's agent class (`nixl_agent`), from the meta package or the CUDA 12 wheel; UNAVAILABLE,
+    saying how to install it, without the `[nixl]` extra."""
+    raising = logging.raiseExceptions
+    try:
+        from nixl._api import nixl_agent
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent
+        except ImportError:
+            raise Unavailable("NIXL is not installed: pip install 'weightsvc[nixl]'", reason="nixl_off") from None
+    # NIXL logs to stdout on a handler of its own (where `serve` prints its ready line) and turns off
+    # logging's error reports for the whole process: its records go through ours instead, warnings up.
+    logging.raiseExceptions = raising
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    nixl_log.setLevel(logging.WARNING)
+    return nixl_agent

@@ -1,0 +1,199 @@
+"""`serve --nixl`: committed versions lent to readers over NIXL, the one owner of what is lent.
+
+A reader leases (model, version): the lease is an open pull (`Pulls.open`, transport "nixl"), so the
+version is held against retention and eviction exactly as a streamed pull holds it, and its bytes are
+named by the same seam (`Pull.pieces`: views of the version's buffer or of its file's mapping). The
+version's memory (its data section, or this replica's part of it) is registered with this server's
+one NIXL agent while some lease holds it, and deregistered by the last lease to end, before the pull
+lets go of the buffer: memory is never lent after it may be recycled. Registering at the first lease
+rather than at commit keeps the agent's metadata to what is lent now (a reader adds all of it).
+
+A lease ends when its reader releases it, or at its deadline (a reader that died, or one slower than
+its lease): a release after that is DEADLINE_EXCEEDED, and the reader discards what it read.
+
+Loop-owned: every method runs on the service's event loop (registration runs in a thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from weightsvc.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound, TooManyRequests, subject
+from weightsvc.metrics import Metrics
+from weightsvc.protocol.fabric import Lease, MemoryRange, nixl_agent_class
+from weightsvc.protocol.selection import Select
+from weightsvc.service.pull import Pull
+from weightsvc.service.record import Version
+from weightsvc.settings import Settings
+
+log = logging.getLogger("weightsvc.nixl")
+
+TRANSPORT = "nixl"  # the pulls a lease holds, in weightsvc_pulls_in_flight
+REMEMBER_ENDED = 4096  # leases that expired, remembered so that their late release says so
+
+
+def address(view: memoryview) -> int:
+    """Where a view of memory starts (read-only views too: a version's file is mapped read-only)."""
+    import numpy as np
+
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+@dataclass(eq=False)
+class _Registration:
+    """A version's memory as registered with the agent, and how many leases hold it."""
+
+    descs: object  # the agent's registration list, for deregister_memory
+    nbytes: int
+    leases: int = 0
+
+
+@dataclass(eq=False)
+class _Held:
+    pull: Pull
+    nbytes: int
+    timer: asyncio.TimerHandle | None = None
+
+
+class Lender:
+    """This server's NIXL agent and the leases on its versions."""
+
+    def __init__(self, settings: Settings, metrics: Metrics,
+                 open_pull: Callable[[str, int | None, Select | None], Awaitable[Pull]]) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.open_pull = open_pull
+        self.name = f"weightsvc-{os.getpid()}-{secrets.token_hex(4)}"
+        self.agent = nixl_agent_class()(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
+        self._leases: dict[str, _Held] = {}
+        self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
+        self._registered: dict[Version, _Registration] = {}
+        self._registering: dict[Version, asyncio.Future[_Registration]] = {}
+        self._metadata: bytes | None = None  # the agent's, since the last change of what is registered
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float) -> Lease:
+        """Lend `version` of `model` (None: the latest), its tensors or the selection `select`, for
+        `lease_s` seconds (at most --nixl-max-lease-s)."""
+        if not 0 < lease_s < float("inf"):
+            raise InvalidArgument(f"{subject(model, version)}: a lease of {lease_s} s: ask for a number of seconds "
+                                  "above 0")
+        if len(self._leases) >= self.settings.max_leases:
+            self.metrics.nixl_failures.labels("too_many").inc()
+            raise TooManyRequests(f"{len(self._leases)} NIXL leases held, the most this server lends at once "
+                                  f"(--max-leases {self.settings.max_leases}); retry later", reason="too_many")
+        pull = await self.open_pull(model, version, select)
+        try:
+            m = pull.manifest
+            ranges = {t.name: [MemoryRange(address(p), len(p), 0)
+                               for p in pull.pieces(t.name, t.slice) if isinstance(p, memoryview)]
+                      for t in m.tensors}
+            await self._register(pull.version)
+        except BaseException:
+            pull.close()
+            raise
+        lease_id = secrets.token_urlsafe(12)
+        lease_s = min(lease_s, self.settings.nixl_max_lease_s)
+        held = _Held(pull, sum(t.nbytes for t in m.tensors))
+        held.timer = asyncio.get_running_loop().call_later(lease_s, self._expire, lease_id)
+        self._leases[lease_id] = held
+        self.metrics.nixl_leases.set(len(self._leases))
+        if self._metadata is None:
+            self._metadata = self.agent.get_agent_metadata()
+        return Lease(lease_id, m, self._metadata, "DRAM", lease_s, ranges)
+
+    def release(self, lease_id: str) -> None:
+        """The reader is done: its lease ends, and what it read counts. DEADLINE_EXCEEDED when the lease
+        expired first (the reader must not use what it read), NOT_FOUND for a lease this server never lent."""
+        held = self._leases.pop(lease_id, None)
+        if held is None:
+            what = self._expired.pop(lease_id, None)
+            if what is not None:
+                raise DeadlineExceeded(f"{what}: the NIXL lease expired before its reader was done; what it read is "
+                                       "not vouched for: read again under a new lease", reason="expired")
+            self.metrics.nixl_failures.labels("unknown_lease").inc()
+            raise NotFound("no NIXL lease of that id is held here (never lent, or already released)",
+                           reason="unknown_lease")
+        model = held.pull.manifest.model
+        self.metrics.nixl_read_bytes.labels(model).inc(held.nbytes)
+        self.metrics.nixl_reads.labels(model).inc()
+        self._end(held)
+
+    def close(self) -> None:
+        """The server stops: every lease ends (their readers' releases answer NOT_FOUND)."""
+        for held in list(self._leases.values()):
+            self._end(held)
+        self._leases.clear()
+        self.metrics.nixl_leases.set(0)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _expire(self, lease_id: str) -> None:
+        held = self._leases.pop(lease_id, None)
+        if held is None:
+            return
+        m = held.pull.manifest
+        what = subject(m.model, m.version)
+        log.warning("%s: a NIXL lease expired before its reader was done (it died, or reads slower than its lease)",
+                    what)
+        self.metrics.nixl_failures.labels("expired").inc()
+        self._expired[lease_id] = what
+        while len(self._expired) > REMEMBER_ENDED:
+            self._expired.popitem(last=False)
+        self._end(held)
+
+    def _end(self, held: _Held) -> None:
+        """A lease ends: the version's memory is deregistered by its last lease, before the pull lets go
+        of the version (after which retention may recycle its buffer or unmap its file)."""
+        if held.timer is not None:
+            held.timer.cancel()
+        version = held.pull.version
+        reg = self._registered.get(version)
+        if reg is not None:
+            reg.leases -= 1
+            if reg.leases == 0:
+                del self._registered[version]
+                if reg.descs is not None:
+                    self.agent.deregister_memory(reg.descs)
+                self._metadata = None
+                self.metrics.nixl_registered_bytes.dec(reg.nbytes)
+        held.pull.close()
+        self.metrics.nixl_leases.set(len(self._leases))
+
+    async def _register(self, version: Version) -> None:
+        """Count one more lease on `version`'s registered memory, registering it first if none held it."""
+        reg = self._registered.get(version)
+        if reg is None:
+            pending = self._registering.get(version)
+            if pending is None:  # the first lease registers; those that come meanwhile wait for it
+                pending = asyncio.get_running_loop().create_future()
+                self._registering[version] = pending
+                try:
+                    nbytes = len(version.data)
+                    descs = None if nbytes == 0 else await asyncio.to_thread(
+                        self.agent.register_memory, [(address(version.data), nbytes, 0, "")], "DRAM")
+                    pending.set_result(_Registration(descs, nbytes))
+                except Exception as e:
+                    self.metrics.nixl_failures.labels("register").inc()
+                    m = version.manifest
+                    pending.set_exception(Internal(f"{subject(m.model, m.version)}: its memory could not be registered "
+                                                   f"with NIXL: {type(e).__name__}: {e}", reason="register"))
+                finally:
+                    del self._registering[version]
+                reg = pending.result()
+                self._registered[version] = reg
+                self._metadata = None
+                self.metrics.nixl_registered_bytes.inc(reg.nbytes)
+            else:
+                reg = await asyncio.shield(pending)
+                reg = self._registered[version]
+        reg.leases += 1
+
