@@ -5,20 +5,24 @@ tensors it preallocates from the manifest, saved to OUT (torch.save) when the pu
         [--lease-s S] [--wait] [--no-fallback]
 
 With --wait it prints `leased V S` once the server lent the version (S: the lease's seconds) and reads
-only after a line on stdin (or never: the test kills it). Its last line is `ok V` or `error CODE MESSAGE`.
+only after a line on stdin. With --die-mid-read it prints the same line, then kills itself (SIGKILL)
+as soon as its READ is posted, its lease still held. Its last line is `ok V` or `error CODE MESSAGE`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+from typing import Any
 
 import torch
 
 from weightsvc import InferenceClient
 from weightsvc.client._tensors import TORCH_DTYPES
 from weightsvc.errors import WeightsvcError
-from weightsvc.protocol.fabric import Lease
+from weightsvc.protocol.fabric import Lease, nixl_agent_class
 from weightsvc.protocol.selection import parse_selector, selection, sliced_shape
 
 
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--lease-s", type=float, default=60.0)
     parser.add_argument("--wait", action="store_true")
     parser.add_argument("--no-fallback", action="store_true")
+    parser.add_argument("--die-mid-read", action="store_true")
     args = parser.parse_args()
     client = InferenceClient(args.target)
     select = selection(map(parse_selector, args.select)) if args.select else None
@@ -40,16 +45,27 @@ def main() -> None:
     by_name = {t.name: t for t in manifest.tensors}
     tensors = {name: torch.empty(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
                for name, cut in wanted.items()}
-    if args.wait:
+    if args.wait or args.die_mid_read:
         lease = client._lease
 
-        def lease_then_wait(*a: object) -> Lease:
-            lent = lease(*a)  # type: ignore[arg-type]
+        def lease_then_wait(*a: Any) -> Lease:
+            lent = lease(*a)
             print(f"leased {lent.manifest.version} {lent.lease_s}", flush=True)
-            sys.stdin.readline()
+            if args.wait:
+                sys.stdin.readline()
             return lent
 
         client._lease = lease_then_wait  # type: ignore[method-assign]
+    if args.die_mid_read:
+        agent = nixl_agent_class()
+        transfer = agent.transfer
+
+        def transfer_then_die(self: Any, *a: Any) -> str:
+            state: str = transfer(self, *a)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return state
+
+        agent.transfer = transfer_then_die
     try:
         got = client.pull_into(tensors, args.model, manifest.version, select=select, fallback=not args.no_fallback,
                                lease_s=args.lease_s)

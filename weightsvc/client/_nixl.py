@@ -109,10 +109,12 @@ def check_destination(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> N
 
 def check_lease(lease: Lease, where: str) -> None:
     """DATA_LOSS unless the lease names exactly the bytes of each tensor of its manifest."""
-    for t in lease.manifest.tensors:
+    m = lease.manifest
+    for t in m.tensors:
         ranges = lease.ranges.get(t.name)
         if ranges is None or sum(r.nbytes for r in ranges) != t.nbytes or any(r.nbytes <= 0 for r in ranges):
-            raise DataLoss(f"{subject(where, tensor=t.name)}: the lease does not name exactly its {t.nbytes} bytes")
+            raise DataLoss(f"{subject(m.model, m.version, tensor=t.name)}: the lease does not name exactly its "
+                           f"{t.nbytes} bytes")
     if len(lease.ranges) != len(lease.manifest.tensors):
         raise DataLoss(f"{where}: the lease names tensors its manifest lacks")
 

@@ -55,7 +55,7 @@ class _Registration:
 
 
 @dataclass(eq=False)
-class _Held:
+class _Lent:
     pull: Pull
     nbytes: int
     timer: asyncio.TimerHandle | None = None
@@ -71,7 +71,7 @@ class Lender:
         self.open_pull = open_pull
         self.name = f"weightsvc-{os.getpid()}-{secrets.token_hex(4)}"
         self.agent = nixl_agent_class()(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
-        self._leases: dict[str, _Held] = {}
+        self._leases: dict[str, _Lent] = {}
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
         self._registered: dict[Version, _Registration] = {}
         self._registering: dict[Version, asyncio.Future[_Registration]] = {}
@@ -102,7 +102,7 @@ class Lender:
             raise
         lease_id = secrets.token_urlsafe(12)
         lease_s = min(lease_s, self.settings.nixl_max_lease_s)
-        held = _Held(pull, sum(t.nbytes for t in m.tensors))
+        held = _Lent(pull, sum(t.nbytes for t in m.tensors))
         held.timer = asyncio.get_running_loop().call_later(lease_s, self._expire, lease_id)
         self._leases[lease_id] = held
         self.metrics.nixl_leases.set(len(self._leases))
@@ -150,7 +150,7 @@ class Lender:
             self._expired.popitem(last=False)
         self._end(held)
 
-    def _end(self, held: _Held) -> None:
+    def _end(self, held: _Lent) -> None:
         """A lease ends: the version's memory is deregistered by its last lease, before the pull lets go
         of the version (after which retention may recycle its buffer or unmap its file)."""
         if held.timer is not None:

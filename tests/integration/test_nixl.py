@@ -1,0 +1,250 @@
+"""The fabric data plane: a `weightsvc serve --nixl` process lends its versions, and reader processes
+READ them over NIXL on loopback (UCX picks shared memory) with `InferenceClient.pull_into`.
+
+Leases are the subject here, so some tests wait for a lease's deadline: that deadline is the event.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ServeProcess, make_masters, serving
+from tests.helpers import same_bits
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound
+from weightsvc.protocol.manifest import Slice
+
+MODEL = "policy"
+READER = [sys.executable, "-m", "tests.integration.nixl_reader"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def nixl_installed() -> None:
+    """CI installs the [nixl] extra (scripts/setup.sh) and sets WEIGHTSVC_REQUIRE_NIXL=1: there a
+    missing NIXL fails the run instead of skipping every read."""
+    try:
+        import nixl_cu12  # noqa: F401
+    except ImportError:
+        if os.environ.get("WEIGHTSVC_REQUIRE_NIXL") == "1":
+            pytest.fail("needs NIXL: pip install 'weightsvc[nixl]'")
+        pytest.skip("needs NIXL: pip install 'weightsvc[nixl]'")
+
+
+@pytest.fixture
+def lender() -> Iterator[ServeProcess]:
+    srv = ServeProcess("--nixl", "--retain", "1")
+    yield srv
+    srv.stop()
+
+
+def read(target: str, out: Path, *args: str, version: str = "latest") -> tuple[int, str]:
+    """A reader process's exit code and last line."""
+    done = subprocess.run([*READER, target, MODEL, version, str(out), *args], capture_output=True, text=True,
+                          timeout=120)
+    lines = done.stdout.strip().splitlines()
+    return done.returncode, (lines[-1] if lines else done.stderr[-2000:])
+
+
+def reader(target: str, out: Path, *args: str, version: str = "latest") -> subprocess.Popen[str]:
+    """A reader that waits (`--wait`): it has its lease once it printed `leased V S`."""
+    return subprocess.Popen([*READER, target, MODEL, version, str(out), "--wait", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def leased(proc: subprocess.Popen[str]) -> float:
+    """Wait for the reader's lease; the lease's seconds."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line[:1] == ["leased"], line
+    return float(line[2])
+
+
+def go_on(proc: subprocess.Popen[str]) -> str:
+    """Let a waiting reader read; its last line."""
+    out, _ = proc.communicate("\n", timeout=120)
+    return out.strip().splitlines()[-1]
+
+
+def metrics(srv: ServeProcess) -> dict[str, float]:
+    text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
+            if k.startswith(("weightsvc_nixl_", "weightsvc_pulls_in_flight"))}
+
+
+def served(srv: ServeProcess, version: int | str = "latest") -> dict[str, torch.Tensor]:
+    with InferenceClient(srv.url) as c:
+        return c.pull(MODEL, version)
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b) and all(a[name].dtype == b[name].dtype for name in a)
+    same_bits(a, b)
+
+
+def test_a_reader_process_reads_a_version_over_nixl_on_each_transport(lender: ServeProcess, tmp_path: Path) -> None:
+    LearnerClient(lender.target).push(1, make_masters(), model=MODEL)
+    expected = served(lender)
+    for target in (lender.target, lender.url):
+        rc, line = read(target, tmp_path / "read.pt", "--no-fallback")
+        assert (rc, line) == (0, "ok 1")
+        same(torch.load(tmp_path / "read.pt"), expected)
+    m = metrics(lender)
+    nbytes = sum(t.numel() * t.element_size() for t in expected.values())
+    assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 2
+    assert m[f'weightsvc_nixl_read_bytes_total{{model="{MODEL}"}}'] == 2 * nbytes
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+    assert m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
+
+
+def test_a_sliced_read_brings_exactly_the_rows_and_columns_asked_for(lender: ServeProcess, tmp_path: Path) -> None:
+    LearnerClient(lender.target).push(1, make_masters(), model=MODEL)
+    whole = served(lender)
+    rc, line = read(lender.url, tmp_path / "read.pt", "--no-fallback", "--select", "layers.0.mlp.up.weight@0:37:201",
+                    "embed.weight@1:5:9", "lm_head.bias")
+    assert (rc, line) == (0, "ok 1")
+    got = torch.load(tmp_path / "read.pt")
+    same(got, {"layers.0.mlp.up.weight": whole["layers.0.mlp.up.weight"][37:201].contiguous(),
+               "embed.weight": whole["embed.weight"][:, 5:9].contiguous(), "lm_head.bias": whole["lm_head.bias"]})
+
+
+def test_a_lease_keeps_its_version_past_retention(lender: ServeProcess, tmp_path: Path) -> None:
+    learner = LearnerClient(lender.target)
+    learner.push(1, make_masters(1), model=MODEL)
+    first = served(lender, 1)
+    proc = reader(lender.target, tmp_path / "read.pt", "--no-fallback", version="1")
+    leased(proc)
+    learner.push(2, make_masters(2), model=MODEL)  # --retain 1: version 1 is no longer listed or pulled
+    with InferenceClient(lender.url) as c:
+        assert [v.version for v in c.versions(MODEL)] == [2]
+        with pytest.raises(NotFound):
+            c.pull(MODEL, 1)
+    assert go_on(proc) == "ok 1"
+    same(torch.load(tmp_path / "read.pt"), first)
+    assert metrics(lender)["weightsvc_nixl_registered_bytes"] == 0
+
+
+def test_an_expired_lease_fails_its_reader(lender: ServeProcess, tmp_path: Path) -> None:
+    LearnerClient(lender.target).push(1, make_masters(), model=MODEL)
+    proc = reader(lender.url, tmp_path / "read.pt", "--no-fallback", "--lease-s", "1")
+    time.sleep(leased(proc))  # past the lease's deadline
+    line = go_on(proc)
+    assert proc.returncode == 3 and line.startswith("error DEADLINE_EXCEEDED"), line
+    assert f"model '{MODEL}' version 1" in line and "expired" in line
+    assert not (tmp_path / "read.pt").exists()
+    m = metrics(lender)
+    assert m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
+    assert m["weightsvc_nixl_leases"] == 0 and f'weightsvc_nixl_reads_total{{model="{MODEL}"}}' not in m
+
+
+def test_a_reader_killed_mid_read_leaves_the_server_well_and_its_lease_ends_at_its_deadline(
+    lender: ServeProcess, tmp_path: Path
+) -> None:
+    learner = LearnerClient(lender.target)
+    learner.push(1, make_masters(), model=MODEL)
+    proc = subprocess.Popen([*READER, lender.target, MODEL, "1", str(tmp_path / "dead.pt"), "--lease-s", "2",
+                             "--die-mid-read"], stdout=subprocess.PIPE, text=True)
+    lease_s = leased(proc)
+    assert proc.wait(60) == -9  # killed itself once its READ was posted
+    assert metrics(lender)["weightsvc_nixl_leases"] == 1
+    rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback")  # the server reads on meanwhile
+    assert (rc, line) == (0, "ok 1")
+    same(torch.load(tmp_path / "read.pt"), served(lender))
+    time.sleep(lease_s)  # past the dead reader's deadline
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
+    assert m["weightsvc_nixl_registered_bytes"] == 0 and m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
+    learner.push(2, make_masters(2), model=MODEL)  # version 1 goes: nothing holds it any more
+    with InferenceClient(lender.url) as c:
+        assert [v.version for v in c.versions(MODEL)] == [2]
+
+
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+def test_without_nixl_on_the_server_a_pull_into_says_so_and_goes_over_tcp(
+    transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with serving() as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=MODEL)
+        with InferenceClient(srv.grpc_target if transport == "grpc" else srv.http_url) as client:
+            expected = client.pull(MODEL)
+            into = {name: torch.empty_like(t) for name, t in expected.items()}
+            with caplog.at_level(logging.WARNING, logger="weightsvc.client"):
+                assert client.pull_into(into, MODEL).version == 1
+            same(into, expected)
+            said = [r.getMessage() for r in caplog.records if r.name == "weightsvc.client"]
+            assert len(said) == 1 and "NIXL cannot reach" in said[0] and "--nixl" in said[0], said
+            with pytest.raises(FailedPrecondition, match="without --nixl"):
+                client.pull_into(into, MODEL, fallback=False)
+            into = {"embed.weight": torch.empty(4, 64, dtype=torch.bfloat16)}
+            caplog.clear()
+            client.pull_into(into, MODEL, select={"embed.weight": Slice(0, 3, 7)})
+            same(into, {"embed.weight": expected["embed.weight"][3:7]})
+
+
+def _request(url: str, method: str, path: str, body: object = None) -> tuple[int, str]:
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request(method, path, body=None if body is None else json.dumps(body).encode(),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    text = resp.read().decode()
+    conn.close()
+    return resp.status, text
+
+
+def test_bad_leases_and_destinations_are_refused_by_name_and_hold_nothing(tmp_path: Path) -> None:
+    with serving(nixl=True, retain=1) as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=MODEL)
+        lease = f"/v1/models/{MODEL}/versions/1/lease"
+        refused = {
+            (f"/v1/models/{MODEL}/versions/9/lease", "{}"): (404, "no version 9"),
+            ("/v1/models/nobody/versions/latest/lease", "{}"): (404, "unknown model 'nobody'"),
+            (lease, json.dumps({"select": ["nope"]})): (400, "no tensor 'nope'"),
+            (lease, json.dumps({"select": ["embed.weight@0:90:200"]})): (400, "tensor 'embed.weight'"),
+            (lease, json.dumps({"select": ["embed.weight@2:0:1"]})): (400, "no dim 2"),
+            (lease, json.dumps({"lease_s": 0})): (400, "a lease of 0"),
+            (lease, json.dumps({"lease_s": -5})): (400, "a lease of -5"),
+            (lease, '{"lease_s": NaN}'): (400, "a lease of nan"),
+            (lease, '{"lease_s": Infinity}'): (400, "a lease of inf"),
+            (lease, json.dumps({"lease_s": "soon"})): (400, ""),
+            (lease, "not json"): (400, ""),
+        }
+        for (path, body), (status, words) in refused.items():
+            u = urllib.parse.urlsplit(srv.http_url)
+            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+            conn.request("POST", path, body=body.encode(), headers={"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            text = resp.read().decode()
+            assert resp.status == status and words in text, (path, body, resp.status, text)
+        assert _request(srv.http_url, "DELETE", "/v1/leases/never-lent")[0] == 404
+        status, text = _request(srv.http_url, "POST", lease, {"lease_s": 30})
+        assert status == 200
+        lease_id = json.loads(text)["lease_id"]
+        assert _request(srv.http_url, "DELETE", f"/v1/leases/{lease_id}")[0] == 204
+        assert _request(srv.http_url, "DELETE", f"/v1/leases/{lease_id}")[0] == 404  # released once
+        with InferenceClient(srv.http_url) as client:
+            good = {name: torch.empty_like(t) for name, t in client.pull(MODEL).items()}
+            bad = {
+                "a missing tensor": {k: v for k, v in good.items() if k != "embed.weight"},
+                "another dtype": {**good, "embed.weight": torch.empty(97, 64, dtype=torch.float32)},
+                "another shape": {**good, "embed.weight": torch.empty(96, 64, dtype=torch.bfloat16)},
+                "not contiguous": {**good, "embed.weight": torch.empty(64, 97, dtype=torch.bfloat16).t()},
+            }
+            for why, into in bad.items():
+                with pytest.raises(InvalidArgument, match=r"tensor 'embed\.weight'"):
+                    client.pull_into(into, MODEL, fallback=False)
+                assert srv.service.lender is not None and len(srv.service.lender) == 0, why
+        metrics_text = urllib.request.urlopen(srv.http_url + "/metrics").read().decode()
+        assert 'weightsvc_nixl_failures_total{reason="unknown_lease"} 2.0' in metrics_text
