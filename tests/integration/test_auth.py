@@ -32,7 +32,7 @@ MODEL = "authed"
 
 @pytest.fixture(scope="module")
 def authed() -> Iterator[BackgroundServer]:
-    with serving(**{f"{role}_tokens": token for role, token in TOKENS.items()}) as srv:
+    with serving(nixl=True, **{f"{role}_tokens": token for role, token in TOKENS.items()}) as srv:
         learner = LearnerClient(srv.grpc_target, token=TOKENS["push"])
         for step in (1, 2):  # the same masters, rounded to nearest: a delta from 1 to 2 changes nothing
             learner.push(step, make_masters(), model=MODEL, rounding="rtn")
@@ -61,6 +61,14 @@ def _report(version: int) -> pb.ReportMismatchRequest:
     return pb.ReportMismatchRequest(model=MODEL, versions={version: m})
 
 
+def _lease(stub: pb_grpc.WeightServiceStub) -> pb.VersionLease:
+    return stub.LeaseVersion(pb.LeaseVersionRequest(model=MODEL), metadata=_metadata(TOKENS["admin"]))
+
+
+def _release(stub: pb_grpc.WeightServiceStub, lease: pb.VersionLease) -> None:
+    stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), metadata=_metadata(TOKENS["admin"]))
+
+
 _steps = iter(range(100, 10_000))
 CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], Any]] = {
     "ListModels": lambda s, md: s.ListModels(pb.ListModelsRequest(), metadata=md),
@@ -73,6 +81,9 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     "GetTopology": lambda s, md: s.GetTopology(pb.GetTopologyRequest(), metadata=md),
     "ListClients": lambda s, md: s.ListClients(pb.ListClientsRequest(model=MODEL), metadata=md),
     "ReportMismatch": lambda s, md: s.ReportMismatch(_report(_latest(s)), metadata=md),
+    # (each lease released: the one taken with the admin's token, or the one the caller took)
+    "LeaseVersion": lambda s, md: _release(s, s.LeaseVersion(pb.LeaseVersionRequest(model=MODEL), metadata=md)),
+    "ReleaseLease": lambda s, md: s.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=_lease(s).lease_id), metadata=md),
 }
 # What each credential may do: None = nothing; the roles nest (pull < push < admin).
 ALLOWED = {
@@ -165,6 +176,17 @@ def test_http_ack_needs_role_pull(authed: BackgroundServer) -> None:
         got, _, body = _get(authed.http_url, path, token, "POST", ack)
         assert got == status, (token, body)
     assert json.loads(body) == {"latest_version": authed.service.index.get(MODEL, None).manifest.version}
+
+
+def test_http_leases_need_role_pull(authed: BackgroundServer) -> None:
+    path = f"/v1/models/{MODEL}/versions/latest/lease"
+    for token, status in [(None, 401), ("not-a-token", 401), *((TOKENS[role], 200) for role in TOKENS)]:
+        got, _, body = _get(authed.http_url, path, token, "POST", b"{}")
+        assert got == status, (token, body)
+        if got == 200:
+            release = f"/v1/leases/{json.loads(body)['lease_id']}"
+            assert _get(authed.http_url, release, None, "DELETE")[0] == 401
+            assert _get(authed.http_url, release, token, "DELETE")[0] == 204
 
 
 def test_http_mismatch_report_needs_role_push(authed: BackgroundServer) -> None:
