@@ -24,6 +24,7 @@ import torch
 from tests.conftest import ServeProcess, make_masters, serving
 from tests.helpers import same_bits
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.cli._server import WEIGHTSVC_CMD
 from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound
 from weightsvc.protocol.manifest import Slice
 
@@ -31,7 +32,7 @@ MODEL = "policy"
 READER = [sys.executable, "-m", "tests.integration.nixl_reader"]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def nixl_installed() -> None:
     """CI installs the [nixl] extra (scripts/setup.sh) and sets WEIGHTSVC_REQUIRE_NIXL=1: there a
     missing NIXL fails the run instead of skipping every read."""
@@ -44,7 +45,7 @@ def nixl_installed() -> None:
 
 
 @pytest.fixture
-def lender() -> Iterator[ServeProcess]:
+def lender(nixl_installed: None) -> Iterator[ServeProcess]:
     srv = ServeProcess("--nixl", "--retain", "1")
     yield srv
     srv.stop()
@@ -204,6 +205,7 @@ def _request(url: str, method: str, path: str, body: object = None) -> tuple[int
     return resp.status, text
 
 
+@pytest.mark.usefixtures("nixl_installed")
 def test_bad_leases_and_destinations_are_refused_by_name_and_hold_nothing(tmp_path: Path) -> None:
     with serving(nixl=True, retain=1) as srv:
         LearnerClient(srv.grpc_target).push(1, make_masters(), model=MODEL)
@@ -248,3 +250,28 @@ def test_bad_leases_and_destinations_are_refused_by_name_and_hold_nothing(tmp_pa
                 assert srv.service.lender is not None and len(srv.service.lender) == 0, why
         metrics_text = urllib.request.urlopen(srv.http_url + "/metrics").read().decode()
         assert 'weightsvc_nixl_failures_total{reason="unknown_lease"} 2.0' in metrics_text
+
+
+def test_without_the_nixl_extra_serve_nixl_refuses_and_everything_else_works(tmp_path: Path) -> None:
+    """NIXL hidden from the processes (an installed one, shadowed by a package that fails to import)."""
+    shadow = tmp_path / "shadow"
+    for package in ("nixl", "nixl_cu12"):
+        (shadow / package).mkdir(parents=True)
+        (shadow / package / "__init__.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(shadow), os.environ.get("PYTHONPATH", ""), os.getcwd()])}
+    refused = subprocess.run([*WEIGHTSVC_CMD, "serve", "--nixl", "--grpc-port", "0", "--http-port", "0",
+                              "--probe-port", "0"], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, **env})
+    assert refused.returncode != 0 and "NIXL is not installed: pip install 'weightsvc[nixl]'" in refused.stderr
+    srv = ServeProcess(env=env)  # the embedded default
+    try:
+        LearnerClient(srv.target).push(1, make_masters(), model=MODEL)
+        for args, (rc, line) in {("--no-fallback",): (3, "error UNAVAILABLE NIXL is not installed"),
+                                 (): (0, "ok 1")}.items():
+            done = subprocess.run([*READER, srv.url, MODEL, "latest", str(tmp_path / "read.pt"), *args],
+                                  capture_output=True, text=True, timeout=120, env={**os.environ, **env})
+            assert done.returncode == rc and done.stdout.strip().splitlines()[-1].startswith(line), done
+        assert done.stderr.count("NIXL cannot reach") == 1
+        same(torch.load(tmp_path / "read.pt"), served(srv))
+    finally:
+        srv.stop()
