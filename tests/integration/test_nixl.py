@@ -110,6 +110,17 @@ def test_a_reader_process_reads_a_version_over_nixl_on_each_transport(lender: Se
     assert m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
 
 
+def test_a_version_in_the_data_dir_is_read_from_its_file_s_mapping(nixl_installed: None, tmp_path: Path) -> None:
+    srv = ServeProcess("--nixl", "--data-dir", str(tmp_path / "data"))
+    try:
+        LearnerClient(srv.target).push(1, make_masters(), model=MODEL)
+        rc, line = read(srv.target, tmp_path / "read.pt", "--no-fallback", "--select", "embed.weight@0:10:20")
+        assert (rc, line) == (0, "ok 1")
+        same(torch.load(tmp_path / "read.pt"), {"embed.weight": served(srv)["embed.weight"][10:20]})
+    finally:
+        srv.stop()
+
+
 def test_a_sliced_read_brings_exactly_the_rows_and_columns_asked_for(lender: ServeProcess, tmp_path: Path) -> None:
     LearnerClient(lender.target).push(1, make_masters(), model=MODEL)
     whole = served(lender)

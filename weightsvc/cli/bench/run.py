@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from weightsvc.cli.bench import PARTS, delta, kernels, loop, memory, sass, scale, store, sync, transfer
+from weightsvc.cli.bench import PARTS, delta, fabric, kernels, loop, memory, sass, scale, store, sync, transfer
 from weightsvc.cli.bench._common import make_model
 from weightsvc.cli.bench.rawtcp import RawTcp
 
@@ -47,6 +47,7 @@ def run_bench(
         "sass": lambda: sass.sass_bench(say=say),
         "scale": lambda: scale.scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say),
         "store": lambda: store.store_bench(model, repeat=repeat, say=say),
+        "N1": lambda: fabric.fabric_bench(size_mib=size_mib, repeat=repeat, say=say),
     }
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
     for name, measure in measures.items():
