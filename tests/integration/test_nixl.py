@@ -6,6 +6,7 @@ Leases are the subject here, so some tests wait for a lease's deadline: that dea
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import logging
@@ -79,10 +80,14 @@ def go_on(proc: subprocess.Popen[str]) -> str:
     return out.strip().splitlines()[-1]
 
 
-def metrics(srv: ServeProcess) -> dict[str, float]:
-    text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+def metrics_of(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
     return {k: float(v) for k, _, v in (line.rpartition(" ") for line in text.splitlines())
             if k.startswith(("weightsvc_nixl_", "weightsvc_pulls_in_flight"))}
+
+
+def metrics(srv: ServeProcess) -> dict[str, float]:
+    return metrics_of(srv.url)
 
 
 def served(srv: ServeProcess, version: int | str = "latest") -> dict[str, torch.Tensor]:
@@ -286,3 +291,24 @@ def test_without_the_nixl_extra_serve_nixl_refuses_and_everything_else_works(tmp
         same(torch.load(tmp_path / "read.pt"), served(srv))
     finally:
         srv.stop()
+
+
+@pytest.mark.usefixtures("nixl_installed")
+def test_leases_taken_at_once_share_one_registration_until_the_last_ends() -> None:
+    with serving(nixl=True) as srv:
+        LearnerClient(srv.grpc_target).push(1, make_masters(), model=MODEL)
+        data_bytes = srv.service.manifest(MODEL, 1).data_bytes
+        path = f"/v1/models/{MODEL}/versions/1/lease"
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda _: _request(srv.http_url, "POST", path, {}), range(8)))
+        assert [status for status, _ in answers] == [200] * 8
+        lent = [json.loads(text) for _, text in answers]
+        m = metrics_of(srv.http_url)
+        assert m["weightsvc_nixl_leases"] == 8 and m["weightsvc_nixl_registered_bytes"] == data_bytes
+        for lease in lent[:-1]:
+            assert _request(srv.http_url, "DELETE", f"/v1/leases/{lease['lease_id']}")[0] == 204
+        assert metrics_of(srv.http_url)["weightsvc_nixl_registered_bytes"] == data_bytes  # the last lease holds it
+        assert _request(srv.http_url, "DELETE", f"/v1/leases/{lent[-1]['lease_id']}")[0] == 204
+        m = metrics_of(srv.http_url)
+        assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+        assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 8

@@ -74,7 +74,7 @@ class Lender:
         self._leases: dict[str, _Lent] = {}
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
         self._registered: dict[Version, _Registration] = {}
-        self._registering: dict[Version, asyncio.Future[_Registration]] = {}
+        self._registering: dict[Version, asyncio.Future[None]] = {}
         self._metadata: bytes | None = None  # the agent's, since the last change of what is registered
 
     def __len__(self) -> int:
@@ -169,31 +169,31 @@ class Lender:
         self.metrics.nixl_leases.set(len(self._leases))
 
     async def _register(self, version: Version) -> None:
-        """Count one more lease on `version`'s registered memory, registering it first if none held it."""
-        reg = self._registered.get(version)
-        if reg is None:
+        """Count one more lease on `version`'s registered memory, registering it first if none holds it
+        (the first lease registers; those that come meanwhile wait for it, and fail with it)."""
+        while (reg := self._registered.get(version)) is None:
             pending = self._registering.get(version)
-            if pending is None:  # the first lease registers; those that come meanwhile wait for it
-                pending = asyncio.get_running_loop().create_future()
-                self._registering[version] = pending
-                try:
-                    nbytes = len(version.data)
-                    descs = None if nbytes == 0 else await asyncio.to_thread(
-                        self.agent.register_memory, [(address(version.data), nbytes, 0, "")], "DRAM")
-                    pending.set_result(_Registration(descs, nbytes))
-                except Exception as e:
-                    self.metrics.nixl_failures.labels("register").inc()
-                    m = version.manifest
-                    pending.set_exception(Internal(f"{subject(m.model, m.version)}: its memory could not be registered "
-                                                   f"with NIXL: {type(e).__name__}: {e}", reason="register"))
-                finally:
-                    del self._registering[version]
-                reg = pending.result()
-                self._registered[version] = reg
-                self._metadata = None
-                self.metrics.nixl_registered_bytes.inc(reg.nbytes)
-            else:
-                reg = await asyncio.shield(pending)
-                reg = self._registered[version]
+            if pending is not None:
+                await asyncio.shield(pending)
+                continue  # (registered now, unless its lease already ended: then again)
+            pending = asyncio.get_running_loop().create_future()
+            self._registering[version] = pending
+            try:
+                nbytes = len(version.data)
+                descs = None if nbytes == 0 else await asyncio.to_thread(
+                    self.agent.register_memory, [(address(version.data), nbytes, 0, "")], "DRAM")
+            except Exception as e:
+                self.metrics.nixl_failures.labels("register").inc()
+                m = version.manifest
+                failed = Internal(f"{subject(m.model, m.version)}: its memory could not be registered with NIXL: "
+                                  f"{type(e).__name__}: {e}", reason="register")
+                pending.set_exception(failed)
+                pending.exception()  # (retrieved: the waiters, if any, raise it too)
+                raise failed from None
+            finally:
+                del self._registering[version]
+            reg = self._registered[version] = _Registration(descs, nbytes)
+            self._metadata = None
+            self.metrics.nixl_registered_bytes.inc(nbytes)
+            pending.set_result(None)
         reg.leases += 1
-
