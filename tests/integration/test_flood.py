@@ -27,6 +27,8 @@ from tests.helpers import closed_by_server
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.protocol.names import SERVICE
 from weightsvc.server.server import BackgroundServer
+from weightsvc.transport import _internals
+from weightsvc.transport.connections import GrpcConnections, _sockets, parse_peer
 from weightsvc.v1 import weightsvc_pb2 as pb
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
@@ -119,6 +121,27 @@ def test_connections_that_fail_authentication_are_closed_and_a_learner_pushes(mo
         finally:
             for s in attackers:
                 s.close()
+
+
+def test_a_refused_connection_is_closed_only_once_its_answer_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection of a call that failed authentication is handed to be closed only once the
+    refusal has gone out: closed at that very moment, its client still reads its answer first."""
+
+    def close_at_once(self: GrpcConnections, peer: str) -> None:
+        p = parse_peer(peer)
+        assert p is not None
+        fd, address = _sockets(self.port)[p]
+        assert _internals.shut_down(fd, self.port, address)
+
+    monkeypatch.setattr(GrpcConnections, "refused", close_at_once)
+    with serving(pull_tokens=PULL, push_tokens=PUSH) as srv:
+        for method in ("ListModels", "Watch", "Pull"):  # unary and streaming handlers
+            sock = _tokenless_call(_grpc_port(srv), method)
+            try:
+                assert _answered(sock)
+                assert closed_by_server(sock, 10)
+            finally:
+                sock.close()
 
 
 def _watch_channels(target: str, model: str, count: int) -> list[tuple[grpc.Channel, Iterator[pb.VersionEvent]]]:

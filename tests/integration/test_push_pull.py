@@ -18,6 +18,7 @@ from safetensors.torch import load
 from tests.conftest import make_masters, serving, target
 from tests.helpers import assert_served, http_get
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import _grpc as client_grpc
 from weightsvc.rounding import fair_cast
 from weightsvc.server.server import BackgroundServer
 
@@ -106,7 +107,14 @@ def test_grpc_and_http_files_are_identical(
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
-def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(transport: str) -> None:
+def test_retention_keeps_the_last_k_and_a_pull_in_progress_finishes(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The puller's gRPC receive window stays at its first size: with bandwidth probing, gRPC grows it
+    # while the client's thread waits for the GIL, and on a busy machine the whole version could then
+    # arrive before the client takes its first piece (the pull would be over, not in progress). Over
+    # HTTP the kernel's receive buffer grows only as fast as the client reads.
+    monkeypatch.setattr(client_grpc, "CHANNEL_OPTIONS", (*client_grpc.CHANNEL_OPTIONS, ("grpc.http2.bdp_probe", 0)))
     with serving(retain=2) as srv:
         # 32 MiB served: far more than the transport windows, so the pull is still in flight.
         masters = {"w": torch.randn(4096, 4096) * 0.02}

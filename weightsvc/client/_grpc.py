@@ -117,6 +117,16 @@ class _Bearer(
         return continuation(self._with_token(details), requests)
 
 
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    # A client of its own: a new client connects at once, even while another one in this
+    # process waits out its reconnect backoff to the same address (a restarted server).
+    ("grpc.use_local_subchannel_pool", 1),
+    HTTP2_FRAME_OPTION,
+)
+
+
 def channel(target: str, credentials: Credentials, who: str = "this client speaks gRPC") -> grpc.Channel:
     """`host:port` in clear, `grpcs://host:port` over TLS (system roots, or the CA bundle given)."""
     if (transport := transport_of(target)) != "grpc":
@@ -124,14 +134,7 @@ def channel(target: str, credentials: Credentials, who: str = "this client speak
             f"{target} is an {transport.upper()} URL, and {who}: give host:port (or grpcs://host:port for TLS), "
             f"the service's gRPC port"
         )
-    options = [
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        # A client of its own: a new client connects at once, even while another one in this
-        # process waits out its reconnect backoff to the same address (a restarted server).
-        ("grpc.use_local_subchannel_pool", 1),
-        HTTP2_FRAME_OPTION,
-    ]
+    options = list(CHANNEL_OPTIONS)
     if target.startswith("grpcs://"):
         tls = grpc.ssl_channel_credentials(credentials.ca)
         ch = grpc.secure_channel(target.removeprefix("grpcs://"), tls, options)

@@ -114,15 +114,20 @@ def _denied(handler: grpc.RpcMethodHandler, error: Unauthenticated | PermissionD
     failed authentication, has its connection closed by `refused`: it may not hold one)."""
     code = grpc_status(error)
 
+    async def answer(context: grpc.aio.ServicerContext) -> None:
+        peer = context.peer()
+        try:
+            await context.abort(code, error.message)  # returns once the answer is sent, by raising
+        finally:
+            # Only now: a connection closed before its answer went out would leave the client guessing.
+            if refused is not None and isinstance(error, Unauthenticated):
+                refused(peer)
+
     async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if refused is not None and isinstance(error, Unauthenticated):
-            refused(context.peer())
-        await context.abort(code, error.message)
+        await answer(context)
 
     async def streaming(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if refused is not None and isinstance(error, Unauthenticated):
-            refused(context.peer())
-        await context.abort(code, error.message)
+        await answer(context)
         yield  # pragma: no cover - makes this an async generator, as a streaming handler must be
 
     return handler_factory(handler.request_streaming, handler.response_streaming)(

@@ -7,8 +7,9 @@ so this module finds the connection's socket among the process's descriptors (by
 as a call's `context.peer()` gives it; `_internals`) and shuts it down; gRPC then drops the
 connection, and a client's channel reconnects at its next call.
 
-- A connection that fails authentication is closed once the refusal is sent (unless a call of it
-  is still running).
+- A connection that fails authentication is closed once the refusal is sent (`refused` is called
+  only then: a connection shut before its answer went out leaves the client without one), unless a
+  call of it is still running.
 - gRPC admits `limit + headroom(limit)` connections; every SWEEP_S, or at once when a call is
   refused, connections beyond `limit` are closed, those without a call longest first, so a new
   connection always finds room. Connections with calls running are never closed: pushes and pulls
@@ -32,7 +33,7 @@ log = logging.getLogger("weightsvc.grpc")
 
 Peer = tuple[str, int]
 SWEEP_S = 1.0
-ANSWER_S = 0.25  # a refused call's answer is written out well within this: its connection closes then
+ANSWER_S = 0.25  # refused connections are closed in batches this far apart, not one scan each
 
 
 def headroom(limit: int) -> int:
@@ -82,7 +83,7 @@ class GrpcConnections:
                 await self._task
 
     def refused(self, peer: str) -> None:
-        """A call of this connection failed authentication: close it."""
+        """A call of this connection failed authentication, and its answer is sent: close it."""
         p = parse_peer(peer)
         if p is not None:
             loop = asyncio.get_running_loop()
