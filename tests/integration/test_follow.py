@@ -8,6 +8,7 @@ tests/engines)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import queue
@@ -114,10 +115,17 @@ class Engine:
             if self.workers_report:
                 report = {"rank": 0, "model": "policy", "version": body["init_info"]["stage"], "pulled_bytes": 128,
                           "error": None}
-                threading.Thread(target=post, args=(self.notify, report)).start()
+                threading.Thread(target=self._report, args=(self.notify, report)).start()
             with self._changed:
                 self._changed.notify_all()
         return 200, {}
+
+    @staticmethod
+    def _report(url: str, report: dict[str, Any]) -> None:
+        """A worker's staging report; the follower may have ended with its test meanwhile, as a
+        worker's follower can."""
+        with contextlib.suppress(OSError):
+            post(url, report)
 
     def wait_for(self, predicate: Callable[[], bool]) -> None:
         with self._changed:
