@@ -7,7 +7,9 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -101,19 +103,70 @@ def served_checkpoint(start: Path, target: str, model: str, version: int, path: 
 
 
 @contextlib.contextmanager
-def engine(path: Path, tp: int = 1, **kwargs: Any) -> Iterator[Any]:
-    """A vLLM engine on the CPU with weightsvc's worker extension, shut down on exit."""
+def _environ(**values: str) -> Iterator[None]:
+    """`values` set in the environment for the block; what was there before, after it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _spare_llvmlite_from_vllms_kernel_scan() -> None:
+    """A worker starting in this process has vLLM's CPU platform rebind its Triton kernels: it reads
+    `vars(value)` of every object with a `__dict__` in every loaded module
+    (`vllm.triton_utils.dispatcher._rebind_kernels`). llvmlite's `ffi.lib`, loaded here by weightsvc's
+    numba kernels (the in-process service exports with them), answers any attribute, `__dict__` too,
+    with a wrapped C function, and the scan fails on it (AttributeError: '_lib_fn_wrapper' object has
+    no attribute 'get'). An empty `__dict__` of its own gives the scan nothing to rebind there."""
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None:
+        ffi.lib._fntab.setdefault("__dict__", {})
+
+
+# The engines of this process whose worker runs in it: vLLM keeps a worker's parallel groups in globals
+# (one such engine at a time) and mixes the first worker extension into its worker class for good.
+_workers_here: dict[str, Any] = {"alive": 0, "extension": None}
+
+
+@contextlib.contextmanager
+def engine(path: Path, tp: int = 1, in_process: bool = True, **kwargs: Any) -> Iterator[Any]:
+    """A vLLM engine on the CPU with weightsvc's worker extension, shut down on exit.
+
+    `in_process`: the engine core runs in this process (a start takes seconds, not the half minute of
+    spawning a process that loads vLLM again), unless its worker (tp=1) would live beside another one
+    here or with another extension than the earlier ones; an engine whose worker is meant to die, or
+    one that stays up while others start (a class's engine), asks for a process of its own."""
+    import vllm.envs
     from vllm import LLM
 
     kwargs.setdefault("worker_extension_cls", "weightsvc.loaders.VllmWorkerExtension")
-    llm = LLM(model=str(path), dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0,
-              tensor_parallel_size=tp, **kwargs)
+    extension = kwargs["worker_extension_cls"]
+    worker_here = in_process and tp == 1
+    if worker_here and (_workers_here["alive"] or _workers_here["extension"] not in (None, extension)):
+        in_process = worker_here = False
+    if in_process:
+        _spare_llvmlite_from_vllms_kernel_scan()
+    with _environ(VLLM_ENABLE_V1_MULTIPROCESSING="0" if in_process else "1"):
+        vllm.envs.disable_envs_cache()  # an engine core in this process fixed vLLM's settings: read them again
+        llm = LLM(model=str(path), dtype="bfloat16", max_model_len=64, enforce_eager=True, seed=0,
+                  tensor_parallel_size=tp, **kwargs)
+    if worker_here:
+        _workers_here.update(alive=1, extension=extension)
     try:
         yield llm
     finally:
         with contextlib.suppress(Exception):  # (an engine that died is gone already)
             llm.llm_engine.engine_core.shutdown()
         del llm
+        if worker_here:
+            _workers_here["alive"] = 0
+        gc.unfreeze()  # an engine core started here froze the heap it found: let it be collected again
         gc.collect()
 
 

@@ -4,6 +4,7 @@ started from the pulled served copy gives. Run alone with `scripts/test_engines.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def acked(server: BackgroundServer, model: str) -> dict[str, int]:
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
     """A bf16 Llama engine (head untied) started from `masters("llama")`: its checkpoint and the engine."""
     start = checkpoint(masters("llama")[0], tmp_path_factory.mktemp("llama") / "v0")
-    with engine(start) as llm:
+    with engine(start, in_process=False) as llm:  # up while the tests' fresh engines start here
         yield start, llm
 
 
@@ -70,7 +71,7 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]
 def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Any]]:
     """A bf16 Qwen2 engine (head tied to the embeddings) started from `masters("qwen2")`."""
     start = checkpoint(masters("qwen2")[0], tmp_path_factory.mktemp("qwen2") / "v0")
-    with engine(start) as llm:
+    with engine(start, in_process=False) as llm:  # up while the tests' fresh engines start here
         yield start, llm
 
 
@@ -189,6 +190,7 @@ def test_example_worker_drives_a_real_engine(server: BackgroundServer, learner: 
         [sys.executable, str(EXAMPLE), "--target", server.grpc_target, "--model", "llama-worker",
          "--until-version", "2", "--vllm", str(start)],
         stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # its engine in its own process: a start of seconds
     )
     lines: queue.Queue[str] = queue.Queue()  # the worker's events (vLLM logs to stdout too)
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout if line.startswith('{"event"')],  # type: ignore[union-attr]
@@ -216,7 +218,7 @@ def test_an_engine_that_dies_during_an_update_is_reported_and_not_acked(
     start = checkpoint(module, tmp_path / "v0")
     learner.push(1, step(module, 1), model="llama-dies")
     died = r"model 'llama-dies' version 1: the vLLM engine died during the update"
-    with engine(start, worker_extension_cls="tests.engines.dying.DyingWorkerExtension") as llm, \
+    with engine(start, in_process=False, worker_extension_cls="tests.engines.dying.DyingWorkerExtension") as llm, \
             pytest.raises(RuntimeError, match=died):
         update_vllm(llm, server.grpc_target, "llama-dies", client_id="dies")
     assert acked(server, "llama-dies") == {}
