@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol, Union
 import numpy as np
 
 from weightsvc.client._base import InferenceClient
-from weightsvc.client._common import Credentials, Progress, VersionInfo
+from weightsvc.client._common import Credentials, Progress, RetryPolicy, VersionInfo
 from weightsvc.client._targets import ByTarget
 from weightsvc.errors import Unavailable, WeightsvcError, subject
 from weightsvc.protocol.adapter import Adapter
@@ -32,6 +32,10 @@ DEFAULT_CHUNK_BYTES = 1 << 20
 # Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
 _EXACT_TO_F32 = ("float32", "bfloat16", "float16")
 Array = Union["torch.Tensor", np.ndarray]
+
+# Asking the deployment its topology is idempotent: asked again when the connection breaks off before the
+# answer (a server at its connection limit resets new connections; a restart), as a pull resumes.
+TOPOLOGY_RETRY = RetryPolicy()
 
 
 @dataclass(frozen=True)
@@ -274,7 +278,7 @@ class LearnerClient(ByTarget):
                                adapter=None if adapter is None else adapter_to_proto(adapter))
         where = subject(model, step=step)
         while True:
-            replicas = self._replicas.live()
+            replicas = TOPOLOGY_RETRY.run(self._replicas.live)
             if not replicas and self._replicas.left_out:
                 raise Unavailable(f"{where}: no replica of the deployment can be reached (left out: "
                                   f"{sorted(self._replicas.left_out)})")
