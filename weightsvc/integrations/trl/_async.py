@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
+import itertools
 import math
 import queue
 import random
@@ -74,12 +75,11 @@ class _Rollout:
 
 @dataclass
 class _Scored:
-    """One loss forward: its arguments (for the ablation's forwards) and, for each sample found in its
-    packed row, the row positions of the sample's tokens and the sample."""
+    """One loss forward: the samples found in its packed row, and the learner's log-probabilities of
+    their tokens 1.. as the loss had them."""
 
-    kwargs: dict[str, Any]
-    found: list[tuple[torch.Tensor, _Rollout]]
-    learner: torch.Tensor  # the learner's log-probabilities of the trained tokens, as the loss had them
+    found: list[_Rollout]
+    learner: torch.Tensor
 
 
 class WeightsvcTransfer:
@@ -90,9 +90,10 @@ class WeightsvcTransfer:
     `weightsvc follow` drives besides; `model`: the weightsvc model. `format` / `rounding`
     override the service's export for this model's pushes (empty: the service's). `pause_mode`: what
     requests in flight do over the swap (vLLM's `keep`: they wait and go on with the new weights, so
-    a completion may come from two versions). `ablate_every` (0: never): every that many steps, the
-    mismatch of the step's tokens of the current version is also measured with the learner on its
-    fp32 masters and on a round-to-nearest copy (`ablation`; two more no-grad forwards; never reported)."""
+    a completion may come from two versions). `ablate_every` (0: never): every that many steps, up
+    to a batch of the rollouts at hand whose tokens all came from the current version are scored by
+    the learner on its served copy, its fp32 masters and a round-to-nearest copy of them, each against
+    the engine (`ablation`; three no-grad forwards; a diagnostic, never reported)."""
 
     def __init__(self, target: str, engine: str, model: str = "default", *, format: str = "", rounding: str = "",
                  timeout_s: float = 120.0, update_timeout_s: float = 600.0, pause_mode: str = "keep",
@@ -257,7 +258,8 @@ class WeightsvcTransfer:
     def _match(self, kwargs: dict[str, Any], log_probs: torch.Tensor) -> _Scored:
         """The samples of one packed row: each ends on a leaf of TRL's prefix trie, whose root-to-leaf path
         of positions (`tree_kv_index` between `tree_cu_seqlens_k` bounds) holds its tokens; position i
-        scores the sample's token i + 1 (`shift_labels`)."""
+        scores the sample's token i + 1 (`shift_labels`). Alike samples of one row share their leaf:
+        they count once."""
         try:
             ids, labels = kwargs["input_ids"][0], kwargs["shift_labels"][0]
             kv, bounds = kwargs["tree_kv_index"], kwargs["tree_cu_seqlens_k"].tolist()
@@ -268,65 +270,57 @@ class WeightsvcTransfer:
         with self._lock:
             for s in range(len(bounds) - 1):
                 path = kv[bounds[s]:bounds[s + 1]]
-                waiting = self._rollouts.get(tuple(ids[path].tolist()))
+                key = tuple(ids[path].tolist())
+                waiting = self._rollouts.get(key)
                 if not waiting:
-                    continue  # (a segment that ends at a branch; or a sample trained before, when two are alike)
+                    continue  # (a segment that ends at a branch)
                 rollout = waiting.pop(0)
                 if not waiting:
-                    del self._rollouts[tuple(ids[path].tolist())]
+                    del self._rollouts[key]
                 trained = torch.from_numpy(rollout.trained[1:])
                 if not bool((labels[path[:-1]][trained] == ids[path[1:]][trained]).all()):
                     raise RuntimeError("the loss forward's positions do not score the sample's tokens: TRL's "
                                        "packed layout is not the one this reads")
-                found.append((path, rollout))
+                found.append(rollout)
                 learner.append(log_probs[0, path[:-1]])
-        return _Scored(kwargs, found, torch.cat(learner) if learner else torch.empty(0))
+        return _Scored(found, torch.cat(learner) if learner else torch.empty(0))
 
     def _step_done(self, step: int) -> None:
         """After the step's forwards and backwards, before the optimizer moves the masters: leave the served
         copy, report the step's mismatch by version, and ablate when due."""
         self._leave()
         scored, self._scored = self._scored, []
-        if scored:
-            engine, versions, keep = self._tokens(scored)
+        rows = [r for s in scored for r in s.found]
+        if rows:
+            engine, versions, keep = _tokens(rows)
             learner = torch.cat([s.learner for s in scored])
             self.sync.report(step, rollout_mismatch(learner, engine, versions, mask=keep))
-            if self.sync.ablation_due(step):
-                self._ablate(step, scored, learner, engine, versions, keep)
+        if self.sync.ablation_due(step):
+            self._ablate(step)
         self._forget_stale()
 
-    def _tokens(self, scored: list[_Scored]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The engine's log-probability, the version and whether it counts, of each token the loss scored."""
-        rows = [r for s in scored for _, r in s.found]
-        engine = torch.from_numpy(np.concatenate([r.engine[1:] for r in rows]).astype(np.float64))
-        versions = torch.from_numpy(np.concatenate([r.versions[1:] for r in rows]))
-        keep = torch.from_numpy(np.concatenate([r.trained[1:] for r in rows])) & (versions >= 0)
-        return engine, versions, keep
-
-    def _ablate(self, step: int, scored: list[_Scored], served: torch.Tensor, engine: torch.Tensor,
-                versions: torch.Tensor, keep: torch.Tensor) -> None:
-        """The step's tokens of the current version, scored again on the fp32 masters (still those of the
-        version: the optimizer has not stepped) and on a round-to-nearest copy of them."""
-        assert self._module is not None and self.sync.spec is not None and self.sync.version is not None
-        keep = keep & (versions == self.sync.version)
-        if not bool(keep.any()):
+    def _ablate(self, step: int) -> None:
+        """Rollouts at hand whose trained tokens all came from the current version (up to a batch), scored
+        on the served copy, on the fp32 masters (still the version's: the optimizer has not stepped) and
+        on a round-to-nearest copy of them."""
+        assert self._module is not None and self.sync.spec is not None
+        version, batch = self.sync.version, int(self.attached().args.per_device_train_batch_size)
+        with self._lock:
+            rows = [(key, r) for key, waiting in self._rollouts.items() for r in waiting
+                    if bool((r.versions[r.trained] == version).all())][:batch]
+        if not rows or version is None:
             return
-        rtn = served_state_dict(self._module, dataclasses.replace(self.sync.spec, rounding="rtn"),
-                                version=self.sync.version)
-        learner = {"served": served, "masters": self._rescore(scored)}
-        with served_weights(self._module, rtn):
-            learner["rtn copy"] = self._rescore(scored)
-        self.sync.ablation.append((step, {copy: rollout_mismatch(logps, engine, versions, mask=keep)[
-            self.sync.version] for copy, logps in learner.items()}))
-
-    def _rescore(self, scored: list[_Scored]) -> torch.Tensor:
-        assert self._module is not None
-        out: list[torch.Tensor] = []
+        kwargs = _chains([key for key, _ in rows], [r.trained for _, r in rows])
+        rtn = served_state_dict(self._module, dataclasses.replace(self.sync.spec, rounding="rtn"), version=version)
+        learner = {}
         with torch.no_grad():
-            for s in scored:
-                log_probs = self._module(**s.kwargs).log_probs
-                out.extend(log_probs[0, path[:-1]] for path, _ in s.found)
-        return torch.cat(out)
+            for copy, served in (("served", self.sync.served), ("masters", None), ("rtn copy", rtn)):
+                with served_weights(self._module, served) if served is not None else contextlib.nullcontext():
+                    log_probs = self._module(**kwargs).log_probs[0]
+                learner[copy] = torch.cat([log_probs[a:b - 1] for a, b in _spans([key for key, _ in rows])])
+        engine, versions, keep = _tokens([r for _, r in rows])
+        self.sync.ablation.append((step, {copy: rollout_mismatch(logps, engine, versions, mask=keep)[version]
+                                          for copy, logps in learner.items()}))
 
     def _forget_stale(self) -> None:
         """Samples TRL can no longer train (staler than `max_staleness` already) are never scored: dropped."""
@@ -339,6 +333,34 @@ class WeightsvcTransfer:
                     self._rollouts[key] = kept
                 else:
                     del self._rollouts[key]
+
+
+def _tokens(rows: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The engine's log-probability, the version and whether it counts, of the samples' tokens 1.."""
+    engine = torch.from_numpy(np.concatenate([r.engine[1:] for r in rows]).astype(np.float64))
+    versions = torch.from_numpy(np.concatenate([r.versions[1:] for r in rows]))
+    keep = torch.from_numpy(np.concatenate([r.trained[1:] for r in rows])) & (versions >= 0)
+    return engine, versions, keep
+
+
+def _spans(samples: list[tuple[int, ...]]) -> list[tuple[int, int]]:
+    bounds = np.cumsum([0, *map(len, samples)]).tolist()
+    return list(itertools.pairwise(bounds))
+
+
+def _chains(samples: list[tuple[int, ...]], trained: list[np.ndarray]) -> dict[str, Any]:
+    """The trainer's packed forward arguments for `samples` laid out one after another, each a chain of
+    its own (a trie with nothing shared): position i of a sample scores its token i + 1 where trained."""
+    ids = torch.tensor([t for s in samples for t in s])
+    labels = torch.full_like(ids, -100)
+    for (a, b), sample, mask in zip(_spans(samples), samples, trained, strict=True):
+        labels[a:b - 1] = torch.where(torch.from_numpy(mask[1:]), torch.tensor(sample[1:]), -100)
+    bounds = torch.tensor(np.cumsum([0, *map(len, samples)]), dtype=torch.int32)
+    longest = max(map(len, samples))
+    return {"input_ids": ids[None], "position_ids": torch.cat([torch.arange(len(s)) for s in samples])[None],
+            "shift_labels": labels[None], "fused_lm_head": True, "tree_kv_index": torch.arange(len(ids)),
+            "tree_cu_seqlens_q": bounds, "tree_cu_seqlens_k": bounds, "tree_max_seqlen_q": longest,
+            "tree_max_seqlen_k": longest}
 
 
 class _ServedCopy(TrainerCallback):  # type: ignore[misc]
@@ -389,6 +411,7 @@ class WeightsvcRollouts:
 
     def start(self) -> None:
         args = self.transfer.attached().args
+        self.rollout_buffer.maxsize = args.queue_maxsize  # (TRL took the queue at construction, before its args)
         self._rng = random.Random(args.seed)
         groups = max(1, args.max_inflight_tasks // args.num_generations)
         self._requests = ThreadPoolExecutor(groups * args.num_generations, thread_name_prefix="weightsvc-rollout")
