@@ -90,7 +90,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
     out = tempfile.TemporaryDirectory(prefix="grpo-")
     args = AsyncGRPOConfig(output_dir=out.name, max_steps=steps, learning_rate=lr, per_device_train_batch_size=16,
                            num_generations=8, max_completion_length=COMPLETION_LEN, temperature=1.0,
-                           max_staleness=max_staleness, token_budget=0, vllm_server_base_url=engine, logging_steps=1,
+                           max_staleness=max_staleness, queue_maxsize=32, token_budget=0,
+                           vllm_server_base_url=engine, logging_steps=1,
                            report_to="none", save_strategy="no", use_cpu=cpu, bf16=False, seed=seed,
                            disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
     prompts = Dataset.from_dict({"prompt": prompt_texts(seed)})
