@@ -256,34 +256,8 @@ class WeightsvcTransfer:
         self._scored.append(self._match(kwargs, output.log_probs.detach()))
 
     def _match(self, kwargs: dict[str, Any], log_probs: torch.Tensor) -> _Scored:
-        """The samples of one packed row: each ends on a leaf of TRL's prefix trie, whose root-to-leaf path
-        of positions (`tree_kv_index` between `tree_cu_seqlens_k` bounds) holds its tokens; position i
-        scores the sample's token i + 1 (`shift_labels`). Alike samples of one row share their leaf:
-        they count once."""
-        try:
-            ids, labels = kwargs["input_ids"][0], kwargs["shift_labels"][0]
-            kv, bounds = kwargs["tree_kv_index"], kwargs["tree_cu_seqlens_k"].tolist()
-        except KeyError as e:
-            raise RuntimeError(f"the trainer's loss forward has no {e}: not the packed layout of TRL's "
-                               "AsyncGRPOTrainer this reads") from None
-        found, learner = [], []
         with self._lock:
-            for s in range(len(bounds) - 1):
-                path = kv[bounds[s]:bounds[s + 1]]
-                key = tuple(ids[path].tolist())
-                waiting = self._rollouts.get(key)
-                if not waiting:
-                    continue  # (a segment that ends at a branch)
-                rollout = waiting.pop(0)
-                if not waiting:
-                    del self._rollouts[key]
-                trained = torch.from_numpy(rollout.trained[1:])
-                if not bool((labels[path[:-1]][trained] == ids[path[1:]][trained]).all()):
-                    raise RuntimeError("the loss forward's positions do not score the sample's tokens: TRL's "
-                                       "packed layout is not the one this reads")
-                found.append(rollout)
-                learner.append(log_probs[0, path[:-1]])
-        return _Scored(found, torch.cat(learner) if learner else torch.empty(0))
+            return read_row(kwargs, log_probs, self._rollouts)
 
     def _step_done(self, step: int) -> None:
         """After the step's forwards and backwards, before the optimizer moves the masters: leave the served
@@ -333,6 +307,38 @@ class WeightsvcTransfer:
                     self._rollouts[key] = kept
                 else:
                     del self._rollouts[key]
+
+
+def read_row(kwargs: dict[str, Any], log_probs: torch.Tensor, waiting: dict[tuple[int, ...], list[_Rollout]]
+             ) -> _Scored:
+    """The samples (taken out of `waiting`, by their tokens) of one packed row of the trainer's loss forward,
+    and the learner's log-probabilities of their tokens 1..: each sample ends on a leaf of TRL's prefix
+    trie, whose root-to-leaf path of positions (`tree_kv_index` between `tree_cu_seqlens_k` bounds) holds
+    its tokens, and position i scores the sample's token i + 1 (`shift_labels`). Alike samples of one row
+    share their leaf: they count once."""
+    try:
+        ids, labels = kwargs["input_ids"][0], kwargs["shift_labels"][0]
+        kv, bounds = kwargs["tree_kv_index"], kwargs["tree_cu_seqlens_k"].tolist()
+    except KeyError as e:
+        raise RuntimeError(f"the trainer's loss forward has no {e}: not the packed layout of TRL's "
+                           "AsyncGRPOTrainer this reads") from None
+    found, learner = [], []
+    for s in range(len(bounds) - 1):
+        path = kv[bounds[s]:bounds[s + 1]]
+        key = tuple(ids[path].tolist())
+        rollouts = waiting.get(key)
+        if not rollouts:
+            continue  # (a segment that ends at a branch)
+        rollout = rollouts.pop(0)
+        if not rollouts:
+            del waiting[key]
+        trained = torch.from_numpy(rollout.trained[1:])
+        if not bool((labels[path[:-1]][trained] == ids[path[1:]][trained]).all()):
+            raise RuntimeError("the loss forward's positions do not score the sample's tokens: TRL's packed "
+                               "layout is not the one this reads")
+        found.append(rollout)
+        learner.append(log_probs[0, path[:-1]])
+    return _Scored(found, torch.cat(learner) if learner else torch.empty(0))
 
 
 def _tokens(rows: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
