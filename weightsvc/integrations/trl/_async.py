@@ -242,6 +242,7 @@ class WeightsvcTransfer:
         assert self._module is not None
         if self.sync.version is None:
             raise RuntimeError(f"model {self.model!r}: no version pushed before the first step")
+        self._leave()  # (a step that never reached its optimizer: its copy is not stood in twice)
         self._served.enter_context(served_weights(self._module, self.sync.served))
         self._in_step = True
 
