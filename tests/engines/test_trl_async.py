@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import serving
-from tests.engines.serving import BACKEND, vllm_serve
+from tests.engines.serving import BACKEND, VllmServer, vllm_serve
 from tests.engines.test_trl import showcase, trainer_python
 from weightsvc import InferenceClient
 from weightsvc.integrations.fair_cast import masters_digest_of, served_state_dict
@@ -34,21 +34,38 @@ def service() -> Iterator[BackgroundServer]:
         yield srv
 
 
-def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_the_served_copy(
-        service: BackgroundServer, tmp_path: Path) -> None:
-    model, python = "trl-async", trainer_python()
-    model_dir, out, capture = tmp_path / "model", tmp_path / "trace.json", tmp_path / "capture"
-    showcase(python, "build", "--model-dir", str(model_dir))
-    with vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
-                    "--weight-transfer-config", BACKEND) as engine:
-        # max_staleness 0: TRL keeps only samples of its current version (as it reckons; see below).
-        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target, "--engine",
-                 engine.url, "--model", model, "--rounding", "sr", "--steps", str(STEPS), "--max-staleness", "0",
-                 "--capture", str(capture), "--out", str(out))
-        # The transfer left the engine on the last step's version, generating under its label.
-        assert engine.weight_version() == str(STEPS)
-        assert all(spans == [{"version": str(STEPS), "start": 0, "end": 16}] for spans in engine.spans())
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("trl-async") / "model"
+    showcase(trainer_python(), "build", "--model-dir", str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Iterator[VllmServer]:
+    """One engine for the module's runs: each run's first version replaces what it holds."""
+    with vllm_serve(model_dir, model_dir.parent / "vllm.log", "--logprobs-mode", "processed_logprobs",
+                    "--weight-transfer-config", BACKEND) as server:
+        yield server
+
+
+def train(service: BackgroundServer, engine: VllmServer, model_dir: Path, model: str, out: Path,
+          *args: str) -> dict[str, Any]:
+    showcase(trainer_python(), "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
+             "--engine", engine.url, "--model", model, "--rounding", "sr", "--out", str(out), *args)
     trace: dict[str, Any] = json.loads(out.read_text())
+    return trace
+
+
+def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_the_served_copy(
+        service: BackgroundServer, engine: VllmServer, model_dir: Path, tmp_path: Path) -> None:
+    model, capture = "trl-async", tmp_path / "capture"
+    # max_staleness 0: TRL keeps only samples of its current version (as it reckons; see below).
+    trace = train(service, engine, model_dir, model, tmp_path / "trace.json", "--steps", str(STEPS),
+                  "--max-staleness", "0", "--capture", str(capture))
+    # The transfer left the engine on the last step's version, generating under its label.
+    assert engine.weight_version() == str(STEPS)
+    assert all(spans == [{"version": str(STEPS), "start": 0, "end": 16}] for spans in engine.spans())
 
     # One version per sync: the starting masters (0) at train begin, then one per optimizer step, each
     # with the service's lag, each swapped into the engine and acked by the transfer once it served it.
@@ -105,3 +122,26 @@ def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_t
             assert torch.equal(value.to(torch.bfloat16).view(torch.int16), pulled[step][name].view(torch.int16)), name
         if step >= 1:  # the masters have left the bf16 grid: the loss did not run on them
             assert any(not torch.equal(read[n], masters[n]) for n in read)
+
+
+# The k3 of the learner against the engine, over the tokens of each step's current version (steps 1-15:
+# version 0 is the bf16 checkpoint itself, which every rounding serves as it is), with the learner on
+# its served copy, on its fp32 masters and on a round-to-nearest copy: MEASURED_RATIOS.
+ABLATION_STEPS = 16
+MARGIN = MEASURED_MARGIN
+
+
+@pytest.mark.timeout(900)  # 16 trainer steps on a busy 2-core machine
+def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
+        service: BackgroundServer, engine: VllmServer, model_dir: Path, tmp_path: Path) -> None:
+    """With sr export the engine samples from a stochastic rounding of the masters: the learner's
+    log-probabilities on that very copy differ from the engine's by its kernels alone, those on the
+    fp32 masters or on a round-to-nearest copy by the rounding as well."""
+    trace = train(service, engine, model_dir, "trl-async-ablation", tmp_path / "trace.json",
+                  "--steps", str(ABLATION_STEPS), "--ablate-every", "1")
+    moved = [b["by_copy"] for b in trace["ablation"] if b["step"] >= 1]
+    assert len(moved) >= ABLATION_STEPS - 2  # (a step may find no rollout of its version at hand yet)
+    k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
+          for c in ("served", "masters", "rtn copy")}
+    assert k3["served"] * MARGIN < k3["masters"], k3
+    assert k3["served"] * MARGIN < k3["rtn copy"], k3

@@ -1,7 +1,7 @@
 """The parts of the AsyncGRPOTrainer integration that read TRL's packed loss forward, checked against TRL's
 own packer (`TreeRow`) and fused head on a tiny Llama: the SDPA stand-in for the trainer's FlashAttention-3
 tree attention (examples/async_grpo_cpu.py) against each sample's own forward, and the reading of a packed
-row (`read_row`, which the mismatch by version is measured with) and the ablation's chains against it."""
+row (`read_row`, which the mismatch by version is measured with) against it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from trl.experimental.async_grpo.packing import TreeRow
 from trl.trainer.utils import add_fused_lm_head
 
-from weightsvc.integrations.trl._async import _chains, _Rollout, _spans, read_row
+from weightsvc.integrations.trl._async import _Rollout, read_row
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from async_grpo_cpu import use_sdpa_tree_attention
@@ -114,12 +114,3 @@ def test_a_row_that_is_not_trls_layout_is_refused(model: LlamaForCausalLM) -> No
         read_row(shifted, log_probs, waiting)
     with pytest.raises(RuntimeError, match="no 'tree_kv_index'"):
         read_row({k: v for k, v in kwargs.items() if k != "tree_kv_index"}, log_probs, waiting)
-
-
-def test_the_ablations_chains_score_as_trls_pack_does(model: LlamaForCausalLM) -> None:
-    trained = [np.array([False] * n + [True] * (len(ids) - n)) for ids, n in zip(SAMPLES, PROMPT_LENS, strict=True)]
-    kwargs = _chains([tuple(s) for s in SAMPLES], trained)
-    log_probs = packed_log_probs(model, kwargs)[0]
-    for (a, b), ids, mask in zip(_spans([tuple(s) for s in SAMPLES]), SAMPLES, trained, strict=True):
-        torch.testing.assert_close(log_probs[a:b - 1][torch.from_numpy(mask[1:])],
-                                   own_forward(model, ids)[torch.from_numpy(mask[1:])], rtol=0, atol=1e-5)

@@ -33,7 +33,6 @@ import asyncio
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import math
 import queue
 import random
@@ -75,11 +74,13 @@ class _Rollout:
 
 @dataclass
 class _Scored:
-    """One loss forward: the samples found in its packed row, and the learner's log-probabilities of
-    their tokens 1.. as the loss had them."""
+    """One loss forward: the samples found in its packed row, the learner's log-probabilities of their
+    tokens 1.. as the loss had them, and the forward's arguments (kept for the ablation)."""
 
     found: list[_Rollout]
+    paths: list[torch.Tensor]  # each found sample's positions in the row
     learner: torch.Tensor
+    kwargs: dict[str, Any] | None = None
 
 
 class WeightsvcTransfer:
@@ -90,10 +91,11 @@ class WeightsvcTransfer:
     `weightsvc follow` drives besides; `model`: the weightsvc model. `format` / `rounding`
     override the service's export for this model's pushes (empty: the service's). `pause_mode`: what
     requests in flight do over the swap (vLLM's `keep`: they wait and go on with the new weights, so
-    a completion may come from two versions). `ablate_every` (0: never): every that many steps, up
-    to a batch of the rollouts at hand whose tokens all came from the current version are scored by
-    the learner on its served copy, its fp32 masters and a round-to-nearest copy of them, each against
-    the engine (`ablation`; three no-grad forwards; a diagnostic, never reported)."""
+    a completion may come from two versions). `ablate_every` (0: never): every that many steps, the
+    step's trained tokens of the newest version among them are scored again by the learner on that
+    version's served copy, its fp32 masters and a round-to-nearest copy of them, each against the
+    engine (`ablation`: three more no-grad forwards of the step's rows, and the masters of the last
+    two versions held; a diagnostic, never reported)."""
 
     def __init__(self, target: str, engine: str, model: str = "default", *, format: str = "", rounding: str = "",
                  timeout_s: float = 120.0, update_timeout_s: float = 600.0, pause_mode: str = "keep",
@@ -115,6 +117,7 @@ class WeightsvcTransfer:
         self._served = contextlib.ExitStack()  # the served copy standing in, over one optimizer step
         self._in_step = False
         self._scored: list[_Scored] = []
+        self._held: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # (masters, served)
 
     # -- what the learner reads ------------------------------------------------------------------------
 
@@ -258,7 +261,10 @@ class WeightsvcTransfer:
 
     def _match(self, kwargs: dict[str, Any], log_probs: torch.Tensor) -> _Scored:
         with self._lock:
-            return read_row(kwargs, log_probs, self._rollouts)
+            scored = read_row(kwargs, log_probs, self._rollouts)
+        if self.sync.ablate_every:
+            scored.kwargs = kwargs
+        return scored
 
     def _step_done(self, step: int) -> None:
         """After the step's forwards and backwards, before the optimizer moves the masters: leave the served
@@ -270,31 +276,42 @@ class WeightsvcTransfer:
             engine, versions, keep = _tokens(rows)
             learner = torch.cat([s.learner for s in scored])
             self.sync.report(step, rollout_mismatch(learner, engine, versions, mask=keep))
-        if self.sync.ablation_due(step):
-            self._ablate(step)
+        if self.sync.ablate_every:
+            self._hold()
+            if rows and self.sync.ablation_due(step):
+                self._ablate(step, scored, engine, versions, keep)
         self._forget_stale()
 
-    def _ablate(self, step: int) -> None:
-        """Rollouts at hand whose trained tokens all came from the current version (up to a batch), scored
-        on the served copy, on the fp32 masters (still the version's: the optimizer has not stepped) and
-        on a round-to-nearest copy of them."""
+    def _hold(self) -> None:
+        """The masters (still the version's: the optimizer has not stepped) and the served copy of the
+        current version, beside the previous version's: the tokens a step trains are mostly a version
+        behind."""
+        assert self._module is not None and self.sync.version is not None
+        version = self.sync.version
+        if version not in self._held:
+            masters = {n: t.detach().clone() for n, t in self._module.state_dict().items()}
+            self._held = {v: c for v, c in self._held.items() if v >= version - 1}
+            self._held[version] = (masters, self.sync.served)
+
+    def _ablate(self, step: int, scored: list[_Scored], engine: torch.Tensor, versions: torch.Tensor,
+                keep: torch.Tensor) -> None:
+        """The step's trained tokens of the newest version held among them, scored again on that version's
+        served copy, its fp32 masters and a round-to-nearest copy of them."""
         assert self._module is not None and self.sync.spec is not None
-        version, batch = self.sync.version, int(self.attached().args.per_device_train_batch_size)
-        with self._lock:
-            rows = [(key, r) for key, waiting in self._rollouts.items() for r in waiting
-                    if bool((r.versions[r.trained] == version).all())][:batch]
-        if not rows or version is None:
+        present = [v for v in sorted(self._held, reverse=True) if bool((keep & (versions == v)).any())]
+        if not present:
             return
-        kwargs = _chains([key for key, _ in rows], [r.trained for _, r in rows])
-        rtn = served_state_dict(self._module, dataclasses.replace(self.sync.spec, rounding="rtn"), version=version)
+        version = present[0]
+        masters, served = self._held[version]
+        rtn = served_state_dict(masters, dataclasses.replace(self.sync.spec, rounding="rtn"), version=version)
         learner = {}
         with torch.no_grad():
-            for copy, served in (("served", self.sync.served), ("masters", None), ("rtn copy", rtn)):
-                with served_weights(self._module, served) if served is not None else contextlib.nullcontext():
-                    log_probs = self._module(**kwargs).log_probs[0]
-                learner[copy] = torch.cat([log_probs[a:b - 1] for a, b in _spans([key for key, _ in rows])])
-        engine, versions, keep = _tokens([r for _, r in rows])
-        self.sync.ablation.append((step, {copy: rollout_mismatch(logps, engine, versions, mask=keep)[version]
+            for copy, values in (("served", served), ("masters", masters), ("rtn copy", rtn)):
+                with served_weights(self._module, values):
+                    learner[copy] = torch.cat([self._module(**s.kwargs).log_probs[0, path[:-1]]
+                                               for s in scored if s.kwargs is not None for path in s.paths])
+        mask = keep & (versions == version)
+        self.sync.ablation.append((step, {copy: rollout_mismatch(logps, engine, versions, mask=mask)[version]
                                           for copy, logps in learner.items()}))
 
     def _forget_stale(self) -> None:
@@ -323,7 +340,7 @@ def read_row(kwargs: dict[str, Any], log_probs: torch.Tensor, waiting: dict[tupl
     except KeyError as e:
         raise RuntimeError(f"the trainer's loss forward has no {e}: not the packed layout of TRL's "
                            "AsyncGRPOTrainer this reads") from None
-    found, learner = [], []
+    found, paths, learner = [], [], []
     for s in range(len(bounds) - 1):
         path = kv[bounds[s]:bounds[s + 1]]
         key = tuple(ids[path].tolist())
@@ -338,8 +355,9 @@ def read_row(kwargs: dict[str, Any], log_probs: torch.Tensor, waiting: dict[tupl
             raise RuntimeError("the loss forward's positions do not score the sample's tokens: TRL's packed "
                                "layout is not the one this reads")
         found.append(rollout)
+        paths.append(path)
         learner.append(log_probs[0, path[:-1]])
-    return _Scored(found, torch.cat(learner) if learner else torch.empty(0))
+    return _Scored(found, paths, torch.cat(learner) if learner else torch.empty(0))
 
 
 def _tokens(rows: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,26 +366,6 @@ def _tokens(rows: list[_Rollout]) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     versions = torch.from_numpy(np.concatenate([r.versions[1:] for r in rows]))
     keep = torch.from_numpy(np.concatenate([r.trained[1:] for r in rows])) & (versions >= 0)
     return engine, versions, keep
-
-
-def _spans(samples: list[tuple[int, ...]]) -> list[tuple[int, int]]:
-    bounds = np.cumsum([0, *map(len, samples)]).tolist()
-    return list(itertools.pairwise(bounds))
-
-
-def _chains(samples: list[tuple[int, ...]], trained: list[np.ndarray]) -> dict[str, Any]:
-    """The trainer's packed forward arguments for `samples` laid out one after another, each a chain of
-    its own (a trie with nothing shared): position i of a sample scores its token i + 1 where trained."""
-    ids = torch.tensor([t for s in samples for t in s])
-    labels = torch.full_like(ids, -100)
-    for (a, b), sample, mask in zip(_spans(samples), samples, trained, strict=True):
-        labels[a:b - 1] = torch.where(torch.from_numpy(mask[1:]), torch.tensor(sample[1:]), -100)
-    bounds = torch.tensor(np.cumsum([0, *map(len, samples)]), dtype=torch.int32)
-    longest = max(map(len, samples))
-    return {"input_ids": ids[None], "position_ids": torch.cat([torch.arange(len(s)) for s in samples])[None],
-            "shift_labels": labels[None], "fused_lm_head": True, "tree_kv_index": torch.arange(len(ids)),
-            "tree_cu_seqlens_q": bounds, "tree_cu_seqlens_k": bounds, "tree_max_seqlen_q": longest,
-            "tree_max_seqlen_k": longest}
 
 
 class _ServedCopy(TrainerCallback):  # type: ignore[misc]
