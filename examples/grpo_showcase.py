@@ -124,8 +124,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         "mismatch": [{"step": step, "by_version": {v: asdict(m) for v, m in by.items()}}
                      for step, by in transfer.mismatch],
         "service_mismatch": service_mismatch(target, model),
-        "ablation": [{"step": step, "by_copy": {c: asdict(m) for c, m in by.items()}}
-                     for step, by in transfer.ablation],
+        "ablation": [{"step": step, "version": version, "by_copy": {c: asdict(m) for c, m in by.items()}}
+                     for step, version, by in transfer.ablation],
     }
 
 
@@ -229,8 +229,9 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
         "steps_to": next((i + 1 for i, r in enumerate(window) if r >= THRESHOLD), None),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "k3_trained": weighted(diffs, "k3_kl"),
-        **{f"k3 {copy}": weighted([b["by_copy"][copy] for b in trace["ablation"] if b["step"] >= 1], "k3_kl")
-           for copy in COPIES},
+        # (version 0 is the bf16 checkpoint itself, which every rounding serves as it is)
+        **{f"k3 {copy}": weighted([b["by_copy"][copy] for b in trace["ablation"] if b.get("version", b["step"]) >= 1],
+                                  "k3_kl") for copy in COPIES},
         "versions_per_step": sum(len(b["by_version"]) for b in trace["mismatch"]) / max(1, len(trace["mismatch"])),
         "seconds": trace["seconds"],
     }

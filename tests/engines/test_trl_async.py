@@ -124,9 +124,9 @@ def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_t
             assert any(not torch.equal(read[n], masters[n]) for n in read)
 
 
-# The k3 of the learner against the engine, over the tokens of each step's current version (steps 1-15:
-# version 0 is the bf16 checkpoint itself, which every rounding serves as it is), with the learner on
-# its served copy, on its fp32 masters and on a round-to-nearest copy: MEASURED_RATIOS.
+# The k3 of the learner against the engine over each step's trained tokens, with the learner on the served
+# copy of the version that produced them, on its fp32 masters and on a round-to-nearest copy (versions
+# 1-14; version 0 is the bf16 checkpoint itself, which every rounding serves as it is): MEASURED_RATIOS.
 ABLATION_STEPS = 16
 MARGIN = MEASURED_MARGIN
 
@@ -138,9 +138,11 @@ def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
     log-probabilities on that very copy differ from the engine's by its kernels alone, those on the
     fp32 masters or on a round-to-nearest copy by the rounding as well."""
     trace = train(service, engine, model_dir, "trl-async-ablation", tmp_path / "trace.json",
-                  "--steps", str(ABLATION_STEPS), "--ablate-every", "1")
-    moved = [b["by_copy"] for b in trace["ablation"] if b["step"] >= 1]
-    assert len(moved) >= ABLATION_STEPS - 2  # (a step may find no rollout of its version at hand yet)
+                  "--steps", str(ABLATION_STEPS), "--max-staleness", "0", "--ablate-every", "1")
+    # Each step's trained tokens are of the version before the current one (of 0 at the first step).
+    assert [(b["step"], b["version"]) for b in trace["ablation"]] == [
+        (step, max(step - 1, 0)) for step in range(ABLATION_STEPS)]
+    moved = [b["by_copy"] for b in trace["ablation"] if b["version"] >= 1]
     k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
           for c in ("served", "masters", "rtn copy")}
     assert k3["served"] * MARGIN < k3["masters"], k3

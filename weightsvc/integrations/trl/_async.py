@@ -118,6 +118,7 @@ class WeightsvcTransfer:
         self._in_step = False
         self._scored: list[_Scored] = []
         self._held: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}  # (masters, served)
+        self._ablation: list[tuple[int, int, dict[str, RolloutMismatch]]] = []
 
     # -- what the learner reads ------------------------------------------------------------------------
 
@@ -141,8 +142,9 @@ class WeightsvcTransfer:
         return self.sync.mismatch
 
     @property
-    def ablation(self) -> list[tuple[int, dict[str, RolloutMismatch]]]:
-        return self.sync.ablation
+    def ablation(self) -> list[tuple[int, int, dict[str, RolloutMismatch]]]:
+        """Per ablated step: the version whose tokens were scored again, and each copy's mismatch."""
+        return self._ablation
 
     @property
     def served_from(self) -> str:
@@ -311,8 +313,8 @@ class WeightsvcTransfer:
                     learner[copy] = torch.cat([self._module(**s.kwargs).log_probs[0, path[:-1]]
                                                for s in scored if s.kwargs is not None for path in s.paths])
         mask = keep & (versions == version)
-        self.sync.ablation.append((step, {copy: rollout_mismatch(logps, engine, versions, mask=mask)[version]
-                                          for copy, logps in learner.items()}))
+        self._ablation.append((step, version, {copy: rollout_mismatch(logps, engine, versions, mask=mask)[version]
+                                               for copy, logps in learner.items()}))
 
     def _forget_stale(self) -> None:
         """Samples TRL can no longer train (staler than `max_staleness` already) are never scored: dropped."""
