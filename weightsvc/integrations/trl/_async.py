@@ -166,6 +166,10 @@ class WeightsvcTransfer:
                                       "pushes the masters of one process whole")
         if trainer.weight_transfer is not self:
             raise ValueError("attach: the trainer was not built with this WeightsvcTransfer as its weight_transfer")
+        asked = str(trainer.args.vllm_server_base_url).rstrip("/")
+        if trainer.args.token_budget is None and asked != self.engine.url:
+            raise ValueError(f"AsyncGRPOConfig.vllm_server_base_url is {asked}, not the engine {self.engine.url}: "
+                             "the trainer asks it for max_model_len (or set token_budget)")
         self._trainer = trainer
         self._module = trainer.accelerator.unwrap_model(trainer.model)
         self._module.register_forward_hook(self._on_forward, with_kwargs=True)
