@@ -4,7 +4,8 @@ for by their plain-torch equivalents. A deployment on GPUs needs none of this.
 - Tree attention: the trainer packs each micro-batch into a prefix trie and runs its attention through
   FlashAttention 3 (`flash_attn_varlen_func` over each segment's root-to-segment path of keys, causal
   aligned to the path's end), a Hopper kernel fetched from the Hugging Face hub. `tree_attention_sdpa`
-  computes the same with `torch.nn.functional.scaled_dot_product_attention`, one segment at a time, and
+  computes the same with one `torch.nn.functional.scaled_dot_product_attention` over the row, each
+  query masked to its path, and
   `use_sdpa_tree_attention` makes a trainer's model use it, through transformers' attention registry.
 - The device's peak FLOPs: the trainer asks CUDA for the device's name (for its MFU metric) when it is
   built; without CUDA that raises. `without_mfu` answers as TRL does for a device it does not know:
@@ -30,26 +31,25 @@ def tree_attention_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch
                         tree_max_seqlen_k: int, scaling: float | None = None, sliding_window: int | None = None,
                         softcap: float | None = None, dropout: float = 0.0,
                         **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """TRL's `tree_attention` (packing.py) with SDPA in place of FlashAttention 3's varlen kernel: query
-    segment s (rows `cu_q[s]:cu_q[s+1]`) attends to the keys at `tree_kv_index[cu_k[s]:cu_k[s+1]]`, its
-    path from the root, causally with the segment's last query at the path's last key."""
+    """TRL's `tree_attention` (packing.py) with SDPA in place of FlashAttention 3's varlen kernel: the
+    queries of segment s (rows `cu_q[s]:cu_q[s+1]`) attend to the keys at `tree_kv_index[cu_k[s]:cu_k[s+1]]`,
+    their path from the root, causally with the segment's last query at the path's last key."""
     if sliding_window or softcap:
         raise NotImplementedError("tree_attention_sdpa: sliding windows and soft caps are not stood in for")
     q = query.transpose(1, 2)[0]  # (tokens, heads, dim), as TRL hands them to the kernel
-    k = key.transpose(1, 2)[0].index_select(0, tree_kv_index)
-    v = value.transpose(1, 2)[0].index_select(0, tree_kv_index)
-    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each key head serves `groups` query heads
-    out = torch.empty_like(q)
+    k, v = key.transpose(1, 2)[0], value.transpose(1, 2)[0]
+    # One attention over the row, each query masked to its path. FlashAttention aligns the causal mask of
+    # `rows` queries over a path of `cols` keys to the bottom right: row i sees path keys <= i + cols - rows.
+    visible = torch.zeros(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device)
     cu_q, cu_k = tree_cu_seqlens_q.tolist(), tree_cu_seqlens_k.tolist()
     for s in range(len(cu_q) - 1):
-        q0, q1, k0, k1 = cu_q[s], cu_q[s + 1], cu_k[s], cu_k[s + 1]
-        rows, cols = q1 - q0, k1 - k0
-        # FlashAttention aligns the causal mask to the bottom right: row i sees the cols <= i + cols - rows.
-        visible = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril(cols - rows)
-        seg = torch.nn.functional.scaled_dot_product_attention(
-            q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1).repeat_interleave(groups, 0),
-            v[k0:k1].transpose(0, 1).repeat_interleave(groups, 0), attn_mask=visible, scale=scaling)
-        out[q0:q1] = seg.transpose(0, 1)
+        rows, path = cu_q[s + 1] - cu_q[s], tree_kv_index[cu_k[s]:cu_k[s + 1]]
+        visible[cu_q[s]:cu_q[s + 1], path] = torch.ones(rows, len(path), dtype=torch.bool,
+                                                        device=q.device).tril(len(path) - rows)
+    groups = q.shape[1] // k.shape[1]  # grouped-query attention: each key head serves `groups` query heads
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(groups, 0),
+        v.transpose(0, 1).repeat_interleave(groups, 0), attn_mask=visible, scale=scaling).transpose(0, 1)
     return out.unsqueeze(0), None
 
 

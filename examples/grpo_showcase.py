@@ -93,7 +93,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
                            max_staleness=max_staleness, queue_maxsize=32, token_budget=0,
                            vllm_server_base_url=engine, logging_steps=1,
                            report_to="none", save_strategy="no", use_cpu=cpu, bf16=False, seed=seed,
-                           disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
+                           gradient_checkpointing=False, disable_tqdm=True, lr_scheduler_type="constant",
+                           warmup_steps=0)
     prompts = Dataset.from_dict({"prompt": prompt_texts(seed)})
     transfer = WeightsvcTransfer(target=target, engine=engine, model=model, rounding=rounding,
                                  ablate_every=ablate_every)
