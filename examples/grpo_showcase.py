@@ -87,6 +87,9 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         from async_grpo_cpu import use_sdpa_tree_attention, without_mfu
 
         without_mfu()
+        # One intra-op thread: the engine and the rollouts share the cores, and torch's threads waiting
+        # on one another for a core made the tiny model's forward 17x slower on a busy 2-core machine.
+        torch.set_num_threads(1)
     out = tempfile.TemporaryDirectory(prefix="grpo-")
     args = AsyncGRPOConfig(output_dir=out.name, max_steps=steps, learning_rate=lr, per_device_train_batch_size=16,
                            num_generations=8, max_completion_length=COMPLETION_LEN, temperature=1.0,
