@@ -44,8 +44,8 @@ def trainer_python() -> str:
     return python
 
 
-def showcase(python: str, *args: str) -> None:
-    done = subprocess.run([python, str(SHOWCASE), *args], capture_output=True, text=True, timeout=300,
+def showcase(python: str, *args: str, timeout: float = 300) -> None:
+    done = subprocess.run([python, str(SHOWCASE), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 

@@ -52,7 +52,7 @@ def engine(model_dir: Path) -> Iterator[VllmServer]:
 def train(service: BackgroundServer, engine: VllmServer, model_dir: Path, model: str, out: Path,
           *args: str) -> dict[str, Any]:
     showcase(trainer_python(), "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
-             "--engine", engine.url, "--model", model, "--rounding", "sr", "--out", str(out), *args)
+             "--engine", engine.url, "--model", model, "--rounding", "sr", "--out", str(out), *args, timeout=600)
     trace: dict[str, Any] = json.loads(out.read_text())
     return trace
 
@@ -124,14 +124,19 @@ def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_t
             assert any(not torch.equal(read[n], masters[n]) for n in read)
 
 
-# The k3 of the learner against the engine over each step's trained tokens, with the learner on the served
-# copy of the version that produced them, on its fp32 masters and on a round-to-nearest copy (versions
-# 1-14; version 0 is the bf16 checkpoint itself, which every rounding serves as it is): MEASURED_RATIOS.
-ABLATION_STEPS = 16
-MARGIN = 1.0  # (set from the measured runs)
+# The k3 of the learner against the engine over each step's trained tokens (every other step), with the
+# learner on the served copy of the version that produced them, on its fp32 masters and on a
+# round-to-nearest copy (versions from 1 on: version 0 is the bf16 checkpoint itself, which every rounding
+# serves as it is). The gap grows as the masters leave the bf16 grid. The showcase's sr runs (seeds 0-2,
+# 60 steps, this configuration): masters 2.79x, 1.73x, 2.10x the served copy's k3, the rtn copy 17.3x,
+# 6.7x, 8.8x (log-ratios: masters mean 0.77, sd 0.24; rtn copy mean 2.3, sd 0.5); over their first 16
+# steps only 1.11-1.42x and 1.20-1.92x, too close to 1 for a test. Hence 60 steps, and margins well
+# below the lowest ratios measured (2.8 sd below the mean log-ratio each).
+ABLATION_STEPS = 60
+MARGIN = {"masters": 1.1, "rtn copy": 2.5}
 
 
-@pytest.mark.timeout(900)  # 16 trainer steps on a busy 2-core machine
+@pytest.mark.timeout(900)  # 60 trainer steps on a busy 2-core machine
 def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
         service: BackgroundServer, engine: VllmServer, model_dir: Path, tmp_path: Path) -> None:
     """With sr export the engine samples from a stochastic rounding of the masters: the learner's
@@ -141,9 +146,9 @@ def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
                   "--steps", str(ABLATION_STEPS), "--max-staleness", "0", "--ablate-every", "2")
     # Each step's trained tokens are of the version before the current one (of 0 at the first step).
     assert [(b["step"], b["version"]) for b in trace["ablation"]] == [
-        (step, max(step - 1, 0)) for step in range(ABLATION_STEPS)]
+        (step, max(step - 1, 0)) for step in range(0, ABLATION_STEPS, 2)]
     moved = [b["by_copy"] for b in trace["ablation"] if b["version"] >= 1]
     k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
           for c in ("served", "masters", "rtn copy")}
-    assert k3["served"] * MARGIN < k3["masters"], k3
-    assert k3["served"] * MARGIN < k3["rtn copy"], k3
+    assert k3["served"] * MARGIN["masters"] < k3["masters"], k3
+    assert k3["served"] * MARGIN["rtn copy"] < k3["rtn copy"], k3
