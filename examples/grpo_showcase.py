@@ -295,8 +295,7 @@ def plot(traces: list[dict[str, Any]], path: Path) -> None:
     ax_lag.set(title="served lag (service's metric)", xlabel="version (step)", ylabel="lag (steps)")
     ax_reward.axhline(THRESHOLD, color="grey", lw=0.5)
     ax_reward.set(title="AsyncGRPO reward (rollouts from vllm serve)", xlabel="step", ylabel="share of even tokens")
-    ax_mis.set(title="learner (served copy) vs engine k3, tokens of the step's version", xlabel="step",
-               ylabel="k3", yscale="log")
+    ax_mis.set(title="learner (served copy) vs engine, k3", xlabel="step", ylabel="k3", yscale="log")
     ax_lag.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
