@@ -72,7 +72,7 @@ def even_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 
 def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
-          seed: int = 0, ablate_every: int = 2, max_staleness: int = 0, capture: Path | None = None) -> dict[str, Any]:
+          seed: int = 0, ablate_every: int = 1, max_staleness: int = 0, capture: Path | None = None) -> dict[str, Any]:
     """One AsyncGRPO run of `steps` optimizer steps; its trace (per step: reward, staleness, mismatch by
     version; per version: the service's lag). `capture`: a directory where each step's first loss forward
     leaves the weights it read (`forward-STEP.safetensors`) and the masters (`masters-STEP.safetensors`)."""
@@ -393,7 +393,7 @@ def main() -> None:
     for p in (parser, one):
         p.add_argument("--steps", type=int, default=60)
         p.add_argument("--lr", type=float, default=LR)
-        p.add_argument("--ablate-every", type=int, default=2,
+        p.add_argument("--ablate-every", type=int, default=1,
                        help="also measure the mismatch on the masters and an rtn copy, every N steps (0: never)")
         p.add_argument("--max-staleness", type=int, default=0, help="async: TRL's max_staleness")
     parser.add_argument("--modes", default="rtn,sr")
