@@ -5,7 +5,7 @@ the mean and spread of the steps to a reward threshold and of the service's serv
 learner-vs-engine k3 with the learner on its served copy (as trained) and, as diagnostics, on its fp32
 masters and on a round-to-nearest copy of them, as a table (`--json`: JSON) and a PNG.
 
-    .venv/bin/python examples/grpo_showcase.py --steps 60 --seeds 0,1,2 --png showcase.png
+    .venv/bin/python examples/grpo_showcase.py --steps 60 --seeds 0,1,2 --ablate-every 2 --png showcase.png
 
 The trainer runs here (the `trl` extra); `vllm serve` runs in the engines venv (scripts/setup_engines.sh,
 or --engine-python). `train` runs one mode against a service and an engine that are already up (the
