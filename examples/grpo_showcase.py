@@ -1,14 +1,17 @@
-"""Fair Cast in a real RL loop: TRL's GRPO trains a tiny causal LM (built here, nothing from a hub) to
-emit even token ids, with rollouts from a real `vllm serve` that follows weightsvc, once per rounding
-mode; it prints the service's served lag, the reward curve (steps to a threshold, area under it) and
-the learner-vs-engine mismatch by weight version (k3 with the learner on its served copy, as trained,
-and, as diagnostics, on its fp32 masters and on a round-to-nearest copy of them), as a table (`--json`: JSON) and a PNG.
+"""Fair Cast in a real RL loop: TRL's `AsyncGRPOTrainer` trains a tiny causal LM (built here, nothing from
+a hub) to emit even token ids, with rollouts from a real `vllm serve` that loads each version through
+weightsvc's backend (`WeightsvcTransfer`), once per rounding mode and seed; it prints, over the seeds,
+the mean and spread of the steps to a reward threshold and of the service's served lag, and the
+learner-vs-engine k3 with the learner on its served copy (as trained) and, as diagnostics, on its fp32
+masters and on a round-to-nearest copy of them, as a table (`--json`: JSON) and a PNG.
 
-    .venv/bin/python examples/grpo_showcase.py --steps 60 --png showcase.png
+    .venv/bin/python examples/grpo_showcase.py --steps 60 --seeds 0,1,2 --ablate-every 2 --png showcase.png
 
 The trainer runs here (the `trl` extra); `vllm serve` runs in the engines venv (scripts/setup_engines.sh,
-or --engine-python) and `weightsvc follow` keeps it on the latest version. `train` runs one mode
-against a service and an engine that are already up (the engine tests use it).
+or --engine-python). `train` runs one mode against a service and an engine that are already up (the
+engine tests use it; `--trainer grpo` runs TRL's `GRPOTrainer` with `FairCastGRPOTrainer` instead,
+against an engine that `weightsvc follow` keeps on the latest version). Without CUDA the trainer's two
+GPU-only parts are stood in for (examples/async_grpo_cpu.py).
 
 The tiny model's output head sits on a common offset (which softmax cancels): its weights are then as
 large against one Adam step as a pretrained model's are at a fine-tuning learning rate, which is the
@@ -69,8 +72,107 @@ def even_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 
 def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
-          seed: int = 0, ablate_every: int = 1) -> dict[str, Any]:
-    """One GRPO run of `steps` optimizer steps; its trace (per step: reward, lag, mismatch by version)."""
+          seed: int = 0, ablate_every: int = 1, max_staleness: int = 0, capture: Path | None = None) -> dict[str, Any]:
+    """One AsyncGRPO run of `steps` optimizer steps; its trace (per step: reward, staleness, mismatch by
+    version; per version: the service's lag). `capture`: a directory where each step's first loss forward
+    leaves the weights it read (`forward-STEP.safetensors`) and the masters (`masters-STEP.safetensors`)."""
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # AsyncGRPOTrainer is experimental in TRL
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from weightsvc.integrations.trl import WeightsvcTransfer
+
+    cpu = not torch.cuda.is_available()
+    if cpu:
+        from async_grpo_cpu import use_sdpa_tree_attention, without_mfu
+
+        without_mfu()
+        # One intra-op thread: the engine and the rollouts share the cores, and torch's threads waiting
+        # on one another for a core made the tiny model's forward 17x slower on a busy 2-core machine.
+        torch.set_num_threads(1)
+    out = tempfile.TemporaryDirectory(prefix="grpo-")
+    args = AsyncGRPOConfig(output_dir=out.name, max_steps=steps, learning_rate=lr, per_device_train_batch_size=16,
+                           num_generations=8, max_completion_length=COMPLETION_LEN, temperature=1.0,
+                           max_staleness=max_staleness, queue_maxsize=32, token_budget=0,
+                           vllm_server_base_url=engine, logging_steps=1,
+                           report_to="none", save_strategy="no", use_cpu=cpu, bf16=False, seed=seed,
+                           gradient_checkpointing=False, disable_tqdm=True, lr_scheduler_type="constant",
+                           warmup_steps=0)
+    prompts = Dataset.from_dict({"prompt": prompt_texts(seed)})
+    transfer = WeightsvcTransfer(target=target, engine=engine, model=model, rounding=rounding,
+                                 ablate_every=ablate_every)
+    trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_tokens, args=args, train_dataset=prompts,
+                               weight_transfer=transfer,
+                               rollout_worker=transfer.rollouts(prompts, even_tokens,
+                                                                sampling_params={"ignore_eos": True}))
+    if cpu:
+        use_sdpa_tree_attention(trainer.model)
+    transfer.attach(trainer)
+    if capture is not None:
+        capture_forwards(trainer, capture)
+    started = time.monotonic()
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # (the trainer prints its summary: stdout is the table's)
+            trainer.train()
+    finally:
+        transfer.sync.close()
+        out.cleanup()
+    logged = [h for h in trainer.state.log_history if "reward" in h]
+    return {
+        "trainer": "async", "rounding": rounding, "seed": seed, "steps": steps, "served_from": transfer.served_from,
+        "seconds": round(time.monotonic() - started, 1), "reward": [h["reward"] for h in logged],
+        "staleness_max": [h.get("sample/staleness_max") for h in logged],
+        "trained_tokens": [h.get("batch/trained_tokens_per_step") for h in logged],
+        "lag": {v: m.lag_steps for v, m in sorted(transfer.lag.items())},
+        "model_versions": transfer.pushed,
+        "mismatch": [{"step": step, "by_version": {v: asdict(m) for v, m in by.items()}}
+                     for step, by in transfer.mismatch],
+        "service_mismatch": service_mismatch(target, model),
+        "ablation": [{"step": step, "version": version, "by_copy": {c: asdict(m) for c, m in by.items()}}
+                     for step, version, by in transfer.ablation],
+    }
+
+
+def prompt_texts(seed: int) -> list[str]:
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(["t1", *(f"t{int(t)}" for t in torch.randint(3, VOCAB, (PROMPT_LEN - 1,), generator=g))])
+            for _ in range(512)]
+
+
+def capture_forwards(trainer: Any, where: Path) -> None:
+    """Save, at each step's first loss forward, the weights as the model reads them (with the served copy
+    standing in: its values) and the fp32 masters under them."""
+    import functools
+
+    from safetensors.torch import save_file
+    from torch.nn.utils import parametrize
+
+    where.mkdir(parents=True, exist_ok=True)
+    model, names, done = trainer.model, [n for n, _ in trainer.model.named_parameters()], set()
+
+    def before(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        step = trainer.state.global_step
+        if not kwargs.get("fused_lm_head") or not torch.is_grad_enabled() or step in done:
+            return
+        done.add(step)
+        read, masters = {}, {}
+        with torch.no_grad():
+            for n in names:
+                owner, attr = functools.reduce(getattr, n.split(".")[:-1], module), n.rsplit(".", 1)[-1]
+                read[n] = getattr(owner, attr).detach().clone()  # (what the forward reads: the served copy)
+                master = (owner.parametrizations[attr].original if parametrize.is_parametrized(owner, attr)
+                          else getattr(owner, attr))
+                masters[n] = master.detach().clone()
+        save_file(read, str(where / f"forward-{step}.safetensors"))
+        save_file(masters, str(where / f"masters-{step}.safetensors"))
+
+    model.register_forward_pre_hook(before, with_kwargs=True)
+
+
+def train_grpo(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
+               seed: int = 0, ablate_every: int = 1) -> dict[str, Any]:
+    """One GRPOTrainer run of `steps` optimizer steps (`FairCastGRPOTrainer`, against an engine that
+    `weightsvc follow` keeps on the latest version); its trace (per step: reward, lag, mismatch by version)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -78,9 +180,7 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
 
     from weightsvc.integrations.trl import FairCastGRPOTrainer, WeightsvcSync
 
-    g = torch.Generator().manual_seed(seed)
-    prompts = [" ".join(["t1", *(f"t{int(t)}" for t in torch.randint(3, VOCAB, (PROMPT_LEN - 1,), generator=g))])
-               for _ in range(512)]
+    prompts = prompt_texts(seed)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)  # bf16-exact fp32 masters
     out = tempfile.TemporaryDirectory(prefix="grpo-")
     args = GRPOConfig(output_dir=out.name, max_steps=steps, learning_rate=lr,
@@ -101,7 +201,7 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         out.cleanup()
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {
-        "rounding": rounding, "steps": steps, "served_from": sync.served_from,
+        "trainer": "grpo", "rounding": rounding, "seed": seed, "steps": steps, "served_from": sync.served_from,
         "seconds": round(time.monotonic() - started, 1), "reward": rewards,
         "is_ratio": [h.get("sampling/importance_sampling_ratio/mean") for h in trainer.state.log_history
                      if "reward" in h],
@@ -122,35 +222,59 @@ def service_mismatch(target: str, model: str) -> dict[int, dict[str, Any]]:
 
 
 def summary(trace: dict[str, Any]) -> dict[str, Any]:
+    """One run: the served lag, the reward curve, the mismatch (the trained tokens, on the served copy)
+    and the ablation's k3 on each of the learner's copies."""
     rewards, lag = trace["reward"], [v for k, v in trace["lag"].items() if int(k) > 0]
     window = [sum(rewards[max(0, i - 4): i + 1]) / len(rewards[max(0, i - 4): i + 1]) for i in range(len(rewards))]
-    reached = next((i + 1 for i, r in enumerate(window) if r >= THRESHOLD), None)
     diffs = [m for b in trace["mismatch"] for m in b["by_version"].values()]
-    tokens = sum(m["tokens"] for m in diffs)
     return {
-        "rounding": trace["rounding"],
-        "lag_mean": round(sum(lag) / max(1, len(lag)), 2), "lag_max": max(lag, default=0),
-        "reward_first5": round(sum(rewards[:5]) / max(1, len(rewards[:5])), 3),
-        "reward_last5": round(sum(rewards[-5:]) / max(1, len(rewards[-5:])), 3),
-        f"steps_to_{THRESHOLD}": reached, "reward_auc": round(sum(rewards) / max(1, len(rewards)), 3),
-        "mismatch_abs_logp": round(sum(m["mean_abs_logp_delta"] * m["tokens"] for m in diffs) / max(1, tokens), 4),
-        "mismatch_k3_kl": f"{sum(m['k3_kl'] * m['tokens'] for m in diffs) / max(1, tokens):.1e}",
-        **ablation(trace),
-        "versions_per_batch": round(sum(len(b["by_version"]) for b in trace["mismatch"])
-                                    / max(1, len(trace["mismatch"])), 2),
+        "rounding": trace["rounding"], "seed": trace["seed"],
+        "lag_mean": sum(lag) / max(1, len(lag)), "lag_max": max(lag, default=0),
+        "steps_to": next((i + 1 for i, r in enumerate(window) if r >= THRESHOLD), None),
+        "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+        "k3_trained": weighted(diffs, "k3_kl"),
+        # (version 0 is the bf16 checkpoint itself, which every rounding serves as it is)
+        **{f"k3 {copy}": weighted([b["by_copy"][copy] for b in trace["ablation"] if b.get("version", b["step"]) >= 1],
+                                  "k3_kl") for copy in COPIES},
+        "versions_per_step": sum(len(b["by_version"]) for b in trace["mismatch"]) / max(1, len(trace["mismatch"])),
         "seconds": trace["seconds"],
     }
 
 
-def ablation(trace: dict[str, Any]) -> dict[str, str]:
-    """Token-weighted k3 of the learner on each of its copies against the engine, over the ablated batches."""
-    batches = trace.get("ablation") or []
-    out = {}
-    for copy in ("served", "masters", "rtn copy"):
-        ms = [b["by_copy"][copy] for b in batches]
-        tokens = sum(m["tokens"] for m in ms)
-        out[f"k3 {copy}"] = f"{sum(m['k3_kl'] * m['tokens'] for m in ms) / max(1, tokens):.1e}" if ms else "-"
-    return out
+COPIES = ("served", "masters", "rtn copy")
+
+
+def weighted(ms: list[dict[str, Any]], key: str) -> float | None:
+    """The token-weighted mean of `key` over mismatch records (None without a token)."""
+    tokens = sum(m["tokens"] for m in ms)
+    return sum(m[key] * m["tokens"] for m in ms) / tokens if tokens else None
+
+
+def over_seeds(rows: list[dict[str, Any]], steps: int) -> list[dict[str, str]]:
+    """Per rounding mode: mean ± sample standard deviation over the seeds (steps to the threshold over
+    the runs that reached it, with how many did)."""
+    import statistics
+
+    def spread(values: list[float], fmt: str) -> str:
+        if not values:
+            return "-"
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{format(statistics.fmean(values), fmt)} ± {format(sd, fmt)}"
+
+    table = []
+    for mode in dict.fromkeys(r["rounding"] for r in rows):
+        runs = [r for r in rows if r["rounding"] == mode]
+        reached = [r["steps_to"] for r in runs if r["steps_to"] is not None]
+        table.append({
+            "rounding": mode, "seeds": str(len(runs)),
+            f"steps_to_{THRESHOLD}": f"{spread(reached, '.1f')} ({len(reached)}/{len(runs)} within {steps})",
+            "lag_mean": spread([r["lag_mean"] for r in runs], ".2f"),
+            "lag_max": spread([r["lag_max"] for r in runs], ".1f"),
+            "reward_last5": spread([r["reward_last5"] for r in runs], ".3f"),
+            **{f"k3 {c}": spread([r[f"k3 {c}"] for r in runs if r[f"k3 {c}"] is not None], ".2e") for c in COPIES},
+            "versions_per_step": spread([r["versions_per_step"] for r in runs], ".2f"),
+        })
+    return table
 
 
 def plot(traces: list[dict[str, Any]], path: Path) -> None:
@@ -160,19 +284,19 @@ def plot(traces: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_lag, ax_reward, ax_mis) = plt.subplots(1, 3, figsize=(15, 4))
+    colors = {mode: f"C{i}" for i, mode in enumerate(dict.fromkeys(t["rounding"] for t in traces))}
     for t in traces:
         lag = {int(k): v for k, v in t["lag"].items()}
-        ax_lag.plot(sorted(lag), [lag[k] for k in sorted(lag)], label=t["rounding"])
-        ax_reward.plot(range(1, len(t["reward"]) + 1), t["reward"], label=t["rounding"])
-        ax_mis.plot([b["step"] for b in t["mismatch"]],
-                    [max(m["mean_abs_logp_delta"] for m in b["by_version"].values()) for b in t["mismatch"]],
-                    label=t["rounding"])
+        style = {"color": colors[t["rounding"]], "alpha": 0.7, "label": f"{t['rounding']} seed {t['seed']}"}
+        ax_lag.plot(sorted(lag), [lag[k] for k in sorted(lag)], **style)
+        ax_reward.plot(range(1, len(t["reward"]) + 1), t["reward"], **style)
+        ax_mis.plot([b["step"] for b in t["ablation"]], [b["by_copy"]["served"]["k3_kl"] for b in t["ablation"]],
+                    **style)
     ax_lag.set(title="served lag (service's metric)", xlabel="version (step)", ylabel="lag (steps)")
     ax_reward.axhline(THRESHOLD, color="grey", lw=0.5)
-    ax_reward.set(title="GRPO reward (rollouts from vllm serve)", xlabel="step", ylabel="share of even tokens")
-    ax_mis.set(title="learner vs engine |Δ logp| of the batch's version", xlabel="step", ylabel="mean |Δ logp|")
-    for ax in (ax_lag, ax_reward, ax_mis):
-        ax.legend()
+    ax_reward.set(title="AsyncGRPO reward (rollouts from vllm serve)", xlabel="step", ylabel="share of even tokens")
+    ax_mis.set(title="learner (served copy) vs engine, k3", xlabel="step", ylabel="k3", yscale="log")
+    ax_lag.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -221,30 +345,31 @@ def engine_python(given: str | None) -> str:
 
 
 def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every mode and seed against one service and one engine: each run's first version (its bf16
+    checkpoint, built with its seed) replaces what the engine held."""
     from weightsvc.server.server import BackgroundServer
     from weightsvc.settings import Settings
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="grpo-showcase-"))
-    print(f"logs, model: {work}", file=sys.stderr)
-    model_dir = build(work / "model", args.seed)
+    print(f"logs, models: {work}", file=sys.stderr)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    models = {seed: build(work / f"model-{seed}", seed) for seed in seeds}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    vllm = [engine_python(args.engine_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "64",
-            "--enforce-eager", "--seed", str(args.seed), "--enable-scale-out", "--logprobs-mode",
+    vllm = [engine_python(args.engine_python), "-m", "vllm.entrypoints.openai.api_server", "--model",
+            str(models[seeds[0]]), "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
+            "--max-model-len", "64", "--enforce-eager", "--seed", "0", "--enable-scale-out", "--logprobs-mode",
             "processed_logprobs", "--weight-transfer-config", '{"backend": "weightsvc"}']
     traces = []
     with (BackgroundServer(Settings(grpc_port=0, http_port=0, probe_port=0)) as service,
           process(vllm, work / "vllm.log", {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}) as engine):
         _wait_http(f"{url}/health", engine, work / "vllm.log")
-        for mode in args.modes.split(","):
-            model = f"showcase-{mode}"
-            follow = [sys.executable, "-m", "weightsvc", "follow", "--engine", url, "--target", service.grpc_target,
-                      "--model", model, "--listen", "127.0.0.1:0", "--client-id", f"follow-{model}"]
-            with process(follow, work / f"follow-{mode}.log", {"PYTHONPATH": str(ROOT)}):
-                traces.append(train(model_dir, service.grpc_target, url, model, mode, args.steps, args.lr, args.seed,
-                                    args.ablate_every))
-            print(f"{mode}: {json.dumps(summary(traces[-1]))}", file=sys.stderr)
+        for seed in seeds:
+            for mode in args.modes.split(","):
+                traces.append(train(models[seed], service.grpc_target, url, f"showcase-{mode}-{seed}", mode,
+                                    args.steps, args.lr, seed, args.ablate_every, args.max_staleness))
+                print(f"{mode} seed {seed}: {json.dumps(summary(traces[-1]))}", file=sys.stderr)
+                (work / "traces.json").write_text(json.dumps(traces))
     return traces
 
 
@@ -258,40 +383,50 @@ def main() -> None:
     one.add_argument("--model", required=True)
     one.add_argument("--rounding", default="sr")
     one.add_argument("--out", type=Path, required=True)
+    one.add_argument("--seed", type=int, default=0)
+    one.add_argument("--trainer", choices=("async", "grpo"), default="async")
+    one.add_argument("--capture", type=Path, default=None,
+                     help="async: save each step's loss-forward weights and masters here")
     make = sub.add_parser("build", help="build the tiny model into --model-dir")
     make.add_argument("--model-dir", type=Path, required=True)
-    for p in (parser, one, make):
-        p.add_argument("--seed", type=int, default=0)
+    make.add_argument("--seed", type=int, default=0)
     for p in (parser, one):
         p.add_argument("--steps", type=int, default=60)
         p.add_argument("--lr", type=float, default=LR)
         p.add_argument("--ablate-every", type=int, default=1,
                        help="also measure the mismatch on the masters and an rtn copy, every N steps (0: never)")
-    parser.add_argument("--modes", default="rtn,sr,sr-sticky")
+        p.add_argument("--max-staleness", type=int, default=0, help="async: TRL's max_staleness")
+    parser.add_argument("--modes", default="rtn,sr")
+    parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--engine-python", default=None, help="python of the engines venv (default: setup_engines.sh)")
-    parser.add_argument("--work-dir", type=Path, default=None, help="the model and the logs (default: a temp dir)")
-    parser.add_argument("--json", action="store_true", help="print the table as JSON")
+    parser.add_argument("--work-dir", type=Path, default=None, help="the models and the logs (default: a temp dir)")
+    parser.add_argument("--json", action="store_true", help="print the tables as JSON")
     parser.add_argument("--png", type=Path, default=Path("grpo_showcase.png"))
     args = parser.parse_args()
     if args.command == "build":
         build(args.model_dir, args.seed)
         return
     if args.command == "train":
-        trace = train(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps, args.lr,
-                      args.seed, args.ablate_every)
+        if args.trainer == "grpo":
+            trace = train_grpo(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps,
+                               args.lr, args.seed, args.ablate_every)
+        else:
+            trace = train(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps, args.lr,
+                          args.seed, args.ablate_every, args.max_staleness, args.capture)
         args.out.write_text(json.dumps(trace))
         return
     started = time.monotonic()
     traces = showcase(args)
     rows = [summary(t) for t in traces]
+    table = over_seeds(rows, args.steps)
     plot(traces, args.png)
     if args.json:
-        print(json.dumps({"rows": rows, "wall_s": round(time.monotonic() - started, 1), "png": str(args.png)},
-                         indent=1))
+        print(json.dumps({"table": table, "runs": rows, "wall_s": round(time.monotonic() - started, 1),
+                          "png": str(args.png)}, indent=1))
         return
-    cols = list(rows[0])
+    cols = list(table[0])
     print(" | ".join(cols))
-    for r in rows:
+    for r in table:
         print(" | ".join(str(r[c]) for c in cols))
     print(f"wall {time.monotonic() - started:.0f} s; plot: {args.png}")
 

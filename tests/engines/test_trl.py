@@ -1,7 +1,7 @@
-"""TRL's GRPO on weightsvc, every part real: the weightsvc service, a `vllm serve` that `weightsvc follow`
-keeps on the latest version, and TRL's `GRPOTrainer` (`weightsvc.integrations.trl`) in the trainer's
-own environment: the checkout's `.venv` with the `trl` extra (or $WEIGHTSVC_TRAINER_PYTHON), since vLLM
-pins its own transformers here. The trainer reaches the engine over HTTP, as in a deployment."""
+"""TRL's `GRPOTrainer` on weightsvc (`FairCastGRPOTrainer`), every part real: the weightsvc service, a
+`vllm serve` that `weightsvc follow` keeps on the latest version, and the trainer in its own environment:
+the checkout's `.venv` with the `trl` extra (or $WEIGHTSVC_TRAINER_PYTHON), since vLLM pins its own
+transformers here. The trainer reaches the engine over HTTP, as in a deployment."""
 
 from __future__ import annotations
 
@@ -44,8 +44,8 @@ def trainer_python() -> str:
     return python
 
 
-def showcase(python: str, *args: str) -> None:
-    done = subprocess.run([python, str(SHOWCASE), *args], capture_output=True, text=True, timeout=300,
+def showcase(python: str, *args: str, timeout: float = 300) -> None:
+    done = subprocess.run([python, str(SHOWCASE), *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
 
@@ -60,7 +60,7 @@ def trained(service: BackgroundServer, tmp_path: Path, model: str, steps: int) -
     with (vllm_serve(model_dir, tmp_path / "vllm.log", "--logprobs-mode", "processed_logprobs",
                      "--weight-transfer-config", BACKEND) as engine,
           following(engine, service.grpc_target, model) as follower):
-        showcase(python, "train", "--model-dir", str(model_dir), "--target", service.grpc_target,
+        showcase(python, "train", "--trainer", "grpo", "--model-dir", str(model_dir), "--target", service.grpc_target,
                  "--engine", engine.url, "--model", model, "--rounding", "sr", "--steps", str(steps), "--out", str(out))
         yield engine, follower, out
 

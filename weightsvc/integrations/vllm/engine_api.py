@@ -128,6 +128,13 @@ class EngineApi:
                               f"not between 1 and {MAX_WORLD_SIZE}", 200)
         return int(size)
 
+    def swap(self, version: int, timeout_s: float) -> None:
+        """Swap weightsvc version `version` into a paused engine through vLLM's RL API and its weightsvc
+        backend (staged beforehand, or pulled now), and label the tokens it generates from now on with it."""
+        self.post("/start_weight_update", stage="swap")
+        self.post("/update_weights", {"update_info": {"version": version}}, stage="swap", timeout_s=timeout_s)
+        self.post("/finish_weight_update", {"weight_version": str(version)}, stage="swap")
+
     def label(self, version: str, stage: str) -> None:
         """Set the engine's `weight_version`, the label of the tokens it generates from now on."""
         self.post("/update_weight_version", {"new_version": version}, stage=stage)

@@ -352,10 +352,7 @@ class Follower:
                 if self._cut_short:  # a start a killed follower left open
                     with contextlib.suppress(EngineError):
                         self.engine.post("/finish_weight_update", stage="swap")
-                self.engine.post("/start_weight_update", stage="swap")
-                self.engine.post("/update_weights", {"update_info": {"version": version}}, stage="swap",
-                                 timeout_s=c.update_timeout_s)
-                self.engine.post("/finish_weight_update", {"weight_version": str(version)}, stage="swap")
+                self.engine.swap(version, c.update_timeout_s)
             else:
                 self.engine.post("/collective_rpc", {"method": "weightsvc_load", "timeout": c.update_timeout_s,
                                                      "args": [c.target, c.model, str(version), str(c.dequantize)]},

@@ -1,28 +1,20 @@
-"""TRL's GRPO on weightsvc: the learner pushes its fp32 masters after each optimizer step, rollouts come
-from a `vllm serve` that follows weightsvc (`weightsvc follow`), and the loss is computed on the served
-copy (Fair Cast).
-
-    from weightsvc.integrations.trl import FairCastGRPOTrainer, WeightsvcSync
-
-    sync = WeightsvcSync(target="weightsvc:50051", engine="http://vllm:8000", model="policy", rounding="sr")
-    trainer = FairCastGRPOTrainer(model=policy, reward_funcs=reward, args=GRPOConfig(...),
-                                  train_dataset=prompts, processing_class=tokenizer, sync=sync)
-    trainer.train()
-    sync.lag            # the service's lag of each pushed version
-    sync.mismatch       # per rollout batch: learner vs engine log-probabilities by weight version
-    sync.ablation       # with ablate_every: that mismatch on the served copy, the masters, a round-to-nearest copy
+"""`GRPOTrainer` on weightsvc (`FairCastGRPOTrainer`, `WeightsvcSync`): the learner pushes its fp32 masters
+after each optimizer step, rollouts come from a `vllm serve` that follows weightsvc (`weightsvc follow`),
+and the loss is computed on the served copy (Fair Cast).
 
 TRL 1.16 applies its vLLM importance-sampling correction (the engine's per-token log-probabilities
 against the learner's) only with `use_vllm`, which loads vLLM into the trainer's process and moves
 the weights itself over NCCL. Here weightsvc moves them and the engine is reached over HTTP, so the
-trainer takes the correction path with the engine's log-probabilities that `rollout_func` returns.
-TRL is imported with this module: it is the `trl` extra."""
+trainer takes the correction path with the engine's log-probabilities that `rollout_func` returns:
+this needs TRL's private `_generate_and_score_completions` (the batch with both log-probabilities)
+and `_get_per_token_logps_and_entropies` (the ablation's forwards), and its `use_vllm` /
+`vllm_generation` attributes. `AsyncGRPOTrainer` has public doors for all of it (`WeightsvcTransfer`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -94,15 +86,17 @@ class WeightsvcSync:
 
     # -- the masters: one version per optimizer step -------------------------------------------------
 
-    def push(self, module: torch.nn.Module, step: int) -> None:
-        """Push the masters as version `step`, keep the service's lag of it, and hold its served copy,
-        which the learner's forwards run on until the next step: recomputed here (`served_state_dict`)
-        while the first versions show the learner's bits are the service's, else pulled back (`ef`,
-        whose residual is the service's state, or a spec the learner cannot rebuild from the manifest).
-        On one process the whole state dict; ranks holding the same masters push identical versions."""
+    def push(self, module: torch.nn.Module | Mapping[str, torch.Tensor], step: int) -> None:
+        """Push the masters (`module`'s state dict, or the tensors given) as version `step`, keep the
+        service's lag of it, and hold its served copy, which the learner's forwards run on until the
+        next step: recomputed here (`served_state_dict`) while the first versions show the learner's
+        bits are the service's, else pulled back (`ef`, whose residual is the service's state, or a
+        spec the learner cannot rebuild from the manifest). On one process the whole state dict; ranks
+        holding the same masters push identical versions."""
         if self._learner is None:
             self._learner = LearnerClient(self.target, timeout=self.timeout_s)
-        masters = {n: t.detach() for n, t in module.state_dict().items()}
+        state = module.state_dict() if isinstance(module, torch.nn.Module) else module
+        masters = {n: t.detach() for n, t in state.items()}
         sharded = [n for n, t in masters.items() if isinstance(t, DTensor)]
         if sharded:  # (each rank would push its own rows as `Shard`s, and the served copy be made per shard)
             raise NotImplementedError(f"{subject(self.model, step)}: masters {sharded[:3]} are sharded "
@@ -115,7 +109,8 @@ class WeightsvcSync:
             assert info.served is not None
             self.served = info.served
         else:
-            self.served = served_state_dict(module, self._spec(step), version=step)
+            self.served = served_state_dict(module if isinstance(module, torch.nn.Module) else masters,
+                                            self._spec(step), version=step)
             if self._checked < CHECKED_VERSIONS:  # the first versions: the local bits against the manifest
                 self._checked += 1
                 self.served_from = self._check(step)
@@ -198,7 +193,10 @@ class WeightsvcSync:
         TRL padded them) by weight version: kept, and reported to the service. Tokens without a version
         or that the engine could not score (NaN) are left out."""
         versions, keep = self._kept(engine, mask)
-        by_version = rollout_mismatch(learner.detach().cpu(), engine.detach().cpu(), versions, mask=keep)
+        self.report(step, rollout_mismatch(learner.detach().cpu(), engine.detach().cpu(), versions, mask=keep))
+
+    def report(self, step: int, by_version: dict[int, RolloutMismatch]) -> None:
+        """Keep the mismatch the learner measured at `step`, by weight version, and report it to the service."""
         if not by_version:
             return
         self.mismatch.append((step, by_version))
