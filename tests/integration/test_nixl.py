@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import itertools
 import json
 import logging
 import os
@@ -135,6 +136,80 @@ def test_a_sliced_read_brings_exactly_the_rows_and_columns_asked_for(lender: Ser
     got = torch.load(tmp_path / "read.pt")
     same(got, {"layers.0.mlp.up.weight": whole["layers.0.mlp.up.weight"][37:201].contiguous(),
                "embed.weight": whole["embed.weight"][:, 5:9].contiguous(), "lm_head.bias": whole["lm_head.bias"]})
+
+
+def lease_of(url: str, body: dict[str, object], version: int | str = "latest") -> dict[str, object]:
+    """A lease answered over HTTP, released at once (its ranges are what a test looks at)."""
+    status, text = _request(url, "POST", f"/v1/models/{MODEL}/versions/{version}/lease", body)
+    assert status == 200, text
+    lent: dict[str, object] = json.loads(text)
+    assert _request(url, "DELETE", f"/v1/leases/{lent['lease_id']}")[0] == 204
+    return lent
+
+
+def test_each_slice_is_read_through_as_few_descriptors_as_its_layout_allows(lender: ServeProcess,
+                                                                          tmp_path: Path) -> None:
+    masters = {**make_masters(), "experts.w": torch.randn(4, 6, 8)}
+    LearnerClient(lender.target).push(1, masters, model=MODEL)
+    whole = served(lender)
+    select = {"layers.0.mlp.up.weight@0:37:201": whole["layers.0.mlp.up.weight"][37:201],  # rows: one range
+              "embed.weight@1:5:9": whole["embed.weight"][:, 5:9],  # columns: one range per row
+              "experts.w@0:1:3": whole["experts.w"][1:3]}  # a range of dim 0: one range
+    lent = lease_of(lender.url, {"select": list(select)})
+    ranges = {name: [tuple(r) for r in rs] for name, rs in lent["ranges"].items()}  # type: ignore[attr-defined]
+    up, embed, experts = ranges["layers.0.mlp.up.weight"], ranges["embed.weight"], ranges["experts.w"]
+    assert [n for _, n, _ in up] == [164 * 64 * 2]
+    assert [n for _, n, _ in embed] == [4 * 2] * 97  # 4 bf16 columns of each of its 97 rows
+    assert {b[0] - a[0] for a, b in itertools.pairwise(embed)} == {64 * 2}  # one row apart
+    assert [n for _, n, _ in experts] == [2 * 6 * 8 * 2]
+    # Dims in the middle and at the end of a 3-D tensor: one range per index of the dims before.
+    inner = lease_of(lender.url, {"select": ["experts.w@1:2:5"]})["ranges"]["experts.w"]  # type: ignore[index]
+    last = lease_of(lender.url, {"select": ["experts.w@2:3:8"]})["ranges"]["experts.w"]  # type: ignore[index]
+    assert [r[1] for r in inner] == [3 * 8 * 2] * 4 and [r[1] for r in last] == [5 * 2] * 24
+    cuts = {**select, "experts.w@1:2:5": whole["experts.w"][:, 2:5], "experts.w@2:3:8": whole["experts.w"][..., 3:8]}
+    for cut, expected in cuts.items():
+        rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback", "--select", cut)
+        assert (rc, line) == (0, "ok 1"), cut
+        same(torch.load(tmp_path / "read.pt"), {cut.partition("@")[0]: expected.contiguous()})
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+
+
+def test_a_delta_read_moves_only_the_encoding_and_patches_the_version_held(nixl_installed: None,
+                                                                          tmp_path: Path) -> None:
+    from weightsvc.protocol.delta import encode
+
+    srv = ServeProcess("--nixl", "--retain", "2", "--rounding", "rtn")  # (same masters: the same served bits)
+    try:
+        learner = LearnerClient(srv.target)
+        first = make_masters(1)
+        learner.push(1, first, model=MODEL)
+        moved = {**first, "layers.0.mlp.up.weight": first["layers.0.mlp.up.weight"].clone()}
+        moved["layers.0.mlp.up.weight"][3, :5] += 1.0  # five elements of one tensor
+        learner.push(2, moved, model=MODEL)
+        with InferenceClient(srv.url) as c:
+            (m1, d1), (m2, d2) = c.pull_data(MODEL, 1), c.pull_data(MODEL, 2)
+        encoding = len(encode(m2, d2, d1))
+        assert encoding < m2.data_bytes // 10
+        rc, line = read(srv.target, tmp_path / "read.pt", "--no-fallback", "--base", "1", version="2")
+        assert (rc, line) == (0, "ok 2")
+        same(torch.load(tmp_path / "read.pt"), served(srv, 2))
+        m = metrics(srv)
+        assert m[f'weightsvc_nixl_read_bytes_total{{model="{MODEL}"}}'] == m1.data_bytes + encoding  # v1, the delta
+        # Tensors that do not hold the base they claim: patched, they fail their checksums, by name.
+        rc, line = read(srv.url, tmp_path / "bad.pt", "--no-fallback", "--base", "1", "--base-unread", version="2")
+        assert rc == 3 and line.startswith("error DATA_LOSS") and "checksum mismatch" in line, line
+        assert f"model '{MODEL}' version 2" in line and "tensor '" in line
+        assert not (tmp_path / "bad.pt").exists()
+        # A base no longer retained: no delta, the version is lent whole (and the zeros read over).
+        learner.push(3, first, model=MODEL)
+        rc, line = read(srv.url, tmp_path / "read.pt", "--no-fallback", "--base", "1", "--base-unread", version="3")
+        assert (rc, line) == (0, "ok 3")
+        same(torch.load(tmp_path / "read.pt"), served(srv, 3))
+        m = metrics(srv)
+        assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+    finally:
+        srv.stop()
 
 
 def test_a_lease_keeps_its_version_past_retention(lender: ServeProcess, tmp_path: Path) -> None:

@@ -345,9 +345,11 @@ class GrpcInferenceClient(InferenceClient):
 
     # ---- leases over NIXL ----------------------------------------------------------------------
 
-    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float,
+               base: int | None = None) -> Lease:
         request = pb.LeaseVersionRequest(model=model, version=version, lease_s=lease_s,
-                                         select=select_to_proto(select) if select is not None else ())
+                                         select=select_to_proto(select) if select is not None else (),
+                                         base="" if base is None else str(base))
         lease = lease_from_proto(self._call(self._stub.LeaseVersion, request), subject(model, version))
         self.limits.check(lease.manifest, model, version)
         return lease

@@ -6,6 +6,11 @@ manifest of what the reader asked for (the version's, or a selection's: the same
 of it) and, per tensor, the `MemoryRange`s its bytes lie in (`selection.byte_ranges`: one for a whole
 tensor or a range of rows). The reader READs them into its own memory, then releases the lease; a
 release after the lease expired is DEADLINE_EXCEEDED, and what was read is not to be used.
+
+A reader that holds an earlier version (`base`) may be lent the delta encoding against it instead (the
+bytes a delta pull over TCP would carry, encoded once per pair of versions): it READs the encoding and
+patches its tensors. A lease also lists the other servers that lend the same version (`sources`): a
+reader whose READ fails moves to the next.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from weightsvc.errors import DataLoss, Unavailable
@@ -40,7 +45,14 @@ class Lease:
     agent: bytes  # the source's NIXL agent metadata (it names the agent and its registered memory)
     memory: str  # "DRAM" or "VRAM"
     lease_s: float  # lent for this long from the answer
-    ranges: dict[str, list[MemoryRange]]  # per tensor of `manifest`, in its order
+    ranges: dict[str, list[MemoryRange]]  # per tensor of `manifest`, in its order (none for a delta)
+    base: int | None = None  # a delta read: the version the encoding in `delta` applies to
+    delta: list[MemoryRange] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # other servers that lend the version, in order
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(r.nbytes for r in self.delta)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +62,9 @@ class Lease:
             "memory": self.memory,
             "lease_s": self.lease_s,
             "ranges": {name: [list(r) for r in rs] for name, rs in self.ranges.items()},
+            "base": self.base,
+            "delta": [list(r) for r in self.delta],
+            "sources": self.sources,
         }
 
     @classmethod
@@ -63,6 +78,9 @@ class Lease:
                 memory=str(d["memory"]),
                 lease_s=float(d["lease_s"]),
                 ranges={str(name): [MemoryRange(*map(int, r)) for r in rs] for name, rs in d["ranges"].items()},
+                base=None if d.get("base") is None else int(d["base"]),
+                delta=[MemoryRange(*map(int, r)) for r in d.get("delta", ())],
+                sources=[str(s) for s in d.get("sources", ())],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DataLoss(f"{where}: the lease answered is not one: {type(e).__name__}: {e}") from None
@@ -72,10 +90,14 @@ def lease_to_proto(lease: Lease) -> pb.VersionLease:
     return pb.VersionLease(
         lease_id=lease.lease_id, manifest_json=lease.manifest.json((",", ":")), agent=lease.agent,
         memory=lease.memory, lease_s=lease.lease_s,
-        tensors=[pb.TensorRanges(tensor=name, ranges=[pb.MemoryRange(addr=r.addr, nbytes=r.nbytes, device=r.device)
-                                                       for r in rs])
+        tensors=[pb.TensorRanges(tensor=name, ranges=[_range_to_proto(r) for r in rs])
                  for name, rs in lease.ranges.items()],
+        base_version=lease.base, delta=[_range_to_proto(r) for r in lease.delta], sources=lease.sources,
     )
+
+
+def _range_to_proto(r: MemoryRange) -> pb.MemoryRange:
+    return pb.MemoryRange(addr=r.addr, nbytes=r.nbytes, device=r.device)
 
 
 def lease_from_proto(m: pb.VersionLease, where: str) -> Lease:
@@ -85,7 +107,9 @@ def lease_from_proto(m: pb.VersionLease, where: str) -> Lease:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise DataLoss(f"{where}: the lease answered carries no manifest: {type(e).__name__}: {e}") from None
     ranges = {t.tensor: [MemoryRange(r.addr, r.nbytes, r.device) for r in t.ranges] for t in m.tensors}
-    return Lease(m.lease_id, manifest, m.agent, m.memory, m.lease_s, ranges)
+    return Lease(m.lease_id, manifest, m.agent, m.memory, m.lease_s, ranges,
+                 base=m.base_version if m.HasField("base_version") else None,
+                 delta=[MemoryRange(r.addr, r.nbytes, r.device) for r in m.delta], sources=list(m.sources))
 
 
 def nixl_agent_class() -> Any:
