@@ -6,9 +6,11 @@ tensors it preallocates from the manifest, saved to OUT (torch.save) when the pu
 
 With --wait it prints `leased V S` once the server lent the version (S: the lease's seconds) and reads
 only after a line on stdin. With --die-mid-read it prints the same line, then kills itself (SIGKILL)
-as soon as its READ is posted, its lease still held. With --base it first reads version B whole into its
-tensors, then VERSION as a delta on it (with --base-unread it claims to hold B but holds zeros). Its last
-line is `ok V` or `error CODE MESSAGE`.
+as soon as its READ is posted, its lease still held. With --pause-mid-read it prints the same line,
+then `reading` once its first READ is posted, and waits for a line on stdin before it looks at it.
+With --base it first reads version B whole into its tensors, then VERSION as a delta on it (with
+--base-unread it claims to hold B but holds zeros). Its last line is `ok V` or `error CODE MESSAGE`;
+its log (stderr) says where it moved when a source failed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--wait", action="store_true")
     parser.add_argument("--no-fallback", action="store_true")
     parser.add_argument("--die-mid-read", action="store_true")
+    parser.add_argument("--pause-mid-read", action="store_true")
     parser.add_argument("--base", type=int, default=None)
     parser.add_argument("--base-unread", action="store_true")
     args = parser.parse_args()
@@ -49,7 +52,7 @@ def main() -> None:
     by_name = {t.name: t for t in manifest.tensors}
     tensors = {name: torch.zeros(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
                for name, cut in wanted.items()}
-    if args.wait or args.die_mid_read:
+    if args.wait or args.die_mid_read or args.pause_mid_read:
         lease = client._lease
 
         def lease_then_wait(*a: Any) -> Lease:
@@ -70,6 +73,20 @@ def main() -> None:
             return state
 
         agent.transfer = transfer_then_die
+    if args.pause_mid_read:
+        agent = nixl_agent_class()
+        transfer = agent.transfer
+        paused: list[bool] = []
+
+        def transfer_then_pause(self: Any, *a: Any) -> str:
+            state: str = transfer(self, *a)
+            if not paused:
+                paused.append(True)
+                print("reading", flush=True)
+                sys.stdin.readline()
+            return state
+
+        agent.transfer = transfer_then_pause
     try:
         if args.base is not None and not args.base_unread:
             client.pull_into(tensors, args.model, args.base, fallback=False)

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,10 +62,11 @@ def read(target: str, out: Path, *args: str, version: str = "latest") -> tuple[i
     return done.returncode, (lines[-1] if lines else done.stderr[-2000:])
 
 
-def reader(target: str, out: Path, *args: str, version: str = "latest") -> subprocess.Popen[str]:
-    """A reader that waits (`--wait`): it has its lease once it printed `leased V S`."""
-    return subprocess.Popen([*READER, target, MODEL, version, str(out), "--wait", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+def reader(target: str, out: Path, *args: str, version: str = "latest", wait: bool = True) -> subprocess.Popen[str]:
+    """A reader that waits (`--wait`): it has its lease once it printed `leased V S`. Its log (stderr)
+    comes back from `go_on`."""
+    return subprocess.Popen([*READER, target, MODEL, version, str(out), *(["--wait"] if wait else []), *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def leased(proc: subprocess.Popen[str]) -> float:
@@ -75,9 +77,11 @@ def leased(proc: subprocess.Popen[str]) -> float:
     return float(line[2])
 
 
-def go_on(proc: subprocess.Popen[str]) -> str:
-    """Let a waiting reader read; its last line."""
-    out, _ = proc.communicate("\n", timeout=120)
+def go_on(proc: subprocess.Popen[str], said: list[str] | None = None) -> str:
+    """Let a waiting reader read; its last line (its log added to `said`)."""
+    out, err = proc.communicate("\n", timeout=120)
+    if said is not None:
+        said.append(err)
     return out.strip().splitlines()[-1]
 
 
@@ -246,21 +250,106 @@ def test_a_reader_killed_mid_read_leaves_the_server_well_and_its_lease_ends_at_i
 ) -> None:
     learner = LearnerClient(lender.target)
     learner.push(1, make_masters(), model=MODEL)
+    data_bytes = served_bytes(lender)
+    holding = reader(lender.target, tmp_path / "held.pt", "--no-fallback", version="1")  # a lease that outlives it
+    leased(holding)
     proc = subprocess.Popen([*READER, lender.target, MODEL, "1", str(tmp_path / "dead.pt"), "--lease-s", "2",
                              "--die-mid-read"], stdout=subprocess.PIPE, text=True)
     lease_s = leased(proc)
     assert proc.wait(60) == -9  # killed itself once its READ was posted
-    assert metrics(lender)["weightsvc_nixl_leases"] == 1
+    assert metrics(lender)["weightsvc_nixl_leases"] == 2
     rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback")  # the server reads on meanwhile
     assert (rc, line) == (0, "ok 1")
     same(torch.load(tmp_path / "read.pt"), served(lender))
     time.sleep(lease_s)  # past the dead reader's deadline
     m = metrics(lender)
-    assert m["weightsvc_nixl_leases"] == 0 and m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
-    assert m["weightsvc_nixl_registered_bytes"] == 0 and m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
+    assert m["weightsvc_nixl_leases"] == 1 and m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
+    assert m["weightsvc_nixl_registered_bytes"] == data_bytes  # the other lease holds it registered
+    assert go_on(holding) == "ok 1"
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+    assert m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
     learner.push(2, make_masters(2), model=MODEL)  # version 1 goes: nothing holds it any more
     with InferenceClient(lender.url) as c:
         assert [v.version for v in c.versions(MODEL)] == [2]
+
+
+def served_bytes(srv: ServeProcess, version: int | str = "latest") -> int:
+    with InferenceClient(srv.url) as c:
+        return c.manifest(MODEL, version).data_bytes
+
+
+@pytest.fixture
+def two_sources(nixl_installed: None) -> Iterator[tuple[ServeProcess, ServeProcess]]:
+    """An upstream and a relay of it, both lending over NIXL, each naming the other as a source (the
+    relay's port is chosen first: the upstream names it before it listens)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    upstream = ServeProcess("--nixl", "--nixl-sources", f"127.0.0.1:{port}")
+    try:
+        relay = ServeProcess("--nixl", "--relay-from", upstream.target, "--grpc-port", str(port))
+    except BaseException:
+        upstream.stop()
+        raise
+    yield upstream, relay
+    for srv in (relay, upstream):
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_readers_read_from_two_sources_and_move_to_the_other_when_one_dies(
+    two_sources: tuple[ServeProcess, ServeProcess], tmp_path: Path
+) -> None:
+    upstream, relay = two_sources
+    LearnerClient(upstream.target).push(1, make_masters(), model=MODEL)
+    with InferenceClient(relay.target) as c:
+        assert next(c.watch(MODEL)).version == 1  # the relay holds it
+    expected = served(upstream)
+    # Four readers, two at each source: each reads from the one it asked.
+    readers = {i: reader(src.target, tmp_path / f"{i}.pt", "--no-fallback")
+               for i, src in enumerate((upstream, upstream, relay, relay))}
+    for proc in readers.values():
+        leased(proc)
+    assert [go_on(proc) for proc in readers.values()] == ["ok 1"] * 4
+    for i in readers:
+        same(torch.load(tmp_path / f"{i}.pt"), expected)
+    assert metrics(upstream)[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 2
+    assert metrics(relay)[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 2
+    # The relay dies while its two readers hold leases there: they move to the upstream, its lease names.
+    readers = {i: reader(src.target, tmp_path / f"moved-{i}.pt", "--no-fallback")
+               for i, src in enumerate((upstream, relay, relay))}
+    for proc in readers.values():
+        leased(proc)
+    relay.kill()
+    said: list[str] = []
+    assert [go_on(proc, said) for proc in readers.values()] == ["ok 1"] * 3
+    for i in readers:
+        same(torch.load(tmp_path / f"moved-{i}.pt"), expected)
+    assert [f"moving to {upstream.target}" in log for log in said] == [False, True, True], said
+    m = metrics(upstream)
+    assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 5
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+
+
+def test_a_server_killed_mid_read_fails_its_reader_cleanly_when_no_source_is_left(
+    two_sources: tuple[ServeProcess, ServeProcess], tmp_path: Path
+) -> None:
+    upstream, relay = two_sources
+    LearnerClient(upstream.target).push(1, make_masters(), model=MODEL)
+    relay.kill()  # the upstream's lease names it: tried next, it cannot lend either
+    readers = [reader(upstream.target, tmp_path / f"{i}.pt", "--pause-mid-read", *args, wait=False)
+               for i, args in enumerate((["--no-fallback"], []))]  # the second would fall back to TCP
+    for proc in readers:
+        leased(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+    upstream.kill()  # while both READs are posted
+    lines = [go_on(proc) for proc in readers]
+    assert [proc.returncode for proc in readers] == [3, 3], lines
+    assert lines[0].startswith("error UNAVAILABLE") and f"model '{MODEL}' version 1" in lines[0], lines
+    assert "no source could lend it over NIXL" in lines[0] and upstream.target in lines[0]
+    assert lines[1].startswith("error UNAVAILABLE"), lines  # and over TCP: the server is gone
+    assert not any((tmp_path / f"{i}.pt").exists() for i in range(2))  # nothing presented as a version
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
