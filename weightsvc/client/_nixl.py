@@ -20,6 +20,7 @@ be the one that is gone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -70,6 +71,7 @@ class Reader:
     def __init__(self) -> None:
         self.agent = nixl_agent_class()(f"weightsvc-reader-{os.getpid()}-{secrets.token_hex(4)}")
         self._lock = threading.Lock()
+        self._peer: tuple[bytes, str] | None = None  # (metadata, name) of the source last READ from
 
     def read(self, lease: Lease, into: Mapping[str, torch.Tensor], where: str) -> None:
         """READ every range of `lease` into the tensor of its name (or, for a delta, the encoding into
@@ -91,19 +93,36 @@ class Reader:
         destination = [into[name] for name, ranges in tensors.items() if ranges]
         deadline = time.monotonic() + lease.lease_s
         with self._lock:
-            try:
-                peer = self.agent.add_remote_agent(lease.agent)
-            except Exception as e:
-                raise Unavailable(f"{where}: the server's NIXL agent cannot be added: {type(e).__name__}: {e}"
-                                  ) from None
+            peer = self._peer_of(lease.agent, where)
             try:
                 registered = self.agent.register_memory(destination)
                 try:
                     self._transfer(local, remote, peer, _memory(destination[0]), lease.memory, deadline, where)
                 finally:
                     self.agent.deregister_memory(registered)
-            finally:
-                self.agent.remove_remote_agent(peer)  # (its metadata names what was registered then: new next time)
+            except BaseException:
+                self._forget_peer()  # (gone, perhaps: added again next time)
+                raise
+
+    def _peer_of(self, metadata: bytes, where: str) -> str:
+        """The source's agent, added from its metadata, or kept from the last READ when its metadata is
+        the same: the same agent with the same memory registered, and a connection already made."""
+        if self._peer is not None and self._peer[0] == metadata:
+            return self._peer[1]
+        self._forget_peer()
+        try:
+            peer: str = self.agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise Unavailable(f"{where}: the server's NIXL agent cannot be added: {type(e).__name__}: {e}") from None
+        self._peer = (metadata, peer)
+        return peer
+
+    def _forget_peer(self) -> None:
+        if self._peer is not None:
+            _, peer = self._peer
+            self._peer = None
+            with contextlib.suppress(Exception):  # (a source that went away may be gone from the agent already)
+                self.agent.remove_remote_agent(peer)
 
     def _transfer(self, local: list[Descriptor], remote: list[Descriptor], peer: Any, local_memory: str,
                   remote_memory: str, deadline: float, where: str) -> None:

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weightsvc.errors import FailedPrecondition, subject
-from weightsvc.protocol.manifest import Manifest, Slice
+from weightsvc.protocol.manifest import Manifest, ServedTensor, Slice
 from weightsvc.protocol.parts import Segment, held_span
-from weightsvc.protocol.selection import byte_ranges, chosen, owner_of
+from weightsvc.protocol.selection import byte_ranges, owner_of, picked
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ class Version:
     segments: tuple[Segment, ...] = ()
     # With a data dir: the file `data` maps (its data section is `data`, this replica's bytes).
     file: VersionFile | None = None
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, ServedTensor]:
+        """The version's tensors by name (a lease of many looks each up)."""
+        return {t.name: t for t in self.manifest.tensors}
 
     @property
     def spans(self) -> tuple[Segment, ...]:
@@ -143,7 +148,7 @@ class Version:
         INVALID_ARGUMENT for a tensor the version lacks or a slice outside it, as a selection words it;
         FAILED_PRECONDITION for a tensor that other replicas hold (a sharded replica holds its part)."""
         m = self.manifest
-        ((t, cut),) = chosen(m, {name: cut})
+        t = picked(m, self.by_name, name, cut)
         held = self.span(t.offset, t.offset + t.nbytes)
         if held is None:
             raise FailedPrecondition(

@@ -226,7 +226,7 @@ class Service:
         return self.lender
 
     async def _open_lent(self, model: str, version: int | None, select: Select | None, base: int | None) -> Pull:
-        return await self.pulls.open(model, version, "nixl", select=select, base=base)
+        return await self.pulls.open(model, version, "nixl", select=select, base=base, in_place=True)
 
     def manifest(self, model: str, version: int | None) -> Manifest:
         """The manifest of a retained version (None: the latest)."""
