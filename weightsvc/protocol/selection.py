@@ -77,11 +77,10 @@ def picked(manifest: Manifest, by_name: Mapping[str, ServedTensor], name: str, c
     """The tensor `name` of the version (`by_name`: its tensors by name), checked to have the slice `cut`
     (INVALID_ARGUMENT as `chosen` words it)."""
     t = by_name.get(name)
-    where = subject(manifest.model, manifest.version)
     if t is None:
-        raise InvalidArgument(f"{where} has no tensor {name!r} to select")
+        raise InvalidArgument(f"{subject(manifest.model, manifest.version)} has no tensor {name!r} to select")
     if cut is not None:
-        what = f"{where}: tensor {name!r} of shape {list(t.shape)}"
+        what = f"{subject(manifest.model, manifest.version)}: tensor {name!r} of shape {list(t.shape)}"
         if not 0 <= cut.dim < len(t.shape):
             dims = f"dims 0 to {len(t.shape) - 1}" if t.shape else "no dims: select it whole"
             raise InvalidArgument(f"{what} has no dim {cut.dim} ({dims})")

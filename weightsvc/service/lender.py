@@ -38,6 +38,7 @@ from weightsvc.protocol.fabric import Lease, MemoryRange, nixl_agent_class
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.service.pull import Pull
+from weightsvc.service.record import Version
 from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.nixl")
@@ -70,6 +71,7 @@ class _Lent:
     pull: Pull
     nbytes: int
     memory: Memory  # what the lease holds registered
+    lease: Lease | None = None  # as answered
     timer: asyncio.TimerHandle | None = None
 
 
@@ -113,9 +115,7 @@ class Lender:
                 delta = [MemoryRange(address(pull.body), len(pull.body), 0)] if len(pull.body) else []
                 memory = (address(pull.body), len(pull.body))
             else:
-                ranges = {t.name: [MemoryRange(address(p), len(p), 0)
-                                   for p in pull.pieces(t.name, t.slice) if isinstance(p, memoryview)]
-                          for t in m.tensors}
+                ranges = await asyncio.to_thread(lent_ranges, pull.version, m)  # (100,000 tensors: 0.2 s)
                 delta = []
                 memory = (address(pull.version.data), len(pull.version.data))
             await self._register(memory, m)
@@ -131,8 +131,17 @@ class Lender:
         self.metrics.nixl_leases.set(len(self._leases))
         if self._metadata is None:
             self._metadata = self.agent.get_agent_metadata()
-        return Lease(lease_id, m, self._metadata, "DRAM", lease_s, ranges, base=pull.base, delta=delta,
-                     sources=self.sources)
+        held.lease = Lease(lease_id, m, self._metadata, "DRAM", lease_s, ranges, base=pull.base, delta=delta,
+                           sources=self.sources)
+        return held.lease
+
+    def lent(self, lease_id: str) -> Lease:
+        """The lease `lease_id` as it was answered, while it is held (NOT_FOUND after)."""
+        held = self._leases.get(lease_id)
+        if held is None or held.lease is None:
+            raise NotFound("no NIXL lease of that id is held here (never lent, expired, or already released)",
+                           reason="unknown_lease")
+        return held.lease
 
     def release(self, lease_id: str) -> None:
         """The reader is done: its lease ends, and what it read counts. DEADLINE_EXCEEDED when the lease
@@ -219,6 +228,17 @@ class Lender:
             self.metrics.nixl_registered_bytes.inc(nbytes)
             pending.set_result(None)
         reg.leases += 1
+
+
+def lent_ranges(version: Version, m: Manifest) -> dict[str, list[MemoryRange]]:
+    """Where each tensor of `m` (the version's, or a selection's: each tensor's slice) lies in the
+    version's memory (`Version.ranges`), as addresses. Blocking at many tensors: run it in a thread."""
+    at = address(version.data)
+    spans = version.spans
+    whole = len(spans) == 1 and spans[0].start == 0  # (all of the data section: byte o at data[o])
+    if whole and m is version.manifest:
+        return {t.name: [MemoryRange(at + t.offset, t.nbytes, 0)] if t.nbytes else [] for t in m.tensors}
+    return {t.name: [MemoryRange(at + o, n, 0) for o, n in version.ranges(t.name, t.slice)] for t in m.tensors}
 
 
 def lent_sources(settings: Settings) -> list[str]:

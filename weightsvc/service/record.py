@@ -147,6 +147,13 @@ class Version:
 
         INVALID_ARGUMENT for a tensor the version lacks or a slice outside it, as a selection words it;
         FAILED_PRECONDITION for a tensor that other replicas hold (a sharded replica holds its part)."""
+        if zero_copy and self.file is not None:
+            at = self.file.data_start
+            return [FileRange(self.file.file, at + o, n) for o, n in self.ranges(name, cut)]
+        return [self.data[o : o + n] for o, n in self.ranges(name, cut)]
+
+    def ranges(self, name: str, cut: Slice | None = None) -> list[tuple[int, int]]:
+        """`pieces` as (offset in `data`, nbytes) ranges (their errors too)."""
         m = self.manifest
         t = picked(m, self.by_name, name, cut)
         held = self.span(t.offset, t.offset + t.nbytes)
@@ -156,8 +163,4 @@ class Version:
                 "by this one: read its bytes from its owners (the InferenceClient does)"
             )
         skip = held.start - held.local  # byte o of the data section is data[o - skip]
-        ranges = byte_ranges(t, cut)
-        if zero_copy and self.file is not None:
-            at = self.file.data_start - skip
-            return [FileRange(self.file.file, at + o, n) for o, n in ranges]
-        return [self.data[o - skip : o - skip + n] for o, n in ranges]
+        return [(o - skip, n) for o, n in byte_ranges(t, cut)]

@@ -215,6 +215,10 @@ class Service:
         delta encoding against it lies, when there is one (`Lender.lease`)."""
         return await self._lender().lease(model, version, select, lease_s, base)
 
+    def lent(self, lease_id: str) -> Lease:
+        """A lease held now (NOT_FOUND if none of that id is)."""
+        return self._lender().lent(lease_id)
+
     def release_lease(self, lease_id: str) -> None:
         """A reader is done with its lease (DEADLINE_EXCEEDED when it expired first: `Lender.release`)."""
         self._lender().release(lease_id)
