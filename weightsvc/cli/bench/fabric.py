@@ -275,6 +275,101 @@ def _bare_quarter(meta: str, layout: str, index: int, count: int) -> None:
         print(time.perf_counter() - start, flush=True)
 
 
+def vram_bench(*, size_mib: int, repeat: int) -> dict[str, Any]:
+    """On a CUDA machine (scripts/gpu_check.sh): a NIXL READ from VRAM to VRAM between two processes on
+    one GPU, its bytes compared with the source's, against a device copy of as many bytes in one
+    process; and `pull_into` of a `serve --nixl` version into tensors on the GPU (READ into VRAM,
+    checksums on host copies), compared with a pull over TCP."""
+    import torch
+
+    from weightsvc.cli.bench._common import make_model
+    from weightsvc.client import InferenceClient, LearnerClient
+    from weightsvc.client._tensors import TORCH_DTYPES
+
+    nbytes = size_mib << 20
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+
+    def copy() -> None:
+        dst.copy_(src)
+        torch.cuda.synchronize()
+
+    copy_s = _best(repeat, copy)
+    with tempfile.TemporaryDirectory() as tmp:
+        meta = Path(tmp) / "source"
+        source = subprocess.Popen([sys.executable, "-m", __name__, "vram-source", str(nbytes), str(meta)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert source.stdout is not None
+            source.stdout.readline()
+            read_s = _reader(["vram-read", str(meta), str(repeat)])
+        finally:
+            source.communicate("", timeout=60)
+    server = serve(1, "--nixl")
+    try:
+        LearnerClient(server.target).push(1, make_model(2 * min(size_mib, 256)))
+        with InferenceClient(server.target) as client:
+            m = client.manifest()
+            into = {t.name: torch.empty(t.shape, dtype=TORCH_DTYPES[t.dtype], device="cuda") for t in m.tensors}
+            client.pull_into(into, fallback=False)
+            pulled = client.pull()
+            same = all(torch.equal(into[n].cpu().view(torch.uint8), t.view(torch.uint8)) for n, t in pulled.items())
+    finally:
+        server.stop()
+    return {"nixl_vram_read_vs_device_copy": round(copy_s / read_s, 3),
+            "nixl_vram_read_gbps": round(nbytes / read_s / 1e9, 2), "device_copy_gbps": round(nbytes / copy_s / 1e9, 2),
+            "pull_into_vram_bits_equal": same}
+
+
+def _vram_source(nbytes: int, meta: str) -> None:
+    import torch
+
+    from weightsvc.protocol.fabric import nixl_agent_class
+
+    agent = nixl_agent_class()("bench-vram-source")
+    gen = torch.Generator().manual_seed(0)
+    buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).cuda()
+    agent.register_memory([buffer])
+    Path(meta).write_bytes(buffer.data_ptr().to_bytes(8, "little") + nbytes.to_bytes(8, "little")
+                           + torch.cuda.current_device().to_bytes(8, "little") + agent.get_agent_metadata())
+    print("ready", flush=True)
+    sys.stdin.read()
+
+
+def _vram_read(meta: str, repeat: int) -> None:
+    """READs into VRAM (`ready`, then on a line of stdin the best of REPEAT in seconds); fails unless the
+    bytes are the source's (the same generator's)."""
+    import torch
+
+    from weightsvc.protocol.fabric import nixl_agent_class
+
+    agent = nixl_agent_class()("bench-vram-read")
+    raw = Path(meta).read_bytes()
+    addr, nbytes, device = (int.from_bytes(raw[i : i + 8], "little") for i in (0, 8, 16))
+    peer = agent.add_remote_agent(raw[24:])
+    into = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    agent.register_memory([into])
+    local = agent.get_xfer_descs([into])
+    remote = agent.get_xfer_descs([(addr, nbytes, device)], "VRAM")
+
+    def once() -> None:
+        handle = agent.initialize_xfer("READ", local, remote, peer)
+        state = agent.transfer(handle)
+        while state == "PROC":
+            state = agent.check_xfer_state(handle)
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"VRAM READ: {state}")
+
+    once()
+    gen = torch.Generator().manual_seed(0)
+    if not torch.equal(into.cpu(), torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)):
+        raise RuntimeError("the VRAM READ brought other bytes than the source's")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(_best(repeat, once), flush=True)
+
+
 def _reader(args: list[str]) -> float:
     proc = subprocess.Popen([sys.executable, "-m", __name__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
@@ -363,6 +458,10 @@ if __name__ == "__main__":
         _bare(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "quarter":
         _quarter(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1] == "vram-source":
+        _vram_source(int(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "vram-read":
+        _vram_read(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "bare-quarter":
         _bare_quarter(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     else:
