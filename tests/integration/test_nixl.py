@@ -476,3 +476,29 @@ def test_leases_taken_at_once_share_one_registration_until_the_last_ends() -> No
         m = metrics_of(srv.http_url)
         assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
         assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 8
+
+
+@pytest.mark.usefixtures("nixl_installed")
+def test_a_lease_bigger_than_a_grpc_message_comes_in_pieces() -> None:
+    # 12,000 tensors of long names: the lease (manifest and ranges) is over the 8 MiB a gRPC message takes.
+    from weightsvc.protocol.fabric import lease_to_proto
+
+    names = [f"model.layers.{i}." + "very_long_module_name." * 12 + "weight" for i in range(16_000)]
+    with serving(nixl=True) as srv:
+        LearnerClient(srv.grpc_target).push(1, dict(zip(names, torch.randn(len(names), 4).unbind(0), strict=True)),
+                                            model=MODEL)
+        with InferenceClient(srv.grpc_target) as grpc_client:
+            lent = grpc_client._lease(MODEL, "1", None, 60.0)
+            assert srv.service.lender is not None and len(srv.service.lender) == 1
+            whole = grpc_client.manifest(MODEL, 1)
+            assert lent.manifest == whole and len(lent.ranges) == len(names)
+            held = srv.service.lent(lent.lease_id)
+            assert lent.ranges == held.ranges  # every piece, in order
+            sizes, got = [], 0
+            while got < len(names):  # the pieces the client asked for
+                piece = lease_to_proto(held, got)
+                sizes.append(piece.ByteSize())
+                got += len(piece.manifest.tensors)
+            assert len(sizes) > 2 and max(sizes) < 8 << 20 < sum(sizes), sizes
+            grpc_client._release(lent.lease_id)
+        assert len(srv.service.lender) == 0
