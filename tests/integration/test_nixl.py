@@ -251,7 +251,8 @@ def test_a_reader_killed_mid_read_leaves_the_server_well_and_its_lease_ends_at_i
     learner = LearnerClient(lender.target)
     learner.push(1, make_masters(), model=MODEL)
     data_bytes = served_bytes(lender)
-    holding = reader(lender.target, tmp_path / "held.pt", "--no-fallback", version="1")  # a lease that outlives it
+    # A lease that outlives the dead one: the longest the server lends (the machine may be slow to get there).
+    holding = reader(lender.target, tmp_path / "held.pt", "--no-fallback", "--lease-s", "300", version="1")
     leased(holding)
     proc = subprocess.Popen([*READER, lender.target, MODEL, "1", str(tmp_path / "dead.pt"), "--lease-s", "2",
                              "--die-mid-read"], stdout=subprocess.PIPE, text=True)
