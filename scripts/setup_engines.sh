@@ -27,7 +27,7 @@ if ! [ -x "$VENV/bin/python" ] || ! [ -f "$VENV/.ready" ] || [ "${WEIGHTSVC_ENGI
 fi
 # This checkout, editable, every time (a few seconds): the venv is shared by checkouts. (setuptools
 # warns on every editable install; its output is shown only if the install fails.)
-if ! out=$("$VENV/bin/python" -m pip install -q -e '.[dev,peft]' 2>&1); then
+if ! out=$("$VENV/bin/python" -m pip install -q -e '.[dev,peft,nixl]' 2>&1); then
   echo "$out" >&2
   exit 1
 fi

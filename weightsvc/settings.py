@@ -169,6 +169,11 @@ class Settings(BaseSettings):
         "this long at most.",
     )
     max_leases: int = Field(1024, ge=1, description="NIXL leases held at once.")
+    nixl_sources: str = Field(
+        "", description="Other servers that lend the same versions over NIXL (relays: gRPC HOST:PORT or http(s) "
+        "URLs, comma-separated), named in every lease: a reader whose READ fails here moves to them. A relay "
+        "names its upstream too.",
+    )
     log_level: str = Field("info", description="debug, info, warning or error.")
 
     @model_validator(mode="after")

@@ -2,11 +2,15 @@
 tensors it preallocates from the manifest, saved to OUT (torch.save) when the pull succeeds.
 
     python -m tests.integration.nixl_reader TARGET MODEL VERSION OUT [--select NAME@DIM:START:STOP ...]
-        [--lease-s S] [--wait] [--no-fallback]
+        [--lease-s S] [--wait] [--no-fallback] [--base B [--base-unread]]
 
 With --wait it prints `leased V S` once the server lent the version (S: the lease's seconds) and reads
 only after a line on stdin. With --die-mid-read it prints the same line, then kills itself (SIGKILL)
-as soon as its READ is posted, its lease still held. Its last line is `ok V` or `error CODE MESSAGE`.
+as soon as its READ is posted, its lease still held. With --pause-mid-read it prints the same line,
+then `reading` once its first READ is posted, and waits for a line on stdin before it looks at it.
+With --base it first reads version B whole into its tensors, then VERSION as a delta on it (with
+--base-unread it claims to hold B but holds zeros). Its last line is `ok V` or `error CODE MESSAGE`;
+its log (stderr) says where it moved when a source failed.
 """
 
 from __future__ import annotations
@@ -37,15 +41,18 @@ def main() -> None:
     parser.add_argument("--wait", action="store_true")
     parser.add_argument("--no-fallback", action="store_true")
     parser.add_argument("--die-mid-read", action="store_true")
+    parser.add_argument("--pause-mid-read", action="store_true")
+    parser.add_argument("--base", type=int, default=None)
+    parser.add_argument("--base-unread", action="store_true")
     args = parser.parse_args()
     client = InferenceClient(args.target)
     select = selection(map(parse_selector, args.select)) if args.select else None
     manifest = client.manifest(args.model, args.version)
     wanted = select if select is not None else {t.name: None for t in manifest.tensors}
     by_name = {t.name: t for t in manifest.tensors}
-    tensors = {name: torch.empty(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
+    tensors = {name: torch.zeros(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
                for name, cut in wanted.items()}
-    if args.wait or args.die_mid_read:
+    if args.wait or args.die_mid_read or args.pause_mid_read:
         lease = client._lease
 
         def lease_then_wait(*a: Any) -> Lease:
@@ -66,9 +73,25 @@ def main() -> None:
             return state
 
         agent.transfer = transfer_then_die
+    if args.pause_mid_read:
+        agent = nixl_agent_class()
+        transfer = agent.transfer
+        paused: list[bool] = []
+
+        def transfer_then_pause(self: Any, *a: Any) -> str:
+            state: str = transfer(self, *a)
+            if not paused:
+                paused.append(True)
+                print("reading", flush=True)
+                sys.stdin.readline()
+            return state
+
+        agent.transfer = transfer_then_pause
     try:
-        got = client.pull_into(tensors, args.model, manifest.version, select=select, fallback=not args.no_fallback,
-                               lease_s=args.lease_s)
+        if args.base is not None and not args.base_unread:
+            client.pull_into(tensors, args.model, args.base, fallback=False)
+        got = client.pull_into(tensors, args.model, manifest.version, select=select, base=args.base,
+                               fallback=not args.no_fallback, lease_s=args.lease_s)
     except WeightsvcError as e:
         print(f"error {e.grpc_code} {e.message}", flush=True)
         sys.exit(3)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import http.client
+import itertools
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -60,10 +62,11 @@ def read(target: str, out: Path, *args: str, version: str = "latest") -> tuple[i
     return done.returncode, (lines[-1] if lines else done.stderr[-2000:])
 
 
-def reader(target: str, out: Path, *args: str, version: str = "latest") -> subprocess.Popen[str]:
-    """A reader that waits (`--wait`): it has its lease once it printed `leased V S`."""
-    return subprocess.Popen([*READER, target, MODEL, version, str(out), "--wait", *args], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+def reader(target: str, out: Path, *args: str, version: str = "latest", wait: bool = True) -> subprocess.Popen[str]:
+    """A reader that waits (`--wait`): it has its lease once it printed `leased V S`. Its log (stderr)
+    comes back from `go_on`."""
+    return subprocess.Popen([*READER, target, MODEL, version, str(out), *(["--wait"] if wait else []), *args],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def leased(proc: subprocess.Popen[str]) -> float:
@@ -74,9 +77,11 @@ def leased(proc: subprocess.Popen[str]) -> float:
     return float(line[2])
 
 
-def go_on(proc: subprocess.Popen[str]) -> str:
-    """Let a waiting reader read; its last line."""
-    out, _ = proc.communicate("\n", timeout=120)
+def go_on(proc: subprocess.Popen[str], said: list[str] | None = None) -> str:
+    """Let a waiting reader read; its last line (its log added to `said`)."""
+    out, err = proc.communicate("\n", timeout=120)
+    if said is not None:
+        said.append(err)
     return out.strip().splitlines()[-1]
 
 
@@ -137,6 +142,80 @@ def test_a_sliced_read_brings_exactly_the_rows_and_columns_asked_for(lender: Ser
                "embed.weight": whole["embed.weight"][:, 5:9].contiguous(), "lm_head.bias": whole["lm_head.bias"]})
 
 
+def lease_of(url: str, body: dict[str, object], version: int | str = "latest") -> dict[str, object]:
+    """A lease answered over HTTP, released at once (its ranges are what a test looks at)."""
+    status, text = _request(url, "POST", f"/v1/models/{MODEL}/versions/{version}/lease", body)
+    assert status == 200, text
+    lent: dict[str, object] = json.loads(text)
+    assert _request(url, "DELETE", f"/v1/leases/{lent['lease_id']}")[0] == 204
+    return lent
+
+
+def test_each_slice_is_read_through_as_few_descriptors_as_its_layout_allows(lender: ServeProcess,
+                                                                          tmp_path: Path) -> None:
+    masters = {**make_masters(), "experts.w": torch.randn(4, 6, 8)}
+    LearnerClient(lender.target).push(1, masters, model=MODEL)
+    whole = served(lender)
+    select = {"layers.0.mlp.up.weight@0:37:201": whole["layers.0.mlp.up.weight"][37:201],  # rows: one range
+              "embed.weight@1:5:9": whole["embed.weight"][:, 5:9],  # columns: one range per row
+              "experts.w@0:1:3": whole["experts.w"][1:3]}  # a range of dim 0: one range
+    lent = lease_of(lender.url, {"select": list(select)})
+    ranges = {name: [tuple(r) for r in rs] for name, rs in lent["ranges"].items()}  # type: ignore[attr-defined]
+    up, embed, experts = ranges["layers.0.mlp.up.weight"], ranges["embed.weight"], ranges["experts.w"]
+    assert [n for _, n, _ in up] == [164 * 64 * 2]
+    assert [n for _, n, _ in embed] == [4 * 2] * 97  # 4 bf16 columns of each of its 97 rows
+    assert {b[0] - a[0] for a, b in itertools.pairwise(embed)} == {64 * 2}  # one row apart
+    assert [n for _, n, _ in experts] == [2 * 6 * 8 * 2]
+    # Dims in the middle and at the end of a 3-D tensor: one range per index of the dims before.
+    inner = lease_of(lender.url, {"select": ["experts.w@1:2:5"]})["ranges"]["experts.w"]  # type: ignore[index]
+    last = lease_of(lender.url, {"select": ["experts.w@2:3:8"]})["ranges"]["experts.w"]  # type: ignore[index]
+    assert [r[1] for r in inner] == [3 * 8 * 2] * 4 and [r[1] for r in last] == [5 * 2] * 24
+    cuts = {**select, "experts.w@1:2:5": whole["experts.w"][:, 2:5], "experts.w@2:3:8": whole["experts.w"][..., 3:8]}
+    for cut, expected in cuts.items():
+        rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback", "--select", cut)
+        assert (rc, line) == (0, "ok 1"), cut
+        same(torch.load(tmp_path / "read.pt"), {cut.partition("@")[0]: expected.contiguous()})
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+
+
+def test_a_delta_read_moves_only_the_encoding_and_patches_the_version_held(nixl_installed: None,
+                                                                          tmp_path: Path) -> None:
+    from weightsvc.protocol.delta import encode
+
+    srv = ServeProcess("--nixl", "--retain", "2", "--rounding", "rtn")  # (same masters: the same served bits)
+    try:
+        learner = LearnerClient(srv.target)
+        first = make_masters(1)
+        learner.push(1, first, model=MODEL)
+        moved = {**first, "layers.0.mlp.up.weight": first["layers.0.mlp.up.weight"].clone()}
+        moved["layers.0.mlp.up.weight"][3, :5] += 1.0  # five elements of one tensor
+        learner.push(2, moved, model=MODEL)
+        with InferenceClient(srv.url) as c:
+            (m1, d1), (m2, d2) = c.pull_data(MODEL, 1), c.pull_data(MODEL, 2)
+        encoding = len(encode(m2, d2, d1))
+        assert encoding < m2.data_bytes // 10
+        rc, line = read(srv.target, tmp_path / "read.pt", "--no-fallback", "--base", "1", version="2")
+        assert (rc, line) == (0, "ok 2")
+        same(torch.load(tmp_path / "read.pt"), served(srv, 2))
+        m = metrics(srv)
+        assert m[f'weightsvc_nixl_read_bytes_total{{model="{MODEL}"}}'] == m1.data_bytes + encoding  # v1, the delta
+        # Tensors that do not hold the base they claim: patched, they fail their checksums, by name.
+        rc, line = read(srv.url, tmp_path / "bad.pt", "--no-fallback", "--base", "1", "--base-unread", version="2")
+        assert rc == 3 and line.startswith("error DATA_LOSS") and "checksum mismatch" in line, line
+        assert f"model '{MODEL}' version 2" in line and "tensor '" in line
+        assert not (tmp_path / "bad.pt").exists()
+        # A base no longer retained: no delta, the version is lent whole (and the zeros read over).
+        learner.push(3, first, model=MODEL)
+        rc, line = read(srv.url, tmp_path / "read.pt", "--no-fallback", "--base", "1", "--base-unread", version="3")
+        assert (rc, line) == (0, "ok 3")
+        same(torch.load(tmp_path / "read.pt"), served(srv, 3))
+        m = metrics(srv)
+        assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+    finally:
+        srv.stop()
+
+
 def test_a_lease_keeps_its_version_past_retention(lender: ServeProcess, tmp_path: Path) -> None:
     learner = LearnerClient(lender.target)
     learner.push(1, make_masters(1), model=MODEL)
@@ -171,21 +250,107 @@ def test_a_reader_killed_mid_read_leaves_the_server_well_and_its_lease_ends_at_i
 ) -> None:
     learner = LearnerClient(lender.target)
     learner.push(1, make_masters(), model=MODEL)
+    data_bytes = served_bytes(lender)
+    # A lease that outlives the dead one: the longest the server lends (the machine may be slow to get there).
+    holding = reader(lender.target, tmp_path / "held.pt", "--no-fallback", "--lease-s", "300", version="1")
+    leased(holding)
     proc = subprocess.Popen([*READER, lender.target, MODEL, "1", str(tmp_path / "dead.pt"), "--lease-s", "2",
                              "--die-mid-read"], stdout=subprocess.PIPE, text=True)
     lease_s = leased(proc)
     assert proc.wait(60) == -9  # killed itself once its READ was posted
-    assert metrics(lender)["weightsvc_nixl_leases"] == 1
+    assert metrics(lender)["weightsvc_nixl_leases"] == 2
     rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback")  # the server reads on meanwhile
     assert (rc, line) == (0, "ok 1")
     same(torch.load(tmp_path / "read.pt"), served(lender))
     time.sleep(lease_s)  # past the dead reader's deadline
     m = metrics(lender)
-    assert m["weightsvc_nixl_leases"] == 0 and m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
-    assert m["weightsvc_nixl_registered_bytes"] == 0 and m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
+    assert m["weightsvc_nixl_leases"] == 1 and m['weightsvc_nixl_failures_total{reason="expired"}'] == 1
+    assert m["weightsvc_nixl_registered_bytes"] == data_bytes  # the other lease holds it registered
+    assert go_on(holding) == "ok 1"
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+    assert m['weightsvc_pulls_in_flight{transport="nixl"}'] == 0
     learner.push(2, make_masters(2), model=MODEL)  # version 1 goes: nothing holds it any more
     with InferenceClient(lender.url) as c:
         assert [v.version for v in c.versions(MODEL)] == [2]
+
+
+def served_bytes(srv: ServeProcess, version: int | str = "latest") -> int:
+    with InferenceClient(srv.url) as c:
+        return c.manifest(MODEL, version).data_bytes
+
+
+@pytest.fixture
+def two_sources(nixl_installed: None) -> Iterator[tuple[ServeProcess, ServeProcess]]:
+    """An upstream and a relay of it, both lending over NIXL, each naming the other as a source (the
+    relay's port is chosen first: the upstream names it before it listens)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    upstream = ServeProcess("--nixl", "--nixl-sources", f"127.0.0.1:{port}")
+    try:
+        relay = ServeProcess("--nixl", "--relay-from", upstream.target, "--grpc-port", str(port))
+    except BaseException:
+        upstream.stop()
+        raise
+    yield upstream, relay
+    for srv in (relay, upstream):
+        if srv.proc.poll() is None:
+            srv.stop()
+
+
+def test_readers_read_from_two_sources_and_move_to_the_other_when_one_dies(
+    two_sources: tuple[ServeProcess, ServeProcess], tmp_path: Path
+) -> None:
+    upstream, relay = two_sources
+    LearnerClient(upstream.target).push(1, make_masters(), model=MODEL)
+    with InferenceClient(relay.target) as c:
+        assert next(c.watch(MODEL)).version == 1  # the relay holds it
+    expected = served(upstream)
+    # Four readers, two at each source: each reads from the one it asked.
+    readers = {i: reader(src.target, tmp_path / f"{i}.pt", "--no-fallback")
+               for i, src in enumerate((upstream, upstream, relay, relay))}
+    for proc in readers.values():
+        leased(proc)
+    assert [go_on(proc) for proc in readers.values()] == ["ok 1"] * 4
+    for i in readers:
+        same(torch.load(tmp_path / f"{i}.pt"), expected)
+    assert metrics(upstream)[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 2
+    assert metrics(relay)[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 2
+    # The relay dies while its two readers hold leases there: they move to the upstream, its lease names.
+    readers = {i: reader(src.target, tmp_path / f"moved-{i}.pt", "--no-fallback")
+               for i, src in enumerate((upstream, relay, relay))}
+    for proc in readers.values():
+        leased(proc)
+    relay.kill()
+    said: list[str] = []
+    assert [go_on(proc, said) for proc in readers.values()] == ["ok 1"] * 3
+    for i in readers:
+        same(torch.load(tmp_path / f"moved-{i}.pt"), expected)
+    assert [f"moving to {upstream.target}" in log for log in said] == [False, True, True], said
+    m = metrics(upstream)
+    assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 5
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+
+
+def test_a_server_killed_mid_read_fails_its_reader_cleanly_when_no_source_is_left(
+    two_sources: tuple[ServeProcess, ServeProcess], tmp_path: Path
+) -> None:
+    upstream, relay = two_sources
+    LearnerClient(upstream.target).push(1, make_masters(), model=MODEL)
+    relay.kill()  # the upstream's lease names it: tried next, it cannot lend either
+    readers = [reader(upstream.target, tmp_path / f"{i}.pt", "--pause-mid-read", *args, wait=False)
+               for i, args in enumerate((["--no-fallback"], []))]  # the second would fall back to TCP
+    for proc in readers:
+        leased(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "reading"
+    upstream.kill()  # while both READs are posted
+    lines = [go_on(proc) for proc in readers]
+    assert [proc.returncode for proc in readers] == [3, 3], lines
+    assert lines[0].startswith("error UNAVAILABLE") and f"model '{MODEL}' version 1" in lines[0], lines
+    assert "no source could lend it over NIXL" in lines[0] and upstream.target in lines[0]
+    assert lines[1].startswith("error UNAVAILABLE"), lines  # and over TCP: the server is gone
+    assert not any((tmp_path / f"{i}.pt").exists() for i in range(2))  # nothing presented as a version
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
@@ -312,3 +477,29 @@ def test_leases_taken_at_once_share_one_registration_until_the_last_ends() -> No
         m = metrics_of(srv.http_url)
         assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
         assert m[f'weightsvc_nixl_reads_total{{model="{MODEL}"}}'] == 8
+
+
+@pytest.mark.usefixtures("nixl_installed")
+def test_a_lease_bigger_than_a_grpc_message_comes_in_pieces() -> None:
+    # 12,000 tensors of long names: the lease (manifest and ranges) is over the 8 MiB a gRPC message takes.
+    from weightsvc.protocol.fabric import lease_to_proto
+
+    names = [f"model.layers.{i}." + "very_long_module_name." * 12 + "weight" for i in range(16_000)]
+    with serving(nixl=True) as srv:
+        LearnerClient(srv.grpc_target).push(1, dict(zip(names, torch.randn(len(names), 4).unbind(0), strict=True)),
+                                            model=MODEL)
+        with InferenceClient(srv.grpc_target) as grpc_client:
+            lent = grpc_client._lease(MODEL, "1", None, 60.0)
+            assert srv.service.lender is not None and len(srv.service.lender) == 1
+            whole = grpc_client.manifest(MODEL, 1)
+            assert lent.manifest == whole and len(lent.ranges) == len(names)
+            held = srv.service.lent(lent.lease_id)
+            assert lent.ranges == held.ranges  # every piece, in order
+            sizes, got = [], 0
+            while got < len(names):  # the pieces the client asked for
+                piece = lease_to_proto(held, got)
+                sizes.append(piece.ByteSize())
+                got += len(piece.manifest.tensors)
+            assert len(sizes) > 2 and max(sizes) < 8 << 20 < sum(sizes), sizes
+            grpc_client._release(lent.lease_id)
+        assert len(srv.service.lender) == 0

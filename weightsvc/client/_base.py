@@ -29,7 +29,7 @@ from weightsvc.client._common import (
     write_version_file,
 )
 from weightsvc.client._targets import ByTarget
-from weightsvc.errors import DataLoss, FailedPrecondition, Unavailable, WeightsvcError, subject
+from weightsvc.errors import DataLoss, FailedPrecondition, InvalidArgument, Unavailable, WeightsvcError, subject
 from weightsvc.protocol.clients import ClientStatus
 from weightsvc.protocol.fabric import DEFAULT_LEASE_S, Lease
 from weightsvc.protocol.manifest import Manifest
@@ -83,6 +83,8 @@ class InferenceClient(ByTarget):
         self._count_lock = threading.Lock()
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._nixl_sources: list[str] = []  # the other servers that lend its versions, as the last lease named them
+        self._sources: dict[str, InferenceClient] = {}  # their clients, made at a READ that moved to them
 
     def _own(self, release: Callable[[], None]) -> None:
         """`release` frees what this client opened, at `close` or when the client is garbage.
@@ -134,8 +136,10 @@ class InferenceClient(ByTarget):
     def _ack(self, model: str, version: int, client_id: str) -> int:
         raise NotImplementedError
 
-    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
-        """A lease of the version (or the selection) to READ over NIXL (`serve --nixl`)."""
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float,
+               base: int | None = None) -> Lease:
+        """A lease of the version (or the selection; or the delta encoding against `base`) to READ over
+        NIXL (`serve --nixl`)."""
         raise FailedPrecondition(f"{self.target}: this target lends nothing over NIXL", reason="nixl_off")
 
     def _release(self, lease_id: str) -> None:
@@ -168,25 +172,33 @@ class InferenceClient(ByTarget):
         version: int | str = "latest",
         *,
         select: Select | None = None,
+        base: int | None = None,
         fallback: bool = True,
         lease_s: float = DEFAULT_LEASE_S,
     ) -> Manifest:
         """READ a version (or, with `select`, its selected tensors and slices) over NIXL straight into
-        `tensors`: preallocated, contiguous CPU tensors by name, one per tensor pulled, of its served
-        dtype and (sliced) shape. Every byte is checked against the checksums any pull checks; returns
-        the manifest (the selection's, with `select`). The server lends the version for `lease_s`
-        seconds at most: a READ that outlasts it fails (DEADLINE_EXCEEDED).
+        `tensors`: preallocated, contiguous tensors by name, one per tensor pulled, of its served dtype
+        and (sliced) shape, all in host memory or all on one GPU. Every byte is checked against the
+        checksums any pull checks; returns the manifest (the selection's, with `select`). The server
+        lends the version for `lease_s` seconds at most: a READ that outlasts it fails (DEADLINE_EXCEEDED).
 
-        When NIXL cannot be had (not installed here, a server without --nixl, a READ that cannot reach
-        it), one line says so and the version comes over this client's transport into the same
+        With `base`, `tensors` hold that version (a whole one, as an earlier `pull_into` left them): the
+        server lends the delta encoding against it when it has one, and only the changes are read and
+        patched in (in host memory; tensors on a GPU are read whole).
+
+        A lease names the other servers that lend the version: a READ that fails at one moves to the
+        next. When NIXL cannot be had (not installed here, a server without --nixl, no source that can
+        be reached), one line says so and the version comes over this client's transport into the same
         tensors, unless `fallback` is False (the error is raised then). After a failed pull, what the
         tensors hold is not to be used."""
         from weightsvc.client import _nixl
 
         where = subject(model, version)
+        if base is not None and select is not None:
+            raise InvalidArgument(f"{where}: a selection cannot be read as a delta (base {base}): read it whole")
         try:
-            return _nixl.pull_into(lambda: self._lease(model, str(version), select, lease_s), self._release,
-                                   self._nixl_reader, tensors, where)
+            return _nixl.pull_into(self, self._source, self._nixl_sources, self._nixl_reader, tensors, model,
+                                   str(version), select, base, lease_s)
         except (FailedPrecondition, Unavailable) as e:
             if not fallback:  # (a server without --nixl, or one that holds other tensors: TCP serves both)
                 raise
@@ -197,6 +209,13 @@ class InferenceClient(ByTarget):
         verify_data(manifest, data)
         _nixl.copy_into(manifest, data, tensors)
         return manifest
+
+    def _source(self, target: str) -> InferenceClient:
+        """A client of another server that lends the same versions (named by a lease), as this one's."""
+        if target not in self._sources:
+            self._sources[target] = InferenceClient(target, timeout=self.timeout, token=self.credentials.token,
+                                                    ca_cert=self.credentials.ca, retry=self.retry, limits=self.limits)
+        return self._sources[target]
 
     def _nixl_reader(self) -> Reader:
         """This process's NIXL reader, made at the first pull over NIXL."""
@@ -336,6 +355,8 @@ class InferenceClient(ByTarget):
     def close(self) -> None:
         """Close the client's connections; a watch in progress ends."""
         self._closed = True
+        for source in self._sources.values():
+            source.close()
         if self._finalizer is not None:
             self._finalizer()
 

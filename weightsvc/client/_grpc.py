@@ -345,11 +345,30 @@ class GrpcInferenceClient(InferenceClient):
 
     # ---- leases over NIXL ----------------------------------------------------------------------
 
-    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float,
+               base: int | None = None) -> Lease:
         request = pb.LeaseVersionRequest(model=model, version=version, lease_s=lease_s,
-                                         select=select_to_proto(select) if select is not None else ())
-        lease = lease_from_proto(self._call(self._stub.LeaseVersion, request), subject(model, version))
-        self.limits.check(lease.manifest, model, version)
+                                         select=select_to_proto(select) if select is not None else (),
+                                         base="" if base is None else str(base))
+        head = self._call(self._stub.LeaseVersion, request)
+        where = subject(model, head.manifest.version)
+        try:
+            _check_count(head.manifest, where, self.limits.max_tensors)
+            more, got = [], len(head.manifest.tensors)
+            while got < head.manifest.tensor_count:  # a big lease comes in pieces: ask from where we got to
+                piece = self._call(self._stub.LeaseVersion, pb.LeaseVersionRequest(lease_id=head.lease_id,
+                                                                                   tensors_from=got))
+                if piece.manifest.master_digest != head.manifest.master_digest or not piece.manifest.tensors:
+                    raise DataLoss(f"{where}: its lease changed or ended after {got} of {head.manifest.tensor_count} "
+                                   "tensors")
+                more.append(piece)
+                got += len(piece.manifest.tensors)
+            lease = lease_from_proto(head, where, more)
+            self.limits.check(lease.manifest, model, version)
+        except BaseException:
+            with contextlib.suppress(WeightsvcError):  # (else it ends at its deadline)
+                self._release(head.lease_id)
+            raise
         return lease
 
     def _release(self, lease_id: str) -> None:

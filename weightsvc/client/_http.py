@@ -327,11 +327,14 @@ class HttpInferenceClient(InferenceClient):
 
     # ---- leases over NIXL ----------------------------------------------------------------------
 
-    def _lease(self, model: str, version: str, select: Select | None, lease_s: float) -> Lease:
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float,
+               base: int | None = None) -> Lease:
         where = subject(model, version)
         body: dict[str, Any] = {"lease_s": lease_s}
         if select is not None:
             body["select"] = [selector(name, cut) for name, cut in select.items()]
+        if base is not None:
+            body["base"] = base
         got = self._json(f"/v1/models/{_quote(model)}/versions/{_quote(version)}/lease", body)
         lease = Lease.from_dict(got if isinstance(got, dict) else {}, where)
         self.limits.check(lease.manifest, model, version)

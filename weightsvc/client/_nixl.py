@@ -1,27 +1,49 @@
-"""Pulls over NIXL, in place: a lease of the version from the server, one-sided READs of exactly the
+"""Pulls over NIXL, in place: a lease of the version from a server, one-sided READs of exactly the
 leased ranges into the caller's tensors, the release, then every byte checked against the manifest's
 checksums, as any pull's.
 
 The caller's tensors are preallocated (as vLLM's staging is) and contiguous, one per tensor of the
-version or of the selection, of its served dtype and size. What they hold after a pull that failed
-is not to be used. When NIXL cannot be had (not installed, a server without --nixl, a READ that
-cannot reach it), the pull says so in one line and goes over TCP, unless told not to.
+version or of the selection, of its served dtype and size, all in host memory or all on one GPU
+(registered as VRAM: the READ lands there). What they hold after a pull that failed is not to be
+used. When NIXL cannot be had (not installed, a server without --nixl, a READ that cannot reach it),
+the pull says so in one line and goes over TCP, unless told not to.
+
+Delta reads: a caller whose tensors hold an earlier version (`base`) is lent the delta encoding against
+it when the server has one; it READs the encoding into a buffer of its own and patches its tensors in
+place (host memory only: on a GPU the whole version is read).
+
+Sources: a lease names the other servers that lend the same version. When a READ fails (the source
+died, or cannot be reached), the reader moves to the next one and reads the same version there, from
+the start; the sources a client was told of are remembered for its next pull, when its own server may
+be the one that is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from weightsvc.errors import DataLoss, DeadlineExceeded, InvalidArgument, Unavailable, subject
+from weightsvc.errors import (
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    WeightsvcError,
+    subject,
+)
+from weightsvc.protocol import delta as delta_codec
 from weightsvc.protocol.digest import verify
 from weightsvc.protocol.fabric import Lease, nixl_agent_class
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.selection import Select
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +51,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightsvc.client")
 
 POLL_S = 0.0002  # between looks at a READ in progress (NIXL's Python API has no wait)
+Descriptor = tuple[int, int, int]  # (address, bytes, device) of a NIXL transfer descriptor
+
+
+class Source(Protocol):
+    """A server a lease is asked of: an `InferenceClient` of its target."""
+
+    target: str
+
+    def _lease(self, model: str, version: str, select: Select | None, lease_s: float,
+               base: int | None = None) -> Lease: ...
+
+    def _release(self, lease_id: str) -> None: ...
 
 
 class Reader:
@@ -37,62 +71,102 @@ class Reader:
     def __init__(self) -> None:
         self.agent = nixl_agent_class()(f"weightsvc-reader-{os.getpid()}-{secrets.token_hex(4)}")
         self._lock = threading.Lock()
+        self._peer: tuple[bytes, str] | None = None  # (metadata, name) of the source last READ from
 
     def read(self, lease: Lease, into: Mapping[str, torch.Tensor], where: str) -> None:
-        """READ every range of `lease` into the tensor of its name; UNAVAILABLE when NIXL cannot reach
-        the source, DEADLINE_EXCEEDED when the READ outlasts the lease."""
-        local: list[tuple[int, int, int]] = []
-        remote: list[tuple[int, int, int]] = []
-        for t in lease.manifest.tensors:
-            at = into[t.name].data_ptr()
-            for r in lease.ranges[t.name]:
-                local.append((at, r.nbytes, 0))
+        """READ every range of `lease` into the tensor of its name (or, for a delta, the encoding into
+        `into[""]`); UNAVAILABLE when NIXL cannot reach the source or it goes away mid-READ,
+        DEADLINE_EXCEEDED when the READ outlasts the lease."""
+        local: list[Descriptor] = []
+        remote: list[Descriptor] = []
+        tensors = {"": lease.delta} if lease.base is not None else {t.name: lease.ranges[t.name]
+                                                                    for t in lease.manifest.tensors}
+        for name, ranges in tensors.items():
+            dst = into[name]
+            at, device = dst.data_ptr(), _device(dst)
+            for r in ranges:
+                local.append((at, r.nbytes, device))
                 remote.append((r.addr, r.nbytes, r.device))
                 at += r.nbytes
         if not local:
             return
+        destination = [into[name] for name, ranges in tensors.items() if ranges]
         deadline = time.monotonic() + lease.lease_s
         with self._lock:
-            destination = [into[t.name] for t in lease.manifest.tensors if t.nbytes]
-            try:
-                peer = self.agent.add_remote_agent(lease.agent)
-            except Exception as e:
-                raise Unavailable(f"{where}: the server's NIXL agent cannot be added: {type(e).__name__}: {e}"
-                                  ) from None
+            peer = self._peer_of(lease.agent, where)
             try:
                 registered = self.agent.register_memory(destination)
                 try:
-                    self._transfer(local, remote, peer, lease.memory, deadline, where)
+                    self._transfer(local, remote, peer, _memory(destination[0]), lease.memory, deadline, where)
                 finally:
                     self.agent.deregister_memory(registered)
-            finally:
-                self.agent.remove_remote_agent(peer)  # (its metadata names what was registered then: new next time)
+            except BaseException:
+                self._forget_peer()  # (gone, perhaps: added again next time)
+                raise
 
-    def _transfer(self, local: list[tuple[int, int, int]], remote: list[tuple[int, int, int]], peer: Any,
-                  memory: str, deadline: float, where: str) -> None:
+    def _peer_of(self, metadata: bytes, where: str) -> str:
+        """The source's agent, added from its metadata, or kept from the last READ when its metadata is
+        the same: the same agent with the same memory registered, and a connection already made."""
+        if self._peer is not None and self._peer[0] == metadata:
+            return self._peer[1]
+        self._forget_peer()
         try:
-            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, "DRAM"),
-                                                self.agent.get_xfer_descs(remote, memory), peer)
+            peer: str = self.agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise Unavailable(f"{where}: the server's NIXL agent cannot be added: {type(e).__name__}: {e}") from None
+        self._peer = (metadata, peer)
+        return peer
+
+    def _forget_peer(self) -> None:
+        if self._peer is not None:
+            _, peer = self._peer
+            self._peer = None
+            with contextlib.suppress(Exception):  # (a source that went away may be gone from the agent already)
+                self.agent.remove_remote_agent(peer)
+
+    def _transfer(self, local: list[Descriptor], remote: list[Descriptor], peer: Any, local_memory: str,
+                  remote_memory: str, deadline: float, where: str) -> None:
+        try:
+            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_memory),
+                                                self.agent.get_xfer_descs(remote, remote_memory), peer)
         except Exception as e:
             raise Unavailable(f"{where}: NIXL cannot READ from the server: {type(e).__name__}: {e}") from None
         try:
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise DeadlineExceeded(f"{where}: the NIXL READ outlasted its lease", reason="expired")
-                time.sleep(POLL_S)
-                state = self.agent.check_xfer_state(handle)
+            try:
+                state = self.agent.transfer(handle)
+                while state == "PROC":
+                    if time.monotonic() > deadline:
+                        raise DeadlineExceeded(f"{where}: the NIXL READ outlasted its lease", reason="expired")
+                    time.sleep(POLL_S)
+                    state = self.agent.check_xfer_state(handle)
+            except WeightsvcError:
+                raise
+            except Exception as e:  # NIXL raises when the source went away mid-READ (NIXL_ERR_REMOTE_DISCONNECT)
+                raise Unavailable(f"{where}: the NIXL READ from the server failed: {type(e).__name__}: {e}") from None
             if state != "DONE":
                 raise Unavailable(f"{where}: the NIXL READ from the server failed ({state})")
         finally:
             self.agent.release_xfer_handle(handle)
 
 
+def _device(t: torch.Tensor) -> int:
+    return t.device.index or 0 if t.device.type == "cuda" else 0
+
+
+def _memory(t: torch.Tensor) -> str:
+    return "VRAM" if t.device.type == "cuda" else "DRAM"
+
+
 def check_destination(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> None:
     """INVALID_ARGUMENT naming the first tensor of `manifest` that `into` lacks, or holds in memory a
-    READ cannot fill: not contiguous, not on the CPU, of another dtype or size."""
+    READ cannot fill: not contiguous, of another dtype or size, neither in host memory nor on the GPU
+    the others are on."""
     from weightsvc.client._tensors import TORCH_DTYPES
 
+    devices = {dst.device for dst in into.values()}
+    if len(devices) > 1:
+        raise InvalidArgument(f"{subject(manifest.model, manifest.version)}: the tensors to read it into are on "
+                              f"{sorted(map(str, devices))}: put them all in host memory or all on one GPU")
     for t in manifest.tensors:
         what = subject(manifest.model, manifest.version, tensor=t.name)
         dst = into.get(t.name)
@@ -102,14 +176,24 @@ def check_destination(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> N
         if dst.dtype != dtype or dst.numel() * dst.element_size() != t.nbytes:
             raise InvalidArgument(f"{what} is {t.dtype} of shape {list(t.shape)} ({t.nbytes} bytes): the tensor to "
                                   f"read it into is {dst.dtype} of shape {list(dst.shape)}")
-        if dst.device.type != "cpu" or not dst.is_contiguous():
-            raise InvalidArgument(f"{what}: the tensor to read it into must be contiguous and on the CPU "
-                                  f"(it is on {dst.device}{'' if dst.is_contiguous() else ', not contiguous'})")
+        if dst.device.type not in ("cpu", "cuda") or not dst.is_contiguous():
+            raise InvalidArgument(f"{what}: the tensor to read it into must be contiguous, in host memory or on "
+                                  f"a GPU (it is on {dst.device}{'' if dst.is_contiguous() else ', not contiguous'})")
 
 
 def check_lease(lease: Lease, where: str) -> None:
-    """DATA_LOSS unless the lease names exactly the bytes of each tensor of its manifest."""
+    """DATA_LOSS unless the lease names exactly the bytes of each tensor of its manifest, or, for a
+    delta, at most the bytes the largest encoding of its manifest has."""
     m = lease.manifest
+    if any(r.nbytes <= 0 for r in lease.delta):
+        raise DataLoss(f"{where}: the lease names an empty range of the delta encoding")
+    if lease.base is not None:
+        if lease.ranges or lease.delta_bytes > delta_codec.most_bytes(m):
+            raise DataLoss(f"{where}: the lease of a delta names {lease.delta_bytes} bytes, more than an encoding "
+                           f"of its {len(m.tensors)} tensors can have, or tensors too")
+        return
+    if lease.delta:
+        raise DataLoss(f"{where}: the lease names a delta encoding, but no version it applies to")
     for t in m.tensors:
         ranges = lease.ranges.get(t.name)
         if ranges is None or sum(r.nbytes for r in ranges) != t.nbytes or any(r.nbytes <= 0 for r in ranges):
@@ -119,14 +203,20 @@ def check_lease(lease: Lease, where: str) -> None:
         raise DataLoss(f"{where}: the lease names tensors its manifest lacks")
 
 
-def verify_into(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> None:
-    """Every tensor read checked against its checksum (xxh3 of its bytes, as any pull's)."""
+def _host_bytes(t: torch.Tensor) -> Any:
+    """The bytes of a tensor as a numpy array; a tensor on a GPU is copied to host memory first (its
+    checksum is computed there: xxh3 runs on the CPU)."""
     import torch
 
+    flat = t.reshape(-1).view(torch.uint8)
+    return (flat.cpu() if flat.device.type != "cpu" else flat).numpy()
+
+
+def verify_into(manifest: Manifest, into: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor read checked against its checksum (xxh3 of its bytes, as any pull's)."""
     where = subject(manifest.model, manifest.version)
     for t in manifest.tensors:
-        dst = into[t.name]
-        verify(t.name, dst.reshape(-1).view(torch.uint8).numpy(), t.checksum, where=where)
+        verify(t.name, _host_bytes(into[t.name]), t.checksum, where=where)
 
 
 def copy_into(manifest: Manifest, data: memoryview, into: Mapping[str, torch.Tensor]) -> None:
@@ -135,30 +225,89 @@ def copy_into(manifest: Manifest, data: memoryview, into: Mapping[str, torch.Ten
     import torch
 
     for t in manifest.tensors:
-        dst = into[t.name].reshape(-1).view(torch.uint8).numpy()
-        dst[:] = np.frombuffer(data, np.uint8, count=t.nbytes, offset=t.offset)
+        src = torch.from_numpy(np.frombuffer(data, np.uint8, count=t.nbytes, offset=t.offset))
+        into[t.name].reshape(-1).view(torch.uint8).copy_(src)
 
 
-def pull_into(lease: Callable[[], Lease], release: Callable[[str], None], reader: Callable[[], Reader],
-              into: Mapping[str, torch.Tensor], where: str) -> Manifest:
-    """One pull over NIXL: lease, READ, release, verify. UNAVAILABLE (reason nixl_off) when NIXL cannot
-    be had; DEADLINE_EXCEEDED when the lease expired first; INVALID_ARGUMENT for tensors it cannot
-    fill; DATA_LOSS for a lease or bytes that are not what the manifest says."""
-    agent = reader()  # (before the lease: without NIXL there is nothing to hold)
-    lent = lease()
+def patch_into(manifest: Manifest, encoding: memoryview, into: Mapping[str, torch.Tensor], where: str) -> None:
+    """The delta encoding applied to the caller's tensors (host memory), which hold its base; DATA_LOSS
+    for an encoding that is not one of `manifest`."""
+    import torch
+
+    try:
+        delta_codec.apply_to(manifest, encoding, {t.name: into[t.name].reshape(-1).view(torch.uint8).numpy()
+                                                  for t in manifest.tensors})
+    except (ValueError, IndexError) as e:
+        raise DataLoss(f"{where}: the delta encoding read is not one of its tensors: {e}") from None
+
+
+def _read_at(source: Source, lent: Lease, agent: Reader, into: Mapping[str, torch.Tensor], where: str) -> Manifest:
+    """READ what `lent` names, release it, patch (a delta) and verify. The lease is released on every
+    way out; a READ that outlasted it is DEADLINE_EXCEEDED."""
+    import torch
+
+    m = lent.manifest
+    scratch: dict[str, torch.Tensor] = {}
     try:
         check_lease(lent, where)
-        check_destination(lent.manifest, into)
-        agent.read(lent, into, where)
+        check_destination(m, into)
+        if lent.base is not None:
+            scratch[""] = torch.empty(lent.delta_bytes, dtype=torch.uint8)
+        agent.read(lent, {**into, **scratch}, where)
     except BaseException:
         try:
-            release(lent.lease_id)
+            source._release(lent.lease_id)
         except DeadlineExceeded:  # the READ failed because the lease ran out (its memory deregistered): say that
             raise
         except Exception as e:  # the pull fails for its own reason; the lease ends by its deadline anyway
             log.debug("%s: the lease was not released: %s", where, e)
         raise
-    release(lent.lease_id)  # DEADLINE_EXCEEDED: expired before the READ was done, its bytes not vouched for
-    verify_into(lent.manifest, into)
-    return lent.manifest
+    source._release(lent.lease_id)  # DEADLINE_EXCEEDED: expired before the READ was done, its bytes not vouched for
+    if lent.base is not None:
+        patch_into(m, scratch[""].numpy().data, into, where)
+    verify_into(m, into)
+    return m
+
+
+def pull_into(first: Source, open_source: Callable[[str], Source], known: list[str], reader: Callable[[], Reader],
+              into: Mapping[str, torch.Tensor], model: str, version: str, select: Select | None, base: int | None,
+              lease_s: float) -> Manifest:
+    """One pull over NIXL: lease, READ, release, verify, at `first`, then at each other source the
+    leases name (and those `known` from earlier pulls, which this one updates) while READs fail.
+    UNAVAILABLE (reason nixl_off) when NIXL cannot be had; DEADLINE_EXCEEDED when the lease expired
+    first; INVALID_ARGUMENT for tensors it cannot fill; DATA_LOSS for a lease or bytes that are not
+    what the manifest says; when every source failed, the first one's error, or UNAVAILABLE naming each."""
+    agent = reader()  # (before the lease: without NIXL there is nothing to hold)
+    if base is not None and any(t.device.type != "cpu" for t in into.values()):
+        base = None  # the encoding is applied on the CPU: a GPU's tensors are read whole
+    where = subject(model, version)
+    targets = [first.target, *(s for s in known if s != first.target)]
+    failed: list[tuple[str, WeightsvcError]] = []
+    for i, target in enumerate(targets):
+        try:
+            source = first if i == 0 else open_source(target)
+            lent = source._lease(model, version, select, lease_s, base)
+        except (Unavailable, FailedPrecondition, NotFound) as e:
+            if (i == 0 and isinstance(e, NotFound)) or len(targets) == 1:
+                raise  # (a version its own server does not have: no other source is asked)
+            failed.append((target, e))
+            continue
+        version, where = str(lent.manifest.version), subject(model, lent.manifest.version)  # the same one everywhere
+        for s in lent.sources:
+            if s not in targets:
+                targets.append(s)
+        known[:] = [s for s in targets if s != first.target]
+        try:
+            m = _read_at(source, lent, agent, into, where)
+        except Unavailable as e:
+            failed.append((target, e))
+            if len(targets) > i + 1:
+                log.warning("%s: the NIXL READ from %s failed (%s): moving to %s", where, target, e.message,
+                            targets[i + 1])
+            continue
+        return m
+    if len(failed) == 1:
+        raise failed[0][1]
+    raise Unavailable(f"{where}: no source could lend it over NIXL: "
+                      + "; ".join(f"{target}: {e.message}" for target, e in failed))
 

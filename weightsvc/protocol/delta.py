@@ -8,6 +8,7 @@ bytes). The format is documented with the `Delta` message in weightsvc.proto.
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -60,10 +61,19 @@ def encode(manifest: Manifest, data: memoryview, base: memoryview) -> bytes:
 
 def apply(manifest: Manifest, delta: memoryview, out: memoryview) -> None:
     """Patch `out` (a copy of the base's data section) into the data section of `manifest`."""
+    data = np.frombuffer(out, np.uint8)
+    apply_to(manifest, delta, {t.name: data[t.offset : t.offset + t.nbytes] for t in manifest.tensors})
+
+
+def apply_to(manifest: Manifest, delta: memoryview, out: Mapping[str, np.ndarray]) -> None:
+    """Patch the bytes of each tensor of `manifest` (`out[name]`, writable uint8 arrays holding the
+    base's bytes of it) into the new version's. ValueError for an encoding that is not one of `manifest`."""
     pos = 0
     for t in manifest.tensors:
         size = DTYPE_SIZES[t.dtype]
-        codes = np.frombuffer(out, _CODES[size], t.nbytes // size, t.offset)
+        codes = out[t.name].view(_CODES[size])
+        if len(delta) < pos + 9:
+            raise ValueError(f"tensor {t.name!r}: the delta ends before it")
         kind, count = struct.unpack_from("<BQ", delta, pos)
         pos += 9
         if kind == DENSE:

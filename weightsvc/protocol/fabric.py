@@ -6,18 +6,26 @@ manifest of what the reader asked for (the version's, or a selection's: the same
 of it) and, per tensor, the `MemoryRange`s its bytes lie in (`selection.byte_ranges`: one for a whole
 tensor or a range of rows). The reader READs them into its own memory, then releases the lease; a
 release after the lease expired is DEADLINE_EXCEEDED, and what was read is not to be used.
+
+A reader that holds an earlier version (`base`) may be lent the delta encoding against it instead (the
+bytes a delta pull over TCP would carry, encoded once per pair of versions): it READs the encoding and
+patches its tensors. A lease also lists the other servers that lend the same version (`sources`): a
+reader whose READ fails moves to the next.
 """
 
 from __future__ import annotations
 
 import base64
-import json
+import bisect
 import logging
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from weightsvc.errors import DataLoss, Unavailable
+from weightsvc._aio import memo
+from weightsvc.errors import DataLoss, InvalidArgument, Unavailable, subject
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, manifest_from_proto, manifest_to_proto, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 DEFAULT_LEASE_S = 60.0  # a reader's lease unless it asks for another (the server caps it)
@@ -40,7 +48,14 @@ class Lease:
     agent: bytes  # the source's NIXL agent metadata (it names the agent and its registered memory)
     memory: str  # "DRAM" or "VRAM"
     lease_s: float  # lent for this long from the answer
-    ranges: dict[str, list[MemoryRange]]  # per tensor of `manifest`, in its order
+    ranges: dict[str, list[MemoryRange]]  # per tensor of `manifest`, in its order (none for a delta)
+    base: int | None = None  # a delta read: the version the encoding in `delta` applies to
+    delta: list[MemoryRange] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # other servers that lend the version, in order
+
+    @property
+    def delta_bytes(self) -> int:
+        return sum(r.nbytes for r in self.delta)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +65,9 @@ class Lease:
             "memory": self.memory,
             "lease_s": self.lease_s,
             "ranges": {name: [list(r) for r in rs] for name, rs in self.ranges.items()},
+            "base": self.base,
+            "delta": [list(r) for r in self.delta],
+            "sources": self.sources,
         }
 
     @classmethod
@@ -63,29 +81,53 @@ class Lease:
                 memory=str(d["memory"]),
                 lease_s=float(d["lease_s"]),
                 ranges={str(name): [MemoryRange(*map(int, r)) for r in rs] for name, rs in d["ranges"].items()},
+                base=None if d.get("base") is None else int(d["base"]),
+                delta=[MemoryRange(*map(int, r)) for r in d.get("delta", ())],
+                sources=[str(s) for s in d.get("sources", ())],
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise DataLoss(f"{where}: the lease answered is not one: {type(e).__name__}: {e}") from None
 
 
-def lease_to_proto(lease: Lease) -> pb.VersionLease:
+def _lease_starts(lease: Lease) -> list[int]:
+    """Where each piece of a lease's answer over gRPC begins (by tensor): a big manifest, and its
+    ranges, go in messages of about MESSAGE_PIECE_BYTES, as GetManifest's."""
+    return piece_starts((2 * len(t.name) + len(t.checksum) + 16 * len(t.shape) + 72
+                         + 24 * len(lease.ranges.get(t.name, ())) for t in lease.manifest.tensors), MESSAGE_PIECE_BYTES)
+
+
+def lease_to_proto(lease: Lease, tensors_from: int = 0) -> pb.VersionLease:
+    """The lease over gRPC: its tensors from `tensors_from` on, as many as one piece holds (the
+    reader asks for the rest by the lease's id)."""
+    m = lease.manifest
+    starts = memo(lease, "grpc-lease-pieces", _lease_starts)
+    if not 0 <= tensors_from <= len(m.tensors):
+        raise InvalidArgument(f"the lease of {subject(m.model, m.version)} has {len(m.tensors)} tensors: "
+                              f"tensors_from {tensors_from} is out of range")
+    i = bisect.bisect_right(starts, tensors_from) - 1
+    tensors = m.tensors[tensors_from : starts[i + 1] if i + 1 < len(starts) else len(m.tensors)]
     return pb.VersionLease(
-        lease_id=lease.lease_id, manifest_json=lease.manifest.json((",", ":")), agent=lease.agent,
-        memory=lease.memory, lease_s=lease.lease_s,
-        tensors=[pb.TensorRanges(tensor=name, ranges=[pb.MemoryRange(addr=r.addr, nbytes=r.nbytes, device=r.device)
-                                                       for r in rs])
-                 for name, rs in lease.ranges.items()],
+        lease_id=lease.lease_id, manifest=manifest_to_proto(m, tensors), agent=lease.agent, memory=lease.memory,
+        lease_s=lease.lease_s,
+        tensors=[pb.TensorRanges(tensor=t.name, ranges=[_range_to_proto(r) for r in lease.ranges[t.name]])
+                 for t in tensors if t.name in lease.ranges],
+        base_version=lease.base, delta=[_range_to_proto(r) for r in lease.delta], sources=lease.sources,
     )
 
 
-def lease_from_proto(m: pb.VersionLease, where: str) -> Lease:
-    """The lease as a server answered it over gRPC; DATA_LOSS when its manifest is not one."""
-    try:
-        manifest = Manifest.from_dict(json.loads(m.manifest_json))
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise DataLoss(f"{where}: the lease answered carries no manifest: {type(e).__name__}: {e}") from None
-    ranges = {t.tensor: [MemoryRange(r.addr, r.nbytes, r.device) for r in t.ranges] for t in m.tensors}
-    return Lease(m.lease_id, manifest, m.agent, m.memory, m.lease_s, ranges)
+def _range_to_proto(r: MemoryRange) -> pb.MemoryRange:
+    return pb.MemoryRange(addr=r.addr, nbytes=r.nbytes, device=r.device)
+
+
+def lease_from_proto(m: pb.VersionLease, where: str, more: Iterable[pb.VersionLease] = ()) -> Lease:
+    """The lease as a server answered it over gRPC, with the pieces that came after its first (`more`)."""
+    pieces = [m, *more]
+    manifest = manifest_from_proto(m.manifest, (t for piece in pieces[1:] for t in piece.manifest.tensors))
+    ranges = {t.tensor: [MemoryRange(r.addr, r.nbytes, r.device) for r in t.ranges]
+              for piece in pieces for t in piece.tensors}
+    return Lease(m.lease_id, manifest, m.agent, m.memory, m.lease_s, ranges,
+                 base=m.base_version if m.HasField("base_version") else None,
+                 delta=[MemoryRange(r.addr, r.nbytes, r.device) for r in m.delta], sources=list(m.sources))
 
 
 def nixl_agent_class() -> Any:

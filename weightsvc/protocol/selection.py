@@ -70,23 +70,26 @@ def chosen(manifest: Manifest, select: Select) -> list[tuple[ServedTensor, Slice
     if not select:
         raise InvalidArgument(f"{where}: the selection is empty: select at least one tensor")
     by_name = {t.name: t for t in manifest.tensors}
-    out = []
-    for name, cut in select.items():
-        t = by_name.get(name)
-        if t is None:
-            raise InvalidArgument(f"{where} has no tensor {name!r} to select")
-        if cut is not None:
-            what = f"{where}: tensor {name!r} of shape {list(t.shape)}"
-            if not 0 <= cut.dim < len(t.shape):
-                dims = f"dims 0 to {len(t.shape) - 1}" if t.shape else "no dims: select it whole"
-                raise InvalidArgument(f"{what} has no dim {cut.dim} ({dims})")
-            size = t.shape[cut.dim]
-            if not 0 <= cut.start < cut.stop <= size:
-                raise InvalidArgument(
-                    f"{what}: range [{cut.start}, {cut.stop}) of dim {cut.dim} is empty or outside [0, {size})"
-                )
-        out.append((t, cut))
-    return out
+    return [(picked(manifest, by_name, name, cut), cut) for name, cut in select.items()]
+
+
+def picked(manifest: Manifest, by_name: Mapping[str, ServedTensor], name: str, cut: Slice | None) -> ServedTensor:
+    """The tensor `name` of the version (`by_name`: its tensors by name), checked to have the slice `cut`
+    (INVALID_ARGUMENT as `chosen` words it)."""
+    t = by_name.get(name)
+    if t is None:
+        raise InvalidArgument(f"{subject(manifest.model, manifest.version)} has no tensor {name!r} to select")
+    if cut is not None:
+        what = f"{subject(manifest.model, manifest.version)}: tensor {name!r} of shape {list(t.shape)}"
+        if not 0 <= cut.dim < len(t.shape):
+            dims = f"dims 0 to {len(t.shape) - 1}" if t.shape else "no dims: select it whole"
+            raise InvalidArgument(f"{what} has no dim {cut.dim} ({dims})")
+        size = t.shape[cut.dim]
+        if not 0 <= cut.start < cut.stop <= size:
+            raise InvalidArgument(
+                f"{what}: range [{cut.start}, {cut.stop}) of dim {cut.dim} is empty or outside [0, {size})"
+            )
+    return t
 
 
 def part_of(manifest: Manifest, t: ServedTensor) -> Part:

@@ -8,6 +8,14 @@ one NIXL agent while some lease holds it, and deregistered by the last lease to 
 lets go of the buffer: memory is never lent after it may be recycled. Registering at the first lease
 rather than at commit keeps the agent's metadata to what is lent now (a reader adds all of it).
 
+A reader that holds an earlier version may lease the delta encoding against it (`Pulls.delta`: encoded
+once per pair of versions, as a delta pull over TCP sends it), registered as the version's memory is,
+while some lease holds it; the pull keeps the encoding alive. When there is no delta (not smaller, a
+base no longer retained), the version itself is lent.
+
+A lease names the other servers that lend the same versions (`--nixl-sources`, and a relay's upstream):
+a reader whose READ fails moves to them.
+
 A lease ends when its reader releases it, or at its deadline (a reader that died, or one slower than
 its lease): a release after that is DEADLINE_EXCEEDED, and the reader discards what it read.
 
@@ -27,6 +35,7 @@ from dataclasses import dataclass
 from weightsvc.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound, TooManyRequests, subject
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.fabric import Lease, MemoryRange, nixl_agent_class
+from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.service.pull import Pull
 from weightsvc.service.record import Version
@@ -45,9 +54,12 @@ def address(view: memoryview) -> int:
     return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
 
 
+Memory = tuple[int, int]  # (address, bytes) of a lent buffer: a version's data section, or a delta encoding
+
+
 @dataclass(eq=False)
 class _Registration:
-    """A version's memory as registered with the agent, and how many leases hold it."""
+    """A buffer as registered with the agent, and how many leases hold it."""
 
     descs: object  # the agent's registration list, for deregister_memory
     nbytes: int
@@ -58,6 +70,8 @@ class _Registration:
 class _Lent:
     pull: Pull
     nbytes: int
+    memory: Memory  # what the lease holds registered
+    lease: Lease | None = None  # as answered
     timer: asyncio.TimerHandle | None = None
 
 
@@ -65,7 +79,7 @@ class Lender:
     """This server's NIXL agent and the leases on its versions."""
 
     def __init__(self, settings: Settings, metrics: Metrics,
-                 open_pull: Callable[[str, int | None, Select | None], Awaitable[Pull]]) -> None:
+                 open_pull: Callable[[str, int | None, Select | None, int | None], Awaitable[Pull]]) -> None:
         self.settings = settings
         self.metrics = metrics
         self.open_pull = open_pull
@@ -73,16 +87,19 @@ class Lender:
         self.agent = nixl_agent_class()(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
         self._leases: dict[str, _Lent] = {}
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
-        self._registered: dict[Version, _Registration] = {}
-        self._registering: dict[Version, asyncio.Future[None]] = {}
+        self._registered: dict[Memory, _Registration] = {}
+        self._registering: dict[Memory, asyncio.Future[None]] = {}
+        self.sources = lent_sources(settings)
         self._metadata: bytes | None = None  # the agent's, since the last change of what is registered
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float) -> Lease:
+    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float,
+                    base: int | None = None) -> Lease:
         """Lend `version` of `model` (None: the latest), its tensors or the selection `select`, for
-        `lease_s` seconds (at most --nixl-max-lease-s)."""
+        `lease_s` seconds (at most --nixl-max-lease-s); with `base` (a version the reader holds), the
+        delta encoding against it when there is one."""
         if not 0 < lease_s < float("inf"):
             raise InvalidArgument(f"{subject(model, version)}: a lease of {lease_s} s: ask for a number of seconds "
                                   "above 0")
@@ -90,25 +107,41 @@ class Lender:
             self.metrics.nixl_failures.labels("too_many").inc()
             raise TooManyRequests(f"{len(self._leases)} NIXL leases held, the most this server lends at once "
                                   f"(--max-leases {self.settings.max_leases}); retry later", reason="too_many")
-        pull = await self.open_pull(model, version, select)
+        pull = await self.open_pull(model, version, select, base)
         try:
             m = pull.manifest
-            ranges = {t.name: [MemoryRange(address(p), len(p), 0)
-                               for p in pull.pieces(t.name, t.slice) if isinstance(p, memoryview)]
-                      for t in m.tensors}
-            await self._register(pull.version)
+            if pull.base is not None:  # the delta encoding, one range
+                ranges: dict[str, list[MemoryRange]] = {}
+                delta = [MemoryRange(address(pull.body), len(pull.body), 0)] if len(pull.body) else []
+                memory = (address(pull.body), len(pull.body))
+            else:
+                ranges = await asyncio.to_thread(lent_ranges, pull.version, m)  # (100,000 tensors: 0.2 s)
+                delta = []
+                memory = (address(pull.version.data), len(pull.version.data))
+            await self._register(memory, m)
         except BaseException:
             pull.close()
             raise
         lease_id = secrets.token_urlsafe(12)
         lease_s = min(lease_s, self.settings.nixl_max_lease_s)
-        held = _Lent(pull, sum(t.nbytes for t in m.tensors))
+        lent_bytes = len(pull.body) if pull.base is not None else sum(t.nbytes for t in m.tensors)
+        held = _Lent(pull, lent_bytes, memory)
         held.timer = asyncio.get_running_loop().call_later(lease_s, self._expire, lease_id)
         self._leases[lease_id] = held
         self.metrics.nixl_leases.set(len(self._leases))
         if self._metadata is None:
             self._metadata = self.agent.get_agent_metadata()
-        return Lease(lease_id, m, self._metadata, "DRAM", lease_s, ranges)
+        held.lease = Lease(lease_id, m, self._metadata, "DRAM", lease_s, ranges, base=pull.base, delta=delta,
+                           sources=self.sources)
+        return held.lease
+
+    def lent(self, lease_id: str) -> Lease:
+        """The lease `lease_id` as it was answered, while it is held (NOT_FOUND after)."""
+        held = self._leases.get(lease_id)
+        if held is None or held.lease is None:
+            raise NotFound("no NIXL lease of that id is held here (never lent, expired, or already released)",
+                           reason="unknown_lease")
+        return held.lease
 
     def release(self, lease_id: str) -> None:
         """The reader is done: its lease ends, and what it read counts. DEADLINE_EXCEEDED when the lease
@@ -151,16 +184,15 @@ class Lender:
         self._end(held)
 
     def _end(self, held: _Lent) -> None:
-        """A lease ends: the version's memory is deregistered by its last lease, before the pull lets go
+        """A lease ends: the memory it held is deregistered by its last lease, before the pull lets go
         of the version (after which retention may recycle its buffer or unmap its file)."""
         if held.timer is not None:
             held.timer.cancel()
-        version = held.pull.version
-        reg = self._registered.get(version)
+        reg = self._registered.get(held.memory)
         if reg is not None:
             reg.leases -= 1
             if reg.leases == 0:
-                del self._registered[version]
+                del self._registered[held.memory]
                 if reg.descs is not None:
                     self.agent.deregister_memory(reg.descs)
                 self._metadata = None
@@ -168,32 +200,52 @@ class Lender:
         held.pull.close()
         self.metrics.nixl_leases.set(len(self._leases))
 
-    async def _register(self, version: Version) -> None:
-        """Count one more lease on `version`'s registered memory, registering it first if none holds it
-        (the first lease registers; those that come meanwhile wait for it, and fail with it)."""
-        while (reg := self._registered.get(version)) is None:
-            pending = self._registering.get(version)
+    async def _register(self, memory: Memory, m: Manifest) -> None:
+        """Count one more lease on the registered `memory` (of the version `m`), registering it first if
+        none holds it (the first lease registers; those that come meanwhile wait for it, and fail with it)."""
+        while (reg := self._registered.get(memory)) is None:
+            pending = self._registering.get(memory)
             if pending is not None:
                 await asyncio.shield(pending)
                 continue  # (registered now, unless its lease already ended: then again)
             pending = asyncio.get_running_loop().create_future()
-            self._registering[version] = pending
+            self._registering[memory] = pending
             try:
-                nbytes = len(version.data)
+                addr, nbytes = memory
                 descs = None if nbytes == 0 else await asyncio.to_thread(
-                    self.agent.register_memory, [(address(version.data), nbytes, 0, "")], "DRAM")
+                    self.agent.register_memory, [(addr, nbytes, 0, "")], "DRAM")
             except Exception as e:
                 self.metrics.nixl_failures.labels("register").inc()
-                m = version.manifest
                 failed = Internal(f"{subject(m.model, m.version)}: its memory could not be registered with NIXL: "
                                   f"{type(e).__name__}: {e}", reason="register")
                 pending.set_exception(failed)
                 pending.exception()  # (retrieved: the waiters, if any, raise it too)
                 raise failed from None
             finally:
-                del self._registering[version]
-            reg = self._registered[version] = _Registration(descs, nbytes)
+                del self._registering[memory]
+            reg = self._registered[memory] = _Registration(descs, nbytes)
             self._metadata = None
             self.metrics.nixl_registered_bytes.inc(nbytes)
             pending.set_result(None)
         reg.leases += 1
+
+
+def lent_ranges(version: Version, m: Manifest) -> dict[str, list[MemoryRange]]:
+    """Where each tensor of `m` (the version's, or a selection's: each tensor's slice) lies in the
+    version's memory (`Version.ranges`), as addresses. Blocking at many tensors: run it in a thread."""
+    at = address(version.data)
+    spans = version.spans
+    whole = len(spans) == 1 and spans[0].start == 0  # (all of the data section: byte o at data[o])
+    if whole and m is version.manifest:
+        return {t.name: [MemoryRange(at + t.offset, t.nbytes, 0)] if t.nbytes else [] for t in m.tensors}
+    return {t.name: [MemoryRange(at + o, n, 0) for o, n in version.ranges(t.name, t.slice)] for t in m.tensors}
+
+
+def lent_sources(settings: Settings) -> list[str]:
+    """The other servers a lease names as sources of the same versions: --nixl-sources, then a relay's
+    upstream (when it lends nothing over NIXL, a reader's lease there says so, and it moves on)."""
+    sources = [s.strip() for s in settings.nixl_sources.split(",") if s.strip()]
+    upstream = settings.relay_from
+    if upstream and not upstream.startswith("s3://") and upstream not in sources:
+        sources.append(upstream)
+    return sources

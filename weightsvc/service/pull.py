@@ -37,6 +37,7 @@ from weightsvc.service.versions.index import FileRange, Version, VersionIndex
 from weightsvc.settings import Settings
 
 MAX_CACHED_DELTAS = 2  # each up to the size of its version: a fleet pulls (latest, its base)
+MAX_CACHED_SELECTIONS = 16  # manifests of lent selections: a fleet's tensor-parallel ranks ask the same few
 DELTA_BASE = "delta"  # the "transport" of a base held while a delta is encoded: not a pull of its own
 
 
@@ -52,20 +53,24 @@ class Pulls:
         self.changed = changed  # a pull ended
         self.in_flight = 0  # pulls holding a version, against --max-pulls
         self._deltas: dict[tuple[str, int, int], bytes | None] = {}  # oldest first; None: not smaller
+        self._selected: dict[tuple[str, int, str, tuple[tuple[str, Slice | None], ...]], Manifest] = {}  # oldest first
 
     async def open(self, model: str, version: int | None, transport: str, *, base: int | None = None,
-                   dense_fallback: bool = True, select: Select | None = None) -> Pull:
+                   dense_fallback: bool = True, select: Select | None = None, in_place: bool = False) -> Pull:
         """Start a pull of `version` (None: the latest). With `base` (a version the client holds), the
         body is the delta encoding against it when there is one; when there is none, the data section
         as always, or without `dense_fallback` FAILED_PRECONDITION saying why (the client then pulls
         the whole version). With `select`, only the selected tensors, whole or sliced, under the
-        selection's own manifest (never as a delta)."""
+        selection's own manifest (never as a delta); `in_place` (a transport that reads the version's
+        own memory through `pieces`) gathers no bytes: the selection's manifest only, computed once."""
         if select is not None and base is not None:
             raise InvalidArgument(f"model {model!r}: a selection cannot be pulled as a delta (base {base}): "
                                   "sliced pulls are sent dense; pull the selection without a base")
         pull = Pull(self, self.hold(model, version, transport), transport)
         try:
-            if select is not None:
+            if select is not None and in_place:
+                pull.selected = await self.selected(pull.version, select)
+            elif select is not None:
                 v = pull.version
                 pull.selection = await asyncio.to_thread(
                     selection.gather, v.manifest, v.data, v.spans, select, self.parts.replica_id
@@ -101,6 +106,20 @@ class Pulls:
         self.in_flight -= transport != DELTA_BASE
         self.index.release(version)
         self.changed()
+
+    async def selected(self, version: Version, select: Select) -> Manifest:
+        """The manifest of the selection `select` of `version` (its slices' checksums hashed once per
+        version and selection: each reader of a rank's slices asks the same)."""
+        m = version.manifest
+        key = (m.model, m.version, version.etag, tuple(select.items()))
+        if key in self._selected:
+            return self._selected[key]
+        picked = await asyncio.to_thread(selection.gather, m, version.data, version.spans, select,
+                                         self.parts.replica_id)
+        self._selected[key] = picked.manifest  # (the bytes it gathered go: a reader reads them in place)
+        while len(self._selected) > MAX_CACHED_SELECTIONS:
+            self._selected.pop(next(iter(self._selected)))
+        return picked.manifest
 
     async def delta(self, version: Version, base: int) -> bytes:
         """The delta encoding of `version` against `base` of the same model. FAILED_PRECONDITION, saying
@@ -161,12 +180,15 @@ class Pull:
         self.base: int | None = None
         self.body = version.data  # (a delta's bytes, when `base` is set)
         self.selection: Selected | None = None
+        self.selected: Manifest | None = None  # an in-place selection's manifest (its bytes are the version's)
         self.closed = False
 
     @property
     def manifest(self) -> Manifest:
         """The manifest the client gets: the version's, or the selection's."""
-        return self.version.manifest if self.selection is None else self.selection.manifest
+        if self.selection is not None:
+            return self.selection.manifest
+        return self.version.manifest if self.selected is None else self.selected
 
     @property
     def etag(self) -> str:

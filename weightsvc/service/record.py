@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from weightsvc.errors import FailedPrecondition, subject
-from weightsvc.protocol.manifest import Manifest, Slice
+from weightsvc.protocol.manifest import Manifest, ServedTensor, Slice
 from weightsvc.protocol.parts import Segment, held_span
-from weightsvc.protocol.selection import byte_ranges, chosen, owner_of
+from weightsvc.protocol.selection import byte_ranges, owner_of, picked
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ class Version:
     segments: tuple[Segment, ...] = ()
     # With a data dir: the file `data` maps (its data section is `data`, this replica's bytes).
     file: VersionFile | None = None
+
+    @functools.cached_property
+    def by_name(self) -> dict[str, ServedTensor]:
+        """The version's tensors by name (a lease of many looks each up)."""
+        return {t.name: t for t in self.manifest.tensors}
 
     @property
     def spans(self) -> tuple[Segment, ...]:
@@ -142,8 +147,15 @@ class Version:
 
         INVALID_ARGUMENT for a tensor the version lacks or a slice outside it, as a selection words it;
         FAILED_PRECONDITION for a tensor that other replicas hold (a sharded replica holds its part)."""
+        if zero_copy and self.file is not None:
+            at = self.file.data_start
+            return [FileRange(self.file.file, at + o, n) for o, n in self.ranges(name, cut)]
+        return [self.data[o : o + n] for o, n in self.ranges(name, cut)]
+
+    def ranges(self, name: str, cut: Slice | None = None) -> list[tuple[int, int]]:
+        """`pieces` as (offset in `data`, nbytes) ranges (their errors too)."""
         m = self.manifest
-        ((t, cut),) = chosen(m, {name: cut})
+        t = picked(m, self.by_name, name, cut)
         held = self.span(t.offset, t.offset + t.nbytes)
         if held is None:
             raise FailedPrecondition(
@@ -151,8 +163,4 @@ class Version:
                 "by this one: read its bytes from its owners (the InferenceClient does)"
             )
         skip = held.start - held.local  # byte o of the data section is data[o - skip]
-        ranges = byte_ranges(t, cut)
-        if zero_copy and self.file is not None:
-            at = self.file.data_start - skip
-            return [FileRange(self.file.file, at + o, n) for o, n in ranges]
-        return [self.data[o - skip : o - skip + n] for o, n in ranges]
+        return [(o - skip, n) for o, n in byte_ranges(t, cut)]

@@ -208,10 +208,16 @@ class Service:
         return await self.pulls.open(model, version, transport, base=base, dense_fallback=dense_fallback,
                                      select=select)
 
-    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float) -> Lease:
+    async def lease(self, model: str, version: int | None, select: Select | None, lease_s: float,
+                    base: int | None = None) -> Lease:
         """Lend `version` (None: the latest) over NIXL for `lease_s` seconds: the agent's metadata and
-        where each tensor, or each selected slice, lies in its registered memory (`Lender.lease`)."""
-        return await self._lender().lease(model, version, select, lease_s)
+        where each tensor, or each selected slice, lies in its registered memory; with `base`, where the
+        delta encoding against it lies, when there is one (`Lender.lease`)."""
+        return await self._lender().lease(model, version, select, lease_s, base)
+
+    def lent(self, lease_id: str) -> Lease:
+        """A lease held now (NOT_FOUND if none of that id is)."""
+        return self._lender().lent(lease_id)
 
     def release_lease(self, lease_id: str) -> None:
         """A reader is done with its lease (DEADLINE_EXCEEDED when it expired first: `Lender.release`)."""
@@ -223,8 +229,8 @@ class Service:
                                      "gRPC or HTTP", reason="nixl_off")
         return self.lender
 
-    async def _open_lent(self, model: str, version: int | None, select: Select | None) -> Pull:
-        return await self.pulls.open(model, version, "nixl", select=select)
+    async def _open_lent(self, model: str, version: int | None, select: Select | None, base: int | None) -> Pull:
+        return await self.pulls.open(model, version, "nixl", select=select, base=base, in_place=True)
 
     def manifest(self, model: str, version: int | None) -> Manifest:
         """The manifest of a retained version (None: the latest)."""

@@ -117,9 +117,13 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
 
     @_abort_on_domain_error
     async def LeaseVersion(self, request: pb.LeaseVersionRequest, context: Any) -> pb.VersionLease:
+        if request.lease_id:  # the rest of a big lease
+            lent = self.service.lent(request.lease_id)
+            return await off_loop(lambda _, lease: lease_to_proto(lease, request.tensors_from), lent.manifest, lent)
         select = select_from_proto(request.select) if request.select else None
+        base = parse_version_ref(request.base) if request.base else None
         lease = await self.service.lease(request.model, parse_version_ref(request.version), select,
-                                         request.lease_s or DEFAULT_LEASE_S)
+                                         request.lease_s or DEFAULT_LEASE_S, base)
         return await off_loop(lambda _, lent: lease_to_proto(lent), lease.manifest, lease)
 
     @_abort_on_domain_error

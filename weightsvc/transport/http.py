@@ -164,6 +164,8 @@ class LeaseBody(BaseModel):
     select: list[str] = Field([], description=_SELECT + " None: every tensor, whole.")
     lease_s: float = Field(DEFAULT_LEASE_S, description="How long the reader needs the version, in seconds (the "
                            "server caps it at --nixl-max-lease-s).")
+    base: int | None = Field(None, ge=0, description="A version the reader holds: the delta encoding against it "
+                             "is lent when there is one (not with `select`).")
 
 
 class MismatchBody(BaseModel):
@@ -433,7 +435,7 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         raw = await read_body(request, cap, bodies, what)
         body = await in_thread(len(raw) > BIG_BODY, parse_body, LeaseBody, raw, what)
         selected = selection(map(parse_selector, body.select)) if body.select else None
-        lent = await service.lease(model, m.version, selected, body.lease_s)
+        lent = await service.lease(model, m.version, selected, body.lease_s, body.base)
         answer = await off_loop(lambda _, lease: json.dumps(lease.to_dict()).encode(), lent.manifest, lent)
         return Response(answer, media_type="application/json")
 

@@ -475,16 +475,22 @@ class ReportMismatchResponse(_message.Message):
     def __init__(self, versions: _Optional[_Mapping[int, RolloutMismatch]] = ...) -> None: ...
 
 class LeaseVersionRequest(_message.Message):
-    __slots__ = ("model", "version", "select", "lease_s")
+    __slots__ = ("model", "version", "select", "lease_s", "base", "lease_id", "tensors_from")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SELECT_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FROM_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: str
     select: _containers.RepeatedCompositeFieldContainer[TensorSelect]
     lease_s: float
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., select: _Optional[_Iterable[_Union[TensorSelect, _Mapping]]] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    base: str
+    lease_id: str
+    tensors_from: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[str] = ..., select: _Optional[_Iterable[_Union[TensorSelect, _Mapping]]] = ..., lease_s: _Optional[float] = ..., base: _Optional[str] = ..., lease_id: _Optional[str] = ..., tensors_from: _Optional[int] = ...) -> None: ...
 
 class MemoryRange(_message.Message):
     __slots__ = ("addr", "nbytes", "device")
@@ -505,20 +511,26 @@ class TensorRanges(_message.Message):
     def __init__(self, tensor: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[MemoryRange, _Mapping]]] = ...) -> None: ...
 
 class VersionLease(_message.Message):
-    __slots__ = ("lease_id", "manifest_json", "agent", "memory", "lease_s", "tensors")
+    __slots__ = ("lease_id", "manifest", "agent", "memory", "lease_s", "tensors", "base_version", "delta", "sources")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
     AGENT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    manifest_json: str
+    manifest: Manifest
     agent: bytes
     memory: str
     lease_s: float
     tensors: _containers.RepeatedCompositeFieldContainer[TensorRanges]
-    def __init__(self, lease_id: _Optional[str] = ..., manifest_json: _Optional[str] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., lease_s: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorRanges, _Mapping]]] = ...) -> None: ...
+    base_version: int
+    delta: _containers.RepeatedCompositeFieldContainer[MemoryRange]
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, lease_id: _Optional[str] = ..., manifest: _Optional[_Union[Manifest, _Mapping]] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., lease_s: _Optional[float] = ..., tensors: _Optional[_Iterable[_Union[TensorRanges, _Mapping]]] = ..., base_version: _Optional[int] = ..., delta: _Optional[_Iterable[_Union[MemoryRange, _Mapping]]] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("lease_id",)

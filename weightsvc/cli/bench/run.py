@@ -48,6 +48,8 @@ def run_bench(
         "scale": lambda: scale.scale_bench(size_mib=min(size_mib, 512), repeat=repeat, log=say),
         "store": lambda: store.store_bench(model, repeat=repeat, say=say),
         "N1": lambda: fabric.fabric_bench(size_mib=size_mib, repeat=repeat, say=say),
+        "N2": lambda: fabric.quarters_bench(size_mib=size_mib, repeat=repeat, say=say),
+        "N3": lambda: fabric.control_bench(counts=(1_000, 100_000), repeat=min(repeat, 2), say=say),
     }
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
     for name, measure in measures.items():

@@ -1,5 +1,8 @@
 """`WeightsvcTransferEngine`: weightsvc as a weight-transfer backend of vLLM's RL API, selected with
-`vllm serve MODEL --weight-transfer-config '{"backend": "weightsvc"}'` (registered by `plugin`). This
+`vllm serve MODEL --weight-transfer-config '{"backend": "weightsvc"}'` (registered by `plugin`), or
+`'{"backend": "weightsvc-nixl"}'` for `WeightsvcNixlTransferEngine`, whose workers READ their slices
+over NIXL from a `serve --nixl` server into their staging (over TCP, said in one line, when NIXL
+cannot reach it). The init info's `"transport"` ("tcp" or "nixl") overrides the backend's. This
 module imports vLLM: vLLM's factory imports it in each worker.
 
 The four phases as the backend sees them, in each worker:
@@ -34,10 +37,12 @@ from vllm.distributed.weight_transfer.base import (
 from weightsvc.client import InferenceClient
 from weightsvc.integrations.vllm.worker import pull_for_rank, reload_in_place, tp_rank
 
-__all__ = ["NOTIFY_TIMEOUT_S", "WeightsvcInitInfo", "WeightsvcTransferEngine", "WeightsvcUpdateInfo"]
+__all__ = ["NOTIFY_TIMEOUT_S", "TRANSPORTS", "WeightsvcInitInfo", "WeightsvcNixlTransferEngine",
+           "WeightsvcTransferEngine", "WeightsvcUpdateInfo"]
 
 log = logging.getLogger(__name__)
 NOTIFY_TIMEOUT_S = 10.0
+TRANSPORTS = ("tcp", "nixl")
 
 Staged = tuple[int, dict[str, torch.Tensor], int]  # (version, weights ready for load_weights, bytes pulled)
 
@@ -53,6 +58,7 @@ class WeightsvcInitInfo(WeightTransferInitInfo):
     dequantize: bool = False  # load an fp8 version as values into an engine in a higher precision
     stage: int | None = None  # a version to start pulling now, before the pause
     notify: str | None = None  # a URL told when the staged version is in (or failed)
+    transport: str | None = None  # "tcp" or "nixl"; None: the backend's
 
 
 @dataclass
@@ -66,6 +72,7 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
     init_info_cls = WeightsvcInitInfo
     update_info_cls = WeightsvcUpdateInfo
     supports_draft_weight_update = False
+    transport = "tcp"  # how the workers pull unless the init info says
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -75,6 +82,8 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
         self._staging: dict[int, Future[Staged]] = {}  # the latest version asked for, at most one
 
     def init_transfer_engine(self, init_info: WeightsvcInitInfo) -> None:
+        if init_info.transport is not None and init_info.transport not in TRANSPORTS:
+            raise ValueError(f"weightsvc: transport {init_info.transport!r} is none of {', '.join(TRANSPORTS)}")
         self.source = init_info
         if init_info.stage is not None:
             self._stage(init_info, int(init_info.stage))
@@ -125,7 +134,7 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
         rank, size = tp_rank()
         with InferenceClient(source.target, ca_cert=source.ca_cert) as client:
             manifest, weights, pulled = pull_for_rank(client, source.model, version, self.model_config, rank,
-                                                      size, source.dequantize)
+                                                      size, source.dequantize, source.transport or self.transport)
         return manifest.version, weights, pulled
 
     def _notify(self, source: WeightsvcInitInfo, version: int, future: Future[Staged]) -> None:
@@ -142,3 +151,9 @@ class WeightsvcTransferEngine(WeightTransferEngine[WeightsvcInitInfo, WeightsvcU
                 pass
         except OSError as e:  # the follower is gone: it stages again when it comes back
             log.warning("weightsvc: cannot tell %s that version %d is staged: %s", source.notify, version, e)
+
+
+class WeightsvcNixlTransferEngine(WeightsvcTransferEngine):
+    """The backend `weightsvc-nixl`: each worker READs its slice over NIXL into its staging."""
+
+    transport = "nixl"

@@ -5,24 +5,31 @@ the rank and to reload."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from weightsvc.client import InferenceClient, dequantize
+from weightsvc.client import InferenceClient, Slice, dequantize
+from weightsvc.client._tensors import TORCH_DTYPES
 from weightsvc.integrations.vllm.checkpoint import calibration, check_engine_fits, served_masters
 from weightsvc.integrations.vllm.layout import placed, tp_select
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.selection import sliced_shape
 
-__all__ = ["VllmWorkerExtension", "pull_for_rank", "reload_in_place", "tp_rank"]
+__all__ = ["VllmWorkerExtension", "pull_for_rank", "reload_in_place", "staging", "tp_rank"]
 
 
 def pull_for_rank(client: InferenceClient, model: str, version: int, config: Any, rank: int, size: int,
-                  dequantize_fp8: bool = False) -> tuple[Manifest, dict[str, torch.Tensor], int]:
+                  dequantize_fp8: bool = False, transport: str = "tcp"
+                  ) -> tuple[Manifest, dict[str, torch.Tensor], int]:
     """What tensor-parallel rank `rank` of `size` loads of a version: its manifest, the weights by the
     names vLLM's `load_weights` takes (verified; each slice at its place in its whole tensor; tied and
     calibration names filled), and the bytes pulled. The version is checked against the engine's
-    checkpoint (`config`: its `ModelConfig`) before a byte is pulled: a `Mismatch` writes nothing."""
+    checkpoint (`config`: its `ModelConfig`) before a byte is pulled: a `Mismatch` writes nothing.
+
+    With `transport` "nixl", the rank's slices are READ over NIXL into staging tensors allocated here
+    (host memory), or pulled over TCP into them when NIXL cannot reach the server (one line says so)."""
     hf = config.hf_config
     manifest = client.manifest(model, version)
     check_engine_fits(manifest, config, dequantize=dequantize_fp8)
@@ -34,8 +41,13 @@ def pull_for_rank(client: InferenceClient, model: str, version: int, config: Any
         select.update({n: None for _, parts in served_masters(manifest).values() if len(parts) > 1
                        for n in parts})
     sliced = {n: s for n, s in select.items() if s is not None}
-    weights = client.pull(model, manifest.version, select=select) if sliced else client.pull(model, manifest.version)
-    pulled = client.last_pull_bytes
+    if transport == "nixl":
+        weights = staging(manifest, select)
+        client.pull_into(weights, model, manifest.version, select=select if sliced else None)
+        pulled = sum(t.numel() * t.element_size() for t in weights.values())
+    else:
+        weights = client.pull(model, manifest.version, select=select if sliced else None)
+        pulled = client.last_pull_bytes
     if dequantize_fp8:
         weights = {n: t.to(config.dtype) for n, t in dequantize(weights).items()}
     shapes = {t.name: t.shape for t in manifest.tensors}
@@ -51,6 +63,13 @@ def pull_for_rank(client: InferenceClient, model: str, version: int, config: Any
     # vLLM's in-place reload rebuilds a layer from what it is given: the checkpoint's calibration too.
     weights.update({n: t for n, t in calibration(str(config.model)).items() if n not in weights})
     return manifest, weights, pulled
+
+
+def staging(manifest: Manifest, select: Mapping[str, Slice | None]) -> dict[str, torch.Tensor]:
+    """Empty tensors of the served dtype and (sliced) shape of each selected tensor, to READ into."""
+    by_name = {t.name: t for t in manifest.tensors}
+    return {name: torch.empty(sliced_shape(by_name[name].shape, cut), dtype=TORCH_DTYPES[by_name[name].dtype])
+            for name, cut in select.items()}
 
 
 def reload_in_place(model: Any, model_config: Any, weights: dict[str, torch.Tensor]) -> None:
