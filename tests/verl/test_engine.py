@@ -163,9 +163,8 @@ def test_an_update_again_at_the_same_step_re_pushes_and_one_without_a_step_takes
         # a step that changed the masters at a step the service holds is refused, naming it
         for w in trainers:
             w.actor.engine.masters = small_step(masters, lr=1e-2, seed=1)
-        join([w.checkpoint_engine for w in trainers], [])
         with pytest.raises(AlreadyExists, match=rf"model '{model}' version 0 is already committed with different"):
-            asyncio.run(ActorRolloutRefWorker.update_weights.__wrapped__(trainers[0], global_steps=0, mode="auto"))
+            update(trainers, [], global_steps=0)
         with InferenceClient(srv.grpc_target) as client:
             assert_served(client.pull(model, 0), masters, 0)
 
