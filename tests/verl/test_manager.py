@@ -58,7 +58,11 @@ def test_the_manager_updates_rollout_workers_through_weightsvc(local_ray: None, 
         rollout = worker_group(Rollout, ROLLOUTS, rollout_config=rollout_config, model_config=model_config)
         replicas = [Replica(replica_rank=r, config=rollout_config, model_config=model_config)
                     for r in range(ROLLOUTS)]  # one worker each (tensor parallel 1)
-        asyncio.run(asyncio.wait_for(asyncio.gather(*(r.init_hybrid(rollout) for r in replicas)), 60))
+
+        async def start() -> None:
+            await asyncio.gather(*(r.init_hybrid(rollout) for r in replicas))
+
+        asyncio.run(start())
         manager = CheckpointEngineManager(config=config, actor_wg=trainer, replicas=replicas)
 
         for step in (0, 1, 2):  # as verl's trainer: the starting masters at step 0, then one update per step
