@@ -73,7 +73,8 @@ def rollout_worker(engine: CheckpointEngine) -> CheckpointEngineWorker:
 
 
 def engines(trainers: int, rollouts: int, **kwargs: Any) -> tuple[list[CheckpointEngine], list[CheckpointEngine]]:
-    """Built as verl builds them: the trainer's in `ActorRolloutRefWorker`, the rollout's in `CheckpointEngineWorker`."""
+    """Built as verl builds them: the trainer's in `ActorRolloutRefWorker`, the rollout's in
+    `CheckpointEngineWorker`."""
     return ([CheckpointEngineRegistry.new(BACKEND, is_master=r == 0, bucket_size=BUCKET, **kwargs)
              for r in range(trainers)],
             [CheckpointEngineRegistry.new(BACKEND, bucket_size=BUCKET, **kwargs) for _ in range(rollouts)])

@@ -77,7 +77,8 @@ class WeightsvcCheckpointEngine(CheckpointEngine):
         self.token, self.timeout_s, self.tied = token, timeout_s, dict(tied or {})
         # From `init_process_group`: a trainer worker's rank among the trainer's (-1 on the rollout) and
         # the model's latest version when the update began (None: nothing committed yet).
-        self.rank, self.world_size, self.latest = -1, 1, None
+        self.rank, self.world_size = -1, 1
+        self.latest: int | None = None
         self._joined = False
         # What a rollout worker acks as (`weightsvc status` lists it): one id for the engine's life.
         self.client_id = client_id or f"verl-{socket.gethostname()}-{os.getpid()}-{id(self):x}"
@@ -98,13 +99,15 @@ class WeightsvcCheckpointEngine(CheckpointEngine):
         """The trainer workers their rank among them; every worker the latest version any saw."""
         seen = [m["latest"] for m in metadata if m and m.get("latest") is not None]
         latest = max(seen) if seen else None
-        trainer = {"rank": list(range(actor_wg_world_size)), "world_size": [actor_wg_world_size] * actor_wg_world_size,
-                   "latest": [latest] * actor_wg_world_size}
-        rollout = {"rank": [-1] * rollout_world_size, "world_size": [actor_wg_world_size] * rollout_world_size,
-                   "latest": [latest] * rollout_world_size}
+        trainers, rollouts = actor_wg_world_size, rollout_world_size
+        trainer: dict[str, list[Any]] = {"rank": list(range(trainers)), "world_size": [trainers] * trainers,
+                                         "latest": [latest] * trainers}
+        rollout: dict[str, list[Any]] = {"rank": [-1] * rollouts, "world_size": [trainers] * rollouts,
+                                         "latest": [latest] * rollouts}
         return trainer, rollout
 
-    def init_process_group(self, rank: int, world_size: int, latest: int | None) -> None:
+    # (verl declares `**kwargs`: each engine takes the keywords its own `build_topology` hands out)
+    def init_process_group(self, rank: int, world_size: int, latest: int | None) -> None:  # type: ignore[override]
         self.rank, self.world_size, self.latest, self._joined = rank, world_size, latest, True
 
     def finalize(self) -> None:
@@ -127,7 +130,9 @@ class WeightsvcCheckpointEngine(CheckpointEngine):
                  self.world_size, len(share), "" if info.created else "; the same masters as before")
         return {"weightsvc/version": float(info.version)}
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+    # (verl annotates the coroutine; its engines, as this one, are async generators)
+    async def receive_weights(  # type: ignore[override]
+            self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
         """Wait for the update's version, pull its served copy and yield `(name, tensor)`; acks it."""
         version = self._version(global_steps, "receive_weights")
         with InferenceClient(self.target, token=self.token, timeout=self.timeout_s) as client:
