@@ -5,10 +5,11 @@ manager's `update_weights` three times).
 
 Every part of verl is verl's: the Ray worker groups and their dispatch, the manager, the rollout's
 `CheckpointEngineWorker` building the engine from the rollout config. Ours: trainer ranks holding a
-tiny Llama's fp32 masters (verl's FSDP engine needs its model on a device mesh: `tests/verl/workers.py`),
-and a server adapter that keeps what it was handed. verl's vLLM rollout (`vLLMReplica`) cannot take its
-place here: its replicas ask Ray for GPUs, and verl 0.9.1 takes transformers < 5.11 where vLLM for the
-CPU (0.32) takes >= 5.16.1.
+tiny Llama's fp32 masters sharded as FSDP2 shards them (verl registers its training engines for CUDA
+and NPU only: `tests/verl/workers.py`), and a server adapter that keeps what it was handed. verl's
+vLLM rollout (`vLLMReplica`) cannot take its place: its servers are placed by the CUDA devices of
+their workers (standalone replicas ask Ray for GPUs), and verl 0.9.1 takes transformers < 5.11 where
+vLLM for the CPU (0.32) takes >= 5.16.1.
 """
 
 from __future__ import annotations

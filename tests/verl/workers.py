@@ -1,18 +1,24 @@
 """Trainer and rollout workers for verl's `CheckpointEngineManager` under Ray, as verl's own test of its
 checkpoint engines builds them (verl 0.9.1, tests/checkpoint_engine/test_utils.py: `TrainingWorkerTest`,
-`CheckpointEngineWorkerTest` with its server adapter, `MockReplica`), with a tiny Llama's fp32 masters
-in place of its FSDP engine: a module Ray's worker processes import by name."""
+`CheckpointEngineWorkerTest` with its server adapter, `MockReplica`): a module Ray's worker processes
+import by name. verl registers its training engines (FSDP, Megatron...) for CUDA and NPU devices only,
+so the trainer ranks here hold a tiny Llama's fp32 masters sharded as FSDP2 holds them (DTensors over
+a gloo process group) and hand them out as verl's FSDP engine does (`get_per_tensor_param`: each
+gathered with `full_tensor()` as the generator reaches it, a collective every rank must join)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from verl.checkpoint_engine import CheckpointEngineRegistry, CheckpointEngineWorker
 from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
+from verl.utils.distributed import initialize_global_process_group_ray
 from verl.workers.config import CheckpointEngineConfig, HFModelConfig, RolloutConfig
 from verl.workers.rollout import BaseRollout, RolloutReplica
 
@@ -30,8 +36,8 @@ def llama_masters(step: int) -> dict[str, torch.Tensor]:
 
 class Trainer(Worker):
     """A trainer rank: the engine built as verl's `ActorRolloutRefWorker` builds it (`engine_kwargs` of
-    the backend, `is_master` on rank 0), and `update_weights` handing it one full fp32 tensor at a
-    time, as verl's `get_per_tensor_param` does."""
+    the backend, `is_master` on rank 0), `update_weights` handing it the masters one full fp32 tensor
+    at a time."""
 
     def __init__(self, checkpoint_engine_config: CheckpointEngineConfig) -> None:
         super().__init__()
@@ -39,16 +45,23 @@ class Trainer(Worker):
         self.checkpoint_engine = CheckpointEngineRegistry.new(
             config.backend, is_master=self.rank == 0, bucket_size=config.update_weights_bucket_megabytes << 20,
             **config.engine_kwargs.get(config.backend, {}))
-        self.masters = llama_masters(0)
+        initialize_global_process_group_ray(timeout_second=None, backend="cpu:gloo")
+        self.mesh = init_device_mesh("cpu", (self.world_size,))
+        self.train_to(0)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def train_to(self, step: int) -> None:
-        self.masters = llama_masters(step)
+        """The masters after `step` steps, each rank holding its rows of each (a scalar whole)."""
+        self.masters = {name: distribute_tensor(t, self.mesh, [Shard(0) if t.dim() else Replicate()])
+                        for name, t in llama_masters(step).items()}
+
+    def per_tensor_param(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return ((name, p.full_tensor() if isinstance(p, DTensor) else p) for name, p in self.masters.items())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def update_weights(self, global_steps: int | None = None, mode: str = "auto") -> dict[str, float]:
-        metrics: dict[str, float] = await self.checkpoint_engine.send_weights(
-            iter(self.masters.items()), global_steps=global_steps)
+        metrics: dict[str, float] = await self.checkpoint_engine.send_weights(self.per_tensor_param(),
+                                                                              global_steps=global_steps)
         return metrics
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE, blocking=False)
