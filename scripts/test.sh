@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up, then run the linter, the whole test suite, and the real-engine tests (vLLM, in their own
-# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out). Extra arguments go to
+# Set up, then run the linter, the whole test suite, the real-engine tests (vLLM, in their own
+# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out) and the verl tests (verl
+# and Ray, in theirs: scripts/test_verl.sh; WEIGHTSVC_VERL=0 leaves them out). Extra arguments go to
 # pytest and run the main suite alone, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,4 +27,7 @@ else
 fi
 if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
   scripts/test_engines.sh
+fi
+if [ $# -eq 0 ] && [ "${WEIGHTSVC_VERL:-1}" != 0 ]; then
+  scripts/test_verl.sh
 fi

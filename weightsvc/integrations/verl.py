@@ -1,29 +1,36 @@
-"""verl: a checkpoint engine named "weightsvc" that syncs trainer -> rollout through a weightsvc service.
+"""verl: a checkpoint engine named "weightsvc" that syncs trainer -> rollout through a weightsvc service,
+and verl's rollout correction with the trainer-rollout mismatch reported by weight version.
 
-Written against verl 0.8.0.dev (volcengine/verl b178a3cd, `verl/checkpoint_engine/base.py`). verl
-builds each engine with `CheckpointEngineRegistry.new(backend, **kwargs)` (the trainer's with
+Written against verl 0.9.1 (`verl/checkpoint_engine/base.py`); verl is imported with this module: it
+is the `verl` extra. verl's `CheckpointEngineManager.update_weights(global_steps)` drives every engine:
+`prepare()` on each trainer and rollout worker, `build_topology(trainer_world_size,
+rollout_world_size, metadata)`, `init_process_group(**kwargs)` per worker, then the trainer workers'
+`send_weights(per_tensor_param, global_steps=...)` while each rollout worker's server adapter consumes
+`receive_weights(global_steps=...)`, then `finalize()`. The trainer's engines are built with
 `is_master` and `bucket_size`, the rollout's with `bucket_size`, both with
-`rollout.checkpoint_engine.engine_kwargs.weightsvc`), then on each update: `prepare()` on every worker,
-`build_topology(trainer_world_size, rollout_world_size, metadata)`, `init_process_group(**kwargs)` per
-worker, the trainer's `send_weights(generator)` while the rollout's `receive_weights()` feeds the
-server adapter, and `finalize()`.
+`rollout.checkpoint_engine.engine_kwargs.weightsvc`.
 
-Here: every worker's `prepare` reports the model's latest version, `build_topology` numbers the update
-(the latest + 1, so a resumed run goes on numbering) and gives every worker that version and the
-trainer ranks their rank. verl's FSDP engine hands every trainer rank the same full fp32 tensors
-(`DTensor.full_tensor`), so the ranks split them, whole tensors balanced by bytes, and push their
-shares as one multi-rank push: the version commits when all ranks are in (nothing visible otherwise),
-exported by the service's rounding. The rollout side waits for that version, pulls the served copy
-(checksums verified), yields `(name, tensor)` and acks it.
+The version of an update is verl's `global_steps`: the rollout servers label what they generate with
+it (`min_global_steps` / `max_global_steps` of each trajectory), so those labels are weightsvc versions
+and the mismatch can be reported by version (`rollout_correction`). verl updates again with the same
+`global_steps` (validation, critic warm-up): the masters are then unchanged and the push is the
+service's idempotent re-push. An update without `global_steps` re-pushes the latest version (version 0
+before any). A run resumed from a checkpoint older than the model's latest version pushes steps the
+service already holds with other content, which it refuses: resume onto a fresh model name.
 
-Enable (both the trainer's and the rollout's processes must import this module, which registers the
-backend when verl is importable):
+verl's FSDP engine hands every trainer rank the same full fp32 tensors (`DTensor.full_tensor`), so
+the ranks split them, whole tensors balanced by bytes, and push their shares as one multi-rank push:
+the version commits when all ranks are in (nothing visible otherwise), exported by the service's
+rounding. Each rollout worker waits for that version, pulls the served copy (checksums verified),
+yields `(name, tensor)` and acks it.
 
-    VERL_USE_EXTERNAL_MODULES=weightsvc.integrations.verl
+Enable: `pip install 'weightsvc[verl]'` (verl loads the backend through its `verl.plugins` entry
+point), then
+
     actor_rollout_ref.rollout.checkpoint_engine.backend=weightsvc
     +actor_rollout_ref.rollout.checkpoint_engine.engine_kwargs.weightsvc.target=weightsvc:50051
 
-The rollout adapter casts what it receives to `rollout.dtype`: serve a format of that dtype (bf16).
+verl's rollout adapters cast what they receive to `rollout.dtype`: serve a format of that dtype (bf16).
 """
 
 from __future__ import annotations
@@ -35,17 +42,25 @@ import socket
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
-from weightsvc.client import InferenceClient, LearnerClient
-from weightsvc.errors import NotFound
+import numpy as np
+import torch
+from verl import DataProto
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch
+from weightsvc.errors import NotFound, subject
 
 log = logging.getLogger("weightsvc.verl")
 
 BACKEND = "weightsvc"
-__all__ = ["BACKEND", "WeightsvcEngine", "register"]
+UNKNOWN_VERSION = -1  # a token whose weight version verl did not record (see `token_versions`)
+__all__ = ["BACKEND", "WeightsvcCheckpointEngine", "rollout_correction", "split_by_bytes", "token_versions"]
 
 
-class WeightsvcEngine:
-    """The backend's behaviour; `register` makes it a subclass of verl's `CheckpointEngine`.
+@CheckpointEngineRegistry.register(BACKEND)
+class WeightsvcCheckpointEngine(CheckpointEngine):
+    """verl's checkpoint engine over a weightsvc service.
 
     `target`: the service (gRPC HOST:PORT); `model`: the model name in it; `format`, `rounding`: the
     export of each push (empty: the service's); `token`: a bearer token (push role on the trainer);
@@ -60,8 +75,12 @@ class WeightsvcEngine:
         self.is_master = is_master
         self.target, self.model, self.format, self.rounding = target, model, format, rounding
         self.token, self.timeout_s, self.tied = token, timeout_s, dict(tied or {})
-        self.rank, self.world_size, self.version = -1, 1, -1  # from `init_process_group`
-        # What the rollout worker acks as (`weightsvc status` lists it): one id for the engine's life.
+        # From `init_process_group`: a trainer worker's rank among the trainer's (-1 on the rollout) and
+        # the model's latest version when the update began (None: nothing committed yet).
+        self.rank, self.world_size = -1, 1
+        self.latest: int | None = None
+        self._joined = False
+        # What a rollout worker acks as (`weightsvc status` lists it): one id for the engine's life.
         self.client_id = client_id or f"verl-{socket.gethostname()}-{os.getpid()}-{id(self):x}"
 
     # ---- the lifecycle verl drives ------------------------------------------------------------
@@ -75,61 +94,78 @@ class WeightsvcEngine:
                 return {"latest": None}
 
     @classmethod
-    def build_topology(cls, trainer_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
+    def build_topology(cls, actor_wg_world_size: int, rollout_world_size: int, metadata: list[dict[str, Any]]
                        ) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
-        """Every worker gets the version of this update; the trainer's ranks their rank among them."""
+        """The trainer workers their rank among them; every worker the latest version any saw."""
         seen = [m["latest"] for m in metadata if m and m.get("latest") is not None]
-        version = max(seen) + 1 if seen else 1
-        trainer = {"rank": list(range(trainer_world_size)), "world_size": [trainer_world_size] * trainer_world_size,
-                   "version": [version] * trainer_world_size}
-        rollout = {"rank": [-1] * rollout_world_size, "world_size": [trainer_world_size] * rollout_world_size,
-                   "version": [version] * rollout_world_size}
+        latest = max(seen) if seen else None
+        trainers, rollouts = actor_wg_world_size, rollout_world_size
+        trainer: dict[str, list[Any]] = {"rank": list(range(trainers)), "world_size": [trainers] * trainers,
+                                         "latest": [latest] * trainers}
+        rollout: dict[str, list[Any]] = {"rank": [-1] * rollouts, "world_size": [trainers] * rollouts,
+                                         "latest": [latest] * rollouts}
         return trainer, rollout
 
-    def init_process_group(self, rank: int, world_size: int, version: int) -> None:
-        self.rank, self.world_size, self.version = rank, world_size, version
+    # (verl declares `**kwargs`: each engine takes the keywords its own `build_topology` hands out)
+    def init_process_group(self, rank: int, world_size: int, latest: int | None) -> None:  # type: ignore[override]
+        self.rank, self.world_size, self.latest, self._joined = rank, world_size, latest, True
 
     def finalize(self) -> None:
         """Nothing is held between updates: each push and pull opens its own connection."""
+        self._joined = False
 
-    async def send_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Push this rank's share of the masters as version `self.version`; returns once it commits."""
+    async def send_weights(self, weights: Iterable[tuple[str, Any]], global_steps: int | None = None
+                           ) -> dict[str, float]:
+        """Push this rank's share of the masters as the update's version; returns once it commits,
+        with the metrics verl merges into the step's (`weightsvc/version`)."""
+        version = self._version(global_steps, "send_weights")
         if self.rank < 0:
-            raise RuntimeError("send_weights before init_process_group gave this trainer worker its rank")
+            raise RuntimeError(f"{subject(self.model, version)}: send_weights on a rollout worker (rank -1)")
         share = split_by_bytes(weights, self.rank, self.world_size)
         with LearnerClient(self.target, token=self.token, timeout=self.timeout_s) as learner:
-            info = await asyncio.to_thread(learner.push, self.version, share, self.model, rank=self.rank,
+            info = await asyncio.to_thread(learner.push, version, share, self.model, rank=self.rank,
                                            world_size=self.world_size, format=self.format, rounding=self.rounding,
                                            tied=self.tied)
-        log.info("model %s version %d pushed by rank %d of %d (%d tensors)", self.model, info.version, self.rank,
-                 self.world_size, len(share))
+        log.info("%s pushed by rank %d of %d (%d tensors%s)", subject(self.model, info.version), self.rank,
+                 self.world_size, len(share), "" if info.created else "; the same masters as before")
+        return {"weightsvc/version": float(info.version)}
 
-    async def receive_weights(self) -> AsyncIterator[tuple[str, Any]]:
-        """Wait for version `self.version`, pull its served copy and yield `(name, tensor)`; acks it."""
-        if self.version < 0:
-            raise RuntimeError("receive_weights before init_process_group gave this rollout worker the version")
+    # (verl annotates the coroutine; its engines, as this one, are async generators)
+    async def receive_weights(  # type: ignore[override]
+            self, global_steps: int | None = None) -> AsyncIterator[tuple[str, torch.Tensor]]:
+        """Wait for the update's version, pull its served copy and yield `(name, tensor)`; acks it."""
+        version = self._version(global_steps, "receive_weights")
         with InferenceClient(self.target, token=self.token, timeout=self.timeout_s) as client:
-            weights = await asyncio.wait_for(asyncio.to_thread(self._pull_when_committed, client), self.timeout_s)
+            weights = await asyncio.wait_for(asyncio.to_thread(self._pull_when_committed, client, version),
+                                             self.timeout_s)
             for name, tensor in weights.items():
                 yield name, tensor
-            client.ack(self.model, self.version, self.client_id)
-        log.info("model %s version %d received (%d tensors)", self.model, self.version, len(weights))
+            client.ack(self.model, version, self.client_id)
+        log.info("%s received (%d tensors)", subject(self.model, version), len(weights))
 
-    def _pull_when_committed(self, client: InferenceClient) -> dict[str, Any]:
-        for info in client.watch(self.model, after=self.version - 1):
-            if info.version >= self.version:
-                return client.pull(self.model, self.version)
-        raise RuntimeError(f"model {self.model!r}: the watch ended before version {self.version}")
+    def _version(self, global_steps: int | None, call: str) -> int:
+        if not self._joined:
+            raise RuntimeError(f"model {self.model!r}: {call} before init_process_group joined this worker "
+                               "to the update")
+        if global_steps is not None:
+            return int(global_steps)
+        return self.latest if self.latest is not None else 0
+
+    def _pull_when_committed(self, client: InferenceClient, version: int) -> dict[str, torch.Tensor]:
+        for info in client.watch(self.model, after=version - 1):
+            if info.version >= version:
+                return client.pull(self.model, version)
+        raise RuntimeError(f"{subject(self.model, version)}: the watch ended before the version committed")
 
 
-def split_by_bytes(weights: Iterable[tuple[str, Any]], rank: int, world_size: int) -> dict[str, Any]:
+def split_by_bytes(weights: Iterable[tuple[str, Any]], rank: int, world_size: int) -> dict[str, torch.Tensor]:
     """Rank `rank`'s share of the full tensors every rank iterates in the same order: each tensor goes
     whole to the rank with the fewest bytes so far (the lowest on ties), so the shares are disjoint,
     cover every tensor, and weigh about the same. Each is copied to the CPU as it comes (verl's
     generator may reuse its device buffers); the rest are only iterated, which every rank must do (the
     generator gathers each tensor from all ranks)."""
     loads = [0] * world_size
-    share: dict[str, Any] = {}
+    share: dict[str, torch.Tensor] = {}
     for name, tensor in weights:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # a DTensor: gathered here
         owner = loads.index(min(loads))
@@ -139,15 +175,44 @@ def split_by_bytes(weights: Iterable[tuple[str, Any]], rank: int, world_size: in
     return share
 
 
-def register() -> type | None:
-    """Register the backend with verl's `CheckpointEngineRegistry`; None (nothing done) without verl."""
-    try:
-        from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
-    except ImportError:
-        return None
-    engine = type("WeightsvcCheckpointEngine", (WeightsvcEngine, CheckpointEngine), {"__module__": __name__})
-    CheckpointEngineRegistry.register(BACKEND)(engine)
-    return engine
+# ---- the trainer's rollout correction, by weight version ------------------------------------------
 
 
-WeightsvcCheckpointEngine = register()  # on import: verl imports this module in each of its processes
+def token_versions(batch: DataProto) -> torch.Tensor:
+    """The weight version of each response token of `batch` ([batch, response length]), from the
+    versions verl records per trajectory: every token of one generated under a single version
+    (`min_global_steps` == `max_global_steps`) has it. A trajectory resumed across updates (partial
+    rollout) spans several and verl keeps only the first and the last, so its tokens are
+    `UNKNOWN_VERSION`, as are those of a trajectory without a record."""
+    mask = batch.batch["response_mask"]
+    rows = len(batch)
+    first = batch.non_tensor_batch.get("min_global_steps", np.full(rows, None, dtype=object))
+    last = batch.non_tensor_batch.get("max_global_steps", np.full(rows, None, dtype=object))
+    per_row = [int(a) if a is not None and a == b else UNKNOWN_VERSION for a, b in zip(first, last, strict=True)]
+    return torch.tensor(per_row, dtype=torch.long).unsqueeze(1).expand(mask.shape).clone()
+
+
+def rollout_correction(batch: DataProto, config: Any, *, learner: LearnerClient | None = None,
+                       model: str = "default", step: int | None = None
+                       ) -> tuple[DataProto, dict[str, float], dict[int, RolloutMismatch]]:
+    """verl's rollout correction of `batch`, and its trainer-rollout mismatch by weight version.
+
+    `config` is verl's `algorithm.rollout_correction` (`rollout_is`: "token" or "sequence",
+    `rollout_is_threshold`: TIS's upper bound or IcePop's "low_high", `rollout_rs`...): the batch's
+    `rollout_is_weights` and `response_mask` are verl's own (`compute_rollout_correction_and_add_to_batch`
+    on `old_log_probs` and `rollout_log_probs`). Each token's weight, exp(old - rollout), is divided
+    by the probability under the version that sampled it: its rollout log-probability is that
+    version's. The mismatch (`rollout_mismatch`, token means) is taken over the tokens the
+    correction keeps whose version is known (`token_versions`), and reported to the service with
+    `learner` as step `step`. Returns the batch, verl's metrics plus `weightsvc/unversioned_tokens`,
+    and the mismatch by version."""
+    batch, metrics = compute_rollout_correction_and_add_to_batch(batch, config)
+    versions = token_versions(batch)
+    kept = batch.batch["response_mask"].detach().cpu().bool()
+    by_version = rollout_mismatch(batch.batch["old_log_probs"].detach().cpu(),
+                                  batch.batch["rollout_log_probs"].detach().cpu(), versions,
+                                  mask=kept & (versions != UNKNOWN_VERSION))
+    metrics["weightsvc/unversioned_tokens"] = float((kept & (versions == UNKNOWN_VERSION)).sum())
+    if learner is not None and by_version:
+        learner.report_mismatch(model, by_version, step=step)
+    return batch, metrics, by_version
