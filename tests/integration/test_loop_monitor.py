@@ -3,6 +3,7 @@ the probes, answered off the loop, tell a busy loop (alive, ready) from a wedged
 
 from __future__ import annotations
 
+import ctypes
 import json
 import time
 from collections.abc import Iterator
@@ -13,6 +14,7 @@ import pytest
 
 from tests.conftest import serving
 from tests.helpers import http_get
+from weightsvc.cli.bench.loop import HealthPoller
 from weightsvc.server.server import BackgroundServer
 
 
@@ -91,6 +93,24 @@ def test_the_probes_answer_while_the_event_loop_is_held() -> None:
         status, _, body = http_get(srv.server.probe_url, "/readyz")
         assert status == 200 and json.loads(body) == {"status": "ready", "device": "cpu"}
         assert http_get(srv.server.probe_url, "/metrics")[0] == 404  # the probes alone, no data
+
+
+def test_the_probes_answer_while_the_server_holds_its_gil() -> None:
+    """The work of a big push or pull holds the server's GIL (or its memory-map lock) for a second and
+    more at a time: a probe answered by a thread of the server waited for it (/healthz 1.05 s during a
+    100,000-tensor push). The loop here holds the GIL 2 s in one C call (ctypes.PyDLL keeps it), while
+    processes of their own poll the probe port, answered by the server's probe process, and the HTTP
+    port, answered on the loop."""
+    with serving() as srv:
+        probes, http = HealthPoller(srv.server.probe_url), HealthPoller(srv.http_url)
+
+        async def hold_the_gil() -> None:
+            ctypes.PyDLL(None).usleep(2_000_000)
+
+        srv.call(hold_the_gil())
+        worst_probe, worst_http = probes.worst(), http.worst()
+    assert worst_http >= 1.0  # the hold held
+    assert worst_probe < 1.0, f"/healthz on the probe port took {worst_probe:.2f} s"  # (Kubernetes' default timeout)
 
 
 def test_a_wedged_event_loop_fails_both_probes_until_it_turns_again(monkeypatch: pytest.MonkeyPatch) -> None:
