@@ -73,9 +73,11 @@ def test_adapter_version_served_unscaled_bit_for_bit_with_its_config(transport: 
     ({f"{PREFIX}.0.self_attn.q_proj.lora_A.weight": torch.zeros(RANK, IN),
       f"{PREFIX}.0.self_attn.q_proj.lora_B.weight": torch.zeros(())}, r"lora_B.weight' has shape \[\]"),
 ])
-def test_tensors_that_are_not_the_adapter_are_refused_by_name(tensors: dict[str, torch.Tensor],
-                                                              message: str) -> None:
-    with serving() as srv, LearnerClient(srv.grpc_target) as learner:
+def test_tensors_that_are_not_the_adapter_are_refused_by_name(tensors: dict[str, torch.Tensor], message: str,
+                                                              push_transport: str) -> None:
+    """Refused by name over either push transport (a LoRA tensor of shape [] was INTERNAL over gRPC,
+    500 over HTTP)."""
+    with serving() as srv, LearnerClient(target(srv, push_transport)) as learner:
         with pytest.raises(InvalidArgument, match=message) as e:
             learner.push(1, tensors, model="ad", adapter=ADAPTER)
         assert "model 'ad' step 1" in str(e.value)
