@@ -452,7 +452,8 @@ def test_a_marker_cannot_relabel_what_the_objects_hold(store: str, seaweed: Seaw
             assert [v.version for v in restored.versions(MODEL)] == [1]
 
 
-def test_restore_sets_the_damaged_aside_and_serves_the_rest(store: str, seaweed: SeaweedS3) -> None:
+def test_restore_sets_the_damaged_aside_and_serves_the_rest(store: str, seaweed: SeaweedS3,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
     with serving(object_store=store, full_every=2, retain=4) as srv:
         push_steps(srv, range(1, 5))  # 1 full, 2 a delta on 1, 3 full, 4 a delta on 3
         drained(srv)
@@ -474,7 +475,9 @@ def test_restore_sets_the_damaged_aside_and_serves_the_rest(store: str, seaweed:
         assert {(d["model"], d["file"].removeprefix(store)) for d in remote.damaged_files()} == {
             *((MODEL, f"/{marker_name(MODEL, v)}") for v in (2, 5, 7)), ("other", f"/{marker_name('other', 3)}"),
             ("bad name!", "/versions/bad name!/")}
-    with serving(object_store=store, full_every=2, retain=4) as srv:
+    with caplog.at_level(logging.ERROR, "weightsvc.store"), serving(object_store=store, full_every=2, retain=4) as srv:
+        said = [r.getMessage() for r in caplog.records if "is damaged, set aside" in r.getMessage()]
+        assert len(said) == 5 and all(store in line for line in said), said  # each named in the log
         with InferenceClient(srv.http_url) as restored:  # serving: the sound versions came back
             assert [v.version for v in restored.versions(MODEL)] == [1, 3, 4]
             for version, tensors in before.items():
