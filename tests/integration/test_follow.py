@@ -250,6 +250,7 @@ DEEP = b"[" * 200_000 + b"]" * 200_000
     ("1", "/weight_info", b"{}", "GET /weight_info answered '{}': not a JSON object with 'weight_version'"),
     ("1", "/weight_info", b'{"weight_version": "' + b"7" * 5000 + b'"}',
      "GET /weight_info answered weight_version '77777"),
+    ("1", "/weight_info", b'{"weight_version": ' + b"7" * 5000 + b"}", "not a JSON object with 'weight_version'"),
     ("1", "/weight_info", '{"weight_version": "١٢"}'.encode(), "neither a version (ASCII digits"),
     ("1", "/weight_info", b'{"weight_version": {"v": 1}}', "not a JSON object with 'weight_version' of str or int"),
     ("1", "/weight_info", b"<html>busy</html>", "answered '<html>busy</html>': not a JSON object"),
