@@ -124,6 +124,8 @@ BAD_BODIES = [
     ("PUT", lambda m: file_body(b"\xef\xbb\xbf" + entry(b"[4]")), "a JSON object from its first byte, not start "
                                                                    "with '\\ufeff'"),
     ("PUT", lambda m: file_body(b"", 0), "model {m!r} step 1: the safetensors header cannot be read"),
+    ("PUT", lambda m: file_body(entry(b"[4]").replace(b'"w"', b'"\\ud800"')), "model {m!r} step 1: the safetensors "
+     "header cannot be read: a string of it holds a lone surrogate '\\ud800'"),  # (500: its name encoded at commit)
     ("POST", lambda m: framed_push(m, b"\0" * 5), "empty push message"),  # a frame of 0 bytes, the body's last
     ("POST", lambda m: framed_push(m, COMMIT + header(m, 2, 4)), "the body goes on past its commit frame (at byte"),
     ("POST", lambda m: framed_push(m, COMMIT + b"x"), "the body goes on past its commit frame"),

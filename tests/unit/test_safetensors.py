@@ -50,6 +50,8 @@ def test_what_is_not_a_safetensors_prefix_is_refused(prefix: bytes) -> None:
     (b' {"w": {}}', "must be a JSON object from its first byte"),
     (b'{"w": {}, "w": {}}', "the header names ['w'] more than once"),
     (b'{"w": "\xff"}', "can't decode byte 0xff"),
+    (b'{"\\ud800": {}}', "holds a lone surrogate '\\ud800'"),  # (JSON's escape of what no UTF-8 holds)
+    (b'{"w": {"x": ["\\udfff"]}}', "holds a lone surrogate '\\udfff'"),
 ])
 def test_a_header_is_read_as_strictly_as_the_format_says(raw: bytes, words: str) -> None:
     with pytest.raises(ValueError) as e:
@@ -59,6 +61,7 @@ def test_a_header_is_read_as_strictly_as_the_format_says(raw: bytes, words: str)
 
 def test_a_padded_header_reads() -> None:
     assert load_header(b'{"w": {}}   ') == {"w": {}}
+    assert load_header(b'{"\\ud83d\\ude00": "\\\\ud800"}') == {"\U0001f600": "\\ud800"}  # a pair; a backslash
 
 
 @pytest.mark.parametrize(("entry", "words"), [

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from typing import TYPE_CHECKING, Any
 
 from weightsvc.errors import InvalidArgument, ResourceExhausted
@@ -48,7 +49,8 @@ def read_safetensors_header(prefix: Prefix) -> tuple[int, dict[str, Any]]:
 def load_header(raw: Prefix) -> dict[str, Any]:
     """The JSON header of a safetensors file, read as strictly as the format's own readers read it:
     UTF-8 without a byte order mark, one JSON object from its first byte (trailing spaces pad it), no
-    name twice. A `ValueError` says what is wrong, a header nested deeper than Python's parser goes too."""
+    name twice, no lone surrogate in an escape. A `ValueError` says what is wrong, a header nested
+    deeper than Python's parser goes too."""
     text = bytes(raw).decode("utf-8")  # (a UnicodeDecodeError is a ValueError)
     if not text.startswith("{"):
         raise ValueError(f"the header must be a JSON object from its first byte, not start with {text[:1]!r}")
@@ -58,7 +60,16 @@ def load_header(raw: Prefix) -> dict[str, Any]:
         raise ValueError("the header nests deeper than any safetensors header does") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not one JSON object")
+    if _SURROGATE_ESCAPE.search(text):  # (Python's json reads "\ud800" as a str no UTF-8 holds; serde_json refuses it)
+        try:
+            json.dumps(header, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"a string of it holds a lone surrogate {e.object[e.start : e.end]!r}, which is not "
+                             "Unicode text") from None
     return header
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def _unique_names(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
