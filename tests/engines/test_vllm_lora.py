@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import serving
+from tests.engines import gate
 from tests.engines.engines import PROMPTS, checkpoint, masters
 from tests.engines.serving import FollowProcess, VllmServer, following, http, vllm_serve
 from weightsvc import InferenceClient, LearnerClient
@@ -130,7 +131,7 @@ def engine(setup: dict[str, Any]) -> Iterator[VllmServer]:
     setup["policy"].peft.peft_config["default"].save_pretrained(str(ref))
     with vllm_serve(setup["base"], setup["tmp"] / "engine.log", "--enable-lora", "--max-lora-rank", "8",
                     "--max-loras", "4", "--max-cpu-loras", "4", "--lora-modules", f"ref={ref}",
-                    max_model_len=LONG, env=LORA) as server:
+                    "--logits-processors", gate.CLASS, max_model_len=LONG, env=LORA) as server:
         setup["reference"] = [completion(server, "ref", p) for p in PROMPTS]  # before anything else ran in it
         yield server
 
@@ -158,8 +159,9 @@ def test_request_on_a_revision_finishes_on_it_across_the_next_load(
             push(setup, version)
             follower.wait_for("loaded", version)
         prompt, n = PROMPTS[0], LONG - 2 * len(PROMPTS[0])
+        held = gate.Gate(tmp_path / "gate", tokens=4)
         body = {"model": f"{MODEL}@v{v + 2}", "prompt": prompt, "max_tokens": n, "temperature": 0,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+                "ignore_eos": True, "stream": True, "return_token_ids": True, "vllm_xargs": held.args}
         request = urllib.request.Request(f"{engine.url}/v1/completions", json.dumps(body).encode(),
                                          {"Content-Type": "application/json"})
         chunks: list[tuple[float, list[int]]] = []
@@ -175,9 +177,10 @@ def test_request_on_a_revision_finishes_on_it_across_the_next_load(
         reader = threading.Thread(target=read)
         reader.start()
         assert first.wait(120)
-        # The request is held where it is (vLLM's `keep` pause: nothing pauses for an adapter load) until
-        # the next version is loaded: it spans the load whatever the machine's speed.
-        http("POST", f"{engine.url}/pause?mode=keep")
+        # The request is held at its 4th token by the gate and paused there (vLLM's `keep` pause: nothing
+        # pauses for an adapter load, and the engine loads it between steps) until the next version is
+        # loaded: it spans the load whatever the machine's speed.
+        held.pause(engine.url)
         try:
             push(setup, v + 3)
             follower.wait_for("loaded", v + 3)
