@@ -25,14 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SHOWCASE = ROOT / "examples" / "grpo_showcase.py"
 STEPS = 3
 BATCH_TOKENS = 16 * 4  # per rollout batch: 16 completions of 4 tokens (the showcase's GRPOConfig)
-# The gap grows as the masters move off the bf16 grid, and k3 over a few hundred tokens is noisy. Trainer
-# seeds 1-6, one run each: over 7 moved steps masters were 1.21-1.65x and the rtn copy 1.29-2.07x the
-# served k3 (masters: log-ratio mean 0.29, sd 0.12: a margin of 1.05 is 2.0 sd below the mean, 1.1 is 1.6);
-# over 15 moved steps masters 1.40-1.90x, the rtn copy 1.83-3.24x (masters: log-ratio mean 0.45, sd 0.13: 1.1 is
-# 2.7 sd below); this test's own seed 0: 1.82x and 3.55x. Hence 16 steps, and the margin below the lowest
-# ratio measured.
-ABLATION_STEPS = 16
-MARGIN = 1.1
 
 
 def trainer_python() -> str:
@@ -113,23 +105,3 @@ def test_grpo_pushes_each_step_rolls_out_on_the_following_engine_and_reports_mis
     assert [b["step"] for b in trace["ablation"]] == list(range(STEPS))
     for b in trace["ablation"]:
         assert b["by_copy"]["served"] == batches[b["step"]]["by_version"][str(b["step"])]
-
-
-@pytest.mark.timeout(600)  # an engine start and 16 trainer steps: past the suite's 300 s on a busy 2-core machine
-def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
-        service: BackgroundServer, tmp_path: Path) -> None:
-    """With sr export, the engine samples from a stochastic rounding of the masters: the learner's log-
-    probabilities on that very copy differ from the engine's by its kernels alone, those on the fp32
-    masters or on a round-to-nearest copy by the rounding as well: over 15 moved steps, 1.4-1.9x
-    (masters) and 1.8-3.2x (rtn copy) the served copy's k3 in the runs measured (see MARGIN)."""
-    with trained(service, tmp_path, "trl-ablation", ABLATION_STEPS) as (_, _, out):
-        pass
-    batches = json.loads(out.read_text())["ablation"]
-    # Version 0 is the bf16 checkpoint itself (every rounding serves it as it is): from step 1 on, the
-    # masters have moved off the bf16 grid and each copy is its own rounding.
-    moved = [b["by_copy"] for b in batches if b["step"] >= 1]
-    assert len(moved) == ABLATION_STEPS - 1
-    k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
-          for c in ("served", "masters", "rtn copy")}
-    assert k3["served"] * MARGIN < k3["masters"], k3
-    assert k3["served"] * MARGIN < k3["rtn copy"], k3

@@ -122,33 +122,3 @@ def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_t
             assert torch.equal(value.to(torch.bfloat16).view(torch.int16), pulled[step][name].view(torch.int16)), name
         if step >= 1:  # the masters have left the bf16 grid: the loss did not run on them
             assert any(not torch.equal(read[n], masters[n]) for n in read)
-
-
-# The k3 of the learner against the engine over each step's trained tokens (every other step), with the
-# learner on the served copy of the version that produced them, on its fp32 masters and on a
-# round-to-nearest copy (versions from 1 on: version 0 is the bf16 checkpoint itself, which every rounding
-# serves as it is). The gap grows as the masters leave the bf16 grid. The showcase's sr runs (seeds 0-2,
-# 60 steps, this configuration): masters 2.79x, 1.73x, 2.10x the served copy's k3, the rtn copy 17.3x,
-# 6.7x, 8.8x (log-ratios: masters mean 0.77, sd 0.24; rtn copy mean 2.3, sd 0.5); over their first 16
-# steps only 1.11-1.42x and 1.20-1.92x, too close to 1 for a test. Hence 60 steps, and margins well
-# below the lowest ratios measured (2.8 sd below the mean log-ratio each).
-ABLATION_STEPS = 60
-MARGIN = {"masters": 1.1, "rtn copy": 2.5}
-
-
-@pytest.mark.timeout(900)  # 60 trainer steps on a busy 2-core machine
-def test_the_loss_on_the_served_copy_leaves_only_the_engines_kernels_mismatch(
-        service: BackgroundServer, engine: VllmServer, model_dir: Path, tmp_path: Path) -> None:
-    """With sr export the engine samples from a stochastic rounding of the masters: the learner's
-    log-probabilities on that very copy differ from the engine's by its kernels alone, those on the
-    fp32 masters or on a round-to-nearest copy by the rounding as well."""
-    trace = train(service, engine, model_dir, "trl-async-ablation", tmp_path / "trace.json",
-                  "--steps", str(ABLATION_STEPS), "--max-staleness", "0", "--ablate-every", "2")
-    # Each step's trained tokens are of the version before the current one (of 0 at the first step).
-    assert [(b["step"], b["version"]) for b in trace["ablation"]] == [
-        (step, max(step - 1, 0)) for step in range(0, ABLATION_STEPS, 2)]
-    moved = [b["by_copy"] for b in trace["ablation"] if b["version"] >= 1]
-    k3 = {c: sum(m[c]["k3_kl"] * m[c]["tokens"] for m in moved) / sum(m[c]["tokens"] for m in moved)
-          for c in ("served", "masters", "rtn copy")}
-    assert k3["served"] * MARGIN["masters"] < k3["masters"], k3
-    assert k3["served"] * MARGIN["rtn copy"] < k3["rtn copy"], k3
