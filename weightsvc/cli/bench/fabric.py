@@ -259,13 +259,7 @@ def _bare_quarter(meta: str, layout: str, index: int, count: int) -> None:
     remote = agent.get_xfer_descs([(addr + o, n, 0) for o, n in ranges], "DRAM")
 
     def once() -> None:
-        handle = agent.initialize_xfer("READ", local_descs, remote, peer)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"bare READ: {state}")
+        _read(agent, local_descs, remote, peer, "bare READ")
 
     once()
     print("ready", flush=True)
@@ -353,13 +347,7 @@ def _vram_read(meta: str, repeat: int) -> None:
     remote = agent.get_xfer_descs([(addr, nbytes, device)], "VRAM")
 
     def once() -> None:
-        handle = agent.initialize_xfer("READ", local, remote, peer)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"VRAM READ: {state}")
+        _read(agent, local, remote, peer, "VRAM READ")
 
     once()
     gen = torch.Generator().manual_seed(0)
@@ -368,6 +356,17 @@ def _vram_read(meta: str, repeat: int) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     print(_best(repeat, once), flush=True)
+
+
+def _read(agent: Any, local: Any, remote: Any, peer: Any, what: str) -> None:
+    """One bare NIXL READ of `remote` into `local`, polled to its end (the bench's references)."""
+    handle = agent.initialize_xfer("READ", local, remote, peer)
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise RuntimeError(f"{what}: {state}")
 
 
 def _reader(args: list[str]) -> float:
@@ -422,13 +421,7 @@ def _bare(meta: str, repeat: int) -> None:
     remote = agent.get_xfer_descs([(addr, nbytes, 0)], "DRAM")
 
     def once() -> None:
-        handle = agent.initialize_xfer("READ", local, remote, peer)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"bare READ: {state}")
+        _read(agent, local, remote, peer, "bare READ")
 
     once()  # the connection made before the clock starts, as the pull's warm-up makes it
     print("ready", flush=True)
