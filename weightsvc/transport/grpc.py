@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -91,8 +92,14 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         self.authenticated = authenticated  # every call carries a valid token (GrpcAuth let it in)
 
     @_abort_on_domain_error
-    async def Push(self, request_iterator: AsyncIterator[pb.PushRequest], context: Any) -> pb.PushResponse:
-        manifest, created = await self.service.push(push_messages(request_iterator, self.service.settings.max_tensors))
+    async def Push(self, request_iterator: AsyncIterable[pb.PushRequest], context: Any) -> pb.PushResponse:
+        # gRPC's request stream is an async generator held in a reference cycle with gRPC's own objects.
+        # Left suspended (a push refused once its header is read), it holds the last message it received
+        # (a piece of a big header: MiBs, in protobuf's memory) until a full garbage collection, which
+        # `serve` makes rare: every refused push kept its own. Closed here, the message goes with the push.
+        requests = cast(AsyncGenerator[pb.PushRequest, None], aiter(request_iterator))
+        async with contextlib.aclosing(requests):
+            manifest, created = await self.service.push(push_messages(requests, self.service.settings.max_tensors))
         return pb.PushResponse(version=info_to_proto(manifest), created=created)
 
     @_abort_on_domain_error
