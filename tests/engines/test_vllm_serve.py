@@ -242,7 +242,9 @@ def test_a_request_across_an_update_shows_the_two_versions_that_generated_it(
         long.join(300)
     spans = out["weight_versions"]
     assert [s["version"] for s in spans] == [str(version - 1), str(version)]  # in flight across the swap
-    assert 0 < spans[0]["end"] <= held.held < LONG - 5
+    assert spans[0]["start"] == 0 and spans[0]["end"] == spans[1]["start"] > 0
+    assert spans[1]["end"] == len(out["tokens"]) == LONG - len(prompt)
+    assert spans[0]["end"] <= held.held  # (paused where the gate held it)
 
 
 def test_a_follower_killed_in_the_middle_of_an_update_converges_when_restarted(
