@@ -10,7 +10,7 @@ as soon as its READ is posted, its lease still held. With --pause-mid-read it pr
 then `reading` once its first READ is posted, and waits for a line on stdin before it looks at it.
 With --base it first reads version B whole into its tensors, then VERSION as a delta on it (with
 --base-unread it claims to hold B but holds zeros). Its last line is `ok V` or `error CODE MESSAGE`;
-its log (stderr) says where it moved when a source failed.
+its log (stderr) says where it moved when a source failed. --piece-bytes N: its READs go N bytes at a time.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from weightsvc import InferenceClient
+from weightsvc.client import _nixl
 from weightsvc.client._tensors import TORCH_DTYPES
 from weightsvc.errors import WeightsvcError
 from weightsvc.protocol.fabric import Lease, nixl_agent_class
@@ -44,7 +45,10 @@ def main() -> None:
     parser.add_argument("--pause-mid-read", action="store_true")
     parser.add_argument("--base", type=int, default=None)
     parser.add_argument("--base-unread", action="store_true")
+    parser.add_argument("--piece-bytes", type=int, default=None)
     args = parser.parse_args()
+    if args.piece_bytes is not None:
+        _nixl.PIECE = args.piece_bytes
     client = InferenceClient(args.target)
     select = selection(map(parse_selector, args.select)) if args.select else None
     manifest = client.manifest(args.model, args.version)

@@ -142,6 +142,26 @@ def test_a_sliced_read_brings_exactly_the_rows_and_columns_asked_for(lender: Ser
                "embed.weight": whole["embed.weight"][:, 5:9].contiguous(), "lm_head.bias": whole["lm_head.bias"]})
 
 
+def test_a_read_in_pieces_that_cut_across_tensors_and_ranges_is_checked_whole(lender: ServeProcess,
+                                                                              tmp_path: Path) -> None:
+    """A READ moves a piece at a time and each piece's bytes are hashed while the next one moves: with
+    pieces of 1,000 bytes every tensor is cut mid-way and a piece holds the end of one tensor, the
+    start of the next and dozens of a column slice's ranges; the bytes and every checksum still hold."""
+    LearnerClient(lender.target).push(1, make_masters(), model=MODEL)
+    whole = served(lender)
+    rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback", "--piece-bytes", "1000")
+    assert (rc, line) == (0, "ok 1")
+    same(torch.load(tmp_path / "read.pt"), whole)
+    rc, line = read(lender.url, tmp_path / "read.pt", "--no-fallback", "--piece-bytes", "1000", "--select",
+                    "embed.weight@1:5:9", "layers.0.mlp.up.weight@0:37:201", "scalar")
+    assert (rc, line) == (0, "ok 1")
+    same(torch.load(tmp_path / "read.pt"), {"embed.weight": whole["embed.weight"][:, 5:9].contiguous(),
+                                            "layers.0.mlp.up.weight": whole["layers.0.mlp.up.weight"][37:201],
+                                            "scalar": whole["scalar"]})
+    m = metrics(lender)
+    assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
+
+
 def lease_of(url: str, body: dict[str, object], version: int | str = "latest") -> dict[str, object]:
     """A lease answered over HTTP, released at once (its ranges are what a test looks at)."""
     status, text = _request(url, "POST", f"/v1/models/{MODEL}/versions/{version}/lease", body)

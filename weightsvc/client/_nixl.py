@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+import xxhash
+
 from weightsvc.errors import (
     DataLoss,
     DeadlineExceeded,
@@ -40,8 +42,8 @@ from weightsvc.errors import (
     subject,
 )
 from weightsvc.protocol import delta as delta_codec
-from weightsvc.protocol.digest import verify
-from weightsvc.protocol.fabric import Lease, nixl_agent_class
+from weightsvc.protocol.digest import CHECKSUM_PREFIX, verify, verify_checksum
+from weightsvc.protocol.fabric import Lease, new_agent
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightsvc.client")
 
 POLL_S = 0.0002  # between looks at a READ in progress (NIXL's Python API has no wait)
+PIECE = 64 << 20  # bytes a READ moves at a time: the next piece moves while the last one is hashed
+RELEASE_TRIES = 5000  # looks (POLL_S apart) at an abandoned READ before its handle is left to the agent
 Descriptor = tuple[int, int, int]  # (address, bytes, device) of a NIXL transfer descriptor
 
 
@@ -69,40 +73,40 @@ class Reader:
     """This process's NIXL agent, which READs leased memory into the caller's tensors (one at a time)."""
 
     def __init__(self) -> None:
-        self.agent = nixl_agent_class()(f"weightsvc-reader-{os.getpid()}-{secrets.token_hex(4)}")
+        self.agent = new_agent(f"weightsvc-reader-{os.getpid()}-{secrets.token_hex(4)}")
         self._lock = threading.Lock()
         self._peer: tuple[bytes, str] | None = None  # (metadata, name) of the source last READ from
 
-    def read(self, lease: Lease, into: Mapping[str, torch.Tensor], where: str) -> None:
+    def read(self, lease: Lease, into: Mapping[str, torch.Tensor], where: str) -> dict[str, str]:
         """READ every range of `lease` into the tensor of its name (or, for a delta, the encoding into
-        `into[""]`); UNAVAILABLE when NIXL cannot reach the source or it goes away mid-READ,
-        DEADLINE_EXCEEDED when the READ outlasts the lease."""
-        local: list[Descriptor] = []
-        remote: list[Descriptor] = []
-        tensors = {"": lease.delta} if lease.base is not None else {t.name: lease.ranges[t.name]
-                                                                    for t in lease.manifest.tensors}
-        for name, ranges in tensors.items():
-            dst = into[name]
-            at, device = dst.data_ptr(), _device(dst)
-            for r in ranges:
-                local.append((at, r.nbytes, device))
-                remote.append((r.addr, r.nbytes, r.device))
-                at += r.nbytes
-        if not local:
-            return
+        `into[""]`), and answer the checksum of each tensor's bytes read (none for a delta: its bytes
+        are checked once patched). The READ goes in pieces of at most PIECE bytes, the next one moving
+        while the last one's bytes are hashed. UNAVAILABLE when NIXL cannot reach the source or it goes
+        away mid-READ, DEADLINE_EXCEEDED when the READ outlasts the lease."""
+        delta = lease.base is not None
+        tensors = {"": lease.delta} if delta else {t.name: lease.ranges[t.name] for t in lease.manifest.tensors}
+        pieces = _pieces({name: (into[name], ranges) for name, ranges in tensors.items()})
+        sums = {} if delta else {name: xxhash.xxh3_64() for name in tensors}  # (each fed its bytes in order)
         destination = [into[name] for name, ranges in tensors.items() if ranges]
-        deadline = time.monotonic() + lease.lease_s
-        with self._lock:
-            peer = self._peer_of(lease.agent, where)
-            try:
-                registered = self.agent.register_memory(destination)
+
+        def hash_piece(piece: Piece) -> None:
+            for name, start, end in piece.spans if not delta else ():
+                sums[name].update(_host_bytes(into[name], start, end))
+
+        if destination:
+            deadline = time.monotonic() + lease.lease_s
+            with self._lock:
+                peer = self._peer_of(lease.agent, where)
                 try:
-                    self._transfer(local, remote, peer, _memory(destination[0]), lease.memory, deadline, where)
-                finally:
-                    self.agent.deregister_memory(registered)
-            except BaseException:
-                self._forget_peer()  # (gone, perhaps: added again next time)
-                raise
+                    registered = self.agent.register_memory(destination)
+                    try:
+                        self._transfer(pieces, peer, _memory(destination[0]), lease.memory, deadline, where, hash_piece)
+                    finally:
+                        self.agent.deregister_memory(registered)
+                except BaseException:
+                    self._forget_peer()  # (gone, perhaps: added again next time)
+                    raise
+        return {name: CHECKSUM_PREFIX + s.hexdigest() for name, s in sums.items()}
 
     def _peer_of(self, metadata: bytes, where: str) -> str:
         """The source's agent, added from its metadata, or kept from the last READ when its metadata is
@@ -124,29 +128,91 @@ class Reader:
             with contextlib.suppress(Exception):  # (a source that went away may be gone from the agent already)
                 self.agent.remove_remote_agent(peer)
 
-    def _transfer(self, local: list[Descriptor], remote: list[Descriptor], peer: Any, local_memory: str,
-                  remote_memory: str, deadline: float, where: str) -> None:
+    def _transfer(self, pieces: list[Piece], peer: Any, local_memory: str, remote_memory: str, deadline: float,
+                  where: str, done: Callable[[Piece], None]) -> None:
+        """READ the pieces, two in flight: `done` is called with each one once its bytes are in."""
+        handles: list[Any] = []
         try:
-            handle = self.agent.initialize_xfer("READ", self.agent.get_xfer_descs(local, local_memory),
-                                                self.agent.get_xfer_descs(remote, remote_memory), peer)
-        except Exception as e:
-            raise Unavailable(f"{where}: NIXL cannot READ from the server: {type(e).__name__}: {e}") from None
-        try:
-            try:
-                state = self.agent.transfer(handle)
+            for piece in pieces:
+                try:
+                    handles.append(self.agent.initialize_xfer(
+                        "READ", self.agent.get_xfer_descs(piece.local, local_memory),
+                        self.agent.get_xfer_descs(piece.remote, remote_memory), peer))
+                except Exception as e:
+                    raise Unavailable(f"{where}: NIXL cannot READ from the server: {type(e).__name__}: {e}") from None
+            started = [self._nixl(self.agent.transfer, handles[0], where=where)]
+            for i, piece in enumerate(pieces):
+                if i + 1 < len(pieces):
+                    started.append(self._nixl(self.agent.transfer, handles[i + 1], where=where))
+                state = started[i]
                 while state == "PROC":
                     if time.monotonic() > deadline:
                         raise DeadlineExceeded(f"{where}: the NIXL READ outlasted its lease", reason="expired")
                     time.sleep(POLL_S)
-                    state = self.agent.check_xfer_state(handle)
-            except WeightsvcError:
-                raise
-            except Exception as e:  # NIXL raises when the source went away mid-READ (NIXL_ERR_REMOTE_DISCONNECT)
-                raise Unavailable(f"{where}: the NIXL READ from the server failed: {type(e).__name__}: {e}") from None
-            if state != "DONE":
-                raise Unavailable(f"{where}: the NIXL READ from the server failed ({state})")
+                    state = self._nixl(self.agent.check_xfer_state, handles[i], where=where)
+                if state != "DONE":
+                    raise Unavailable(f"{where}: the NIXL READ from the server failed ({state})")
+                done(piece)
         finally:
-            self.agent.release_xfer_handle(handle)
+            for handle in handles:
+                self._release_handle(handle)
+
+    @staticmethod
+    def _nixl(call: Callable[[Any], str], handle: Any, *, where: str) -> str:
+        try:
+            return call(handle)
+        except Exception as e:  # NIXL raises when the source went away mid-READ (NIXL_ERR_REMOTE_DISCONNECT)
+            raise Unavailable(f"{where}: the NIXL READ from the server failed: {type(e).__name__}: {e}") from None
+
+    def _release_handle(self, handle: Any) -> None:
+        """A handle given back; one still moving (its READ abandoned) is waited for first, briefly: NIXL
+        refuses to release a transfer in progress, and its bytes must not land after the caller moved on."""
+        for _ in range(RELEASE_TRIES):
+            try:
+                self.agent.release_xfer_handle(handle)
+                return
+            except Exception:
+                with contextlib.suppress(Exception):
+                    if self.agent.check_xfer_state(handle) != "PROC":
+                        continue
+                time.sleep(POLL_S)
+        log.warning("a NIXL READ abandoned mid-transfer could not be released")
+
+
+class Piece:
+    """Up to PIECE bytes of a READ: its descriptors, and the byte spans of the tensors it fills."""
+
+    def __init__(self) -> None:
+        self.local: list[Descriptor] = []
+        self.remote: list[Descriptor] = []
+        self.spans: list[tuple[str, int, int]] = []  # (tensor, start, end) of its bytes, in order
+        self.nbytes = 0
+
+
+def _pieces(tensors: Mapping[str, tuple[torch.Tensor, list[Any]]]) -> list[Piece]:
+    """The ranges of each tensor (READ into it one after another) cut into pieces of at most PIECE bytes."""
+    pieces = [Piece()]
+    for name, (dst, ranges) in tensors.items():
+        at, device = dst.data_ptr(), _device(dst)
+        filled = 0
+        for r in ranges:
+            done = 0
+            while done < r.nbytes:
+                piece = pieces[-1]
+                if piece.nbytes == PIECE:
+                    piece = Piece()
+                    pieces.append(piece)
+                n = min(r.nbytes - done, PIECE - piece.nbytes)
+                piece.local.append((at + filled, n, device))
+                piece.remote.append((r.addr + done, n, r.device))
+                if piece.spans and piece.spans[-1][0] == name and piece.spans[-1][2] == filled:
+                    piece.spans[-1] = (name, piece.spans[-1][1], filled + n)
+                else:
+                    piece.spans.append((name, filled, filled + n))
+                piece.nbytes += n
+                done += n
+                filled += n
+    return [p for p in pieces if p.nbytes]
 
 
 def _device(t: torch.Tensor) -> int:
@@ -203,12 +269,12 @@ def check_lease(lease: Lease, where: str) -> None:
         raise DataLoss(f"{where}: the lease names tensors its manifest lacks")
 
 
-def _host_bytes(t: torch.Tensor) -> Any:
-    """The bytes of a tensor as a numpy array; a tensor on a GPU is copied to host memory first (its
-    checksum is computed there: xxh3 runs on the CPU)."""
+def _host_bytes(t: torch.Tensor, start: int = 0, end: int | None = None) -> Any:
+    """The bytes of a tensor (from `start` to `end`) as a numpy array; on a GPU they are copied to host
+    memory first (their checksum is computed there: xxh3 runs on the CPU)."""
     import torch
 
-    flat = t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1).view(torch.uint8)[start:end]
     return (flat.cpu() if flat.device.type != "cpu" else flat).numpy()
 
 
@@ -253,7 +319,7 @@ def _read_at(source: Source, lent: Lease, agent: Reader, into: Mapping[str, torc
         check_destination(m, into)
         if lent.base is not None:
             scratch[""] = torch.empty(lent.delta_bytes, dtype=torch.uint8)
-        agent.read(lent, {**into, **scratch}, where)
+        sums = agent.read(lent, {**into, **scratch}, where)
     except BaseException:
         try:
             source._release(lent.lease_id)
@@ -265,7 +331,10 @@ def _read_at(source: Source, lent: Lease, agent: Reader, into: Mapping[str, torc
     source._release(lent.lease_id)  # DEADLINE_EXCEEDED: expired before the READ was done, its bytes not vouched for
     if lent.base is not None:
         patch_into(m, scratch[""].numpy().data, into, where)
-    verify_into(m, into)
+        verify_into(m, into)
+    else:
+        for t in m.tensors:
+            verify_checksum(t.name, sums[t.name], t.checksum, where=where)
     return m
 
 

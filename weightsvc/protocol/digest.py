@@ -39,7 +39,10 @@ class StreamedChecksum:
 
 
 def verify(name: str, data: Any, expected: str, *, where: str) -> None:
-    got = checksum(data)
+    verify_checksum(name, checksum(data), expected, where=where)
+
+
+def verify_checksum(name: str, got: str, expected: str, *, where: str) -> None:
     if got != expected:
         raise DataLoss(f"{where}: tensor {name!r} checksum mismatch (got {got}, manifest says {expected})")
 

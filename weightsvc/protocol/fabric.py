@@ -18,6 +18,8 @@ from __future__ import annotations
 import base64
 import bisect
 import logging
+import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -150,3 +152,36 @@ def nixl_agent_class() -> Any:
     nixl_log.propagate = True
     nixl_log.setLevel(logging.WARNING)
     return nixl_agent
+
+
+PROGRESS_WAIT_US = 100  # the NIXL progress thread's wait between passes: NIXL's Python API sets none
+
+
+def new_agent(name: str) -> Any:
+    """A NIXL agent whose progress thread waits PROGRESS_WAIT_US between passes. NIXL's Python API
+    builds its agent's config itself with no wait, and its progress thread then spins: a whole core
+    for as long as the process lives (an idle server, every engine worker that ever read), and on a
+    small machine READs at half speed, the spinning threads of both ends taking the cores the copy
+    needs. The config type is swapped for one that keeps the wait for as long as the agent is built
+    (under a lock: nothing else builds one meanwhile); tests/unit/test_fabric.py fails if NIXL stops
+    taking it."""
+    agent_class = nixl_agent_class()
+    api = sys.modules[agent_class.__module__]
+    bind: Any = getattr(api, "nixlBind", None)
+    config = getattr(bind, "nixlAgentConfig", None)
+    if config is None:  # (another NIXL: built as it is)
+        return agent_class(name)
+
+    class Paced(config):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, max(value, PROGRESS_WAIT_US) if key == "pthrDelay" else value)
+
+    with _BUILDING:
+        bind.nixlAgentConfig = Paced
+        try:
+            return agent_class(name)
+        finally:
+            bind.nixlAgentConfig = config
+
+
+_BUILDING = threading.Lock()

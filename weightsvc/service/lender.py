@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from weightsvc.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound, TooManyRequests, subject
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.fabric import Lease, MemoryRange, nixl_agent_class
+from weightsvc.protocol.fabric import Lease, MemoryRange, new_agent
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.service.pull import Pull
@@ -84,7 +84,7 @@ class Lender:
         self.metrics = metrics
         self.open_pull = open_pull
         self.name = f"weightsvc-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = nixl_agent_class()(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
+        self.agent = new_agent(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
         self._leases: dict[str, _Lent] = {}
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
         self._registered: dict[Memory, _Registration] = {}

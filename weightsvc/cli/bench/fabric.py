@@ -238,12 +238,12 @@ def _quarter(target: str, index: int, count: int) -> None:
 def _bare_quarter(meta: str, layout: str, index: int, count: int) -> None:
     import torch
 
-    from weightsvc.protocol.fabric import nixl_agent_class
+    from weightsvc.protocol.fabric import new_agent
     from weightsvc.protocol.manifest import Manifest
     from weightsvc.protocol.selection import byte_ranges
 
     m = Manifest.from_dict(json.loads(Path(layout).read_text()))
-    agent = nixl_agent_class()(f"bench-bare-{index}")
+    agent = new_agent(f"bench-bare-{index}")
     raw = Path(meta).read_bytes()
     addr = int.from_bytes(raw[:8], "little")
     peer = agent.add_remote_agent(raw[16:])
@@ -318,9 +318,9 @@ def vram_bench(*, size_mib: int, repeat: int) -> dict[str, Any]:
 def _vram_source(nbytes: int, meta: str) -> None:
     import torch
 
-    from weightsvc.protocol.fabric import nixl_agent_class
+    from weightsvc.protocol.fabric import new_agent
 
-    agent = nixl_agent_class()("bench-vram-source")
+    agent = new_agent("bench-vram-source")
     gen = torch.Generator().manual_seed(0)
     buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen).cuda()
     agent.register_memory([buffer])
@@ -335,9 +335,9 @@ def _vram_read(meta: str, repeat: int) -> None:
     bytes are the source's (the same generator's)."""
     import torch
 
-    from weightsvc.protocol.fabric import nixl_agent_class
+    from weightsvc.protocol.fabric import new_agent
 
-    agent = nixl_agent_class()("bench-vram-read")
+    agent = new_agent("bench-vram-read")
     raw = Path(meta).read_bytes()
     addr, nbytes, device = (int.from_bytes(raw[i : i + 8], "little") for i in (0, 8, 16))
     peer = agent.add_remote_agent(raw[24:])
@@ -395,9 +395,9 @@ def _best(repeat: int, once: Any) -> float:
 def _source(nbytes: int, meta: str) -> None:
     import torch
 
-    from weightsvc.protocol.fabric import nixl_agent_class
+    from weightsvc.protocol.fabric import new_agent
 
-    agent = nixl_agent_class()("bench-source")
+    agent = new_agent("bench-source")
     buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     agent.register_memory([buffer])
     Path(meta).write_bytes(buffer.data_ptr().to_bytes(8, "little") + nbytes.to_bytes(8, "little")
@@ -409,9 +409,9 @@ def _source(nbytes: int, meta: str) -> None:
 def _bare(meta: str, repeat: int) -> None:
     import torch
 
-    from weightsvc.protocol.fabric import nixl_agent_class
+    from weightsvc.protocol.fabric import new_agent
 
-    agent = nixl_agent_class()("bench-bare")
+    agent = new_agent("bench-bare")
     raw = Path(meta).read_bytes()
     addr, nbytes = int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:16], "little")
     peer = agent.add_remote_agent(raw[16:])
