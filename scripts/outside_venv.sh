@@ -30,7 +30,8 @@ outside_venv() {
     if declare -F after_install >/dev/null; then after_install "$venv"; fi
     touch "$venv/.ready"
   fi
-  if ! out=$("$venv/bin/python" -m pip install -q -e ".[$extras]" 2>&1); then
+  # (one editable install of this checkout at a time: each writes its egg-info)
+  if ! out=$(flock .install.lock "$venv/bin/python" -m pip install -q -e ".[$extras]" 2>&1); then
     echo "$out" >&2
     return 1
   fi

@@ -31,5 +31,6 @@ fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
-.venv/bin/python -m pip install -q -e '.[dev,trl,peft,nixl]'
+# (one editable install of this checkout at a time: the engine and verl venvs may be installing it too)
+flock .install.lock .venv/bin/python -m pip install -q -e '.[dev,trl,peft,nixl]'
 echo "$want" >"$STAMP"

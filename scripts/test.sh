@@ -5,6 +5,30 @@
 # pytest and run the main suite alone, in one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The engine and verl environments are built (or checked) while .venv is set up and the main suite runs:
+# pip spends most of its time waiting on the registry and the disk.
+building=()
+if [ $# -eq 0 ]; then
+  for suite in engines verl; do
+    var=WEIGHTSVC_${suite^^}
+    if [ "${!var:-1}" != 0 ]; then
+      log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-setup-$suite.XXXXXX")
+      scripts/setup_$suite.sh >"$log" 2>&1 &
+      building+=("$suite:$!:$log")
+    fi
+  done
+fi
+built() {  # wait for the environment of suite $1; its set-up's output when it failed
+  for entry in "${building[@]}"; do
+    IFS=: read -r suite pid log <<<"$entry"
+    [ "$suite" = "$1" ] || continue
+    if ! wait "$pid"; then
+      echo "scripts/setup_$suite.sh failed:" >&2
+      cat "$log" >&2
+      return 1
+    fi
+  done
+}
 scripts/setup.sh
 # Later parts (the shared registry) test against a real Redis on 127.0.0.1:6379: start one if none answers.
 if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && redis-cli -h 127.0.0.1 ping >/dev/null 2>&1); then
@@ -26,8 +50,10 @@ else
   .venv/bin/python -m pytest -q -rs -m slow
 fi
 if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+  built engines
   scripts/test_engines.sh
 fi
 if [ $# -eq 0 ] && [ "${WEIGHTSVC_VERL:-1}" != 0 ]; then
+  built verl
   scripts/test_verl.sh
 fi
