@@ -1,6 +1,7 @@
 """Pulls over NIXL, in place: a lease of the version from a server, one-sided READs of exactly the
-leased ranges into the caller's tensors, the release, then every byte checked against the manifest's
-checksums, as any pull's.
+leased ranges into the caller's tensors, the release, and every byte checked against the manifest's
+checksums, as any pull's. The READ goes in pieces of 64 MiB, two in flight, each piece's bytes hashed
+as it lands (while they are still in cache): the checksums cost little beyond the READ.
 
 The caller's tensors are preallocated (as vLLM's staging is) and contiguous, one per tensor of the
 version or of the selection, of its served dtype and size, all in host memory or all on one GPU
