@@ -35,18 +35,6 @@ MODEL = "policy"
 READER = [sys.executable, "-m", "tests.integration.nixl_reader"]
 
 
-@pytest.fixture(scope="module")
-def nixl_installed() -> None:
-    """CI installs the [nixl] extra (scripts/setup.sh) and sets WEIGHTSVC_REQUIRE_NIXL=1: there a
-    missing NIXL fails the run instead of skipping every read."""
-    try:
-        import nixl_cu12  # noqa: F401
-    except ImportError:
-        if os.environ.get("WEIGHTSVC_REQUIRE_NIXL") == "1":
-            pytest.fail("needs NIXL: pip install 'weightsvc[nixl]'")
-        pytest.skip("needs NIXL: pip install 'weightsvc[nixl]'")
-
-
 @pytest.fixture
 def lender(nixl_installed: None) -> Iterator[ServeProcess]:
     srv = ServeProcess("--nixl", "--retain", "1")

@@ -4,7 +4,6 @@ agent burns a core again and this fails."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -21,13 +20,8 @@ print(sum(os.times()[:2]) - before)
 """
 
 
+@pytest.mark.usefixtures("nixl_installed")
 def test_an_idle_agent_leaves_the_cpu_alone() -> None:
-    try:
-        import nixl_cu12  # noqa: F401
-    except ImportError:
-        if os.environ.get("WEIGHTSVC_REQUIRE_NIXL") == "1":
-            pytest.fail("needs NIXL: pip install 'weightsvc[nixl]'")
-        pytest.skip("needs NIXL: pip install 'weightsvc[nixl]'")
     done = subprocess.run([sys.executable, "-c", IDLE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     cpu_s = float(done.stdout.split()[-1])
