@@ -48,6 +48,9 @@ class SmallHttpServer(ThreadingHTTPServer):
     as they come), so slow, silent or many peers cannot grow its threads."""
 
     daemon_threads = True
+    # socketserver's backlog is 5: a burst of connections (an engine's workers reporting at once, or
+    # many peers) past it waits out TCP's SYN retries, seconds each, before it is even answered.
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *,
                  max_connections: int = 32, deadline_s: float = 5.0) -> None:
