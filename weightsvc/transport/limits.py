@@ -35,6 +35,7 @@ BODY_BYTES_PER_S = 1 << 20  # the slowest pace a request body may come at, past 
 HEALTH_PATHS = (b"/healthz", b"/readyz")
 PROBE_SLOTS = 64  # probes beyond the bound at once; one more takes the place of the oldest
 LINGER_S = 2.0  # how long a refused connection reads and drops what its client still sends
+TLS_CLOSE_S = 1.0  # how long a stopping server waits for an idle TLS peer's close_notify
 
 
 def _answer(status: str, code: str, message: str) -> bytes:
@@ -96,6 +97,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                 self.dropped("over_limit")
             self.probes[self] = None
         self._await_head()
+
+    def shutdown(self) -> None:
+        """The server stops: an idle connection is closed now. Over TLS, asyncio's close sends
+        close_notify and waits up to 30 s for the peer's, which an idle client in a pool never reads,
+        so the server's stop waited 30 s per such client: it is given TLS_CLOSE_S, then cut."""
+        super().shutdown()
+        if self.transport.is_closing() and self.transport.get_extra_info("sslcontext") is not None:
+            asyncio.get_running_loop().call_later(TLS_CLOSE_S, self.transport.abort)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
