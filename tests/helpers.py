@@ -317,13 +317,10 @@ class SeaweedS3:
                 time.sleep(0.2)  # (a process's start-up has no event to wait on)
 
     def stop(self) -> None:
+        """Killed: its data goes with its folder, and weed's graceful stop outlasts 10 s."""
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Gate:
