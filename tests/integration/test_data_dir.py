@@ -66,16 +66,36 @@ def get(url: str, headers: dict[str, str] | None = None) -> bytes:
         return bytes(resp.read())
 
 
+class Sendfiles:
+    """(thread, bytes) of each of the kernel's sendfile calls to a socket; counted once the call returns,
+    which may be after its client has every byte."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+        self._changed = threading.Condition()
+
+    def add(self, thread: str, sent: int) -> None:
+        with self._changed:
+            self.calls.append((thread, sent))
+            self._changed.notify_all()
+
+    def total(self, at_least: int) -> int:
+        """The bytes sent, once they reach `at_least` (or what they are after 60 s)."""
+        with self._changed:
+            self._changed.wait_for(lambda: sum(n for _, n in self.calls) >= at_least, timeout=60)
+            return sum(n for _, n in self.calls)
+
+
 @pytest.fixture
-def counted_sendfile() -> Iterator[list[tuple[str, int]]]:
-    """(thread, bytes) of each of the kernel's sendfile calls to a socket while the test runs."""
-    counts: list[tuple[str, int]] = []
+def counted_sendfile() -> Iterator[Sendfiles]:
+    """The kernel's sendfile calls to a socket while the test runs."""
+    counts = Sendfiles()
     original = os.sendfile
 
     def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
         sent = original(out_fd, in_fd, offset, count)
         if stat.S_ISSOCK(os.fstat(out_fd).st_mode):
-            counts.append((threading.current_thread().name, sent))
+            counts.add(threading.current_thread().name, sent)
         return sent
 
     os.sendfile = sendfile  # type: ignore[assignment]
@@ -85,7 +105,7 @@ def counted_sendfile() -> Iterator[list[tuple[str, int]]]:
         os.sendfile = original
 
 
-def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfile: list[tuple[str, int]]) -> None:
+def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfile: Sendfiles) -> None:
     masters = make_masters()
     masters["layers.1.weight"] = torch.randn(1024, 1024) * 0.02  # 2 MiB served: several sendfile pieces
     with serving(data_dir=data_dir, retain=2) as srv:
@@ -103,8 +123,10 @@ def test_a_version_is_its_file_served_by_sendfile(data_dir: Path, counted_sendfi
         url = f"{srv.http_url}/v1/models/m/versions/3/safetensors"
         raw = files.path("m", 3).read_bytes()
         assert get(url) == raw  # the file, byte for byte
-        assert sum(n for _, n in counted_sendfile) == version.manifest.data_bytes  # its data section went by sendfile
-        assert {t.split("_")[0] for t, _ in counted_sendfile} == {"weightsvc-pull"}  # from the writers, off the loop
+        data_bytes = version.manifest.data_bytes
+        assert counted_sendfile.total(data_bytes) == data_bytes  # its data section went by sendfile
+        # from the writers, off the loop
+        assert {t.split("_")[0] for t, _ in counted_sendfile.calls} == {"weightsvc-pull"}
         assert get(url, {"Range": "bytes=100-"}) == raw[100:]
         assert get(url, {"Range": f"bytes={len(raw) - 5000}-{len(raw) - 2}"}) == raw[len(raw) - 5000 : -1]
         by_http = InferenceClient(srv.http_url).pull("m", 3)  # checksums verified
