@@ -86,6 +86,20 @@ def _answered(sock: socket.socket) -> bool:
         buffer += more
 
 
+def _dropped_by_grpc(srv: BackgroundServer, batch: list[socket.socket], within_s: float = 10) -> bool:
+    """Whether gRPC lets go of the server's ends of `batch` (shut by the server, seen closed by their
+    clients) within `within_s`: only then are their places among gRPC's admitted connections free
+    again. gRPC drops a shut connection on its own thread, with no event to wait on: this looks at the
+    server's sockets until then."""
+    ours = {parse_peer(f"ipv4:{host}:{port}") for host, port in (s.getsockname() for s in batch)}
+    deadline = time.monotonic() + within_s
+    while ours & _sockets(_grpc_port(srv)).keys():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def _grpc_port(srv: BackgroundServer) -> int:
     return int(srv.grpc_target.rsplit(":", 1)[1])
 
@@ -114,6 +128,7 @@ def test_connections_that_fail_authentication_are_closed_and_a_learner_pushes(mo
                 attackers += (batch := [_tokenless_call(_grpc_port(srv)) for _ in range(20)])
                 assert all(_answered(s) for s in batch)
                 assert all(closed_by_server(s, 10) for s in batch)
+                assert _dropped_by_grpc(srv, batch)
             with LearnerClient(srv.grpc_target, token=PUSH) as learner:
                 assert learner.push(1, make_masters(), model=model).version == 1
             dropped = srv.service.metrics.connections_dropped.labels("grpc", "unauthenticated")._value.get()
