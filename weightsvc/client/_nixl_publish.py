@@ -21,22 +21,25 @@ from typing import TYPE_CHECKING, Any
 
 from weightsvc.errors import InvalidArgument
 from weightsvc.protocol.digest import checksum
-from weightsvc.protocol.fabric import MemoryRange, new_agent
+from weightsvc.protocol.fabric import MemoryRange, SharedAgent, new_agent
 from weightsvc.protocol.published import MAX_REQUEST_BYTES, PublishedTensor, RankPublish
 from weightsvc.rounding import ExportSpec
 
 if TYPE_CHECKING:
     import torch
 
-_AGENT: Any = None  # one NIXL agent per process for publishes, made at the first
-_LOCK = threading.Lock()  # one publish of this process at a time holds the agent's registrations
+_AGENT: SharedAgent | None = None  # one NIXL agent per process for publishes, made at the first
+_MAKING = threading.Lock()
 
 
-def _agent() -> Any:
+def _agent() -> SharedAgent:
+    """This process's agent for publishes. Ranks that publish from threads of one process share it: each
+    registers its own memory, and the metadata it sends names it (and whatever else is registered)."""
     global _AGENT
-    if _AGENT is None:
-        _AGENT = new_agent(f"weightsvc-learner-{os.getpid()}-{secrets.token_hex(4)}")
-    return _AGENT
+    with _MAKING:
+        if _AGENT is None:
+            _AGENT = SharedAgent(new_agent(f"weightsvc-learner-{os.getpid()}-{secrets.token_hex(4)}"))
+        return _AGENT
 
 
 def _safetensors_dtype(name: str, t: torch.Tensor) -> str:
@@ -88,15 +91,14 @@ def published(served: Mapping[str, Held], *, model: str, step: int, rank: int, w
             regions.append((raw.data_ptr(), nbytes, 0, ""))
         tensors.append(PublishedTensor(name, shape, _safetensors_dtype(name, data),
                                        (offset, data.numel()) if part else None, checksum(raw.numpy()), ranges))
-    with _LOCK:
-        agent = _agent()
-        registered = agent.register_memory(regions, "DRAM") if regions else None
-        try:
-            yield RankPublish(model, step, rank, world_size, spec, agent.get_agent_metadata(), "DRAM",
-                              tuple(tensors), master_digest, tuple(sorted(aliases.items())))
-        finally:
-            if registered is not None:
-                agent.deregister_memory(registered)
+    agent = _agent()
+    registered = agent.register_memory(regions, "DRAM") if regions else None
+    try:
+        yield RankPublish(model, step, rank, world_size, spec, agent.get_agent_metadata(), "DRAM", tuple(tensors),
+                          master_digest, tuple(sorted(aliases.items())))
+    finally:
+        if registered is not None:
+            agent.deregister_memory(registered)
 
 
 def check_size(request_bytes: int, where: str, tensors: int, limit: int = MAX_REQUEST_BYTES) -> None:
