@@ -80,9 +80,9 @@ class _Changes:
 
 
 class Service:
-    """The data plane: one method per call of the transports (push, open a pull, manifest, watch, ack,
-    report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the order
-    in which they come up and go down."""
+    """The data plane: one method per call of the transports (push, publish, open a pull, manifest, watch,
+    ack, report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the
+    order in which they come up and go down."""
 
     def __init__(self, settings: Settings, gather: Gather | None = None) -> None:
         """`gather`: a version of sharded replicas, whole (the server's client of the replicas), for
