@@ -201,7 +201,8 @@ class WeightServiceServicer:
         commits; every rank's call answers then (or fails: nothing is visible). After the answer the learner
         may reuse its memory. FAILED_PRECONDITION from a server without --nixl, or for a spec not the
         server's; INVALID_ARGUMENT when ranks disagree on a tensor; DATA_LOSS when bytes read do not match a
-        rank's checksum; DEADLINE_EXCEEDED when a rank does not come within --push-rank-timeout-s.
+        rank's checksum; DEADLINE_EXCEEDED when a rank does not come within --push-rank-timeout-s; ABORTED
+        when a rank's call ends before the commit (its process died).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
