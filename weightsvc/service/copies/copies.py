@@ -144,7 +144,7 @@ class Copying:
                 return
             self.committing = True
             version, created = await copies.committer.commit(Version(manifest, b"", data))
-            kept = created
+            kept = created and version.file is None  # (with a data dir the version is served from its file)
             copies.metrics.publish_bytes.labels(self.model).inc(plan.data_bytes)
             if not self.result.done():
                 self.result.set_result((version, created))
