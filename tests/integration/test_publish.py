@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -229,3 +230,19 @@ def test_ranks_of_one_process_publish_from_threads(copier: ServeProcess) -> None
     for t in threads:
         t.join(120)
     assert got == {0: 1, 1: 1}
+
+
+def test_a_published_version_is_durable_in_the_data_dir(nixl_installed: None, tmp_path: Path) -> None:
+    served = served_state_dict(masters(), SPEC, version=1)
+    srv = ServeProcess("--nixl", "--data-dir", str(tmp_path))
+    try:
+        with LearnerClient(srv.target) as learner:
+            assert learner.publish(1, served, "durable", spec=SPEC).version == 1
+    finally:
+        srv.stop()
+    again = ServeProcess("--nixl", "--data-dir", str(tmp_path))
+    try:
+        with InferenceClient(again.target) as client:
+            same_bits(client.pull("durable", 1), served)
+    finally:
+        again.stop()
