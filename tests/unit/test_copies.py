@@ -36,11 +36,16 @@ def halves(name: str, shape: tuple[int, ...], dtype: str = "BF16") -> list[Publi
 
 
 def test_two_ranks_halves_are_laid_out_as_a_version_wider_dtypes_first() -> None:
-    w, b = halves("w", (8, 4)), halves("b", (5,), "F32")
-    plan = plan_copy(WHERE, {0: rank(0, 2, w[0], b[0]), 1: rank(1, 2, w[1], b[1])}, BF16, 1 << 20)
-    assert plan.data_bytes == 8 * 4 * 2 + 5 * 4
-    assert (plan.slots["b"].offset, plan.slots["w"].offset) == (0, 20)
-    assert [r for r, _ in plan.parts["w"]] == [0, 1]
+    x = [tensor("x.weight", (256, 128), "F8_E4M3", (0, 128 * 128)), tensor("x.weight", (256, 128), "F8_E4M3",
+                                                                         (128 * 128, 128 * 128))]
+    scale = [tensor("x.weight_scale_inv", (2, 1), "F32", (0, 1)), tensor("x.weight_scale_inv", (2, 1), "F32", (1, 1))]
+    b = halves("b", (5,))
+    plan = plan_copy(WHERE, {1: rank(1, 2, x[1], scale[1], b[1], spec=FP8), 0: rank(0, 2, x[0], scale[0], b[0],
+                                                                                       spec=FP8)}, FP8, 1 << 20)
+    assert plan.data_bytes == 256 * 128 + 2 * 4 + 5 * 2
+    assert [(n, plan.slots[n].offset) for n in ("x.weight_scale_inv", "b", "x.weight")] == [
+        ("x.weight_scale_inv", 0), ("b", 8), ("x.weight", 18)]
+    assert [r for r, _ in plan.parts["x.weight"]] == [0, 1]
 
 
 def test_ranks_that_disagree_on_a_shape_or_dtype_are_named() -> None:
