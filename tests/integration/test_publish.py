@@ -9,10 +9,12 @@ waits is seen waiting in the server's `weightsvc_publishes_in_flight`, the event
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,7 +25,6 @@ import torch
 from tests.conftest import ServeProcess, serving
 from tests.helpers import same_bits
 from tests.integration.publish_rank import SPEC, masters, share
-from tests.integration.test_nixl import metrics_of
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.client._nixl_publish import published
 from weightsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, WeightsvcError
@@ -56,7 +57,9 @@ def last_line(proc: subprocess.Popen[str]) -> str:
 
 
 def waiting(srv: ServeProcess) -> float:
-    return metrics_of(srv.url)["weightsvc_publishes_in_flight"]
+    """The publish calls the server holds (waiting for their ranks, or their version)."""
+    text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    return float(re.search(r"^weightsvc_publishes_in_flight (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
 
 
 def until(what: str, predicate: Callable[[], bool], timeout: float = 60) -> None:
