@@ -32,6 +32,7 @@ from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 TOKENS = {"pull": "pull-secret-1", "push": "push-secret-2", "admin": "admin-secret-3"}
 MODEL = "authed"
+PUBLISHED = "authed-published"  # (a model of its own: its versions do not push MODEL's out of retention)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def _release(stub: pb_grpc.WeightServiceStub, lease: pb.VersionLease) -> None:
 def _publish(stub: pb_grpc.WeightServiceStub, md: list[tuple[str, str]]) -> pb.PushResponse:
     """A publish of a version of one tensor (its memory registered while the call lasts)."""
     w = torch.ones(4, dtype=torch.bfloat16)
-    with published({"w": (w, 0, None)}, model=MODEL, step=next(_steps), rank=0, world_size=1, spec=ExportSpec(),
+    with published({"w": (w, 0, None)}, model=PUBLISHED, step=next(_steps), rank=0, world_size=1, spec=ExportSpec(),
                    master_digest="", aliases={}) as request:
         return stub.Publish(publish_to_proto(request), metadata=md)
 
@@ -220,10 +221,11 @@ def test_http_publish_needs_role_push(authed: BackgroundServer) -> None:
     for token, status in [(None, 401), ("not-a-token", 401), (TOKENS["pull"], 403), (TOKENS["push"], 200),
                           (TOKENS["admin"], 200)]:
         step = next(_steps)
-        with published({"w": (w, 0, None)}, model=MODEL, step=step, rank=0, world_size=1, spec=ExportSpec(),
+        with published({"w": (w, 0, None)}, model=PUBLISHED, step=step, rank=0, world_size=1, spec=ExportSpec(),
                        master_digest="", aliases={}) as request:
             body = json.dumps(publish_to_dict(request)).encode()
-            got, _, answer = _get(authed.http_url, f"/v1/models/{MODEL}/versions/{step}/publish", token, "POST", body)
+            path = f"/v1/models/{PUBLISHED}/versions/{step}/publish"
+            got, _, answer = _get(authed.http_url, path, token, "POST", body)
         assert got == status, (token, answer)
 
 
