@@ -116,6 +116,7 @@ class Copying:
         if self.failure is not None or self.committing or self.result.done():
             return
         self.failure = error
+        log.warning("publish failed: %s", error.message)
         for future in (self.joined, self.result):
             if not future.done():
                 future.set_exception(error)
