@@ -92,6 +92,10 @@ class Metrics:
             "weightsvc_pushes_rejected", "Pushes that did not commit, by reason", ["reason"], registry=r
         )
         self.pushes_in_flight = Gauge("weightsvc_pushes_in_flight", "Pushes being received or exported", registry=r)
+        self.publish_bytes = Counter("weightsvc_publish_bytes", "Served bytes READ from learner ranks' publishes",
+                                     ["model"], registry=r)
+        self.publishes_in_flight = Gauge("weightsvc_publishes_in_flight",
+                                         "Learner ranks' publish calls waiting for their version", registry=r)
         self.staged_bytes = Gauge("weightsvc_staged_bytes", "Bytes held by pushes that have not committed", registry=r)
         self.gpu_staged_bytes = Gauge(
             "weightsvc_gpu_staged_bytes", "Bytes the GPU holds for exports in progress (--device cuda)", registry=r

@@ -21,7 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.conftest import make_masters, serving
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client._nixl_publish import published
 from weightsvc.errors import PermissionDenied, Unauthenticated, Unavailable
+from weightsvc.protocol.published import publish_to_dict, publish_to_proto
+from weightsvc.rounding import ExportSpec
 from weightsvc.server.server import BackgroundServer
 from weightsvc.transport.http import create_app
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -29,6 +32,7 @@ from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 TOKENS = {"pull": "pull-secret-1", "push": "push-secret-2", "admin": "admin-secret-3"}
 MODEL = "authed"
+PUBLISHED = "authed-published"  # (a model of its own: its versions do not push MODEL's out of retention)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +74,14 @@ def _release(stub: pb_grpc.WeightServiceStub, lease: pb.VersionLease) -> None:
     stub.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=lease.lease_id), metadata=_metadata(TOKENS["admin"]))
 
 
+def _publish(stub: pb_grpc.WeightServiceStub, md: list[tuple[str, str]]) -> pb.PushResponse:
+    """A publish of a version of one tensor (its memory registered while the call lasts)."""
+    w = torch.ones(4, dtype=torch.bfloat16)
+    with published({"w": (w, 0, None)}, model=PUBLISHED, step=next(_steps), rank=0, world_size=1, spec=ExportSpec(),
+                   master_digest="", aliases={}) as request:
+        return stub.Publish(publish_to_proto(request), metadata=md)
+
+
 _steps = iter(range(100, 10_000))
 CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], Any]] = {
     "ListModels": lambda s, md: s.ListModels(pb.ListModelsRequest(), metadata=md),
@@ -85,12 +97,13 @@ CALLS: dict[str, Callable[[pb_grpc.WeightServiceStub, list[tuple[str, str]]], An
     # (each lease released: the one taken with the admin's token, or the one the caller took)
     "LeaseVersion": lambda s, md: _release(s, s.LeaseVersion(pb.LeaseVersionRequest(model=MODEL), metadata=md)),
     "ReleaseLease": lambda s, md: s.ReleaseLease(pb.ReleaseLeaseRequest(lease_id=_lease(s).lease_id), metadata=md),
+    "Publish": _publish,
 }
 # What each credential may do: None = nothing; the roles nest (pull < push < admin).
 ALLOWED = {
     None: set(),
     "not-a-token": set(),
-    "pull": set(CALLS) - {"Push", "ReportMismatch"},
+    "pull": set(CALLS) - {"Push", "ReportMismatch", "Publish"},
     "push": set(CALLS),
     "admin": set(CALLS),
 }
@@ -201,6 +214,19 @@ def test_http_mismatch_report_needs_role_push(authed: BackgroundServer) -> None:
         assert got == status, (token, body)
     assert b"needs role push; this token has role pull" in _get(authed.http_url, path, TOKENS["pull"], "POST",
                                                                 report)[2]
+
+
+def test_http_publish_needs_role_push(authed: BackgroundServer) -> None:
+    w = torch.ones(4, dtype=torch.bfloat16)
+    for token, status in [(None, 401), ("not-a-token", 401), (TOKENS["pull"], 403), (TOKENS["push"], 200),
+                          (TOKENS["admin"], 200)]:
+        step = next(_steps)
+        with published({"w": (w, 0, None)}, model=PUBLISHED, step=step, rank=0, world_size=1, spec=ExportSpec(),
+                       master_digest="", aliases={}) as request:
+            body = json.dumps(publish_to_dict(request)).encode()
+            path = f"/v1/models/{PUBLISHED}/versions/{step}/publish"
+            got, _, answer = _get(authed.http_url, path, token, "POST", body)
+        assert got == status, (token, answer)
 
 
 def test_clients_carry_tokens_and_get_clear_errors(

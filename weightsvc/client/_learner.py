@@ -21,8 +21,10 @@ from weightsvc.errors import Unavailable, WeightsvcError, subject
 from weightsvc.protocol.adapter import Adapter
 from weightsvc.protocol.manifest import MASTER_DTYPE
 from weightsvc.protocol.mismatch import RolloutMismatch
+from weightsvc.protocol.published import RankPublish
 from weightsvc.protocol.topology import Replica, groups
 from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, adapter_to_proto, chunk_pieces, piece_starts
+from weightsvc.rounding import ExportSpec
 from weightsvc.v1 import weightsvc_pb2 as pb
 
 if TYPE_CHECKING:
@@ -226,6 +228,10 @@ class LearnerClient(ByTarget):
         """Send a mismatch report (its values checked); each version's accumulated mismatch."""
         raise NotImplementedError
 
+    def _publish(self, request: RankPublish) -> VersionInfo:
+        """Send a rank's publish; the committed version once every rank is in and the service copied it."""
+        raise NotImplementedError
+
     # ---- push ----------------------------------------------------------------------------------
 
     def push(
@@ -309,6 +315,42 @@ class LearnerClient(ByTarget):
                                  ca_cert=credentials.ca) as puller:
                 info = dataclasses.replace(info, served=puller.pull(info.model, info.version))
         return info
+
+    def publish(
+        self,
+        step: int,
+        served: Mapping[str, torch.Tensor | Shard],
+        model: str = "default",
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        spec: ExportSpec | None = None,
+        master_digest: str = "",
+    ) -> VersionInfo:
+        """Publish the served copy of `step` from this rank's memory (`serve --nixl`): no master travels.
+        Returns once the version is committed (or raises); the tensors must stay unchanged until then,
+        and may be reused after.
+
+        `served` maps served tensor names to contiguous torch tensors in host memory, in their served
+        dtypes, or `Shard`s of them (this rank's flat elements of each; the ranks' shards of a tensor
+        cover it exactly once): the copy exported with `spec` (None: bf16 sr seed 0, the server's
+        defaults), which must be the server's, e.g. `fair_cast.served_state_dict(module, spec,
+        version=step)`, whose tied tensors are published once and served under each name. Each tensor
+        is registered with this process's NIXL agent and its checksum sent; the service READs every
+        rank's bytes, checks them, and commits the version as a push does. With `world_size` > 1 each
+        rank calls this with its own `rank`, every rank declaring every tensor; every call returns
+        once the whole version commits, or raises if any rank fails (nothing is then visible).
+        `master_digest`: the masters' digest (`fair_cast.masters_digest_of`), recorded in the manifest.
+
+        FAILED_PRECONDITION from a server without --nixl, or with another spec; the request is one
+        message: a rank of too many tensors for one is refused before it is sent."""
+        from weightsvc.client._nixl_publish import published
+
+        kept, aliases = untie(served)
+        held = {name: (v.data, v.offset, v.shape) if isinstance(v, Shard) else (v, 0, None) for name, v in kept.items()}
+        with published(held, model=model, step=step, rank=rank, world_size=world_size, spec=spec or ExportSpec(),
+                       master_digest=master_digest, aliases=aliases) as request:
+            return self._publish(request)
 
     def _sharded(self, header: pb.PushHeader, parts: dict[str, Array | Shard], aliases: dict[str, str],
                  replicas: list[Replica]) -> list[Stream]:

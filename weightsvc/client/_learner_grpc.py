@@ -11,12 +11,15 @@ from typing import Any
 import grpc
 
 from weightsvc.client._common import VersionInfo
-from weightsvc.client._grpc import Replicas, channel, error
+from weightsvc.client._grpc import Replicas, channel, error, errors_of
 from weightsvc.client._learner import LearnerClient, Message, Messages, ReplicaDown, Stream
+from weightsvc.client._nixl_publish import check_size
 from weightsvc.errors import WeightsvcError, subject
 from weightsvc.protocol.mismatch import RolloutMismatch, mismatch_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import PUSH, REASON_KEY
+from weightsvc.protocol.published import RankPublish, publish_to_proto
 from weightsvc.v1 import weightsvc_pb2 as pb
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 
 def _joined(message: Message) -> bytes:
@@ -94,3 +97,10 @@ class GrpcLearnerClient(LearnerClient):
             request.versions[int(version)].CopyFrom(mismatch_to_proto(m))
         resp = self._replicas.ask(lambda stub: stub.ReportMismatch(request, timeout=self.timeout))
         return {v: mismatch_from_proto(m) for v, m in resp.versions.items()}
+
+    def _publish(self, request: RankPublish) -> VersionInfo:
+        message = publish_to_proto(request)
+        check_size(message.ByteSize(), request.where, len(request.tensors))
+        with errors_of(self.target):
+            resp = pb_grpc.WeightServiceStub(self._channel).Publish(message, timeout=self.timeout)
+        return VersionInfo.from_proto(resp.version, resp.created)

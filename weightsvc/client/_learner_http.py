@@ -1,8 +1,10 @@
 """The HTTP learner: `http://host:port` or `https://host:port`, POST /v1/models/{model}/push (the
-messages gRPC sends, framed as gRPC frames them); a deployment of one replica."""
+messages gRPC sends, framed as gRPC frames them) and POST /v1/models/{model}/versions/{step}/publish (a
+publish's JSON); a deployment of one replica."""
 
 from __future__ import annotations
 
+import json
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +12,10 @@ from typing import Any
 from weightsvc.client._common import VersionInfo
 from weightsvc.client._http import HttpInferenceClient, post_framed
 from weightsvc.client._learner import LearnerClient, Messages, Stream
+from weightsvc.client._nixl_publish import check_size
 from weightsvc.errors import FailedPrecondition
 from weightsvc.protocol.mismatch import RolloutMismatch
+from weightsvc.protocol.published import RankPublish, publish_to_dict
 from weightsvc.protocol.topology import Replica
 
 _quote = urllib.parse.quote
@@ -67,3 +71,9 @@ class HttpLearnerClient(LearnerClient):
         body = {"versions": {str(v): m.as_dict() for v, m in by_version.items()}, "step": step}
         answer = self._http._json(f"/v1/models/{_quote(model, safe='')}/mismatch", body)
         return {int(v): RolloutMismatch(**m) for v, m in answer["versions"].items()}
+
+    def _publish(self, request: RankPublish) -> VersionInfo:
+        body = publish_to_dict(request)
+        check_size(len(json.dumps(body)), request.where, len(request.tensors))
+        path = f"/v1/models/{_quote(request.model, safe='')}/versions/{request.step}/publish"
+        return VersionInfo.from_dict(self._http._json(path, body))

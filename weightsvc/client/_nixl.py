@@ -44,7 +44,7 @@ from weightsvc.errors import (
 )
 from weightsvc.protocol import delta as delta_codec
 from weightsvc.protocol.digest import CHECKSUM_PREFIX, verify, verify_checksum
-from weightsvc.protocol.fabric import Lease, new_agent
+from weightsvc.protocol.fabric import Lease, Piece, cut_pieces, new_agent, read_pieces
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 
@@ -53,10 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightsvc.client")
 
-POLL_S = 0.0002  # between looks at a READ in progress (NIXL's Python API has no wait)
 PIECE = 64 << 20  # bytes a READ moves at a time: the next piece moves while the last one is hashed
-RELEASE_TRIES = 5000  # looks (POLL_S apart) at an abandoned READ before its handle is left to the agent
-Descriptor = tuple[int, int, int]  # (address, bytes, device) of a NIXL transfer descriptor
 
 
 class Source(Protocol):
@@ -132,88 +129,13 @@ class Reader:
     def _transfer(self, pieces: list[Piece], peer: Any, local_memory: str, remote_memory: str, deadline: float,
                   where: str, done: Callable[[Piece], None]) -> None:
         """READ the pieces, two in flight: `done` is called with each one once its bytes are in."""
-        handles: list[Any] = []
-        try:
-            for piece in pieces:
-                try:
-                    handles.append(self.agent.initialize_xfer(
-                        "READ", self.agent.get_xfer_descs(piece.local, local_memory),
-                        self.agent.get_xfer_descs(piece.remote, remote_memory), peer))
-                except Exception as e:
-                    raise Unavailable(f"{where}: NIXL cannot READ from the server: {type(e).__name__}: {e}") from None
-            started = [self._nixl(self.agent.transfer, handles[0], where=where)]
-            for i, piece in enumerate(pieces):
-                if i + 1 < len(pieces):
-                    started.append(self._nixl(self.agent.transfer, handles[i + 1], where=where))
-                state = started[i]
-                while state == "PROC":
-                    if time.monotonic() > deadline:
-                        raise DeadlineExceeded(f"{where}: the NIXL READ outlasted its lease", reason="expired")
-                    time.sleep(POLL_S)
-                    state = self._nixl(self.agent.check_xfer_state, handles[i], where=where)
-                if state != "DONE":
-                    raise Unavailable(f"{where}: the NIXL READ from the server failed ({state})")
-                done(piece)
-        finally:
-            for handle in handles:
-                self._release_handle(handle)
-
-    @staticmethod
-    def _nixl(call: Callable[[Any], str], handle: Any, *, where: str) -> str:
-        try:
-            return call(handle)
-        except Exception as e:  # NIXL raises when the source went away mid-READ (NIXL_ERR_REMOTE_DISCONNECT)
-            raise Unavailable(f"{where}: the NIXL READ from the server failed: {type(e).__name__}: {e}") from None
-
-    def _release_handle(self, handle: Any) -> None:
-        """A handle given back; one still moving (its READ abandoned) is waited for first, briefly: NIXL
-        refuses to release a transfer in progress, and its bytes must not land after the caller moved on."""
-        for _ in range(RELEASE_TRIES):
-            try:
-                self.agent.release_xfer_handle(handle)
-                return
-            except Exception:
-                with contextlib.suppress(Exception):
-                    if self.agent.check_xfer_state(handle) != "PROC":
-                        continue
-                time.sleep(POLL_S)
-        log.warning("a NIXL READ abandoned mid-transfer could not be released")
-
-
-class Piece:
-    """Up to PIECE bytes of a READ: its descriptors, and the byte spans of the tensors it fills."""
-
-    def __init__(self) -> None:
-        self.local: list[Descriptor] = []
-        self.remote: list[Descriptor] = []
-        self.spans: list[tuple[str, int, int]] = []  # (tensor, start, end) of its bytes, in order
-        self.nbytes = 0
+        read_pieces(self.agent, pieces, peer, local_memory, remote_memory, deadline=deadline, where=where,
+                    source="the server", late="the NIXL READ outlasted its lease", done=done)
 
 
 def _pieces(tensors: Mapping[str, tuple[torch.Tensor, list[Any]]]) -> list[Piece]:
     """The ranges of each tensor (READ into it one after another) cut into pieces of at most PIECE bytes."""
-    pieces = [Piece()]
-    for name, (dst, ranges) in tensors.items():
-        at, device = dst.data_ptr(), _device(dst)
-        filled = 0
-        for r in ranges:
-            done = 0
-            while done < r.nbytes:
-                piece = pieces[-1]
-                if piece.nbytes == PIECE:
-                    piece = Piece()
-                    pieces.append(piece)
-                n = min(r.nbytes - done, PIECE - piece.nbytes)
-                piece.local.append((at + filled, n, device))
-                piece.remote.append((r.addr + done, n, r.device))
-                if piece.spans and piece.spans[-1][0] == name and piece.spans[-1][2] == filled:
-                    piece.spans[-1] = (name, piece.spans[-1][1], filled + n)
-                else:
-                    piece.spans.append((name, filled, filled + n))
-                piece.nbytes += n
-                done += n
-                filled += n
-    return [p for p in pieces if p.nbytes]
+    return cut_pieces(((name, dst.data_ptr(), _device(dst), ranges) for name, (dst, ranges) in tensors.items()), PIECE)
 
 
 def _device(t: torch.Tensor) -> int:

@@ -7,6 +7,9 @@ of it) and, per tensor, the `MemoryRange`s its bytes lie in (`selection.byte_ran
 tensor or a range of rows). The reader READs them into its own memory, then releases the lease; a
 release after the lease expired is DEADLINE_EXCEEDED, and what was read is not to be used.
 
+The same one-sided READ (`read_pieces`) serves both ends: a reader READs a server's version, and a
+`serve --nixl` server READs what learner ranks publish (`protocol.published`).
+
 A reader that holds an earlier version (`base`) may be lent the delta encoding against it instead (the
 bytes a delta pull over TCP would carry, encoded once per pair of versions): it READs the encoding and
 patches its tensors. A lease also lists the other servers that lend the same version (`sources`): a
@@ -17,15 +20,17 @@ from __future__ import annotations
 
 import base64
 import bisect
+import contextlib
 import logging
 import sys
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from weightsvc._aio import memo
-from weightsvc.errors import DataLoss, InvalidArgument, Unavailable, subject
+from weightsvc.errors import DataLoss, DeadlineExceeded, InvalidArgument, Unavailable, subject
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.wire import MESSAGE_PIECE_BYTES, manifest_from_proto, manifest_to_proto, piece_starts
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -185,3 +190,123 @@ def new_agent(name: str) -> Any:
 
 
 _BUILDING = threading.Lock()
+
+
+class SharedAgent:
+    """A NIXL agent that several threads call: NIXL's Python agent is built without thread sync
+    (NIXL_THREAD_SYNC_NONE unless it listens), so each call holds a lock (a call is short: a READ is
+    started and then polled, never waited on inside NIXL)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked
+
+
+# ---- one-sided READs, in pieces -------------------------------------------------------------------
+
+POLL_S = 0.0002  # between looks at a READ in progress (NIXL's Python API has no wait)
+RELEASE_TRIES = 5000  # looks (POLL_S apart) at an abandoned READ before its handle is left to the agent
+Descriptor = tuple[int, int, int]  # (address, bytes, device) of a NIXL transfer descriptor
+log = logging.getLogger("weightsvc.nixl")
+
+
+class Piece:
+    """Up to a piece's bytes of a READ: its descriptors, and the byte spans of the tensors it fills."""
+
+    def __init__(self) -> None:
+        self.local: list[Descriptor] = []
+        self.remote: list[Descriptor] = []
+        self.spans: list[tuple[str, int, int]] = []  # (tensor, start, end) of its bytes, in order
+        self.nbytes = 0
+
+
+def cut_pieces(tensors: Iterable[tuple[str, int, int, Sequence[MemoryRange]]], piece_bytes: int) -> list[Piece]:
+    """The READs of each (name, destination address, its device, source ranges), the ranges READ into
+    the destination one after another, cut into pieces of at most `piece_bytes`. A span's bytes are
+    counted from the destination's start."""
+    pieces = [Piece()]
+    for name, at, device, ranges in tensors:
+        filled = 0
+        for r in ranges:
+            done = 0
+            while done < r.nbytes:
+                piece = pieces[-1]
+                if piece.nbytes == piece_bytes:
+                    piece = Piece()
+                    pieces.append(piece)
+                n = min(r.nbytes - done, piece_bytes - piece.nbytes)
+                piece.local.append((at + filled, n, device))
+                piece.remote.append((r.addr + done, n, r.device))
+                if piece.spans and piece.spans[-1][0] == name and piece.spans[-1][2] == filled:
+                    piece.spans[-1] = (name, piece.spans[-1][1], filled + n)
+                else:
+                    piece.spans.append((name, filled, filled + n))
+                piece.nbytes += n
+                done += n
+                filled += n
+    return [p for p in pieces if p.nbytes]
+
+
+def read_pieces(agent: Any, pieces: list[Piece], peer: str, local_memory: str, remote_memory: str, *,
+                deadline: float, where: str, source: str, late: str, done: Callable[[Piece], None]) -> None:
+    """READ the pieces from `peer` (`source`, as messages name it), two in flight: `done` is called
+    with each one once its bytes are in. UNAVAILABLE when NIXL cannot reach it or it goes away
+    mid-READ; DEADLINE_EXCEEDED, saying `late`, past `deadline` (monotonic)."""
+    handles: list[Any] = []
+
+    def call(fn: Callable[[Any], str], handle: Any) -> str:
+        try:
+            return fn(handle)
+        except Exception as e:  # NIXL raises when the source went away mid-READ (NIXL_ERR_REMOTE_DISCONNECT)
+            raise Unavailable(f"{where}: the NIXL READ from {source} failed: {type(e).__name__}: {e}") from None
+
+    try:
+        for piece in pieces:
+            try:
+                handles.append(agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(piece.local, local_memory),
+                    agent.get_xfer_descs(piece.remote, remote_memory), peer))
+            except Exception as e:
+                raise Unavailable(f"{where}: NIXL cannot READ from {source}: {type(e).__name__}: {e}") from None
+        started = [call(agent.transfer, handles[0])] if handles else []
+        for i, piece in enumerate(pieces):
+            if i + 1 < len(pieces):
+                started.append(call(agent.transfer, handles[i + 1]))
+            state = started[i]
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(f"{where}: {late}", reason="expired")
+                time.sleep(POLL_S)
+                state = call(agent.check_xfer_state, handles[i])
+            if state != "DONE":
+                raise Unavailable(f"{where}: the NIXL READ from {source} failed ({state})")
+            done(piece)
+    finally:
+        for handle in handles:
+            release_handle(agent, handle)
+
+
+def release_handle(agent: Any, handle: Any) -> None:
+    """A handle given back; one still moving (its READ abandoned) is waited for first, briefly: NIXL
+    refuses to release a transfer in progress, and its bytes must not land after the caller moved on."""
+    for _ in range(RELEASE_TRIES):
+        try:
+            agent.release_xfer_handle(handle)
+            return
+        except Exception:
+            with contextlib.suppress(Exception):
+                if agent.check_xfer_state(handle) != "PROC":
+                    continue
+            time.sleep(POLL_S)
+    log.warning("a NIXL READ abandoned mid-transfer could not be released")

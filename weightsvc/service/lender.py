@@ -19,22 +19,35 @@ a reader whose READ fails moves to them.
 A lease ends when its reader releases it, or at its deadline (a reader that died, or one slower than
 its lease): a release after that is DEADLINE_EXCEEDED, and the reader discards what it read.
 
-Loop-owned: every method runs on the service's event loop (registration runs in a thread).
+The same agent READs what learner ranks publish (`read`, for `service/copies`): into a buffer of this
+server's, registered for the READ alone (it is lent, if ever, once committed, as any version is).
+
+Loop-owned: every method runs on the service's event loop (registration runs in a thread), but `read`,
+which blocks and runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from weightsvc.errors import DeadlineExceeded, Internal, InvalidArgument, NotFound, TooManyRequests, subject
+from weightsvc.errors import (
+    DeadlineExceeded,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    TooManyRequests,
+    Unavailable,
+    subject,
+)
 from weightsvc.metrics import Metrics
-from weightsvc.protocol.fabric import Lease, MemoryRange, new_agent
+from weightsvc.protocol.fabric import Lease, MemoryRange, Piece, SharedAgent, new_agent, read_pieces
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 from weightsvc.service.pull import Pull
@@ -84,7 +97,9 @@ class Lender:
         self.metrics = metrics
         self.open_pull = open_pull
         self.name = f"weightsvc-{os.getpid()}-{secrets.token_hex(4)}"
-        self.agent = new_agent(self.name)  # (UNAVAILABLE without the [nixl] extra: serve refuses to start)
+        # (UNAVAILABLE without the [nixl] extra: serve refuses to start.) Leases register memory in worker
+        # threads, and publishes READ with it in others: each call holds the agent's lock.
+        self.agent = SharedAgent(new_agent(self.name))
         self._leases: dict[str, _Lent] = {}
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()  # lease -> what it was of
         self._registered: dict[Memory, _Registration] = {}
@@ -159,6 +174,32 @@ class Lender:
         self.metrics.nixl_read_bytes.labels(model).inc(held.nbytes)
         self.metrics.nixl_reads.labels(model).inc()
         self._end(held)
+
+    def read(self, metadata: bytes, remote_memory: str, into: memoryview, pieces: list[Piece], *, deadline: float,
+             where: str, source: str, done: Callable[[Piece], None]) -> None:
+        """READ `pieces` (their local addresses within `into`, a writable buffer of this server's) from
+        the agent of `metadata` (`source`, e.g. a learner rank, as messages name it); `done` is called
+        with each piece once its bytes are in. Blocking: run it in a worker thread. UNAVAILABLE when the
+        agent cannot be reached or goes away; DEADLINE_EXCEEDED past `deadline` (monotonic)."""
+        try:
+            peer: str = self.agent.add_remote_agent(metadata)
+        except Exception as e:
+            raise Unavailable(f"{where}: the NIXL agent of {source} cannot be added: {type(e).__name__}: {e}") from None
+        try:
+            try:
+                registered = self.agent.register_memory([(address(into), len(into), 0, "")], "DRAM")
+            except Exception as e:
+                self.metrics.nixl_failures.labels("register").inc()
+                raise Internal(f"{where}: the buffer to READ into could not be registered with NIXL: "
+                               f"{type(e).__name__}: {e}", reason="register") from None
+            try:
+                read_pieces(self.agent, pieces, peer, "DRAM", remote_memory, deadline=deadline, where=where,
+                            source=source, late=f"the NIXL READ from {source} did not end in time", done=done)
+            finally:
+                self.agent.deregister_memory(registered)
+        finally:
+            with contextlib.suppress(Exception):  # (an agent that went away may be gone already)
+                self.agent.remove_remote_agent(peer)
 
     def close(self) -> None:
         """The server stops: every lease ends (their readers' releases answer NOT_FOUND)."""

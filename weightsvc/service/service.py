@@ -33,10 +33,12 @@ from weightsvc.metrics import Metrics
 from weightsvc.protocol.fabric import Lease
 from weightsvc.protocol.manifest import Manifest, check_manifest
 from weightsvc.protocol.mismatch import RolloutMismatch
+from weightsvc.protocol.published import RankPublish
 from weightsvc.protocol.refs import check_model_name
 from weightsvc.protocol.selection import Select
 from weightsvc.protocol.topology import REPLICA_TTL_S, Replica
 from weightsvc.service.api import ClientStatus, DamagedFile, ModelSummary, PushMessage, Reported
+from weightsvc.service.copies.copies import Copies
 from weightsvc.service.device import Exporter, exporter_for
 from weightsvc.service.lender import Lender
 from weightsvc.service.publish import Gather, Publisher, publishes
@@ -78,9 +80,9 @@ class _Changes:
 
 
 class Service:
-    """The data plane: one method per call of the transports (push, open a pull, manifest, watch, ack,
-    report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the order
-    in which they come up and go down."""
+    """The data plane: one method per call of the transports (push, publish, open a pull, manifest, watch,
+    ack, report a mismatch, topology, listings) over the parts it builds; `start` and `stop` own the
+    order in which they come up and go down."""
 
     def __init__(self, settings: Settings, gather: Gather | None = None) -> None:
         """`gather`: a version of sharded replicas, whole (the server's client of the replicas), for
@@ -120,6 +122,9 @@ class Service:
         self.pulls = Pulls(settings, self.metrics, self.index, self.parts, self.changed)
         # --nixl: versions lent over the fabric (refused here, before anything listens, without NIXL).
         self.lender = Lender(settings, self.metrics, self._open_lent) if settings.nixl else None
+        # Publishes: copied in with the lender's agent, staged within the pushes' budget.
+        self.copies = Copies(settings, self.metrics, committer=self.committer, index=self.index, pool=self.index.pool,
+                             budget=self.pushes.budget, lender=self._copier)
         self.membership = Membership(self.registry, self.parts, self.committer)
         self.watches = Watches(settings.watch_limit, self.metrics)
         self._heartbeat: asyncio.Task[None] | None = None
@@ -222,6 +227,19 @@ class Service:
     def release_lease(self, lease_id: str) -> None:
         """A reader is done with its lease (DEADLINE_EXCEEDED when it expired first: `Lender.release`)."""
         self._lender().release(lease_id)
+
+    async def publish(self, request: RankPublish) -> tuple[Manifest, bool]:
+        """A learner rank's publish (`serve --nixl`): its part of a served copy it exported, READ from its
+        memory once every rank is in, checked and committed (`Copies.run`). Returns once the version
+        commits: its manifest, and whether this publish created it."""
+        version, created = await self.copies.run(request)
+        return version.manifest, created
+
+    def _copier(self) -> Lender:
+        if self.lender is None:
+            raise FailedPrecondition("this server READs no publish over NIXL (it runs without --nixl): serve with "
+                                     "--nixl, or push the masters", reason="nixl_off")
+        return self.lender
 
     def _lender(self) -> Lender:
         if self.lender is None:

@@ -1,7 +1,7 @@
 """Who may do what: bearer tokens with roles, on gRPC metadata and the HTTP Authorization header.
 
 Roles nest: `pull` reads (Pull, Watch, Ack, listings, every HTTP route but the pushes, the ack too), `push`
-also pushes (a learner pulls its served copy back), `admin` may do everything. Tokens come from
+also pushes and publishes (a learner pulls its served copy back), `admin` may do everything. Tokens come from
 `WEIGHTSVC_{PULL,PUSH,ADMIN}_TOKENS` (comma-separated) and/or `--auth-file` (JSON:
 {"pull": [...], "push": [...], "admin": [...]}). Auth is on as soon as one token is configured.
 Tokens are kept as SHA-256 digests and never logged; `/healthz`, `/readyz`, `/metrics` and the gRPC
@@ -27,9 +27,9 @@ from weightsvc.transport.status import grpc_status, http_domain_error
 ROLES = ("pull", "push", "admin")  # each includes the ones before it
 CALLER = "weightsvc.caller"  # the ASGI scope key where HttpAuth leaves `token_caller` of a request it let in
 # gRPC methods that need more than `pull`; every other WeightService method needs `pull`.
-METHOD_ROLES = {PUSH: "push", method("ReportMismatch"): "push"}
-# HTTP routes that need more than `pull`: a learner's pushes and mismatch report.
-_PUSH_ROUTES = {"POST": re.compile(r"/v1/models/[^/]+/(mismatch|push)"),
+METHOD_ROLES = {PUSH: "push", method("ReportMismatch"): "push", method("Publish"): "push"}
+# HTTP routes that need more than `pull`: a learner's pushes, publishes and mismatch report.
+_PUSH_ROUTES = {"POST": re.compile(r"/v1/models/[^/]+/(mismatch|push|versions/[^/]+/publish)"),
                 "PUT": re.compile(r"/v1/models/[^/]+/versions/[^/]+/safetensors")}
 
 

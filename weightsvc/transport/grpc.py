@@ -14,11 +14,12 @@ from typing import Any, cast
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from weightsvc._aio import off_loop
+from weightsvc._aio import BIG_MANIFEST, in_thread, off_loop
 from weightsvc.errors import WeightsvcError
 from weightsvc.protocol.fabric import DEFAULT_LEASE_S, lease_to_proto
 from weightsvc.protocol.mismatch import fields_from_proto, mismatch_to_proto
 from weightsvc.protocol.names import METHODS, REASON_KEY, SERVICE
+from weightsvc.protocol.published import publish_from_proto
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.topology import HASHING
 from weightsvc.protocol.wire import (
@@ -100,6 +101,12 @@ class WeightServicer(pb_grpc.WeightServiceServicer):
         requests = cast(AsyncGenerator[pb.PushRequest, None], aiter(request_iterator))
         async with contextlib.aclosing(requests):
             manifest, created = await self.service.push(push_messages(requests, self.service.settings.max_tensors))
+        return pb.PushResponse(version=info_to_proto(manifest), created=created)
+
+    @_abort_on_domain_error
+    async def Publish(self, request: pb.PublishRequest, context: Any) -> pb.PushResponse:
+        published = await in_thread(len(request.tensors) >= BIG_MANIFEST, publish_from_proto, request)
+        manifest, created = await self.service.publish(published)
         return pb.PushResponse(version=info_to_proto(manifest), created=created)
 
     @_abort_on_domain_error

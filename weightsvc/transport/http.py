@@ -31,6 +31,7 @@ from weightsvc.errors import (
 )
 from weightsvc.protocol.fabric import DEFAULT_LEASE_S
 from weightsvc.protocol.manifest import Manifest
+from weightsvc.protocol.published import publish_from_dict
 from weightsvc.protocol.refs import parse_version_ref
 from weightsvc.protocol.selection import parse_selector, selection
 from weightsvc.protocol.topology import HASHING
@@ -353,6 +354,20 @@ def create_app(service: Service, *, is_ready: Any = lambda: True) -> FastAPI:
         version. `format` / `rounding` override the server's export, as a push's header does."""
         body = Received(_until_gone(request.stream(), f"the push of {subject(model, step=step)}"))
         return await _pushed(file_messages(body, model, step, format, rounding))
+
+    @app.post("/v1/models/{model}/versions/{step}/publish")
+    async def publish(model: str, step: int, request: Request) -> dict[str, Any]:
+        """`serve --nixl`: a learner rank's publish, the JSON of gRPC's PublishRequest less model and step
+        (`agent` in base64; role push): the committed version, once every rank is in and it is copied."""
+        what = f"the publish of {subject(model, step=step)}"
+        raw = await read_body(request, service.settings.max_message_bytes, bodies, what)
+        try:
+            body = await in_thread(len(raw) > BIG_BODY, json.loads, raw)
+        except ValueError as e:
+            raise InvalidArgument(f"{what}: the body is not JSON: {e}") from None
+        published = await in_thread(len(raw) > BIG_BODY, publish_from_dict, model, step, body)
+        manifest, created = await service.publish(published)
+        return {**manifest.info(), "created": created}
 
     async def _pushed(messages: AsyncIterator[PushMessage]) -> dict[str, Any]:
         manifest, created = await service.push(messages)

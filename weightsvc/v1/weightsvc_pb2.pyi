@@ -541,3 +541,64 @@ class ReleaseLeaseRequest(_message.Message):
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ExportSpec(_message.Message):
+    __slots__ = ("format", "rounding", "seed", "scaling", "fp8_pattern")
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    ROUNDING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SCALING_FIELD_NUMBER: _ClassVar[int]
+    FP8_PATTERN_FIELD_NUMBER: _ClassVar[int]
+    format: str
+    rounding: str
+    seed: int
+    scaling: str
+    fp8_pattern: str
+    def __init__(self, format: _Optional[str] = ..., rounding: _Optional[str] = ..., seed: _Optional[int] = ..., scaling: _Optional[str] = ..., fp8_pattern: _Optional[str] = ...) -> None: ...
+
+class PublishedTensor(_message.Message):
+    __slots__ = ("name", "shape", "dtype", "part", "checksum", "ranges")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    part: TensorPart
+    checksum: str
+    ranges: _containers.RepeatedCompositeFieldContainer[MemoryRange]
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., part: _Optional[_Union[TensorPart, _Mapping]] = ..., checksum: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[MemoryRange, _Mapping]]] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("model", "step", "rank", "world_size", "spec", "agent", "memory", "tensors", "master_digest", "aliases")
+    class AliasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    AGENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ALIASES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    step: int
+    rank: int
+    world_size: int
+    spec: ExportSpec
+    agent: bytes
+    memory: str
+    tensors: _containers.RepeatedCompositeFieldContainer[PublishedTensor]
+    master_digest: str
+    aliases: _containers.ScalarMap[str, str]
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., spec: _Optional[_Union[ExportSpec, _Mapping]] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., master_digest: _Optional[str] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...

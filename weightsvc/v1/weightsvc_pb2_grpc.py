@@ -94,6 +94,11 @@ class WeightServiceStub:
                 request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.SerializeToString,
                 response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.FromString,
                 _registered_method=True)
+        self.Publish = channel.unary_unary(
+                '/weightsvc.v1.WeightService/Publish',
+                request_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.PublishRequest.SerializeToString,
+                response_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.PushResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -188,6 +193,21 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Publish(self, request, context):
+        """`serve --nixl`: a learner rank publishes its part of a served copy it exported itself (the export
+        the server would make: its spec), left in its own memory and registered with its NIXL agent. The
+        ranks of one (model, step) each send one request; once every rank is in, the server READs every
+        rank's bytes into a version of its own, checks each rank's checksums and commits it as a push
+        commits; every rank's call answers then (or fails: nothing is visible). After the answer the learner
+        may reuse its memory. FAILED_PRECONDITION from a server without --nixl, or for a spec not the
+        server's; INVALID_ARGUMENT when ranks disagree on a tensor; DATA_LOSS when bytes read do not match a
+        rank's checksum; DEADLINE_EXCEEDED when a rank does not come within --push-rank-timeout-s; ABORTED
+        when a rank's call ends before the commit (its process died).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +270,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.ReleaseLease,
                     request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.FromString,
                     response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.SerializeToString,
+            ),
+            'Publish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Publish,
+                    request_deserializer=weightsvc_dot_v1_dot_weightsvc__pb2.PublishRequest.FromString,
+                    response_serializer=weightsvc_dot_v1_dot_weightsvc__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -576,6 +601,33 @@ class WeightService:
             '/weightsvc.v1.WeightService/ReleaseLease',
             weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseRequest.SerializeToString,
             weightsvc_dot_v1_dot_weightsvc__pb2.ReleaseLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Publish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weightsvc.v1.WeightService/Publish',
+            weightsvc_dot_v1_dot_weightsvc__pb2.PublishRequest.SerializeToString,
+            weightsvc_dot_v1_dot_weightsvc__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,

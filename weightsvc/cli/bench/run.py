@@ -9,7 +9,20 @@ from typing import Any
 
 import torch
 
-from weightsvc.cli.bench import PARTS, delta, fabric, kernels, loop, memory, sass, scale, store, sync, transfer
+from weightsvc.cli.bench import (
+    PARTS,
+    delta,
+    fabric,
+    kernels,
+    loop,
+    memory,
+    publish,
+    sass,
+    scale,
+    store,
+    sync,
+    transfer,
+)
 from weightsvc.cli.bench._common import make_model
 from weightsvc.cli.bench.rawtcp import RawTcp
 
@@ -50,6 +63,7 @@ def run_bench(
         "N1": lambda: fabric.fabric_bench(size_mib=size_mib, repeat=repeat, say=say),
         "N2": lambda: fabric.quarters_bench(size_mib=size_mib, repeat=repeat, say=say),
         "N3": lambda: fabric.control_bench(counts=(1_000, 100_000), repeat=min(repeat, 2), say=say),
+        "PUB2": lambda: publish.publish_bench(size_mib=min(size_mib, 256), say=say),  # (bytes: its size is moot)
     }
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
     for name, measure in measures.items():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 
 from weightsvc import rounding
-from weightsvc.errors import ResourceExhausted, subject
+from weightsvc.errors import ResourceExhausted
 from weightsvc.memory import BufferPool, anonymous_bytes
 from weightsvc.service.push.messages import PushHeader
 from weightsvc.settings import Settings
@@ -36,21 +36,22 @@ class StagingBudget:
             nbytes += 4 * sum(matrices)
         return nbytes
 
-    def reserve(self, header: PushHeader, nbytes: int) -> int:
-        """Reserve `nbytes`, the memory a push will stage (`needed`), or refuse it if over the memory budget."""
+    def reserve(self, where: str, nbytes: int) -> int:
+        """Reserve `nbytes`, the memory a push (or a publish: `where` names it) will stage (`needed`), or
+        refuse it if over the memory budget."""
         rss, mark, budget = anonymous_bytes(), self.settings.rss_high_water, self.settings.max_staged_bytes
         if (rss + nbytes > mark or self.reserved + nbytes + self.pool.free_bytes > budget) and self.pool.free():
             rss = anonymous_bytes()
         what = "(served bytes, ef residuals and fp8 masters gathered for their scales)"
         if rss + nbytes > mark:
             raise ResourceExhausted(
-                f"{subject(header.model, step=header.step)}: this server holds {rss} bytes; staging {nbytes} more "
+                f"{where}: this server holds {rss} bytes; staging {nbytes} more "
                 f"{what} would pass its memory high-water mark of {mark} bytes (--max-rss-bytes); retry later",
                 reason="too_large",
             )
         if self.reserved + nbytes > budget:
             raise ResourceExhausted(
-                f"{subject(header.model, step=header.step)}: pushes in progress hold "
+                f"{where}: pushes in progress hold "
                 f"{self.reserved} bytes; {nbytes} more {what} would exceed the staging budget of "
                 f"{budget} bytes (--max-staged-bytes); retry later",
                 reason="too_large",

@@ -206,7 +206,7 @@ class Push:
             count = sum(len(tensors) for tensors in self.shards.values())
             whole = await in_thread(count >= BIG_MANIFEST, self._whole, header)
             needed = await in_thread(count >= BIG_MANIFEST, pushes.budget.needed, whole)
-            reserved = pushes.budget.reserve(whole, needed)
+            reserved = pushes.budget.reserve(self.where, needed)
             try:
                 session = await open_session(pushes.context, whole, self.shards)
             except BaseException:

@@ -1,0 +1,251 @@
+"""Publish (`serve --nixl`): learner ranks publish the served copy they exported; the server READs every
+rank's bytes over NIXL (loopback: UCX picks shared memory), checks them, and commits the version.
+
+The server is a `weightsvc serve --nixl` process; ranks are this process, or processes of their own
+(tests/integration/publish_rank.py) where a rank must die or several must publish at once. A rank that
+waits is seen waiting in the server's `weightsvc_publishes_in_flight`, the event these tests wait on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from tests.conftest import ServeProcess, serving
+from tests.helpers import same_bits
+from tests.integration.publish_rank import SPEC, masters, share
+from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client._nixl_publish import published
+from weightsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, WeightsvcError
+from weightsvc.integrations.fair_cast import masters_digest_of, served_state_dict
+from weightsvc.protocol.published import publish_to_proto
+from weightsvc.rounding import ExportSpec
+from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
+
+RANK = [sys.executable, "-m", "tests.integration.publish_rank"]
+RANK_TIMEOUT_S = 3
+
+
+@pytest.fixture(scope="module")
+def copier(nixl_installed: None) -> Iterator[ServeProcess]:
+    srv = ServeProcess("--nixl", "--push-rank-timeout-s", str(RANK_TIMEOUT_S))
+    yield srv
+    srv.stop()
+
+
+def rank(srv: ServeProcess, model: str, step: int, r: int, world_size: int, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([*RANK, srv.target, model, str(step), str(r), str(world_size), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def last_line(proc: subprocess.Popen[str]) -> str:
+    out, err = proc.communicate(timeout=120)
+    lines = out.strip().splitlines()
+    assert lines, err[-2000:]
+    return lines[-1]
+
+
+def waiting(srv: ServeProcess) -> float:
+    """The publish calls the server holds (waiting for their ranks, or their version)."""
+    text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    return float(re.search(r"^weightsvc_publishes_in_flight (\S+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+
+
+def until(what: str, predicate: Callable[[], bool], timeout: float = 60) -> None:
+    """Poll `predicate` (the server's state, seen from outside) until it holds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+
+
+def versions(srv: ServeProcess, model: str) -> list[int]:
+    with InferenceClient(srv.target) as client:
+        try:
+            return [v.version for v in client.versions(model)]
+        except NotFound:
+            return []
+
+
+def test_a_published_copy_is_bit_for_bit_what_a_push_of_its_masters_serves(copier: ServeProcess) -> None:
+    m = masters()
+    served = served_state_dict(m, SPEC, version=1)
+    before = {name: t.clone() for name, t in served.items()}
+    with LearnerClient(copier.target) as learner:
+        info = learner.publish(1, served, "one-rank", spec=SPEC, master_digest=masters_digest_of(m))
+    assert (info.model, info.version, info.created, info.tensor_count) == ("one-rank", 1, True, len(served))
+    same_bits(served, before)  # (the learner's memory is only read)
+    with InferenceClient(copier.target) as client:
+        pulled = client.pull("one-rank", 1)
+        manifest = client.manifest("one-rank", 1)
+    same_bits(pulled, served)
+    with serving() as other, LearnerClient(other.grpc_target) as learner, InferenceClient(other.grpc_target) as client:
+        learner.push(1, m, "one-rank")  # the fp32 masters to a server with the same spec
+        same_bits(client.pull("one-rank", 1), pulled)
+        pushed = client.manifest("one-rank", 1)
+    assert {t.name: t.checksum for t in manifest.tensors} == {t.name: t.checksum for t in pushed.tensors}
+    assert manifest.master_digest == pushed.master_digest
+    assert (manifest.format, manifest.rounding, manifest.seed) == ("bf16", "sr", 0)
+
+
+def test_two_rank_processes_each_publish_half_of_every_tensor_and_the_version_commits_once(
+        copier: ServeProcess) -> None:
+    ranks = [rank(copier, "two-ranks", 1, r, 2) for r in range(2)]
+    answers = [last_line(p) for p in ranks]
+    assert answers == ["ok 1 True", "ok 1 True"]  # (every rank answers what the commit did)
+    with InferenceClient(copier.target) as client:
+        same_bits(client.pull("two-ranks", 1), served_state_dict(masters(), SPEC, version=1))
+    assert versions(copier, "two-ranks") == [1]
+
+
+def test_a_checksum_that_does_not_match_is_data_loss_naming_tensor_and_rank_and_commits_nothing(
+        copier: ServeProcess) -> None:
+    served = served_state_dict(masters(), SPEC, version=1)
+    held = {name: (t, 0, None) for name, t in served.items()}
+    with published(held, model="bad-sum", step=1, rank=0, world_size=1, spec=SPEC, master_digest="",
+                   aliases={}) as request:
+        wrong = tuple(dataclasses.replace(t, checksum="xxh3_64:0123456789abcdef") if t.name == "lm_head.bias" else t
+                      for t in request.tensors)
+        with grpc.insecure_channel(copier.target) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.WeightServiceStub(channel).Publish(publish_to_proto(dataclasses.replace(request, tensors=wrong)))
+    assert refused.value.code() == grpc.StatusCode.DATA_LOSS
+    assert "model 'bad-sum' step 1 tensor 'lm_head.bias' rank 0" in (refused.value.details() or "")
+    assert versions(copier, "bad-sum") == []
+    with LearnerClient(copier.target) as learner:  # the next try commits
+        assert learner.publish(1, served, "bad-sum", spec=SPEC).version == 1
+
+
+def test_ranks_that_disagree_on_a_shape_are_refused_naming_the_tensor_and_both_ranks(copier: ServeProcess) -> None:
+    ranks = [rank(copier, "shapes", 1, 0, 2), rank(copier, "shapes", 1, 1, 2, "--shape", "embed.weight=64,97")]
+    for p in ranks:
+        answer = last_line(p)
+        assert answer.startswith("error InvalidArgument"), answer
+        assert "tensor 'embed.weight'" in answer and "rank 0 declares BF16 of shape [97, 64]" in answer
+        assert "rank 1 declares BF16 of shape [64, 97]" in answer
+    assert versions(copier, "shapes") == []
+
+
+def test_a_rank_that_never_comes_fails_the_others_naming_it_and_the_step_commits_later(copier: ServeProcess) -> None:
+    served = served_state_dict(masters(), SPEC, version=3)
+    with LearnerClient(copier.target) as learner:
+        with pytest.raises(DeadlineExceeded, match=r"model 'alone' step 3: rank\(s\) 1 of world_size 2 did not "
+                                                   rf"publish within {RANK_TIMEOUT_S} s \(--push-rank-timeout-s\)"):
+            learner.publish(3, share(served, 0, 2), "alone", world_size=2, spec=SPEC)
+        assert versions(copier, "alone") == []
+        assert learner.publish(3, served, "alone", spec=SPEC).version == 3
+
+
+def test_a_rank_killed_while_it_waits_commits_nothing_and_the_server_stays_well(copier: ServeProcess) -> None:
+    doomed = rank(copier, "killed", 1, 0, 2)
+    until("rank 0's publish waits in the server", lambda: waiting(copier) == 1)
+    doomed.kill()
+    doomed.wait(30)
+    until("the server let go of the killed rank's call", lambda: waiting(copier) == 0)
+    served = served_state_dict(masters(), SPEC, version=1)
+    with LearnerClient(copier.target) as learner, pytest.raises(DeadlineExceeded, match=r"rank\(s\) 0 of world_size 2"):
+        learner.publish(1, share(served, 1, 2), "killed", rank=1, world_size=2, spec=SPEC)
+    assert versions(copier, "killed") == []
+    ranks = [rank(copier, "killed", 1, r, 2) for r in range(2)]
+    assert [last_line(p).split()[:2] for p in ranks] == [["ok", "1"], ["ok", "1"]]
+    assert versions(copier, "killed") == [1]
+
+
+def test_a_spec_other_than_the_servers_is_refused_naming_both(copier: ServeProcess) -> None:
+    rtn = ExportSpec("bf16", "rtn", seed=7)
+    served = served_state_dict(masters(), rtn, version=1)
+    with LearnerClient(copier.target) as learner, pytest.raises(FailedPrecondition) as refused:
+        learner.publish(1, served, "other-spec", spec=rtn)
+    assert "rounding 'rtn' (the server's: 'sr')" in refused.value.message
+    assert "seed 7 (the server's: 0)" in refused.value.message
+    assert versions(copier, "other-spec") == []
+
+
+def test_a_server_without_nixl_refuses_a_publish_naming_the_flag(nixl_installed: None) -> None:
+    served = served_state_dict(masters(), SPEC, version=1)
+    with serving() as srv:
+        for target in (srv.grpc_target, srv.http_url):
+            with LearnerClient(target) as learner, pytest.raises(FailedPrecondition, match="without --nixl"):
+                learner.publish(1, served, "no-nixl", spec=SPEC)
+
+
+def test_a_publish_over_http_commits_as_over_grpc(copier: ServeProcess) -> None:
+    served = served_state_dict(masters(), SPEC, version=5)
+    with LearnerClient(copier.url) as learner:
+        assert learner.publish(5, served, "over-http", spec=SPEC).version == 5
+    with InferenceClient(copier.url) as client:
+        same_bits(client.pull("over-http", 5), served)
+
+
+@pytest.fixture(scope="module")
+def fp8_copier(nixl_installed: None) -> Iterator[ServeProcess]:
+    srv = ServeProcess("--nixl", "--format", "fp8_e4m3")
+    yield srv
+    srv.stop()
+
+
+def test_an_fp8_copy_commits_and_tensors_the_format_does_not_make_are_refused_by_name(
+        fp8_copier: ServeProcess) -> None:
+    fp8 = ExportSpec("fp8_e4m3", "sr", seed=0)
+    served = served_state_dict(masters(), fp8, version=1)
+    qkv = "layers.0.attn.qkv.weight"
+    assert served[qkv].dtype == torch.float8_e4m3fn and f"{qkv}_scale_inv" in served
+    with LearnerClient(fp8_copier.target) as learner:
+        bf16 = served_state_dict(masters(), SPEC, version=1)
+        with pytest.raises(InvalidArgument, match=rf"tensor '{qkv}': fp8_e4m3 serves this master of shape "
+                                                  rf"\[192, 64\] as '{qkv}' \(F8_E4M3 \[192, 64\]\), "
+                                                  rf"'{qkv}_scale_inv' \(F32 \[2, 1\]\)"):
+            learner.publish(1, bf16, "fp8", spec=fp8)  # a bf16 copy said to be fp8
+        scaleless = {name: t for name, t in served.items() if name != "layers.0.mlp.up.weight_scale_inv"}
+        with pytest.raises(InvalidArgument, match=r"tensor 'layers\.0\.mlp\.up\.weight'"):
+            learner.publish(1, scaleless, "fp8", spec=fp8)
+        assert versions(fp8_copier, "fp8") == []
+        assert learner.publish(1, served, "fp8", spec=fp8).version == 1
+    with InferenceClient(fp8_copier.target) as client:
+        same_bits(client.pull("fp8", 1), served)
+
+
+def test_ranks_of_one_process_publish_from_threads(copier: ServeProcess) -> None:
+    """Two ranks in threads of one process share its agent, each its own memory registered."""
+    served = served_state_dict(masters(), SPEC, version=1)
+    got: dict[int, object] = {}
+
+    def publish(r: int) -> None:
+        try:
+            with LearnerClient(copier.target) as learner:
+                got[r] = learner.publish(1, share(served, r, 2), "threads", rank=r, world_size=2, spec=SPEC).version
+        except WeightsvcError as e:
+            got[r] = e
+
+    threads = [threading.Thread(target=publish, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == {0: 1, 1: 1}
+
+
+def test_a_published_version_is_durable_in_the_data_dir(nixl_installed: None, tmp_path: Path) -> None:
+    served = served_state_dict(masters(), SPEC, version=1)
+    srv = ServeProcess("--nixl", "--data-dir", str(tmp_path))
+    try:
+        with LearnerClient(srv.target) as learner:
+            assert learner.publish(1, served, "durable", spec=SPEC).version == 1
+    finally:
+        srv.stop()
+    again = ServeProcess("--nixl", "--data-dir", str(tmp_path))
+    try:
+        with InferenceClient(again.target) as client:
+            same_bits(client.pull("durable", 1), served)
+    finally:
+        again.stop()
