@@ -5,7 +5,9 @@ of the test's masters (`served_state_dict`) and publishes its share of every ten
     python -m tests.integration.publish_rank TARGET MODEL STEP RANK WORLD_SIZE [--shape NAME=D,D]
 
 --shape declares tensor NAME with another shape (its bytes as they are): a rank that disagrees with
-the others. It prints `registered` once its copy is made, then its last line: `ok VERSION CREATED` or
+the others. It prints `ready` once its copy and its NIXL agent are made, publishes once it reads a line
+(the test starts every rank, then lets them go together: they meet within the server's rank timeout
+however slowly each process started), then prints its last line: `ok VERSION CREATED` or
 `error CODE MESSAGE`.
 """
 
@@ -18,6 +20,7 @@ import torch
 
 from weightsvc import LearnerClient
 from weightsvc.client import Shard
+from weightsvc.client._nixl_publish import _agent
 from weightsvc.errors import WeightsvcError
 from weightsvc.integrations.fair_cast import served_state_dict
 from weightsvc.rounding import ExportSpec
@@ -57,7 +60,9 @@ def main() -> None:
     if args.shape:
         name, _, dims = args.shape.partition("=")
         mine[name] = Shard(mine[name].data, mine[name].offset, tuple(int(d) for d in dims.split(",")))
-    print("registered", flush=True)
+    _agent()  # (made now, not inside the publish: it takes a while)
+    print("ready", flush=True)
+    sys.stdin.readline()
     try:
         with LearnerClient(args.target) as learner:
             info = learner.publish(args.step, mine, args.model, rank=args.rank, world_size=args.world_size, spec=SPEC)

@@ -44,9 +44,22 @@ def copier(nixl_installed: None) -> Iterator[ServeProcess]:
     srv.stop()
 
 
-def rank(srv: ServeProcess, model: str, step: int, r: int, world_size: int, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([*RANK, srv.target, model, str(step), str(r), str(world_size), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def ranks(srv: ServeProcess, model: str, step: int, world_size: int, *args: tuple[str, ...],
+          which: tuple[int, ...] | None = None) -> list[subprocess.Popen[str]]:
+    """Rank processes (`which`: all of `world_size`; `args`: each one's extra arguments), let go to
+    publish together once every one is ready."""
+    which = tuple(range(world_size)) if which is None else which
+    procs = [subprocess.Popen([*RANK, srv.target, model, str(step), str(r), str(world_size),
+                               *(args[i] if i < len(args) else ())],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, r in enumerate(which)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n", p.stderr.read() if p.stderr else ""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    return procs
 
 
 def last_line(proc: subprocess.Popen[str]) -> str:
@@ -101,8 +114,7 @@ def test_a_published_copy_is_bit_for_bit_what_a_push_of_its_masters_serves(copie
 
 def test_two_rank_processes_each_publish_half_of_every_tensor_and_the_version_commits_once(
         copier: ServeProcess) -> None:
-    ranks = [rank(copier, "two-ranks", 1, r, 2) for r in range(2)]
-    answers = [last_line(p) for p in ranks]
+    answers = [last_line(p) for p in ranks(copier, "two-ranks", 1, 2)]
     assert answers == ["ok 1 True", "ok 1 True"]  # (every rank answers what the commit did)
     with InferenceClient(copier.target) as client:
         same_bits(client.pull("two-ranks", 1), served_state_dict(masters(), SPEC, version=1))
@@ -127,8 +139,7 @@ def test_a_checksum_that_does_not_match_is_data_loss_naming_tensor_and_rank_and_
 
 
 def test_ranks_that_disagree_on_a_shape_are_refused_naming_the_tensor_and_both_ranks(copier: ServeProcess) -> None:
-    ranks = [rank(copier, "shapes", 1, 0, 2), rank(copier, "shapes", 1, 1, 2, "--shape", "embed.weight=64,97")]
-    for p in ranks:
+    for p in ranks(copier, "shapes", 1, 2, (), ("--shape", "embed.weight=64,97")):
         answer = last_line(p)
         assert answer.startswith("error InvalidArgument"), answer
         assert "tensor 'embed.weight'" in answer and "rank 0 declares BF16 of shape [97, 64]" in answer
@@ -147,7 +158,7 @@ def test_a_rank_that_never_comes_fails_the_others_naming_it_and_the_step_commits
 
 
 def test_a_rank_killed_while_it_waits_commits_nothing_and_the_server_stays_well(copier: ServeProcess) -> None:
-    doomed = rank(copier, "killed", 1, 0, 2)
+    (doomed,) = ranks(copier, "killed", 1, 2, which=(0,))
     until("rank 0's publish waits in the server", lambda: waiting(copier) == 1)
     doomed.kill()
     doomed.wait(30)
@@ -156,8 +167,7 @@ def test_a_rank_killed_while_it_waits_commits_nothing_and_the_server_stays_well(
     with LearnerClient(copier.target) as learner, pytest.raises(DeadlineExceeded, match=r"rank\(s\) 0 of world_size 2"):
         learner.publish(1, share(served, 1, 2), "killed", rank=1, world_size=2, spec=SPEC)
     assert versions(copier, "killed") == []
-    ranks = [rank(copier, "killed", 1, r, 2) for r in range(2)]
-    assert [last_line(p).split()[:2] for p in ranks] == [["ok", "1"], ["ok", "1"]]
+    assert [last_line(p).split()[:2] for p in ranks(copier, "killed", 1, 2)] == [["ok", "1"], ["ok", "1"]]
     assert versions(copier, "killed") == [1]
 
 

@@ -174,6 +174,9 @@ def test_metrics_after_push_and_pull(server: BackgroundServer, learner: LearnerC
     learner.push(6, masters, model=model)
     InferenceClient(server.grpc_target).pull(model)
     InferenceClient(server.http_url).pull(model)
+    # A pull's bytes are counted as the server sends them, and its client may have them all first: the
+    # counts are read once the server has ended both pulls.
+    server.call(server.service.wait_for(lambda: server.service.pulls.in_flight == 0))
     status, headers, body = http_get(server.http_url, "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     samples = {
