@@ -11,8 +11,9 @@ from weightsvc import rounding
 from weightsvc.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.manifest import ServedTensor, TensorSpec, layout
 from weightsvc.protocol.published import PublishedTensor, RankPublish
-from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
-from weightsvc.service.push.shards import MAX_WORLD_SIZE, merge_shards
+from weightsvc.protocol.refs import check_tensor_name
+from weightsvc.service.push.shards import merge_shards
+from weightsvc.service.push.validate import check_ranks
 from weightsvc.settings import Settings
 
 
@@ -25,15 +26,7 @@ def server_spec(settings: Settings) -> rounding.ExportSpec:
 def check_rank(p: RankPublish, settings: Settings) -> None:
     """Refuse a rank's request that breaks a rule of its own, a limit of the server, or whose spec is
     not the server's (a copy exported otherwise is not what a push would serve)."""
-    check_model_name(p.model)
-    where = subject(p.model, step=p.step)
-    if not 0 <= p.step <= MAX_STEP:
-        raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
-    if not 1 <= p.world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"{where}: world_size {p.world_size} is not in [1, {MAX_WORLD_SIZE}]",
-                              reason="invalid_header")
-    if not 0 <= p.rank < p.world_size:
-        raise InvalidArgument(f"{where}: rank {p.rank} is outside world_size {p.world_size}", reason="invalid_header")
+    where = check_ranks(p.model, p.step, p.rank, p.world_size)
     if not p.tensors:
         raise InvalidArgument(f"{p.where}: the publish declares no tensors", reason="invalid_header")
     if len(p.tensors) > settings.max_tensors:

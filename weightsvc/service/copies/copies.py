@@ -44,6 +44,7 @@ from weightsvc.protocol.published import RankPublish
 from weightsvc.service.copies.checks import CopyPlan, check_rank, plan_copy, server_spec
 from weightsvc.service.lender import Lender, address
 from weightsvc.service.push.budget import StagingBudget
+from weightsvc.service.push.validate import missing_ranks
 from weightsvc.service.record import Version
 from weightsvc.service.replicas.registry import not_above
 from weightsvc.service.versions.commit import Committer
@@ -95,9 +96,7 @@ class Copying:
                     async with asyncio.timeout(self.deadline - time.monotonic()):
                         await asyncio.shield(self.joined)
                 except TimeoutError:
-                    missing = sorted(set(range(self.world_size)) - set(self.ranks))
-                    shown = ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more"
-                                                                  if len(missing) > 10 else "")
+                    shown = missing_ranks(self.world_size, self.ranks)
                     self.fail(DeadlineExceeded(
                         f"{self.where}: rank(s) {shown} of world_size {self.world_size} did not publish within "
                         f"{self.timeout:g} s (--push-rank-timeout-s); nothing was committed", reason="aborted"))

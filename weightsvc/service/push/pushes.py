@@ -39,7 +39,7 @@ from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.messages import Committed, PushCommit, PushHeader, PushMessage
 from weightsvc.service.push.shards import merge_shards
 from weightsvc.service.push.staging import PushSession, open_session
-from weightsvc.service.push.validate import validate_header
+from weightsvc.service.push.validate import missing_ranks, validate_header
 
 log = logging.getLogger("weightsvc.push")
 
@@ -241,9 +241,7 @@ class Push:
                 async with asyncio.timeout(self.deadline - time.monotonic()):
                     await asyncio.shield(self.joined)
             except TimeoutError:
-                missing = sorted(set(range(self.world_size)) - set(self.shards))
-                shown = ", ".join(map(str, missing[:10]))
-                shown += f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+                shown = missing_ranks(self.world_size, self.shards)
                 self.fail(DeadlineExceeded(
                     f"{self.where}: rank(s) {shown} of world_size {self.world_size} did not join within "
                     f"{self.join_timeout:g} s (--push-rank-timeout-s); nothing was committed",

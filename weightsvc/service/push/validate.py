@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from weightsvc.errors import InvalidArgument, ResourceExhausted, subject
 from weightsvc.protocol.manifest import DTYPE_SIZES, MASTER_DTYPE
 from weightsvc.protocol.refs import MAX_STEP, check_model_name, check_tensor_name
@@ -11,18 +13,30 @@ from weightsvc.service.push.shards import MAX_WORLD_SIZE
 from weightsvc.settings import Settings
 
 
+def check_ranks(model: str, step: int, rank: int, world_size: int) -> str:
+    """Refuse a model name, step, rank or world size out of range (a push's or a publish's); answers
+    how messages name the version (`subject`)."""
+    check_model_name(model)
+    where = subject(model, step=step)
+    if not 0 <= step <= MAX_STEP:
+        raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgument(f"{where}: world_size {world_size} is not in [1, {MAX_WORLD_SIZE}]",
+                              reason="invalid_header")
+    if not 0 <= rank < world_size:
+        raise InvalidArgument(f"{where}: rank {rank} is outside world_size {world_size}", reason="invalid_header")
+    return where
+
+
+def missing_ranks(world_size: int, present: Iterable[int]) -> str:
+    """The ranks of `world_size` not in `present`, as a refusal lists them (the first ten)."""
+    missing = sorted(set(range(world_size)) - set(present))
+    return ", ".join(map(str, missing[:10])) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+
+
 def validate_header(header: PushHeader, settings: Settings) -> None:
     """Refuse a header that breaks a rule of its own or a limit of `settings` (linear in its tensors)."""
-    check_model_name(header.model)
-    where = subject(header.model, step=header.step)
-    if not 0 <= header.step <= MAX_STEP:
-        raise InvalidArgument(f"{where}: step must be in [0, {MAX_STEP}]", reason="invalid_header")
-    if not 1 <= header.world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgument(f"{where}: world_size {header.world_size} is not in [1, {MAX_WORLD_SIZE}]",
-                              reason="invalid_header")
-    if not 0 <= header.rank < header.world_size:
-        raise InvalidArgument(f"{where}: rank {header.rank} is outside world_size {header.world_size}",
-                              reason="invalid_header")
+    where = check_ranks(header.model, header.step, header.rank, header.world_size)
     if header.owners:
         if len(set(header.owners)) != len(header.owners) or not all(header.owners):
             raise InvalidArgument(f"{where}: owners {list(header.owners)} must be distinct replica ids",
