@@ -44,7 +44,7 @@ from weightsvc.errors import (
 )
 from weightsvc.protocol import delta as delta_codec
 from weightsvc.protocol.digest import CHECKSUM_PREFIX, verify, verify_checksum
-from weightsvc.protocol.fabric import Lease, Piece, cut_pieces, new_agent, read_pieces
+from weightsvc.protocol.fabric import PIECE, Lease, Piece, cut_pieces, new_agent, read_pieces
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.selection import Select
 
@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightsvc.client")
 
-PIECE = 64 << 20  # bytes a READ moves at a time: the next piece moves while the last one is hashed
 
 
 class Source(Protocol):

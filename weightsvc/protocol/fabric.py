@@ -215,6 +215,7 @@ class SharedAgent:
 
 # ---- one-sided READs, in pieces -------------------------------------------------------------------
 
+PIECE = 64 << 20  # bytes a READ moves at a time: the next piece moves while the last one is hashed
 POLL_S = 0.0002  # between looks at a READ in progress (NIXL's Python API has no wait)
 RELEASE_TRIES = 5000  # looks (POLL_S apart) at an abandoned READ before its handle is left to the agent
 Descriptor = tuple[int, int, int]  # (address, bytes, device) of a NIXL transfer descriptor

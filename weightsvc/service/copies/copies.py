@@ -38,7 +38,7 @@ from weightsvc.errors import (
 from weightsvc.memory import BufferPool, alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.digest import CHECKSUM_PREFIX, checksum
-from weightsvc.protocol.fabric import Piece, cut_pieces
+from weightsvc.protocol.fabric import PIECE, Piece, cut_pieces
 from weightsvc.protocol.manifest import Manifest, ServedTensor
 from weightsvc.protocol.published import RankPublish
 from weightsvc.service.copies.checks import CopyPlan, check_rank, plan_copy, server_spec
@@ -53,7 +53,6 @@ from weightsvc.settings import Settings
 
 log = logging.getLogger("weightsvc.publish")
 
-PIECE = 64 << 20  # bytes a READ moves at a time: the next piece moves while the last one is hashed
 Committed = tuple[Version, bool]
 
 
