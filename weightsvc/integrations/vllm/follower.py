@@ -205,11 +205,11 @@ class Follower:
                 down = None
             except WeightsvcError as e:
                 down = str(e)
-            if down is not None and self.server_down is None:
+            was, self.server_down = self.server_down, down  # /ready says so before the change is logged
+            if down is not None and was is None:
                 self._failed("server", f"the weightsvc server {self.config.target} does not answer: {down}")
-            elif down is None and self.server_down is not None:
+            elif down is None and was is not None:
                 self._log("server_answers", target=self.config.target)
-            self.server_down = down
             self._stop.wait(SERVER_CHECK_S)
 
     def _watch(self) -> None:
