@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -25,6 +26,9 @@ from typing import Any
 from tests.engines.engines import PROMPTS
 
 START_TIMEOUT_S = 600.0
+# A generation of 16 tokens takes seconds on a busy 2-core machine; past this it is hung, and the
+# failure carries where every engine process was (py-spy), since a hang leaves nothing in the log.
+GENERATE_TIMEOUT_S = 120.0
 BACKEND = '{"backend": "weightsvc"}'
 
 
@@ -76,6 +80,17 @@ class VllmServer:
             time.sleep(1.0)  # (a process coming up: nothing to wait on but its port)
         raise TimeoutError(f"vllm serve did not answer within {START_TIMEOUT_S} s:\n{self.tail()}")
 
+    def stacks(self) -> str:
+        """The Python stacks of every process of the server (the API server, the engine core, the
+        workers: one process group), as py-spy dumps them."""
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        pids = subprocess.run(["pgrep", "-g", str(self.proc.pid)], capture_output=True, text=True).stdout.split()
+        dumps = []
+        for pid in pids:
+            done = subprocess.run([spy, "dump", "--pid", pid], capture_output=True, text=True, timeout=60)
+            dumps.append(f"-- pid {pid}:\n{done.stdout}{done.stderr}")
+        return "\n".join(dumps)
+
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
@@ -95,7 +110,12 @@ class VllmServer:
     def generate_one(self, prompt: list[int], max_tokens: int = 16) -> dict[str, Any]:
         """One greedy generation: its token ids, the log-probability of each, its `weight_versions`."""
         params = {"temperature": 0, "max_tokens": max_tokens, "logprobs": 0, "ignore_eos": True}
-        out = http("POST", f"{self.url}/inference/v1/generate", {"token_ids": prompt, "sampling_params": params})
+        try:
+            out = http("POST", f"{self.url}/inference/v1/generate", {"token_ids": prompt, "sampling_params": params},
+                       timeout=GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            raise AssertionError(f"vllm serve generated nothing within {GENERATE_TIMEOUT_S:g} s; its processes "
+                                 f"were at:\n{self.stacks()}\nits log ends:\n{self.tail()}") from None
         choice = out["choices"][0]
         return {"tokens": choice["token_ids"], "logprobs": [c["logprob"] for c in choice["logprobs"]["content"]],
                 "weight_versions": choice["weight_versions"]}
