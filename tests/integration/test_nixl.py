@@ -178,11 +178,13 @@ def test_each_slice_is_read_through_as_few_descriptors_as_its_layout_allows(lend
     inner = lease_of(lender.url, {"select": ["experts.w@1:2:5"]})["ranges"]["experts.w"]  # type: ignore[index]
     last = lease_of(lender.url, {"select": ["experts.w@2:3:8"]})["ranges"]["experts.w"]  # type: ignore[index]
     assert [r[1] for r in inner] == [3 * 8 * 2] * 4 and [r[1] for r in last] == [5 * 2] * 24
-    cuts = {**select, "experts.w@1:2:5": whole["experts.w"][:, 2:5], "experts.w@2:3:8": whole["experts.w"][..., 3:8]}
-    for cut, expected in cuts.items():
-        rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback", "--select", cut)
-        assert (rc, line) == (0, "ok 1"), cut
-        same(torch.load(tmp_path / "read.pt"), {cut.partition("@")[0]: expected.contiguous()})
+    # One reader reads the three cuts of `select` together (as a tensor-parallel worker reads its slices),
+    # then one for each cut of experts.w's inner dims.
+    reads = [select, {"experts.w@1:2:5": whole["experts.w"][:, 2:5]}, {"experts.w@2:3:8": whole["experts.w"][..., 3:8]}]
+    for cuts in reads:
+        rc, line = read(lender.target, tmp_path / "read.pt", "--no-fallback", "--select", *cuts)
+        assert (rc, line) == (0, "ok 1"), cuts
+        same(torch.load(tmp_path / "read.pt"), {cut.partition("@")[0]: t.contiguous() for cut, t in cuts.items()})
     m = metrics(lender)
     assert m["weightsvc_nixl_leases"] == 0 and m["weightsvc_nixl_registered_bytes"] == 0
 

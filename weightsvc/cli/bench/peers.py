@@ -1,5 +1,5 @@
 """The pullers of T3, scale_3v1 and E1, each in a process of its own, as an inference fleet's are:
-`python -m weightsvc.cli.bench.peers pull TARGET` or `... watch TARGET AFTER`; and E1's reference
+`python -m weightsvc.cli.bench.peers pull` (told its targets on stdin) or `... watch TARGET AFTER`; and E1's reference
 reader of safetensors files (`... files`). This module imports
 the client only in the peer, so the bench's side starts no more than it needs."""
 
@@ -10,18 +10,20 @@ import sys
 import time
 
 
-def _pull(target: str) -> None:
-    """Pulls the latest version when told to on stdin, verifies it, and prints its start and end on the
-    system-wide monotonic clock."""
+def _pull() -> None:
+    """Pulls the latest version of each target it is sent on stdin, verified: it connects to the target,
+    prints `ready`, waits for a line, pulls, and prints the pull's start and end on the system-wide
+    monotonic clock. One process serves every round of a bench (its start-up is not timed anyway)."""
     from weightsvc.client import InferenceClient, tensors_from_data
 
-    client = InferenceClient(target)
-    client.manifest()  # connected before the clock starts
-    print("ready", flush=True)
-    sys.stdin.readline()
-    start = time.monotonic()
-    tensors_from_data(*client.pull_data())
-    print(start, time.monotonic(), flush=True)
+    for line in sys.stdin:
+        with InferenceClient(line.strip()) as client:
+            client.manifest()  # connected before the clock starts
+            print("ready", flush=True)
+            sys.stdin.readline()
+            start = time.monotonic()
+            tensors_from_data(*client.pull_data())
+            print(start, time.monotonic(), flush=True)
 
 
 def _watch(target: str, after: int) -> None:
@@ -58,23 +60,42 @@ def start_watchers(target: str, after: int, n: int) -> list[subprocess.Popen[str
     return [_start("watch", target, str(after)) for _ in range(n)]
 
 
-def fanout_pull_seconds(target: str, pullers: int) -> float:
-    """Wall seconds for `pullers` processes to pull the latest version at once (first start to last end)."""
-    procs = [_start("pull", target, stdin=subprocess.PIPE) for _ in range(pullers)]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        spans = [tuple(map(float, p.stdout.readline().split())) for p in procs if p.stdout is not None]
-        if any(p.wait(120) != 0 for p in procs) or len(spans) != pullers:
-            raise RuntimeError("a puller failed")
-    finally:
-        for p in procs:
+class Pullers:
+    """`n` puller processes, started once, each pulling whole versions when told to."""
+
+    def __init__(self, n: int) -> None:
+        self.procs = [_start("pull", stdin=subprocess.PIPE) for _ in range(n)]
+
+    def __enter__(self) -> Pullers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
             p.kill()
-    return max(end for _, end in spans) - min(start for start, _ in spans)
+            p.wait()
+
+    def _tell(self, line: str) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def _answer(self, p: subprocess.Popen[str]) -> str:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a puller failed (exit code {p.wait(60)})")
+        return line.strip()
+
+    def seconds(self, target: str) -> float:
+        """Wall seconds for every puller to pull the latest version of `target` at once (first start to
+        last end)."""
+        self._tell(target)
+        if any(self._answer(p) != "ready" for p in self.procs):
+            raise RuntimeError("a puller did not connect")
+        self._tell("go")
+        spans = [tuple(map(float, self._answer(p).split())) for p in self.procs]
+        return max(end for _, end in spans) - min(start for start, _ in spans)
 
 
 def start_file_reader() -> subprocess.Popen[str]:
@@ -86,7 +107,7 @@ def start_file_reader() -> subprocess.Popen[str]:
 
 if __name__ == "__main__":
     if sys.argv[1] == "pull":
-        _pull(sys.argv[2])
+        _pull()
     elif sys.argv[1] == "files":
         _read_files()
     else:

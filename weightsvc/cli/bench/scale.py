@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from weightsvc.cli.bench._common import PULLERS, best, make_model, row, serve
-from weightsvc.cli.bench.peers import fanout_pull_seconds
+from weightsvc.cli.bench.peers import Pullers
 from weightsvc.client import InferenceClient, LearnerClient
 
 
@@ -26,22 +26,23 @@ def scale_bench(*, size_mib: int = 512, repeat: int = 3, redis_url: str = "redis
         return {"scale_3v1": None, "report": {"scale_3v1": _row("no Redis")}}
     model = make_model(size_mib)
     seconds = {}
-    for count in (1, 3):
-        prefix = f"weightsvc-bench-{os.getpid()}-{count}"
-        servers = [serve(2, "--redis-url", redis_url, "--redis-prefix", prefix, "--replica-id", f"r{i}")
-                   for i in range(count)]
-        try:
-            with LearnerClient(servers[0].target) as learner:
-                learner.push(1, model)
-            seconds[count] = best(lambda: fanout_pull_seconds(servers[0].target, PULLERS), repeat)  # noqa: B023
-            served = InferenceClient(servers[0].target).manifest().data_bytes
-            say(f"{PULLERS} pullers from {count} replica(s): {PULLERS * served / seconds[count] / 1e9:.2f} GB/s")
-        finally:
-            for server in servers:
-                server.stop()
-            client = redis.Redis.from_url(redis_url)
-            for key in client.scan_iter(f"{prefix}:*"):
-                client.delete(key)
+    with Pullers(PULLERS) as pullers:  # one process each for every round: their start is not timed
+        for count in (1, 3):
+            prefix = f"weightsvc-bench-{os.getpid()}-{count}"
+            servers = [serve(2, "--redis-url", redis_url, "--redis-prefix", prefix, "--replica-id", f"r{i}")
+                       for i in range(count)]
+            try:
+                with LearnerClient(servers[0].target) as learner:
+                    learner.push(1, model)
+                seconds[count] = best(lambda: pullers.seconds(servers[0].target), repeat)  # noqa: B023
+                served = InferenceClient(servers[0].target).manifest().data_bytes
+                say(f"{PULLERS} pullers from {count} replica(s): {PULLERS * served / seconds[count] / 1e9:.2f} GB/s")
+            finally:
+                for server in servers:
+                    server.stop()
+                client = redis.Redis.from_url(redis_url)
+                for key in client.scan_iter(f"{prefix}:*"):
+                    client.delete(key)
     gbps = {count: round(PULLERS * served / s / 1e9, 3) for count, s in seconds.items()}
     ratio = round(seconds[1] / seconds[3], 3)
     return {

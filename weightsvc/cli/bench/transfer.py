@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from weightsvc.cli.bench._common import PULLERS, best, best_seconds, row, serve
 from weightsvc.cli.bench.loop import loop_lag, loop_lag_max_s
 from weightsvc.cli.bench.nginx import NO_NGINX, Nginx, nginx_exe
-from weightsvc.cli.bench.peers import fanout_pull_seconds
+from weightsvc.cli.bench.peers import Pullers
 from weightsvc.cli.bench.rawtcp import RECV_PIECE, RawTcp
 from weightsvc.client import InferenceClient, LearnerClient, tensors_from_data
 from weightsvc.memory import alloc
@@ -68,8 +68,9 @@ def transfer_bench(model: dict[str, torch.Tensor], *, repeat: int, retain: int, 
         pull_http_s = best(lambda: pull_once(server.url), repeat)
         say(f"pull: grpc {served_bytes / pull_grpc_s / 1e9:.2f} GB/s, http {served_bytes / pull_http_s / 1e9:.2f} GB/s")
         peak = server.memory()["VmHWM"]  # M1: one learner and one puller at a time
-        fanout_grpc_s = best(lambda: fanout_pull_seconds(server.target, PULLERS), repeat)
-        fanout_http_s = best(lambda: fanout_pull_seconds(server.url, PULLERS), repeat)
+        with Pullers(PULLERS) as pullers:
+            fanout_grpc_s = best(lambda: pullers.seconds(server.target), repeat)
+            fanout_http_s = best(lambda: pullers.seconds(server.url), repeat)
         say(f"{PULLERS} pullers at once: grpc {PULLERS * served_bytes / fanout_grpc_s / 1e9:.2f} GB/s, "
             f"http {PULLERS * served_bytes / fanout_http_s / 1e9:.2f} GB/s")
         peak_fanout = server.memory()["VmHWM"]  # with the gRPC streams of 8 pullers in flight too
