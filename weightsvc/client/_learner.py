@@ -326,6 +326,7 @@ class LearnerClient(ByTarget):
         world_size: int = 1,
         spec: ExportSpec | None = None,
         master_digest: str = "",
+        tied: Mapping[str, str] | None = None,
     ) -> VersionInfo:
         """Publish the served copy of `step` from this rank's memory (`serve --nixl`): no master travels.
         Returns once the version is committed (or raises); the tensors must stay unchanged until then,
@@ -341,12 +342,15 @@ class LearnerClient(ByTarget):
         rank calls this with its own `rank`, every rank declaring every tensor; every call returns
         once the whole version commits, or raises if any rank fails (nothing is then visible).
         `master_digest`: the masters' digest (`fair_cast.masters_digest_of`), recorded in the manifest.
+        `tied` declares ties by name (alias -> tensor), as for `push`: the tensor is published once and
+        served under both names; ranks that hold `Shard`s of a tied tensor (FSDP2's `rank_served`)
+        declare it with `tied` on every rank, as tensors viewing one memory are found by themselves.
 
         FAILED_PRECONDITION from a server without --nixl, or with another spec; the request is one
         message: a rank of too many tensors for one is refused before it is sent."""
         from weightsvc.client._nixl_publish import published
 
-        kept, aliases = untie(served)
+        kept, aliases = untie(served, tied)
         held = {name: (v.data, v.offset, v.shape) if isinstance(v, Shard) else (v, 0, None) for name, v in kept.items()}
         with published(held, model=model, step=step, rank=rank, world_size=world_size, spec=spec or ExportSpec(),
                        master_digest=master_digest, aliases=aliases) as request:

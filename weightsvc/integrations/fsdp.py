@@ -10,6 +10,16 @@ weights every forward runs on are the service's served copy, and the all-gather 
         loss = objective(model(batch)); loss.backward(); optimizer.step()
         learner.push(step + 1, rank_shards(model), rank=rank, world_size=ranks)   # each rank its rows
 
+Or, with `serve --nixl`, each rank publishes the served copy itself (no fp32 on the wire): its rows of
+the copy the next all-gather serves, rounded by the same call the all-gather makes, before the forward
+runs on it:
+
+    for step in steps:
+        served.version = step
+        learner.publish(step, rank_served(model, version=step), rank=rank, world_size=ranks,
+                        spec=served.spec, tied={"lm_head.weight": "model.embed_tokens.weight"})
+        loss = objective(model(batch)); loss.backward(); optimizer.step()
+
 Through FSDP2's extension point: each parameter's local tensor is a `ServedShard`, a tensor subclass
 whose `fsdp_pre_all_gather` rounds the shard it holds with the keys of the whole tensor (its name,
 and the flat index of each element in the whole tensor: a rank's rows start at
@@ -26,8 +36,9 @@ all-gather. Both are refused when the parameters are wrapped.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -36,7 +47,7 @@ from torch import nn
 from weightsvc.client import Shard
 from weightsvc.rounding import FORMATS, ExportSpec, fair_cast
 
-__all__ = ["ServedShard", "ServedVersion", "rank_shards", "served_params"]
+__all__ = ["ServedShard", "ServedVersion", "rank_served", "rank_shards", "served_params"]
 
 
 @dataclass
@@ -46,6 +57,11 @@ class ServedVersion:
 
     spec: ExportSpec
     version: int = 0
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The served copy's dtype (bf16 or fp16: one element per master element, unscaled)."""
+        return getattr(torch, FORMATS[self.spec.format].torch_dtype)  # type: ignore[no-any-return]
 
 
 # The ops FSDP runs on a parameter while it shards it, whose results stay shards of the same tensor.
@@ -105,6 +121,13 @@ class ServedShard(torch.Tensor):
                              outer_stride: Any) -> ServedShard:
         return ServedShard(inner["_data"], meta["tensor_name"], meta["served"])
 
+    def served_rows(self, offset: int) -> torch.Tensor:
+        """The served copy of the master elements this holds, the first at flat index `offset` of the
+        whole tensor: Fair Cast with the whole tensor's keys and the version the handle serves now."""
+        spec = self.served.spec
+        return fair_cast(self._data, format=spec.format, rounding=spec.rounding, seed=spec.seed,
+                         version=self.served.version, name=self.tensor_name, offset=offset)
+
     def fsdp_pre_all_gather(self, mesh: Any, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's shard, served: rounded with the whole tensor's keys, padded as FSDP pads it."""
@@ -113,15 +136,12 @@ class ServedShard(torch.Tensor):
         if tuple(self._data.shape[1:]) != tuple(outer_size[1:]) or self._data.shape[0] > rows:
             raise ValueError(f"tensor {self.tensor_name!r}: shard {list(self.shape)} of {list(outer_size)} is not a "
                              "dim-0 shard (Fair Cast keys elements by their flat index in the whole tensor)")
-        spec, version = self.served.spec, self.served.version
-        served_dtype = getattr(torch, FORMATS[spec.format].torch_dtype)
+        served_dtype = self.served.dtype
         wanted = getattr(mp_policy, "param_dtype", None) or self._data.dtype
         if wanted not in (served_dtype, torch.float32, torch.float64):
-            raise ValueError(f"tensor {self.tensor_name!r}: the served {spec.format} values would be rounded again to "
-                             f"param_dtype {wanted}; use {served_dtype} or float32")
-        per_row = math.prod(outer_size[1:])
-        shard = fair_cast(self._data, format=spec.format, rounding=spec.rounding, seed=spec.seed, version=version,
-                          name=self.tensor_name, offset=rank * rows * per_row)
+            raise ValueError(f"tensor {self.tensor_name!r}: the served {self.served.spec.format} values would be "
+                             f"rounded again to param_dtype {wanted}; use {served_dtype} or float32")
+        shard = self.served_rows(rank * rows * math.prod(outer_size[1:]))
         padded = shard.new_zeros((rows, *outer_size[1:]))
         padded[: shard.shape[0]] = shard
         return (padded,), None
@@ -165,6 +185,48 @@ def served_params(module: nn.Module, spec: ExportSpec, *, version: int = 0) -> S
     return served
 
 
+class _RankPart(NamedTuple):
+    """A parameter as this rank holds it."""
+
+    name: str
+    local: torch.Tensor  # this rank's local tensor (a `ServedShard` once `served_params` wrapped it)
+    offset: int  # the flat index of its first element in the whole tensor
+    shape: tuple[int, ...]  # the whole tensor's
+    whole: bool  # this rank sends the tensor whole (replicated or plain: rank 0 only)
+    mine: bool  # this rank sends its part (whole, or its rows: possibly none); else another rank sends it all
+
+
+def _rank_parts(module: nn.Module) -> Iterator[_RankPart]:
+    """Each parameter of `module` once (a tied one under its first name), as this rank holds it: FSDP2's
+    `Shard(0)` rows of rank r start at r * ceil(rows / ranks); a replicated or plain one is rank 0's."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Shard as DimShard
+
+    seen: set[int] = set()
+    for name, param in module.named_parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        shape = tuple(param.shape)
+        if not isinstance(param, DTensor):
+            first = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+            yield _RankPart(name, param.detach(), 0, shape, first, first)
+            continue
+        placements = tuple(param.placements)
+        local = param.to_local().detach()
+        if all(isinstance(p, Replicate) for p in placements):
+            first = param.device_mesh.get_rank() == 0
+            yield _RankPart(name, local, 0, shape, first, first)
+            continue
+        if len(placements) != 1 or placements != (DimShard(0),):
+            raise ValueError(f"tensor {name!r}: placements {placements} are not FSDP2's Shard(0) on a 1-D mesh "
+                             "(a rank's part must be whole rows to be a flat element range)")
+        ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
+        rows = -(-shape[0] // ranks)
+        offset = min(rank * rows * math.prod(shape[1:]), math.prod(shape))  # (a rank past the last row: none)
+        yield _RankPart(name, local, offset, shape, False, True)
+
+
 def rank_shards(module: nn.Module) -> dict[str, Shard | torch.Tensor]:
     """This rank's part of every master of an FSDP2 `module`, to push as one rank of a version:
 
@@ -175,31 +237,54 @@ def rank_shards(module: nn.Module) -> dict[str, Shard | torch.Tensor]:
     FSDP's rows of rank r start at r * ceil(rows / ranks)); a rank with no rows of it gives none; a
     replicated one (a DTensor of `Replicate()` placements, or a plain tensor) is pushed whole by rank 0
     only. Tied parameters count once, under their first name (declare the tie with `tied`)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor import Shard as DimShard
-
     out: dict[str, Shard | torch.Tensor] = {}
-    seen: set[int] = set()
-    for name, param in module.named_parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        if not isinstance(param, DTensor):
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                out[name] = param.detach()
-            continue
-        placements = tuple(param.placements)
-        local = param.to_local().detach()
-        local = local._data if isinstance(local, ServedShard) else local
-        if all(isinstance(p, Replicate) for p in placements):
-            if param.device_mesh.get_rank() == 0:
-                out[name] = local
-            continue
-        if len(placements) != 1 or placements != (DimShard(0),):
-            raise ValueError(f"tensor {name!r}: placements {placements} are not FSDP2's Shard(0) on a 1-D mesh "
-                             "(a rank's part must be whole rows to be a flat element range)")
-        ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-        rows = -(-param.shape[0] // ranks)
-        if local.numel():
-            out[name] = Shard(local.reshape(-1), rank * rows * math.prod(param.shape[1:]), tuple(param.shape))
+    for part in _rank_parts(module):
+        master = part.local._data if isinstance(part.local, ServedShard) else part.local
+        if part.whole:
+            out[part.name] = master
+        elif part.mine and master.numel():
+            out[part.name] = Shard(master.reshape(-1), part.offset, part.shape)
+    return out
+
+
+def rank_served(module: nn.Module, *, version: int) -> dict[str, Shard | torch.Tensor]:
+    """This rank's part of the served copy of `version` of a `module` wrapped by `served_params` (and
+    FSDP2), to publish as one rank of that version:
+
+        served.version = step
+        learner.publish(step, rank_served(model, version=step), rank=dist.get_rank(),
+                        world_size=dist.get_world_size(), spec=served.spec,
+                        tied={"lm_head.weight": "model.embed_tokens.weight"})
+
+    The bytes are those the all-gather serves while `served.version` is `version` and the masters are
+    as they are now: each rank's rows rounded by the same call (`ServedShard.served_rows`, the whole
+    tensor's keys). So take it after setting the version and before the optimizer step that moves the
+    masters; a handle at another version is refused, naming the tensor and both versions.
+
+    A parameter sharded on dim 0 gives this rank's rows as a `Shard` of the served dtype (an empty one
+    where the rank holds no rows: every rank of a publish declares every tensor); a replicated or plain
+    one is given whole by rank 0 and as an empty `Shard` by the others. Tied parameters count once,
+    under their first name: declare the tie with `publish(..., tied=)` on every rank. The tensors are on
+    the masters' device; publish takes them from host memory."""
+    spec: ExportSpec | None = None
+    out: dict[str, Shard | torch.Tensor] = {}
+    for part in _rank_parts(module):
+        local = part.local
+        if not isinstance(local, ServedShard):
+            raise ValueError(f"tensor {part.name!r}: not a served parameter (wrap the module with served_params "
+                             "before fully_shard): its served copy is not the one the all-gather makes")
+        handle = local.served
+        if handle.version != version:
+            raise ValueError(f"tensor {part.name!r}: its all-gather serves version {handle.version}, not {version}; "
+                             f"set served.version = {version} before taking the served copy of version {version}")
+        if spec is not None and handle.spec != spec:
+            raise ValueError(f"tensor {part.name!r}: served with {handle.spec}, the module's other tensors with "
+                             f"{spec} (one version has one spec)")
+        spec = handle.spec
+        if part.whole:
+            out[part.name] = local.served_rows(0)
+        elif part.mine and local.numel():
+            out[part.name] = Shard(local.served_rows(part.offset).reshape(-1), part.offset, part.shape)
+        else:
+            out[part.name] = Shard(torch.empty(0, dtype=handle.dtype, device=local.device), part.offset, part.shape)
     return out
