@@ -8,7 +8,8 @@
     trainer.train()
 
 - `weight_transfer=` (TRL's `WeightTransferProtocol`): each sync pushes the masters as the version of
-  the trainer's global step (version 0 at train begin); the engine, a `vllm serve` started with
+  the trainer's global step (version 0 at train begin), or with `publish` publishes their served copy
+  (a service started with `serve --nixl`; see `WeightsvcSync`); the engine, a `vllm serve` started with
   weightsvc's backend, stages it while it generates, is paused for the swap alone (TRL's `pause` is
   taken there), swaps it in through vLLM's RL API, and is resumed once it serves it; the version is
   acked to the service.
@@ -55,6 +56,7 @@ from weightsvc.integrations.trl._grpo import UNKNOWN_VERSION, WeightsvcSync, tok
 from weightsvc.integrations.vllm.engine_api import EngineApi, EngineError
 from weightsvc.integrations.vllm.follower import PAUSE_MODES
 from weightsvc.protocol.lag import LagMetrics
+from weightsvc.rounding import ExportSpec
 
 __all__ = ["WeightsvcRollouts", "WeightsvcTransfer"]
 
@@ -91,19 +93,23 @@ class WeightsvcTransfer:
     `weightsvc follow` drives besides; `model`: the weightsvc model. `format` / `rounding`
     override the service's export for this model's pushes (empty: the service's). `pause_mode`: what
     requests in flight do over the swap (vLLM's `keep`: they wait and go on with the new weights, so
-    a completion may come from two versions). `ablate_every` (0: never): every that many steps, the
-    step's trained tokens of the newest version among them are scored again by the learner on that
-    version's served copy, its fp32 masters and a round-to-nearest copy of them, each against the
-    engine (`ablation`: three more no-grad forwards of the step's rows, and the masters of the last
-    two versions held; a diagnostic, never reported)."""
+    a completion may come from two versions). `publish`: each sync publishes the served copy the loss
+    then runs on, exported with `spec` (the service's; None: that of the model's latest version), to a
+    service started with `serve --nixl`, instead of pushing the masters (`WeightsvcSync`).
+    `ablate_every` (0: never): every that many steps, the step's trained tokens of the newest version
+    among them are scored again by the learner on that version's served copy, its fp32 masters and a
+    round-to-nearest copy of them, each against the engine (`ablation`: three more no-grad forwards of
+    the step's rows, and the masters of the last two versions held; a diagnostic, never reported)."""
 
     def __init__(self, target: str, engine: str, model: str = "default", *, format: str = "", rounding: str = "",
                  timeout_s: float = 120.0, update_timeout_s: float = 600.0, pause_mode: str = "keep",
-                 client_id: str = "", ablate_every: int = 0) -> None:
+                 client_id: str = "", ablate_every: int = 0, publish: bool = False,
+                 spec: ExportSpec | None = None) -> None:
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode {pause_mode!r}: one of {', '.join(PAUSE_MODES)}")
         self.sync = WeightsvcSync(target=target, engine=engine, model=model, format=format, rounding=rounding,
-                                  on_policy=False, timeout_s=timeout_s, ablate_every=ablate_every)
+                                  on_policy=False, timeout_s=timeout_s, ablate_every=ablate_every, spec=spec,
+                                  publish=publish)
         self.engine = EngineApi(engine, timeout_s)
         self.update_timeout_s = update_timeout_s
         self.pause_mode = pause_mode
@@ -194,8 +200,8 @@ class WeightsvcTransfer:
         them, and is paused for the swap alone (`send_weights`)."""
 
     def send_weights(self, iterator: Iterator[tuple[str, torch.Tensor]]) -> None:
-        """Push the masters (`iterator`: TRL's, read whole) as the version of the global step, then have the
-        engine stage it, pause, and swap it in; `resume` lets it go on."""
+        """Push the masters (`iterator`: TRL's, read whole; or publish their served copy) as the version of
+        the global step, then have the engine stage it, pause, and swap it in; `resume` lets it go on."""
         step = int(self.attached().state.global_step)
         masters = {name: tensor.detach() for name, tensor in iterator}
         self.sync.push(masters, step)

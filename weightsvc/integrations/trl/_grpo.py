@@ -1,6 +1,6 @@
 """`GRPOTrainer` on weightsvc (`FairCastGRPOTrainer`, `WeightsvcSync`): the learner pushes its fp32 masters
-after each optimizer step, rollouts come from a `vllm serve` that follows weightsvc (`weightsvc follow`),
-and the loss is computed on the served copy (Fair Cast).
+(or, with `publish`, publishes their served copy) after each optimizer step, rollouts come from a `vllm
+serve` that follows weightsvc (`weightsvc follow`), and the loss is computed on the served copy (Fair Cast).
 
 TRL 1.16 applies its vLLM importance-sampling correction (the engine's per-token log-probabilities
 against the learner's) only with `use_vllm`, which loads vLLM into the trainer's process and moves
@@ -26,11 +26,11 @@ from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
-from weightsvc.errors import subject
-from weightsvc.integrations.fair_cast import ServedMismatch, check_served, served_state_dict
+from weightsvc.errors import NotFound, WeightsvcError, subject
+from weightsvc.integrations.fair_cast import ServedMismatch, check_served, masters_digest_of, served_state_dict
 from weightsvc.integrations.vllm.engine_api import EngineApi
 from weightsvc.protocol.lag import LagMetrics
-from weightsvc.rounding import ExportSpec
+from weightsvc.rounding import ExportSpec, Residual
 
 __all__ = ["FairCastGRPOTrainer", "WeightsvcSync", "token_versions"]
 
@@ -63,7 +63,15 @@ class WeightsvcSync:
     serves, and the token versions show how far behind that was). `ablate_every` (0: never): every
     that many steps, the rollout batch's mismatch is also measured with the learner's log-probabilities
     on the fp32 masters and on a round-to-nearest copy of them (`ablation`, kept here, never reported):
-    two more no-grad forwards of the batch."""
+    two more no-grad forwards of the batch.
+
+    `publish` (a service started with `serve --nixl`): each sync publishes the served copy the learner
+    computes (`served_state_dict` of the masters, version = step; `LearnerClient.publish`) instead of
+    pushing the fp32 masters, and the loss runs on those very tensors. The copy must be exported with
+    the service's own spec (a publish cannot override it): `spec`, or else that of the model's latest
+    version on the service; `format` / `rounding` (a push's overrides) are refused. With `ef` the
+    residual is the learner's (`residual`, fresh at the first publish). The service computes no lag
+    for a published version (it never sees the masters): `lag` stays empty."""
 
     target: str
     engine: str
@@ -77,12 +85,21 @@ class WeightsvcSync:
     mismatch: list[tuple[int, dict[int, RolloutMismatch]]] = field(default_factory=list)
     ablation: list[tuple[int, dict[str, RolloutMismatch]]] = field(default_factory=list)
     spec: ExportSpec | None = None  # the export to recompute the served copy by (None: the version's manifest)
-    served_from: str = ""  # "local" (recomputed) or "pulled"; found out over the first versions
+    publish: bool = False
+    served_from: str = ""  # "local" (recomputed), "pulled" (found out over the first versions), or "published"
+    residual: Residual | None = field(default=None, repr=False)  # the learner's, when it publishes under `ef`
     served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     version: int | None = None
     versions: list[list[int]] = field(default_factory=list, repr=False)  # of the last rollout batch's tokens
     _learner: LearnerClient | None = field(default=None, repr=False)
     _checked: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.publish and (self.format or self.rounding):
+            given = ", ".join(f"{k}={v!r}" for k, v in (("format", self.format), ("rounding", self.rounding)) if v)
+            raise ValueError(f"model {self.model!r}: publish commits the copy only in the service's own export, which "
+                             f"{given} would override (a push's overrides): pass spec=ExportSpec(...) as the "
+                             "service runs (serve --format, --rounding, --seed) instead")
 
     # -- the masters: one version per optimizer step -------------------------------------------------
 
@@ -91,8 +108,9 @@ class WeightsvcSync:
         service's lag of it, and hold its served copy, which the learner's forwards run on until the
         next step: recomputed here (`served_state_dict`) while the first versions show the learner's
         bits are the service's, else pulled back (`ef`, whose residual is the service's state, or a
-        spec the learner cannot rebuild from the manifest). On one process the whole state dict; ranks
-        holding the same masters push identical versions."""
+        spec the learner cannot rebuild from the manifest). With `publish`, the served copy is exported
+        here and published instead (`_publish`). On one process the whole state dict; ranks holding the
+        same masters push identical versions."""
         if self._learner is None:
             self._learner = LearnerClient(self.target, timeout=self.timeout_s)
         state = module.state_dict() if isinstance(module, torch.nn.Module) else module
@@ -101,6 +119,10 @@ class WeightsvcSync:
         if sharded:  # (each rank would push its own rows as `Shard`s, and the served copy be made per shard)
             raise NotImplementedError(f"{subject(self.model, step)}: masters {sharded[:3]} are sharded "
                                       "(FSDP DTensors); this trainer pushes whole state dicts")
+        if self.publish:
+            self._publish(masters, step)
+            self.version = step
+            return
         info = self._learner.push(step, masters, self.model, format=self.format, rounding=self.rounding,
                                   return_served=self.served_from == "pulled")
         if info.lag is not None:
@@ -118,6 +140,38 @@ class WeightsvcSync:
                     with InferenceClient(self.target, timeout=self.timeout_s) as client:
                         self.served = client.pull(self.model, step)
         self.version = step
+
+    def _publish(self, masters: dict[str, torch.Tensor], step: int) -> None:
+        """Publish the served copy of `masters` as version `step`, and hold those very tensors as the
+        copy the learner's forwards run on: the service checked their bytes against their checksums,
+        so what it commits is what the loss sees."""
+        assert self._learner is not None
+        spec, said = self._publish_spec(step)
+        if spec.rounding == "ef" and self.residual is None:
+            self.residual = Residual()  # (the service keeps no residual of a published copy: the learner's is it)
+        served = served_state_dict(masters, spec, version=step, residual=self.residual if spec.rounding == "ef"
+                                   else None)
+        try:
+            self._learner.publish(step, _in_host_memory(served), self.model, spec=spec,
+                                  master_digest=masters_digest_of(masters))
+        except WeightsvcError as e:
+            raise _named(e, f"{subject(self.model, step)}: the service did not commit the served copy the "
+                            f"learner published ({spec.format} {spec.rounding} seed {spec.seed}, {said})") from None
+        self.served, self.served_from = served, "published"
+
+    def _publish_spec(self, version: int) -> tuple[ExportSpec, str]:
+        """The service's export spec, and where it came from: `spec`, or the model's latest version."""
+        if self.spec is not None:
+            return self.spec, "as given (spec=)"
+        with InferenceClient(self.target, timeout=self.timeout_s) as client:
+            try:
+                m = client.manifest(self.model, "latest")
+            except NotFound:
+                raise ValueError(f"{subject(self.model, version)}: publishing needs the service's export spec, and the "
+                                 "service holds no version of the model to read it from: pass spec=ExportSpec(...) "
+                                 "as the service runs (serve --format, --rounding, --seed)") from None
+        self.spec = ExportSpec(m.format, m.rounding, seed=m.seed, **({"scaling": m.scaling} if m.scaling else {}))
+        return self.spec, f"read from version {m.version}'s manifest"
 
     def _spec(self, version: int) -> ExportSpec:
         if self.spec is None:
@@ -225,6 +279,26 @@ class WeightsvcSync:
             width = min(len(v), mask.shape[1])
             versions[row, :width] = torch.tensor(v[:width], dtype=torch.long)
         return versions, mask.cpu().bool() & (versions >= 0) & torch.isfinite(engine.detach().cpu())
+
+
+def _in_host_memory(served: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The served tensors where NIXL reads them (contiguous, in host memory): those already there as they
+    are, others copied; a tied tensor, one object under several names, stays one copy."""
+    copies: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in served.items():
+        if t.device.type == "cpu" and t.is_contiguous():
+            out[name] = t
+        else:
+            out[name] = copies.setdefault(id(t), t.detach().to("cpu").contiguous())
+    return out
+
+
+def _named(e: WeightsvcError, what: str) -> WeightsvcError:
+    """`e` (its type and reason kept), its message led by what it is about."""
+    e.message = f"{what}: {e.message}"
+    e.args = (e.message,)
+    return e
 
 
 class _PushMasters(TrainerCallback):  # type: ignore[misc]
