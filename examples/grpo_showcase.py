@@ -7,6 +7,10 @@ masters and on a round-to-nearest copy of them, as a table (`--json`: JSON) and 
 
     .venv/bin/python examples/grpo_showcase.py --steps 60 --seeds 0,1,2 --ablate-every 2 --png showcase.png
 
+`--publish`: the learner publishes the served copy it computes instead of pushing its fp32 masters (a
+service per rounding mode, each started with --nixl and that rounding; `WeightsvcTransfer(publish=True)`);
+the service then has no lag figures (it never sees the masters).
+
 The trainer runs here (the `trl` extra); `vllm serve` runs in the engines venv (scripts/setup_engines.sh,
 or --engine-python). `train` runs one mode against a service and an engine that are already up (the
 engine tests use it; `--trainer grpo` runs TRL's `GRPOTrainer` with `FairCastGRPOTrainer` instead,
@@ -72,10 +76,13 @@ def even_tokens(completion_ids: list[list[int]], **_: Any) -> list[float]:
 
 
 def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
-          seed: int = 0, ablate_every: int = 1, max_staleness: int = 0, capture: Path | None = None) -> dict[str, Any]:
+          seed: int = 0, ablate_every: int = 1, max_staleness: int = 0, capture: Path | None = None,
+          publish: bool = False) -> dict[str, Any]:
     """One AsyncGRPO run of `steps` optimizer steps; its trace (per step: reward, staleness, mismatch by
     version; per version: the service's lag). `capture`: a directory where each step's first loss forward
-    leaves the weights it read (`forward-STEP.safetensors`) and the masters (`masters-STEP.safetensors`)."""
+    leaves the weights it read (`forward-STEP.safetensors`) and the masters (`masters-STEP.safetensors`).
+    `publish`: publish the served copy instead of pushing the masters, to a service started with --nixl
+    and `rounding`, in its default format and seed (`served_spec`)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # AsyncGRPOTrainer is experimental in TRL
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -99,8 +106,8 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
                            gradient_checkpointing=False, disable_tqdm=True, lr_scheduler_type="constant",
                            warmup_steps=0)
     prompts = Dataset.from_dict({"prompt": prompt_texts(seed)})
-    transfer = WeightsvcTransfer(target=target, engine=engine, model=model, rounding=rounding,
-                                 ablate_every=ablate_every)
+    transfer = WeightsvcTransfer(target=target, engine=engine, model=model, ablate_every=ablate_every,
+                                 **served_spec(rounding, publish))
     trainer = AsyncGRPOTrainer(model=str(model_dir), reward_funcs=even_tokens, args=args, train_dataset=prompts,
                                weight_transfer=transfer,
                                rollout_worker=transfer.rollouts(prompts, even_tokens,
@@ -120,6 +127,7 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
     logged = [h for h in trainer.state.log_history if "reward" in h]
     return {
         "trainer": "async", "rounding": rounding, "seed": seed, "steps": steps, "served_from": transfer.served_from,
+        "publish": publish,
         "seconds": round(time.monotonic() - started, 1), "reward": [h["reward"] for h in logged],
         "staleness_max": [h.get("sample/staleness_max") for h in logged],
         "trained_tokens": [h.get("batch/trained_tokens_per_step") for h in logged],
@@ -131,6 +139,16 @@ def train(model_dir: Path, target: str, engine: str, model: str, rounding: str, 
         "ablation": [{"step": step, "version": version, "by_copy": {c: asdict(m) for c, m in by.items()}}
                      for step, version, by in transfer.ablation],
     }
+
+
+def served_spec(rounding: str, publish: bool) -> dict[str, Any]:
+    """How the learner asks for `rounding`: a push overrides the service's rounding for its model; a publish
+    exports with the service's own spec, `serve --nixl --rounding ROUNDING` with its default format and seed."""
+    from weightsvc.rounding import ExportSpec
+
+    if publish:
+        return {"publish": True, "spec": ExportSpec("bf16", rounding, seed=0)}
+    return {"rounding": rounding}
 
 
 def prompt_texts(seed: int) -> list[str]:
@@ -170,7 +188,7 @@ def capture_forwards(trainer: Any, where: Path) -> None:
 
 
 def train_grpo(model_dir: Path, target: str, engine: str, model: str, rounding: str, steps: int, lr: float = LR,
-               seed: int = 0, ablate_every: int = 1) -> dict[str, Any]:
+               seed: int = 0, ablate_every: int = 1, publish: bool = False) -> dict[str, Any]:
     """One GRPOTrainer run of `steps` optimizer steps (`FairCastGRPOTrainer`, against an engine that
     `weightsvc follow` keeps on the latest version); its trace (per step: reward, lag, mismatch by version)."""
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
@@ -188,7 +206,8 @@ def train_grpo(model_dir: Path, target: str, engine: str, model: str, rounding: 
                       generation_kwargs={"ignore_eos": True}, beta=0.0, temperature=1.0, logging_steps=1,
                       report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=seed,
                       disable_tqdm=True, lr_scheduler_type="constant", warmup_steps=0)
-    sync = WeightsvcSync(target=target, engine=engine, model=model, rounding=rounding, ablate_every=ablate_every)
+    sync = WeightsvcSync(target=target, engine=engine, model=model, ablate_every=ablate_every,
+                         **served_spec(rounding, publish))
     trainer = FairCastGRPOTrainer(model=policy, reward_funcs=even_tokens, args=args,
                                   train_dataset=Dataset.from_dict({"prompt": prompts}),
                                   processing_class=AutoTokenizer.from_pretrained(model_dir), sync=sync)
@@ -202,6 +221,7 @@ def train_grpo(model_dir: Path, target: str, engine: str, model: str, rounding: 
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {
         "trainer": "grpo", "rounding": rounding, "seed": seed, "steps": steps, "served_from": sync.served_from,
+        "publish": publish,
         "seconds": round(time.monotonic() - started, 1), "reward": rewards,
         "is_ratio": [h.get("sampling/importance_sampling_ratio/mean") for h in trainer.state.log_history
                      if "reward" in h],
@@ -229,7 +249,8 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
     diffs = [m for b in trace["mismatch"] for m in b["by_version"].values()]
     return {
         "rounding": trace["rounding"], "seed": trace["seed"],
-        "lag_mean": sum(lag) / max(1, len(lag)), "lag_max": max(lag, default=0),
+        # (None: no lag figures, as for published versions, whose masters the service never sees)
+        "lag_mean": sum(lag) / len(lag) if lag else None, "lag_max": max(lag) if lag else None,
         "steps_to": next((i + 1 for i, r in enumerate(window) if r >= THRESHOLD), None),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
         "k3_trained": weighted(diffs, "k3_kl"),
@@ -268,8 +289,8 @@ def over_seeds(rows: list[dict[str, Any]], steps: int) -> list[dict[str, str]]:
         table.append({
             "rounding": mode, "seeds": str(len(runs)),
             f"steps_to_{THRESHOLD}": f"{spread(reached, '.1f')} ({len(reached)}/{len(runs)} within {steps})",
-            "lag_mean": spread([r["lag_mean"] for r in runs], ".2f"),
-            "lag_max": spread([r["lag_max"] for r in runs], ".1f"),
+            "lag_mean": spread([r["lag_mean"] for r in runs if r["lag_mean"] is not None], ".2f"),
+            "lag_max": spread([r["lag_max"] for r in runs if r["lag_max"] is not None], ".1f"),
             "reward_last5": spread([r["reward_last5"] for r in runs], ".3f"),
             **{f"k3 {c}": spread([r[f"k3 {c}"] for r in runs if r[f"k3 {c}"] is not None], ".2e") for c in COPIES},
             "versions_per_step": spread([r["versions_per_step"] for r in runs], ".2f"),
@@ -346,7 +367,8 @@ def engine_python(given: str | None) -> str:
 
 def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every mode and seed against one service and one engine: each run's first version (its bf16
-    checkpoint, built with its seed) replaces what the engine held."""
+    checkpoint, built with its seed) replaces what the engine held. With --publish, one service per mode
+    (--nixl, and the mode as its rounding: a published copy is in the service's own export)."""
     from weightsvc.server.server import BackgroundServer
     from weightsvc.settings import Settings
 
@@ -360,14 +382,22 @@ def showcase(args: argparse.Namespace) -> list[dict[str, Any]]:
             str(models[seeds[0]]), "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16",
             "--max-model-len", "64", "--enforce-eager", "--seed", "0", "--enable-scale-out", "--logprobs-mode",
             "processed_logprobs", "--weight-transfer-config", '{"backend": "weightsvc"}']
-    traces = []
-    with (BackgroundServer(Settings(grpc_port=0, http_port=0, probe_port=0)) as service,
-          process(vllm, work / "vllm.log", {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}) as engine):
+    traces, modes = [], args.modes.split(",")
+    with contextlib.ExitStack() as up:
+        ports = {"grpc_port": 0, "http_port": 0, "probe_port": 0}
+        if args.publish:
+            targets = {mode: up.enter_context(BackgroundServer(Settings(**ports, nixl=True, rounding=mode))).grpc_target
+                       for mode in modes}
+        else:
+            target = up.enter_context(BackgroundServer(Settings(**ports))).grpc_target
+            targets = dict.fromkeys(modes, target)
+        engine = up.enter_context(process(vllm, work / "vllm.log",
+                                          {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}))
         _wait_http(f"{url}/health", engine, work / "vllm.log")
         for seed in seeds:
-            for mode in args.modes.split(","):
-                traces.append(train(models[seed], service.grpc_target, url, f"showcase-{mode}-{seed}", mode,
-                                    args.steps, args.lr, seed, args.ablate_every, args.max_staleness))
+            for mode in modes:
+                traces.append(train(models[seed], targets[mode], url, f"showcase-{mode}-{seed}", mode, args.steps,
+                                    args.lr, seed, args.ablate_every, args.max_staleness, publish=args.publish))
                 print(f"{mode} seed {seed}: {json.dumps(summary(traces[-1]))}", file=sys.stderr)
                 (work / "traces.json").write_text(json.dumps(traces))
     return traces
@@ -396,6 +426,8 @@ def main() -> None:
         p.add_argument("--ablate-every", type=int, default=1,
                        help="also measure the mismatch on the masters and an rtn copy, every N steps (0: never)")
         p.add_argument("--max-staleness", type=int, default=0, help="async: TRL's max_staleness")
+        p.add_argument("--publish", action="store_true",
+                       help="publish the served copy (the service runs with --nixl) instead of pushing the masters")
     parser.add_argument("--modes", default="rtn,sr")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--engine-python", default=None, help="python of the engines venv (default: setup_engines.sh)")
@@ -409,10 +441,10 @@ def main() -> None:
     if args.command == "train":
         if args.trainer == "grpo":
             trace = train_grpo(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps,
-                               args.lr, args.seed, args.ablate_every)
+                               args.lr, args.seed, args.ablate_every, args.publish)
         else:
             trace = train(args.model_dir, args.target, args.engine, args.model, args.rounding, args.steps, args.lr,
-                          args.seed, args.ablate_every, args.max_staleness, args.capture)
+                          args.seed, args.ablate_every, args.max_staleness, args.capture, args.publish)
         args.out.write_text(json.dumps(trace))
         return
     started = time.monotonic()
