@@ -117,12 +117,16 @@ def test_a_sync_reads_the_spec_from_the_models_latest_version_and_publishes_each
 
 def test_under_ef_the_learners_residual_makes_the_services_versions(nixl_installed: None) -> None:
     """`ef`'s served bits carry the residual of the versions before: the learner's, advanced once per
-    publish, gives each version the service's push of the same masters makes with its own."""
+    publish that commits, gives each version the service's push of the same masters makes with its own."""
     steps = {v: masters(seed=v) for v in range(3)}
     srv = ServeProcess("--nixl", "--rounding", "ef")
     try:
         sync = WeightsvcSync(srv.target, srv.url, model="ef", timeout_s=60, publish=True,
-                             spec=ExportSpec("bf16", "ef", seed=0))
+                             spec=ExportSpec("bf16", "ef", seed=1))
+        with pytest.raises(FailedPrecondition, match=r"seed 1 \(the server's: 0\)"):
+            sync.push(steps[0], 0)  # refused: the residual it advanced is not kept
+        assert sync.residual is None
+        sync.spec = ExportSpec("bf16", "ef", seed=0)
         for version, m in steps.items():
             sync.push(m, version)
         assert sync.residual is not None and sync.residual.version == 2

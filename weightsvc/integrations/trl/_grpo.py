@@ -147,17 +147,20 @@ class WeightsvcSync:
         so what it commits is what the loss sees."""
         assert self._learner is not None
         spec, said = self._publish_spec(step)
-        if spec.rounding == "ef" and self.residual is None:
-            self.residual = Residual()  # (the service keeps no residual of a published copy: the learner's is it)
-        served = served_state_dict(masters, spec, version=step, residual=self.residual if spec.rounding == "ef"
-                                   else None)
+        residual = None
+        if spec.rounding == "ef":  # (the service keeps no residual of a published copy: the learner's is it)
+            # Advanced on a copy, kept once the version commits: a publish that fails can be made again.
+            # (The export replaces each tensor's residual array, so a copy of the dict is enough.)
+            residual = self.residual or Residual()
+            residual = dataclasses.replace(residual, tensors=dict(residual.tensors))
+        served = served_state_dict(masters, spec, version=step, residual=residual)
         try:
             self._learner.publish(step, _in_host_memory(served), self.model, spec=spec,
                                   master_digest=masters_digest_of(masters))
         except WeightsvcError as e:
             raise _named(e, f"{subject(self.model, step)}: the service did not commit the served copy the "
                             f"learner published ({spec.format} {spec.rounding} seed {spec.seed}, {said})") from None
-        self.served, self.served_from = served, "published"
+        self.served, self.served_from, self.residual = served, "published", residual or self.residual
 
     def _publish_spec(self, version: int) -> tuple[ExportSpec, str]:
         """The service's export spec, and where it came from: `spec`, or the model's latest version."""
