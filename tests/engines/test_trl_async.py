@@ -2,7 +2,8 @@
 the weightsvc service, a `vllm serve` with weightsvc's backend that the trainer's transfer drives
 (no `weightsvc follow`), and the trainer in its own environment (the showcase's `train`, as in
 test_trl). Without CUDA the trainer's FlashAttention-3 tree attention and its device query are stood in
-for (examples/async_grpo_cpu.py, checked in tests/unit/test_trl_async.py)."""
+for (examples/async_grpo_cpu.py, checked in tests/unit/test_trl_async.py). A second run publishes the
+served copy instead of pushing the masters (the showcase's `--publish`, to a service with NIXL)."""
 
 from __future__ import annotations
 
@@ -121,4 +122,42 @@ def test_async_grpo_pushes_each_step_the_engine_serves_it_and_the_loss_runs_on_t
             assert torch.equal(value.to(torch.bfloat16).view(torch.int16), expected[name].view(torch.int16)), name
             assert torch.equal(value.to(torch.bfloat16).view(torch.int16), pulled[step][name].view(torch.int16)), name
         if step >= 1:  # the masters have left the bf16 grid: the loss did not run on them
+            assert any(not torch.equal(read[n], masters[n]) for n in read)
+
+
+@pytest.fixture(scope="module")
+def copier() -> Iterator[BackgroundServer]:
+    """A service that READs published copies (`serve --nixl`), in sr: the showcase's `--publish` spec."""
+    with serving(rounding="sr", nixl=True) as srv:
+        yield srv
+
+
+def test_async_grpo_in_publish_mode_commits_the_copy_the_loss_ran_on_and_the_engine_serves_it(
+        copier: BackgroundServer, engine: VllmServer, model_dir: Path, tmp_path: Path) -> None:
+    model, capture = "trl-async-publish", tmp_path / "capture"
+    trace = train(copier, engine, model_dir, model, tmp_path / "trace.json", "--steps", str(STEPS),
+                  "--max-staleness", "0", "--capture", str(capture), "--publish")
+    assert (trace["publish"], trace["served_from"], trace["lag"]) == (True, "published", {})
+    assert engine.weight_version() == str(STEPS)  # the engine loaded each published version and swapped it in
+    with InferenceClient(copier.grpc_target) as client:
+        listed = sorted(v.version for v in client.versions(model))
+        acked = {c.client_id: c.version for c in client.clients(model)}
+        manifests = {v: client.manifest(model, v) for v in range(STEPS)}
+        pulled = {v: client.pull(model, v) for v in range(STEPS)}
+    assert listed == list(range(STEPS + 1)) and acked == {f"trl-{model}": STEPS}
+    assert [b["step"] for b in trace["mismatch"]] == list(range(STEPS))
+
+    # Each committed version is the service's export of the masters the step held, and the bytes the
+    # step's loss forward read: the learner published the copy it trained on.
+    spec = ExportSpec("bf16", "sr", seed=0)
+    for step in range(STEPS):
+        read = load_file(str(capture / f"forward-{step}.safetensors"))
+        masters = load_file(str(capture / f"masters-{step}.safetensors"))
+        assert masters_digest_of(masters) == manifests[step].master_digest
+        expected = served_state_dict(masters, spec, version=step)
+        for name, value in read.items():
+            as_served = value.to(torch.bfloat16).view(torch.int16)
+            assert torch.equal(as_served, expected[name].view(torch.int16)), name
+            assert torch.equal(as_served, pulled[step][name].view(torch.int16)), name
+        if step >= 1:
             assert any(not torch.equal(read[n], masters[n]) for n in read)
