@@ -26,13 +26,13 @@ outside_venv() {
     mkdir -p "$(dirname "$venv")"
     "$python" -m venv "$venv"
     "$venv/bin/python" -m pip install -q --upgrade pip
-    "$venv/bin/python" -m pip install -q --no-compile "$torch"
-    "$venv/bin/python" -m pip install -q --no-compile "$requirement"
+    "$venv/bin/python" -m pip install -q "$torch"
+    "$venv/bin/python" -m pip install -q "$requirement"
     if declare -F after_install >/dev/null; then after_install "$venv"; fi
     touch "$venv/.ready"
   fi
   # (one editable install of this checkout at a time: each writes its egg-info)
-  if ! out=$(flock .install.lock "$venv/bin/python" -m pip install -q --no-compile -e ".[$extras]" 2>&1); then
+  if ! out=$(flock .install.lock "$venv/bin/python" -m pip install -q -e ".[$extras]" 2>&1); then
     echo "$out" >&2
     return 1
   fi

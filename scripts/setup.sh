@@ -29,10 +29,10 @@ if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-# --no-compile: pip would byte-compile every file of every package (torch, transformers, ...) at install,
+#: pip would byte-compile every file of every package (torch, transformers, ...) at install,
 # most never imported; Python compiles what is imported, once, on first import (a third off the install).
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q --no-compile "torch==${WEIGHTSVC_TORCH:-2.13.0}"
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
 # (one editable install of this checkout at a time: the engine and verl venvs may be installing it too)
-flock .install.lock .venv/bin/python -m pip install -q --no-compile -e '.[dev,trl,peft,nixl]'
+flock .install.lock .venv/bin/python -m pip install -q -e '.[dev,trl,peft,nixl]'
 echo "$want" >"$STAMP"
