@@ -6,7 +6,6 @@
 #
 #   outside_venv NAME REQUIREMENT EXTRAS REINSTALL [VENV]   prints the venv's path on its last line
 #
-# Installs skip pip's byte-compiling of every file (--no-compile): Python compiles what is imported.
 # REINSTALL=1 rebuilds it; VENV names another place for it. A function `after_install VENV` defined by
 # the caller runs once the requirement is installed.
 

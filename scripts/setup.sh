@@ -29,8 +29,8 @@ if [ -x .venv/bin/python ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ] && [ "
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-#: pip would byte-compile every file of every package (torch, transformers, ...) at install,
-# most never imported; Python compiles what is imported, once, on first import (a third off the install).
+# (pip byte-compiles what it installs: where PYTHONDONTWRITEBYTECODE is set, as on CI machines, Python
+# would otherwise compile torch's sources again in every process that imports it)
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==${WEIGHTSVC_TORCH:-2.13.0}"
 # (one editable install of this checkout at a time: the engine and verl venvs may be installing it too)
