@@ -14,7 +14,7 @@ from tests.conftest import serving
 from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.rounding import FORMATS, decode, fair_cast
-from weightsvc.service.versions.lag import SAMPLE_TARGET, LagTracker, Sample
+from weightsvc.protocol.lag import SAMPLE_TARGET, LagTracker, Sample
 
 
 def bf16_exact(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
-from weightsvc.service.versions.lag import (
+from weightsvc.protocol.lag import (
     SAMPLE_TARGET,
     VISIBILITY_MAX_SE,
     VISIBILITY_MIN_ELEMENTS,

@@ -20,7 +20,7 @@ from weightsvc.protocol.digest import checksum
 from weightsvc.protocol.manifest import ServedTensor
 from weightsvc.service.device import Exporter, Resident
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, PushedTensor
-from weightsvc.service.versions.lag import Sample, sampled_indices
+from weightsvc.protocol.lag import Sample, sampled_indices
 
 BATCH_BYTES = 1 << 20  # a chunk below this is small: bf16 ones are exported together (`run`)
 

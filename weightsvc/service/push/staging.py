@@ -38,7 +38,7 @@ from weightsvc.service.push.plan import (
 )
 from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf
-from weightsvc.service.versions.lag import Sample, sample_stride
+from weightsvc.protocol.lag import Sample, sample_stride
 
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
 # learner (gRPC flow control) when export is slower than the network.

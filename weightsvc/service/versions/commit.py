@@ -37,7 +37,7 @@ from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.follow import CommitFollower
 from weightsvc.service.versions.index import VersionIndex
-from weightsvc.service.versions.lag import LagTracker, Sample
+from weightsvc.protocol.lag import LagTracker, Sample
 from weightsvc.service.versions.residuals import Residuals
 
 log = logging.getLogger("weightsvc.store")
