@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
 from weightsvc.protocol.lag import (
     SAMPLE_TARGET,
     VISIBILITY_MAX_SE,
@@ -19,6 +18,7 @@ from weightsvc.protocol.lag import (
     Sample,
     visibility_estimate,
 )
+from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
 
 # The alert's threshold (deploy/prometheus/weightsvc-alerts.yml, WeightsvcUpdatesInvisible).
 INVISIBLE_BELOW = 0.5

@@ -207,6 +207,19 @@ class LagSums:
     sampled: int
     exact: bool
 
+    def problem(self) -> str | None:
+        """What makes these sums no elements' (a count below zero, a square sum below zero), or None."""
+        if min(self.changed, self.compared, self.saturated, self.sampled) < 0:
+            return "a count below zero"
+        if self.changed > self.compared:
+            return f"{self.changed} elements changed of {self.compared} compared"
+        if any(x < 0 for x in (self.distance_sq, self.master_sq, self.error_sq,
+                               *(v for w in self.windows for v in (w.master_step, w.noise, w.noise_sq)))):
+            return "a sum of squares below zero"
+        if self.previous is None and self.windows:
+            return "visibility windows without a previous version"
+        return None
+
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
         d["windows"] = [dict(w.__dict__) for w in self.windows]
@@ -215,7 +228,7 @@ class LagSums:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> LagSums:
         """From `to_dict`'s JSON; KeyError, TypeError or ValueError when it is not one."""
-        previous = d["previous"]
+        previous = d.get("previous")
         return LagSums(
             int(d["reference"]), None if previous is None else int(previous), float(d["distance_sq"]),
             float(d["progress"]), float(d["master_sq"]), float(d["error_sq"]), int(d["changed"]), int(d["compared"]),

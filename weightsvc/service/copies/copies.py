@@ -39,6 +39,7 @@ from weightsvc.memory import BufferPool, alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.digest import CHECKSUM_PREFIX, checksum
 from weightsvc.protocol.fabric import PIECE, Piece, cut_pieces
+from weightsvc.protocol.lag import LagSums, combine
 from weightsvc.protocol.manifest import Manifest, ServedTensor
 from weightsvc.protocol.published import RankPublish
 from weightsvc.service.copies.checks import CopyPlan, check_rank, plan_copy, server_spec
@@ -142,7 +143,7 @@ class Copying:
             if self.failure is not None:  # a rank went away meanwhile: its version is not to be seen
                 return
             self.committing = True
-            version, created = await copies.committer.commit(Version(manifest, b"", data))
+            version, created = await copies.committer.commit(Version(manifest, b"", data), lag_sums=self._lag())
             kept = created and version.file is None  # (with a data dir the version is served from its file)
             copies.metrics.publish_bytes.labels(self.model).inc(plan.data_bytes)
             if not self.result.done():
@@ -165,6 +166,24 @@ class Copying:
             if data is not None and not kept:
                 copies.pool.give(data)
             copies.budget.give_back(reserved)
+
+    def _lag(self) -> LagSums | None:
+        """The version's lag sums, its ranks' added up: None unless every rank sent its own (a rank of an
+        older client sends none), or when they were measured from different versions (a rank whose lag
+        state was lost: it restarted); the version commits all the same, without lag."""
+        sent = {rank: p.lag for rank, p in self.ranks.items() if p.lag is not None}
+        if not sent:
+            return None
+        if len(sent) < len(self.ranks):
+            log.warning("%s: no lag metrics: rank(s) %s sent lag sums, rank(s) %s did not", self.where,
+                        sorted(sent), sorted(set(self.ranks) - set(sent)))
+            return None
+        try:
+            return combine([sent[rank] for rank in sorted(sent)])
+        except ValueError as e:
+            log.warning("%s: no lag metrics: the ranks' lag sums do not add up (ranks in rank order): %s",
+                        self.where, e)
+            return None
 
     def _read(self, plan: CopyPlan, data: memoryview) -> dict[str, str]:
         """READ each rank's parts into their places in `data` and check each part against its rank's
