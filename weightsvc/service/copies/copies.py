@@ -138,14 +138,14 @@ class Copying:
             data = copies.pool.take(plan.data_bytes)
             if data is None:
                 data = await asyncio.to_thread(alloc, plan.data_bytes)  # (mapping fresh pages takes a while)
-            whole = await asyncio.to_thread(self._read, plan, data)
+            whole, read = await asyncio.to_thread(self._read, plan, data)
             manifest = await in_thread(big, self._manifest, plan, data, whole)
             if self.failure is not None:  # a rank went away meanwhile: its version is not to be seen
                 return
             self.committing = True
             version, created = await copies.committer.commit(Version(manifest, b"", data), lag_sums=self._lag())
             kept = created and version.file is None  # (with a data dir the version is served from its file)
-            copies.metrics.publish_bytes.labels(self.model).inc(plan.data_bytes)
+            copies.metrics.publish_bytes.labels(self.model).inc(read)
             if not self.result.done():
                 self.result.set_result((version, created))
             copies.forget(self)
@@ -185,13 +185,14 @@ class Copying:
                         self.where, e)
             return None
 
-    def _read(self, plan: CopyPlan, data: memoryview) -> dict[str, str]:
+    def _read(self, plan: CopyPlan, data: memoryview) -> tuple[dict[str, str], int]:
         """READ each rank's parts into their places in `data` and check each part against its rank's
         checksum (hashed as its pieces land). Answers the checksums of the tensors one part holds whole
-        (the version's own). Blocking: a worker thread."""
+        (the version's own), and the bytes that landed. Blocking: a worker thread."""
         lender, settings = self.copies.lender(), self.copies.settings
         at = address(data)
         whole: dict[str, str] = {}
+        landed = [0]
         for rank in sorted(self.ranks):
             if self.failure is not None:  # (another rank failed meanwhile: the others need not be read)
                 raise self.failure
@@ -202,6 +203,7 @@ class Copying:
             def hashed(piece: Piece, starts: dict[str, int] = starts, sums: dict[str, xxhash.xxh3_64] = sums) -> None:
                 for name, start, end in piece.spans:
                     sums[name].update(data[starts[name] + start : starts[name] + end])
+                    landed[0] += end - start
 
             pieces = cut_pieces(((t.name, at + starts[t.name], 0, t.ranges) for t in p.tensors if t.ranges), PIECE)
             if pieces:
@@ -216,7 +218,7 @@ class Copying:
                                    "nothing was committed", reason="checksum")
                 if t.elements == (0, t.numel):
                     whole[t.name] = got
-        return whole
+        return whole, landed[0]
 
     def _manifest(self, plan: CopyPlan, data: memoryview, whole: dict[str, str]) -> Manifest:
         """The version's manifest: each tensor's checksum (of its bytes whole: computed here for a tensor
