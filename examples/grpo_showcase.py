@@ -9,7 +9,7 @@ masters and on a round-to-nearest copy of them, as a table (`--json`: JSON) and 
 
 `--publish`: the learner publishes the served copy it computes instead of pushing its fp32 masters (a
 service per rounding mode, each started with --nixl and that rounding; `WeightsvcTransfer(publish=True)`);
-the service then has no lag figures (it never sees the masters).
+the learner measures each version's lag on its masters and sends it with the publish.
 
 The trainer runs here (the `trl` extra); `vllm serve` runs in the engines venv (scripts/setup_engines.sh,
 or --engine-python). `train` runs one mode against a service and an engine that are already up (the
@@ -249,7 +249,7 @@ def summary(trace: dict[str, Any]) -> dict[str, Any]:
     diffs = [m for b in trace["mismatch"] for m in b["by_version"].values()]
     return {
         "rounding": trace["rounding"], "seed": trace["seed"],
-        # (None: no lag figures, as for published versions, whose masters the service never sees)
+        # (None: no lag figures)
         "lag_mean": sum(lag) / len(lag) if lag else None, "lag_max": max(lag) if lag else None,
         "steps_to": next((i + 1 for i, r in enumerate(window) if r >= THRESHOLD), None),
         "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),

@@ -308,6 +308,18 @@ def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
     assert "T1" not in figures and "K1" not in figures  # --only
 
 
+def test_bench_pub2_counts_the_bytes_the_server_read_and_received(nixl_installed: None) -> None:
+    result = cli("bench", "--only", "PUB2", "--size-mib", "16", "--json", timeout=300)
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(result.stdout)
+    for key, served in (("PUB2", 2), ("PUB2_fp8_e4m3", 1)):  # bytes an element: the served copy, from the counters
+        counted = figures["details"][f"{key}_bytes"]
+        assert counted["push_masters"] == 16 << 20, key
+        assert counted["publish_read"] >= counted["push_masters"] * served // 4, key  # (fp8: its scales too)
+        assert figures[key] == round((counted["publish_read"] + counted["publish_request"]) / (16 << 20), 4), key
+    assert figures["PUB2"] <= 0.5001 and figures["PUB2_fp8_e4m3"] <= 0.27
+
+
 def test_bench_refuses_an_unknown_figure() -> None:
     line = one_error_line(cli("bench", "--only", "E1,X9"))
     assert "unknown figure(s) X9" in line

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import serving
 from tests.helpers import http_get
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.protocol.lag import SAMPLE_TARGET, LagTracker, Sample
 from weightsvc.rounding import FORMATS, decode, fair_cast
-from weightsvc.service.versions.lag import SAMPLE_TARGET, LagTracker, Sample
 
 
 def bf16_exact(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:

@@ -24,11 +24,13 @@ import torch
 
 from tests.conftest import ServeProcess, serving
 from tests.helpers import same_bits
-from tests.integration.publish_rank import SPEC, masters, share
+from tests.integration.publish_rank import SPEC, masters, moved, share
 from weightsvc import InferenceClient, LearnerClient
+from weightsvc.client import RankLag
 from weightsvc.client._nixl_publish import published
 from weightsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, WeightsvcError
 from weightsvc.integrations.fair_cast import masters_digest_of, served_state_dict
+from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.published import publish_to_proto
 from weightsvc.rounding import ExportSpec
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
@@ -259,3 +261,71 @@ def test_a_published_version_is_durable_in_the_data_dir(nixl_installed: None, tm
             same_bits(client.pull("durable", 1), served)
     finally:
         again.stop()
+
+
+def lags(srv: ServeProcess, model: str) -> dict[int, LagMetrics | None]:
+    """The lag metrics each version of `model` lists."""
+    with InferenceClient(srv.target) as client:
+        return {v.version: v.lag for v in client.versions(model)}
+
+
+def gauge(srv: ServeProcess, name: str, model: str) -> float:
+    text = urllib.request.urlopen(srv.url + "/metrics", timeout=30).read().decode()
+    found = re.search(rf'^{name}\{{format="bf16",model="{model}",rounding="sr"\}} (\S+)$', text, re.MULTILINE)
+    assert found, f"{name} of model {model!r} is not on /metrics"
+    return float(found.group(1))
+
+
+def push_run(srv: ServeProcess, model: str, steps: range) -> None:
+    """The same run's masters pushed as fp32 (the server's spec is the ranks'): the service's own lag."""
+    with LearnerClient(srv.target) as learner:
+        for step in steps:
+            learner.push(step, moved(step), model)
+
+
+def test_one_rank_measures_its_lag_and_the_version_carries_what_a_push_of_the_same_masters_does(
+        copier: ServeProcess) -> None:
+    lag, answered = RankLag(), {}
+    with LearnerClient(copier.target) as learner:
+        for step in range(1, 6):
+            m = moved(step)
+            info = learner.publish(step, served_state_dict(m, SPEC, version=step), "lag-one", spec=SPEC, masters=m,
+                                   lag=lag)
+            answered[step] = info.lag
+    push_run(copier, "lag-one-pushed", range(1, 6))
+    published, pushed = lags(copier, "lag-one"), lags(copier, "lag-one-pushed")
+    # One rank's rows are the whole sample, in the service's order: the very same sums, the same figures.
+    assert published.keys() == pushed.keys() == set(range(2, 6))  # (--retain 4)
+    assert published == {v: answered[v] for v in published} == pushed
+    last = published[5]
+    assert last is not None and last.churn > 0 and last.relative_error > 0 and last.exact
+    assert any(v is not None and v.update_visibility is not None for v in published.values())
+    assert gauge(copier, "weightsvc_served_lag_steps", "lag-one") == last.lag_steps
+    assert gauge(copier, "weightsvc_served_churn_ratio", "lag-one") == pytest.approx(last.churn, rel=1e-12)
+
+
+def test_two_rank_processes_send_the_sums_of_their_rows_and_the_service_adds_them_up_to_a_pushs_lag(
+        copier: ServeProcess) -> None:
+    procs = ranks(copier, "lag-two", 1, 2, ("--steps", "5", "--lag"), ("--steps", "5", "--lag"))
+    assert [last_line(p) for p in procs] == ["ok 5 True", "ok 5 True"]
+    push_run(copier, "lag-two-pushed", range(1, 6))
+    published, pushed = lags(copier, "lag-two"), lags(copier, "lag-two-pushed")
+    assert published.keys() == pushed.keys() == set(range(2, 6))  # (--retain 4)
+    for version, p in published.items():
+        q = pushed[version]
+        assert p is not None and q is not None, version
+        # Counts add up exactly; the float64 sums only in another order (two ranks' partial sums).
+        assert (p.lag_steps, p.saturated_elements, p.sampled_elements, p.exact, p.churn) == (
+            q.lag_steps, q.saturated_elements, q.sampled_elements, q.exact, q.churn), version
+        assert p.relative_error == pytest.approx(q.relative_error, rel=1e-9), version
+        assert (p.update_visibility is None) == (q.update_visibility is None), version
+        if p.update_visibility is not None:
+            assert p.update_visibility == pytest.approx(q.update_visibility, rel=1e-9), version
+    assert published[5] is not None and published[5].churn > 0
+    assert gauge(copier, "weightsvc_served_lag_steps", "lag-two") == published[5].lag_steps
+
+
+def test_a_version_some_of_whose_ranks_send_no_lag_has_none(copier: ServeProcess) -> None:
+    procs = ranks(copier, "lag-partly", 1, 2, ("--lag",))  # (rank 1: as a client that predates lag)
+    assert [last_line(p) for p in procs] == ["ok 1 True", "ok 1 True"]
+    assert lags(copier, "lag-partly") == {1: None}

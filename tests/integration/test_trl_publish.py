@@ -82,7 +82,7 @@ def test_a_transfer_sync_publishes_the_copy_the_loss_runs_on_bit_for_bit_the_ser
     with pytest.raises(EngineError) as raised:  # (the engine plays one without the backend: after the commit)
         transfer.send_weights(iter(module.state_dict().items()))  # TRL's sync at global step 0
     assert raised.value.stage == "stage" and raised.value.status == 404
-    assert (transfer.version, transfer.served_from, transfer.lag) == (0, "published", {})
+    assert (transfer.version, transfer.served_from, list(transfer.lag)) == (0, "published", [0])
 
     with InferenceClient(copier.target) as client:
         committed = client.pull(model, 0)
@@ -112,6 +112,12 @@ def test_a_sync_reads_the_spec_from_the_models_latest_version_and_publishes_each
     pushed_as_masters(copier.target, f"{model}-pushed", steps)
     for version in (1, 2):
         assert_same_version(copier.target, model, f"{model}-pushed", version)
+    # The lag the learner measured is the one a push of the same run (from version 1) gets.
+    pushed_as_masters(copier.target, f"{model}-lag", {v: steps[v] for v in (1, 2)})
+    with InferenceClient(copier.target) as client:
+        listed = {v.version: v.lag for v in client.versions(model) if v.version}
+        pushed = {v.version: v.lag for v in client.versions(f"{model}-lag")}
+    assert sync.lag == listed == pushed and all(v is not None for v in listed.values())
     sync.close()
 
 

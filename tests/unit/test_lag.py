@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
-from weightsvc.service.versions.lag import (
+from weightsvc.protocol.lag import (
     SAMPLE_TARGET,
     VISIBILITY_MAX_SE,
     VISIBILITY_MIN_ELEMENTS,
@@ -19,6 +18,7 @@ from weightsvc.service.versions.lag import (
     Sample,
     visibility_estimate,
 )
+from weightsvc.rounding import FORMATS, ExportSpec, Residual, decode, export_state_dict, fair_cast
 
 # The alert's threshold (deploy/prometheus/weightsvc-alerts.yml, WeightsvcUpdatesInvisible).
 INVISIBLE_BELOW = 0.5

@@ -22,7 +22,7 @@ run and stays at chance (AUC 0.128), sr and sr-sticky learn as in bf16, ef learn
 The masters start on the served format's grid (as a bf16 or fp8 checkpoint would): off the grid,
 round to nearest acts like a sticky stochastic rounding, since where each element sits in its
 cell is random, and would hide nothing.
-The service measures the lag of each committed version (weightsvc.service.versions.lag).
+The service measures the lag of each committed version (weightsvc.protocol.lag).
 """
 
 from __future__ import annotations

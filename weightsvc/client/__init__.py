@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from weightsvc.client._learner_grpc import GrpcLearnerClient
     from weightsvc.client._learner_http import HttpLearnerClient
     from weightsvc.client._mismatch import rollout_mismatch
+    from weightsvc.client._rank_lag import RankLag
     from weightsvc.client._store import StoreInferenceClient
     from weightsvc.client._tensors import dequantize, dequantized, served_weights, tensors_from_data
 
@@ -52,6 +53,7 @@ __all__ = [
     "InferenceClient",
     "LearnerClient",
     "Limits",
+    "RankLag",
     "RetryPolicy",
     "RolloutMismatch",
     "Shard",
@@ -76,6 +78,7 @@ _LAZY = {
     "HttpLearnerClient": "_learner_http",
     "LearnerClient": "_learner",
     "Shard": "_learner",
+    "RankLag": "_rank_lag",
     "rollout_mismatch": "_mismatch",
     "StoreInferenceClient": "_store",
     "dequantize": "_tensors",

@@ -30,6 +30,8 @@ from weightsvc.v1 import weightsvc_pb2 as pb
 if TYPE_CHECKING:
     import torch
 
+    from weightsvc.client._rank_lag import RankLag
+
 DEFAULT_CHUNK_BYTES = 1 << 20
 # Masters are fp32; bf16/fp16 widen to fp32 exactly, anything else would change the values.
 _EXACT_TO_F32 = ("float32", "bfloat16", "float16")
@@ -327,6 +329,8 @@ class LearnerClient(ByTarget):
         spec: ExportSpec | None = None,
         master_digest: str = "",
         tied: Mapping[str, str] | None = None,
+        masters: Mapping[str, Array | Shard] | None = None,
+        lag: RankLag | None = None,
     ) -> VersionInfo:
         """Publish the served copy of `step` from this rank's memory (`serve --nixl`): no master travels.
         Returns once the version is committed (or raises); the tensors must stay unchanged until then,
@@ -346,15 +350,36 @@ class LearnerClient(ByTarget):
         served under both names; ranks that hold `Shard`s of a tied tensor (FSDP2's `rank_served`)
         declare it with `tied` on every rank, as tensors viewing one memory are found by themselves.
 
+        `masters` and `lag` (a `RankLag`, one per rank kept across the run): the version's lag metrics,
+        measured here on this rank's masters of the elements it publishes (by master name, whole or
+        `Shard`s as `push` takes them: FSDP2's `rank_shards`) as the service measures a push, and added
+        up across ranks by the service; the version then lists them, `/metrics` shows them, and the
+        answer's `.lag` holds them. Without them (on any rank) the version has no lag. `lag` advances
+        only once the version commits.
+
         FAILED_PRECONDITION from a server without --nixl, or with another spec; the request is one
         message: a rank of too many tensors for one is refused before it is sent."""
         from weightsvc.client._nixl_publish import published
+        from weightsvc.client._rank_lag import measure
 
+        if (masters is None) != (lag is None):
+            raise ValueError(f"{subject(model, step=step, rank=rank)}: the lag of a publish needs both masters= and "
+                             "lag= (a RankLag kept across the run)")
+        spec = spec or ExportSpec()
         kept, aliases = untie(served, tied)
         held = {name: (v.data, v.offset, v.shape) if isinstance(v, Shard) else (v, 0, None) for name, v in kept.items()}
-        with published(held, model=model, step=step, rank=rank, world_size=world_size, spec=spec or ExportSpec(),
+        sums = rows = None
+        if masters is not None and lag is not None:
+            mine, _ = untie(masters, tied)
+            sums, rows = measure(lag, step, {name: (v.data, v.offset, v.shape) if isinstance(v, Shard) else (v, 0, None)
+                                             for name, v in mine.items()}, held, spec,
+                                 where=subject(model, step=step, rank=rank), aliases=aliases)
+        with published(held, model=model, step=step, rank=rank, world_size=world_size, spec=spec,
                        master_digest=master_digest, aliases=aliases) as request:
-            return self._publish(request)
+            info = self._publish(dataclasses.replace(request, lag=sums))
+        if lag is not None and rows is not None:
+            lag.rows = rows
+        return info
 
     def _sharded(self, header: pb.PushHeader, parts: dict[str, Array | Shard], aliases: dict[str, str],
                  replicas: list[Replica]) -> list[Stream]:

@@ -17,8 +17,12 @@ runs on it:
     for step in steps:
         served.version = step
         learner.publish(step, rank_served(model, version=step), rank=rank, world_size=ranks,
-                        spec=served.spec, tied={"lm_head.weight": "model.embed_tokens.weight"})
+                        spec=served.spec, tied={"lm_head.weight": "model.embed_tokens.weight"},
+                        masters=rank_shards(model), lag=rank_lag)   # rank_lag = RankLag(), once per run
         loss = objective(model(batch)); loss.backward(); optimizer.step()
+
+(`masters=` and `lag=` are the version's lag: each rank measures its rows of the masters against the
+served rows it publishes, and the service adds the ranks' sums up.)
 
 Through FSDP2's extension point: each parameter's local tensor is a `ServedShard`, a tensor subclass
 whose `fsdp_pre_all_gather` rounds the shard it holds with the keys of the whole tensor (its name,

@@ -18,6 +18,7 @@ from typing import Any
 
 from weightsvc.errors import InvalidArgument, subject
 from weightsvc.protocol.fabric import MemoryRange
+from weightsvc.protocol.lag import LagSums, WindowSums
 from weightsvc.protocol.manifest import DTYPE_SIZES
 from weightsvc.rounding import DEFAULT_FP8_PATTERN, ExportSpec
 from weightsvc.v1 import weightsvc_pb2 as pb
@@ -68,6 +69,7 @@ class RankPublish:
     tensors: tuple[PublishedTensor, ...]
     master_digest: str = ""
     aliases: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (alias, tensor), sorted
+    lag: LagSums | None = None  # the lag figures of its rows (None: none sent)
 
     @property
     def where(self) -> str:
@@ -102,6 +104,10 @@ class RankPublish:
                                       reason="invalid_header")
             if not t.checksum:
                 raise InvalidArgument(f"{what}: no checksum of its bytes", reason="invalid_header")
+        problem = None if self.lag is None else self.lag.problem()
+        if problem:
+            raise InvalidArgument(f"{where}: its lag sums are not those of any rows: {problem}",
+                                  reason="invalid_header")
 
 
 def spec_to_proto(spec: ExportSpec) -> pb.ExportSpec:
@@ -121,6 +127,7 @@ def publish_to_proto(p: RankPublish) -> pb.PublishRequest:
     return pb.PublishRequest(
         model=p.model, step=p.step, rank=p.rank, world_size=p.world_size, spec=spec_to_proto(p.spec), agent=p.agent,
         memory=p.memory, master_digest=p.master_digest, aliases=dict(p.aliases),
+        lag=None if p.lag is None else lag_to_proto(p.lag),
         tensors=[pb.PublishedTensor(
             name=t.name, shape=list(t.shape), dtype=t.dtype,
             part=None if t.part is None else pb.TensorPart(offset=t.part[0], count=t.part[1]),
@@ -139,7 +146,25 @@ def publish_from_proto(m: pb.PublishRequest) -> RankPublish:
                         t.checksum, tuple(MemoryRange(r.addr, r.nbytes, r.device) for r in t.ranges))
         for t in m.tensors)
     return RankPublish(m.model, m.step, m.rank, m.world_size or 1, spec, m.agent, m.memory, tensors,
-                       m.master_digest, tuple(sorted(m.aliases.items())))
+                       m.master_digest, tuple(sorted(m.aliases.items())),
+                       lag_from_proto(m.lag) if m.HasField("lag") else None)
+
+
+def lag_to_proto(s: LagSums) -> pb.LagSums:
+    return pb.LagSums(
+        reference=s.reference, previous=s.previous, distance_sq=s.distance_sq, progress=s.progress,
+        master_sq=s.master_sq, error_sq=s.error_sq, changed=s.changed, compared=s.compared,
+        windows=[pb.VisibilityWindow(start=w.start, served_step=w.served_step, master_step=w.master_step,
+                                     noise=w.noise, noise_sq=w.noise_sq) for w in s.windows],
+        saturated_elements=s.saturated, sampled_elements=s.sampled, exact=s.exact)
+
+
+def lag_from_proto(m: pb.LagSums) -> LagSums:
+    return LagSums(
+        m.reference, m.previous if m.HasField("previous") else None, m.distance_sq, m.progress, m.master_sq,
+        m.error_sq, m.changed, m.compared,
+        tuple(WindowSums(w.start, w.served_step, w.master_step, w.noise, w.noise_sq) for w in m.windows),
+        m.saturated_elements, m.sampled_elements, m.exact)
 
 
 def publish_from_dict(model: str, step: int, d: Any) -> RankPublish:
@@ -161,9 +186,11 @@ def publish_from_dict(model: str, step: int, d: Any) -> RankPublish:
         aliases = d.get("aliases") or {}
         if not isinstance(aliases, dict):
             raise TypeError("aliases is not an object")
+        lag = d.get("lag")
         return RankPublish(model, step, rank, int(d.get("world_size") or 1), spec,
                            base64.b64decode(d["agent"], validate=True), str(d["memory"]), tuple(tensors),
-                           str(d.get("master_digest", "")), tuple(sorted((str(a), str(b)) for a, b in aliases.items())))
+                           str(d.get("master_digest", "")), tuple(sorted((str(a), str(b)) for a, b in aliases.items())),
+                           None if lag is None else LagSums.from_dict(lag))
     except InvalidArgument:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
@@ -178,7 +205,7 @@ def publish_to_dict(p: RankPublish) -> dict[str, Any]:
         "spec": {"format": p.spec.format, "rounding": p.spec.rounding, "seed": p.spec.seed,
                  "scaling": p.spec.scaling, "fp8_pattern": p.spec.fp8_pattern},
         "agent": base64.b64encode(p.agent).decode(), "memory": p.memory, "master_digest": p.master_digest,
-        "aliases": dict(p.aliases),
+        "aliases": dict(p.aliases), **({} if p.lag is None else {"lag": p.lag.to_dict()}),
         "tensors": [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
                      "part": None if t.part is None else {"offset": t.part[0], "count": t.part[1]},
                      "checksum": t.checksum, "ranges": [list(r) for r in t.ranges]} for t in p.tensors],

@@ -573,7 +573,7 @@ class PublishedTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., part: _Optional[_Union[TensorPart, _Mapping]] = ..., checksum: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[MemoryRange, _Mapping]]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("model", "step", "rank", "world_size", "spec", "agent", "memory", "tensors", "master_digest", "aliases")
+    __slots__ = ("model", "step", "rank", "world_size", "spec", "agent", "memory", "tensors", "master_digest", "aliases", "lag")
     class AliasesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -591,6 +591,7 @@ class PublishRequest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     MASTER_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ALIASES_FIELD_NUMBER: _ClassVar[int]
+    LAG_FIELD_NUMBER: _ClassVar[int]
     model: str
     step: int
     rank: int
@@ -601,4 +602,47 @@ class PublishRequest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[PublishedTensor]
     master_digest: str
     aliases: _containers.ScalarMap[str, str]
-    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., spec: _Optional[_Union[ExportSpec, _Mapping]] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., master_digest: _Optional[str] = ..., aliases: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lag: LagSums
+    def __init__(self, model: _Optional[str] = ..., step: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., spec: _Optional[_Union[ExportSpec, _Mapping]] = ..., agent: _Optional[bytes] = ..., memory: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishedTensor, _Mapping]]] = ..., master_digest: _Optional[str] = ..., aliases: _Optional[_Mapping[str, str]] = ..., lag: _Optional[_Union[LagSums, _Mapping]] = ...) -> None: ...
+
+class LagSums(_message.Message):
+    __slots__ = ("reference", "previous", "distance_sq", "progress", "master_sq", "error_sq", "changed", "compared", "windows", "saturated_elements", "sampled_elements", "exact")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_SQ_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    MASTER_SQ_FIELD_NUMBER: _ClassVar[int]
+    ERROR_SQ_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    COMPARED_FIELD_NUMBER: _ClassVar[int]
+    WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    SATURATED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    reference: int
+    previous: int
+    distance_sq: float
+    progress: float
+    master_sq: float
+    error_sq: float
+    changed: int
+    compared: int
+    windows: _containers.RepeatedCompositeFieldContainer[VisibilityWindow]
+    saturated_elements: int
+    sampled_elements: int
+    exact: bool
+    def __init__(self, reference: _Optional[int] = ..., previous: _Optional[int] = ..., distance_sq: _Optional[float] = ..., progress: _Optional[float] = ..., master_sq: _Optional[float] = ..., error_sq: _Optional[float] = ..., changed: _Optional[int] = ..., compared: _Optional[int] = ..., windows: _Optional[_Iterable[_Union[VisibilityWindow, _Mapping]]] = ..., saturated_elements: _Optional[int] = ..., sampled_elements: _Optional[int] = ..., exact: _Optional[bool] = ...) -> None: ...
+
+class VisibilityWindow(_message.Message):
+    __slots__ = ("start", "served_step", "master_step", "noise", "noise_sq")
+    START_FIELD_NUMBER: _ClassVar[int]
+    SERVED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MASTER_STEP_FIELD_NUMBER: _ClassVar[int]
+    NOISE_FIELD_NUMBER: _ClassVar[int]
+    NOISE_SQ_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    served_step: float
+    master_step: float
+    noise: float
+    noise_sq: float
+    def __init__(self, start: _Optional[int] = ..., served_step: _Optional[float] = ..., master_step: _Optional[float] = ..., noise: _Optional[float] = ..., noise_sq: _Optional[float] = ...) -> None: ...

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from trl import GRPOTrainer
 
-from weightsvc.client import InferenceClient, LearnerClient, RolloutMismatch, rollout_mismatch, served_weights
+from weightsvc.client import InferenceClient, LearnerClient, RankLag, RolloutMismatch, rollout_mismatch, served_weights
 from weightsvc.errors import NotFound, WeightsvcError, subject
 from weightsvc.integrations.fair_cast import ServedMismatch, check_served, masters_digest_of, served_state_dict
 from weightsvc.integrations.vllm.engine_api import EngineApi
@@ -70,8 +70,9 @@ class WeightsvcSync:
     pushing the fp32 masters, and the loss runs on those very tensors. The copy must be exported with
     the service's own spec (a publish cannot override it): `spec`, or else that of the model's latest
     version on the service; `format` / `rounding` (a push's overrides) are refused. With `ef` the
-    residual is the learner's (`residual`, fresh at the first publish). The service computes no lag
-    for a published version (it never sees the masters): `lag` stays empty."""
+    residual is the learner's (`residual`, fresh at the first publish). The learner measures each
+    published version's lag on its masters and the copy it exported (`publish(masters=, lag=)`), the
+    service records it as a push's, and `lag` holds it as for a push."""
 
     target: str
     engine: str
@@ -88,6 +89,7 @@ class WeightsvcSync:
     publish: bool = False
     served_from: str = ""  # "local" (recomputed), "pulled" (found out over the first versions), or "published"
     residual: Residual | None = field(default=None, repr=False)  # the learner's, when it publishes under `ef`
+    rank_lag: RankLag = field(default_factory=RankLag, repr=False)  # the learner's lag state, when it publishes
     served: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     version: int | None = None
     versions: list[list[int]] = field(default_factory=list, repr=False)  # of the last rollout batch's tokens
@@ -155,12 +157,14 @@ class WeightsvcSync:
             residual = dataclasses.replace(residual, tensors=dict(residual.tensors))
         served = served_state_dict(masters, spec, version=step, residual=residual)
         try:
-            self._learner.publish(step, _in_host_memory(served), self.model, spec=spec,
-                                  master_digest=masters_digest_of(masters))
+            info = self._learner.publish(step, _in_host_memory(served), self.model, spec=spec,
+                                         master_digest=masters_digest_of(masters), masters=masters, lag=self.rank_lag)
         except WeightsvcError as e:
             raise _named(e, f"{subject(self.model, step)}: the service did not commit the served copy the "
                             f"learner published ({spec.format} {spec.rounding} seed {spec.seed}, {said})") from None
         self.served, self.served_from, self.residual = served, "published", residual or self.residual
+        if info.lag is not None:
+            self.lag[step] = info.lag
 
     def _publish_spec(self, version: int) -> tuple[ExportSpec, str]:
         """The service's export spec, and where it came from: `spec`, or the model's latest version."""

@@ -39,6 +39,7 @@ from weightsvc.memory import BufferPool, alloc
 from weightsvc.metrics import Metrics
 from weightsvc.protocol.digest import CHECKSUM_PREFIX, checksum
 from weightsvc.protocol.fabric import PIECE, Piece, cut_pieces
+from weightsvc.protocol.lag import LagSums, combine
 from weightsvc.protocol.manifest import Manifest, ServedTensor
 from weightsvc.protocol.published import RankPublish
 from weightsvc.service.copies.checks import CopyPlan, check_rank, plan_copy, server_spec
@@ -137,14 +138,14 @@ class Copying:
             data = copies.pool.take(plan.data_bytes)
             if data is None:
                 data = await asyncio.to_thread(alloc, plan.data_bytes)  # (mapping fresh pages takes a while)
-            whole = await asyncio.to_thread(self._read, plan, data)
+            whole, read = await asyncio.to_thread(self._read, plan, data)
             manifest = await in_thread(big, self._manifest, plan, data, whole)
             if self.failure is not None:  # a rank went away meanwhile: its version is not to be seen
                 return
             self.committing = True
-            version, created = await copies.committer.commit(Version(manifest, b"", data))
+            version, created = await copies.committer.commit(Version(manifest, b"", data), lag_sums=self._lag())
             kept = created and version.file is None  # (with a data dir the version is served from its file)
-            copies.metrics.publish_bytes.labels(self.model).inc(plan.data_bytes)
+            copies.metrics.publish_bytes.labels(self.model).inc(read)
             if not self.result.done():
                 self.result.set_result((version, created))
             copies.forget(self)
@@ -166,13 +167,32 @@ class Copying:
                 copies.pool.give(data)
             copies.budget.give_back(reserved)
 
-    def _read(self, plan: CopyPlan, data: memoryview) -> dict[str, str]:
+    def _lag(self) -> LagSums | None:
+        """The version's lag sums, its ranks' added up: None unless every rank sent its own (a rank of an
+        older client sends none), or when they were measured from different versions (a rank whose lag
+        state was lost: it restarted); the version commits all the same, without lag."""
+        sent = {rank: p.lag for rank, p in self.ranks.items() if p.lag is not None}
+        if not sent:
+            return None
+        if len(sent) < len(self.ranks):
+            log.warning("%s: no lag metrics: rank(s) %s sent lag sums, rank(s) %s did not", self.where,
+                        sorted(sent), sorted(set(self.ranks) - set(sent)))
+            return None
+        try:
+            return combine([sent[rank] for rank in sorted(sent)])
+        except ValueError as e:
+            log.warning("%s: no lag metrics: the ranks' lag sums do not add up (ranks in rank order): %s",
+                        self.where, e)
+            return None
+
+    def _read(self, plan: CopyPlan, data: memoryview) -> tuple[dict[str, str], int]:
         """READ each rank's parts into their places in `data` and check each part against its rank's
         checksum (hashed as its pieces land). Answers the checksums of the tensors one part holds whole
-        (the version's own). Blocking: a worker thread."""
+        (the version's own), and the bytes that landed. Blocking: a worker thread."""
         lender, settings = self.copies.lender(), self.copies.settings
         at = address(data)
         whole: dict[str, str] = {}
+        landed = [0]
         for rank in sorted(self.ranks):
             if self.failure is not None:  # (another rank failed meanwhile: the others need not be read)
                 raise self.failure
@@ -183,6 +203,7 @@ class Copying:
             def hashed(piece: Piece, starts: dict[str, int] = starts, sums: dict[str, xxhash.xxh3_64] = sums) -> None:
                 for name, start, end in piece.spans:
                     sums[name].update(data[starts[name] + start : starts[name] + end])
+                    landed[0] += end - start
 
             pieces = cut_pieces(((t.name, at + starts[t.name], 0, t.ranges) for t in p.tensors if t.ranges), PIECE)
             if pieces:
@@ -197,7 +218,7 @@ class Copying:
                                    "nothing was committed", reason="checksum")
                 if t.elements == (0, t.numel):
                     whole[t.name] = got
-        return whole
+        return whole, landed[0]
 
     def _manifest(self, plan: CopyPlan, data: memoryview, whole: dict[str, str]) -> Manifest:
         """The version's manifest: each tensor's checksum (of its bytes whole: computed here for a tensor

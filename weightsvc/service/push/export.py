@@ -17,10 +17,10 @@ import numpy as np
 
 from weightsvc import rounding
 from weightsvc.protocol.digest import checksum
+from weightsvc.protocol.lag import Sample, sampled_indices
 from weightsvc.protocol.manifest import ServedTensor
 from weightsvc.service.device import Exporter, Resident
 from weightsvc.service.push.plan import MASTER_ITEMSIZE, PushedTensor
-from weightsvc.service.versions.lag import Sample, sampled_indices
 
 BATCH_BYTES = 1 << 20  # a chunk below this is small: bf16 ones are exported together (`run`)
 

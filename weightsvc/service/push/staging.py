@@ -23,6 +23,7 @@ from prometheus_client import Gauge
 from weightsvc import rounding
 from weightsvc._aio import BIG_MANIFEST, in_thread, let_go
 from weightsvc.errors import Aborted, InvalidArgument, subject
+from weightsvc.protocol.lag import Sample, sample_stride
 from weightsvc.protocol.manifest import MASTER_DTYPE, TensorSpec
 from weightsvc.service.push.context import PushContext
 from weightsvc.service.push.export import BATCH_BYTES, ExportJobs, Job, JobFn
@@ -38,7 +39,6 @@ from weightsvc.service.push.plan import (
 )
 from weightsvc.service.record import Version, VersionFile
 from weightsvc.service.replicas.parts import PartOf
-from weightsvc.service.versions.lag import Sample, sample_stride
 
 # Chunks received but not yet exported, per push: bounds staging memory, and pushes back on the
 # learner (gRPC flow control) when export is slower than the network.

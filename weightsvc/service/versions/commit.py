@@ -25,6 +25,7 @@ from typing import Protocol, TypeVar
 from weightsvc._faults import crash_point
 from weightsvc.errors import DiskFull, FailedPrecondition, Unavailable, subject
 from weightsvc.metrics import Metrics
+from weightsvc.protocol.lag import LagSums, LagTracker, Sample
 from weightsvc.protocol.manifest import Manifest
 from weightsvc.protocol.safetensors import check_header_size
 from weightsvc.rounding import Residual
@@ -37,7 +38,6 @@ from weightsvc.service.versions.acks import Acks
 from weightsvc.service.versions.disk import VersionFiles
 from weightsvc.service.versions.follow import CommitFollower
 from weightsvc.service.versions.index import VersionIndex
-from weightsvc.service.versions.lag import LagTracker, Sample
 from weightsvc.service.versions.residuals import Residuals
 
 log = logging.getLogger("weightsvc.store")
@@ -94,9 +94,12 @@ class Committer:
         residual: tuple[int | None, Residual, VersionFile | None] | None = None,
         lag_input: tuple[Sample, int, bool] | None = None,
         part_of: PartOf | None = None,
+        lag_sums: LagSums | None = None,
     ) -> tuple[Version, bool]:
         """Make `version` visible (with an `ef` push, also its residual, given with the version of the
         residual it started from and the file it was staged in, if it was). Returns (the committed version, created).
+        Its lag metrics come from `lag_input` (a push's sample), or `lag_sums` (a publish's ranks' sums, added
+        up); with neither it has none.
 
         With `part_of`, `version` is this replica's part of a version of sharded replicas: it becomes
         visible when every owner's part is in, or is withdrawn after `part_of.timeout` seconds or once
@@ -108,7 +111,7 @@ class Committer:
         """
         if part_of is not None:
             self._parts.check_not_waiting(version.manifest.model, version.manifest.version)
-        task = asyncio.ensure_future(self._commit(version, residual, lag_input, part_of))
+        task = asyncio.ensure_future(self._commit(version, residual, lag_input, part_of, lag_sums))
         self._committing.add(task)
         task.add_done_callback(self._committing.discard)
         return await asyncio.shield(task)
@@ -119,6 +122,7 @@ class Committer:
         residual: tuple[int | None, Residual, VersionFile | None] | None,
         lag_input: tuple[Sample, int, bool] | None,
         part_of: PartOf | None,
+        lag_sums: LagSums | None = None,
     ) -> tuple[Version, bool]:
         if part_of is not None:  # the file holds the part alone
             version = self._parts.own(version)
@@ -144,6 +148,8 @@ class Committer:
             before = tracker.snapshot()
             if lag_input is not None:  # the lag metrics go into the manifest, so into the file too
                 m = dataclasses.replace(m, lag=tracker.observe(m.version, *lag_input))
+            elif lag_sums is not None:
+                m = dataclasses.replace(m, lag=tracker.published(m.version, lag_sums))
             # The manifest's JSON (for the file's header and the registry) and the header, from the
             # final manifest: once each, off the loop (0.25 s and 0.35 s at 100,000 tensors).
             text = await asyncio.to_thread(m.json)
