@@ -1,12 +1,12 @@
 """PUB2: the bytes a version moves on its way in, a learner's publish against an fp32 push of the same
-masters, in bf16 and fp8_e4m3 (a figure of bytes, not of time), from the server's own counters.
+masters, in bf16 and fp8_e4m3 (a figure of bytes, not of time).
 
-The push: the master bytes the server received (`weightsvc_push_bytes_total`, counted as the chunks
-arrive). The publish: the served bytes that landed in the server's READs over NIXL
-(`weightsvc_publish_bytes_total`, counted as each piece is hashed) plus the request's bytes (the
-serialized PublishRequest: names, shapes, checksums, ranges, the agent's metadata). The push's header
-and framing are left out, the publish's request is not: the ratio errs against the publish. The push's
-serialized messages are reported beside it.
+Each side's messages as they go on the wire, gRPC's and HTTP/2's own framing left out of both. The
+push: its messages as the learner serializes them (header, chunks with their framing, commit), whose
+master bytes the server counted as they arrived (`weightsvc_push_bytes_total`, checked against the
+masters). The publish: the served bytes that landed in the server's READs over NIXL
+(`weightsvc_publish_bytes_total`, counted as each piece is hashed) and the request's bytes (the
+serialized PublishRequest: names, shapes, checksums, ranges, the agent's metadata, the lag sums).
 """
 
 from __future__ import annotations
@@ -63,13 +63,15 @@ def publish_bench(*, size_mib: int, say: Any) -> dict[str, Any]:
             read = _counter(server.url, "weightsvc_publish_bytes_total")
         finally:
             server.stop()
-        if not master_bytes or not read:
-            raise RuntimeError(f"PUB2 {fmt}: the server counted {master_bytes:.0f} bytes pushed, {read:.0f} READ")
+        want = sum(t.numel() * 4 for t in masters.values())
+        if master_bytes != want or not read:
+            raise RuntimeError(f"PUB2 {fmt}: the server counted {master_bytes:.0f} master bytes pushed (of {want}), "
+                               f"{read:.0f} READ")
         moved = read + message.ByteSize()
-        ratio = moved / master_bytes
+        ratio = moved / pushed
         say(f"PUB2 {fmt}: publish moved {moved / 2**20:.1f} MiB ({read / 2**20:.1f} MiB READ over NIXL, "
-            f"{message.ByteSize()} bytes of request) vs an fp32 push's {master_bytes / 2**20:.1f} MiB received "
-            f"({pushed / 2**20:.1f} MiB of messages): {ratio:.4f}x")
+            f"{message.ByteSize()} bytes of request) vs an fp32 push's {pushed / 2**20:.1f} MiB of messages "
+            f"({master_bytes / 2**20:.1f} MiB of masters received): {ratio:.4f}x")
         key = "PUB2" if fmt == "bf16" else f"PUB2_{fmt}"
         figures[key] = round(ratio, 4)
         details[f"{key}_bytes"] = {"push": int(pushed), "push_masters": int(master_bytes),
