@@ -137,14 +137,18 @@ def test_async_grpo_in_publish_mode_commits_the_copy_the_loss_ran_on_and_the_eng
     model, capture = "trl-async-publish", tmp_path / "capture"
     trace = train(copier, engine, model_dir, model, tmp_path / "trace.json", "--steps", str(STEPS),
                   "--max-staleness", "0", "--capture", str(capture), "--publish")
-    assert (trace["publish"], trace["served_from"], trace["lag"]) == (True, "published", {})
+    assert (trace["publish"], trace["served_from"]) == (True, "published")
     assert engine.weight_version() == str(STEPS)  # the engine loaded each published version and swapped it in
     with InferenceClient(copier.grpc_target) as client:
-        listed = sorted(v.version for v in client.versions(model))
+        by_version = {v.version: v for v in client.versions(model)}
+        listed = sorted(by_version)
         acked = {c.client_id: c.version for c in client.clients(model)}
         manifests = {v: client.manifest(model, v) for v in range(STEPS)}
         pulled = {v: client.pull(model, v) for v in range(STEPS)}
     assert listed == list(range(STEPS + 1)) and acked == {f"trl-{model}": STEPS}
+    # Each version's lag is the one its ranks measured against their masters and the service recorded.
+    recorded_lag = {v: info.lag.lag_steps for v, info in by_version.items() if info.lag is not None}
+    assert {int(v): lag for v, lag in trace["lag"].items()} == recorded_lag and sorted(recorded_lag) == listed
     assert [b["step"] for b in trace["mismatch"]] == list(range(STEPS))
 
     # Each committed version is the service's export of the masters the step held, and the bytes the
