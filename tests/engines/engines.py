@@ -40,6 +40,16 @@ def masters(kind: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.
     return module, module.state_dict()
 
 
+def step(module: torch.nn.Module, seed: int, size: float = 0.05) -> dict[str, torch.Tensor]:
+    """A learner step big enough to change greedy generations; returns the new state dict (tied
+    parameters stay tied: `parameters()` holds each once)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(size * torch.randn(p.shape, generator=gen))
+    return module.state_dict()
+
+
 def save_tokenizer(path: Path) -> None:
     vocab = {f"t{i}": i for i in range(VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))

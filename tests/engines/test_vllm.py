@@ -27,6 +27,7 @@ from tests.engines.engines import (
     masters,
     quantized_checkpoint,
     served_checkpoint,
+    step,
 )
 from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
@@ -36,16 +37,6 @@ from weightsvc.server.server import BackgroundServer
 pytestmark = pytest.mark.engine
 CPU_EMULATION = "weightsvc.loaders.VllmCpuEmulationExtension"  # vLLM's MXFP8 and NVFP4 kernels on the CPU
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "inference_worker.py"
-
-
-def step(module: torch.nn.Module, seed: int, size: float = 0.05) -> dict[str, torch.Tensor]:
-    """A learner step big enough to change greedy generations; returns the new state dict (tied
-    parameters stay tied: `parameters()` holds each once)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(size * torch.randn(p.shape, generator=gen))
-    return module.state_dict()
 
 
 def acked(server: BackgroundServer, model: str) -> dict[str, int]:

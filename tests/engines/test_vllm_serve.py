@@ -29,9 +29,8 @@ import torch
 
 from tests.conftest import serving
 from tests.engines import gate
-from tests.engines.engines import checkpoint, masters, served_checkpoint
+from tests.engines.engines import checkpoint, masters, served_checkpoint, step
 from tests.engines.serving import BACKEND, FollowProcess, VllmServer, following, http, vllm_serve
-from tests.engines.test_vllm import step
 from tests.helpers import bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.errors import NotFound
