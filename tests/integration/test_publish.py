@@ -32,7 +32,7 @@ from weightsvc.errors import DeadlineExceeded, FailedPrecondition, InvalidArgume
 from weightsvc.integrations.fair_cast import masters_digest_of, served_state_dict
 from weightsvc.protocol.lag import LagMetrics
 from weightsvc.protocol.published import publish_to_proto
-from weightsvc.rounding import ExportSpec
+from weightsvc.rounding import ExportSpec, Residual
 from weightsvc.v1 import weightsvc_pb2_grpc as pb_grpc
 
 RANK = [sys.executable, "-m", "tests.integration.publish_rank"]
@@ -261,6 +261,33 @@ def test_a_published_version_is_durable_in_the_data_dir(nixl_installed: None, tm
             same_bits(client.pull("durable", 1), served)
     finally:
         again.stop()
+
+
+def test_under_ef_the_learner_keeps_the_residual_and_a_push_after_a_publish_starts_afresh(
+        nixl_installed: None) -> None:
+    """An `ef` server: the learner exports each version with its own `Residual` and publishes it, bit for
+    bit what a push of the same masters serves (the service's residual advancing alongside). The service
+    never holds the learner's residual: an `ef` push to the published model continues from none."""
+    ef = ExportSpec("bf16", "ef", seed=0)
+    residual = Residual()
+    srv = ServeProcess("--nixl", "--rounding", "ef")
+    try:
+        with LearnerClient(srv.target) as learner, InferenceClient(srv.target) as client, \
+                serving(rounding="ef") as other, LearnerClient(other.grpc_target) as pusher, \
+                InferenceClient(other.grpc_target) as puller:
+            for step in (1, 2):
+                served = served_state_dict(moved(step), ef, version=step, residual=residual)
+                learner.publish(step, served, "ef", spec=ef)
+                pusher.push(step, moved(step), "ef")
+                same_bits(client.pull("ef", step), puller.pull("ef", step))
+            learner.push(3, moved(3), "ef")
+            pusher.push(3, moved(3), "afresh")
+            same_bits(client.pull("ef", 3), puller.pull("afresh", 3))
+            pusher.push(3, moved(3), "ef")  # (from the residual after version 2 here: another copy)
+            mine, continued = client.pull("ef", 3), puller.pull("ef", 3)
+            assert any(not torch.equal(mine[n], continued[n]) for n in mine)
+    finally:
+        srv.stop()
 
 
 def lags(srv: ServeProcess, model: str) -> dict[int, LagMetrics | None]:
