@@ -308,10 +308,16 @@ def test_bench_json_has_sync_per_tensor_data_dir_and_pull_figures() -> None:
     assert "T1" not in figures and "K1" not in figures  # --only
 
 
-def test_bench_pub2_counts_the_bytes_the_server_read_and_received(nixl_installed: None) -> None:
-    result = cli("bench", "--only", "PUB2", "--size-mib", "16", "--json", timeout=300)
+def test_bench_publish_figures_pub1_timed_against_bare_reads_pub2_from_the_servers_counters(
+        nixl_installed: None) -> None:
+    result = cli("bench", "--only", "PUB1,PUB2", "--size-mib", "16", "--repeat", "1", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout)
+    # PUB1: the rounds' time against the bare READs' (whose bytes the readers checked), of the served copy
+    timed = figures["details"]["PUB1_seconds"]
+    assert timed["bytes"] == 16 << 20 and 0 < timed["publish"] < timed["publish_to_readers"]
+    # (the details in µs, the figure to 3 places)
+    assert figures["PUB1"] == pytest.approx(timed["publish_to_readers"] / timed["bare_read"], rel=1e-3)
     for key, served in (("PUB2", 2), ("PUB2_fp8_e4m3", 1)):  # bytes an element: the served copy, from the counters
         counted = figures["details"][f"{key}_bytes"]
         assert counted["push_masters"] == 16 << 20, key

@@ -11,7 +11,8 @@ their own (`weightsvc.cli._server`), as in production:
 - store: the object store's bytes per version, upload and pull against its raw PUT and GET
 - fabric: N1, a pull over NIXL against a bare NIXL READ of the same bytes; N2, four readers of a
   quarter of the rows each against bare READs; N3, the control plane's cost per version
-- publish: PUB2, the bytes a learner's publish moves per version against an fp32 push's (bf16, fp8)
+- publish: PUB1, a publish until four readers hold their slices against bare READs from the learner's
+  ranks; PUB2, the bytes a learner's publish moves per version against an fp32 push's (bf16, fp8)
 - rawtcp: the baselines (a ratio of 1.0 means "as fast as the socket"); peers: the puller processes
 - run: the chosen parts, as one dict; soak: the long run of `--soak`
 """
@@ -22,4 +23,4 @@ their own (`weightsvc.cli._server`), as in production:
 PARTS = {"T1": "transfer", "T2": "transfer", "T3": "transfer", "M1": "transfer", "K1": "kernels", "K2": "kernels",
          "delta": "delta", "scale_3v1": "scale", "E1": "E1", "S1": "S1", "S2": "S2", "P1": "P1",
          "K3_sass": "sass", "store": "store", "N1": "N1", "N2": "N2", "N3": "N3",
-         "PUB2": "PUB2"}
+         "PUB1": "PUB1", "PUB2": "PUB2"}

@@ -176,9 +176,10 @@ def _control(learner: Any, clients: tuple[Any, Any], readers: list[Any], pool: A
             "nixl_pull": _best(repeat, lambda: grpc.pull_into(into, version=version, fallback=False))}
 
 
-def _together(commands: list[list[str]], repeat: int) -> float:
-    """Reader processes told to read at once, best of `repeat`: the time until the last one is done."""
-    procs = [subprocess.Popen([sys.executable, "-m", __name__, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def _together(commands: list[list[str]], repeat: int, module: str = __name__) -> float:
+    """Reader processes (`python -m module`) told to read at once, best of `repeat`: the time until the last
+    one is done."""
+    procs = [subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True) for args in commands]
     try:
         for proc, args in zip(procs, commands, strict=True):

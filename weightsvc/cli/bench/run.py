@@ -63,6 +63,7 @@ def run_bench(
         "N1": lambda: fabric.fabric_bench(size_mib=size_mib, repeat=repeat, say=say),
         "N2": lambda: fabric.quarters_bench(size_mib=size_mib, repeat=repeat, say=say),
         "N3": lambda: fabric.control_bench(counts=(1_000, 100_000), repeat=min(repeat, 2), say=say),
+        "PUB1": lambda: publish.pub1_bench(size_mib=min(size_mib, 256), repeat=repeat, say=say),
         "PUB2": lambda: publish.publish_bench(size_mib=min(size_mib, 256), say=say),  # (bytes: its size is moot)
     }
     result: dict[str, Any] = {"details": {"cpus": os.cpu_count()}, "report": {}}
