@@ -170,7 +170,7 @@ def _each_says(procs: list[subprocess.Popen[str]], word: str | None) -> None:
         assert proc.stdout is not None
         said = proc.stdout.readline().strip()
         if not said or (word is not None and said != word):
-            raise RuntimeError(f"PUB1's {proc.args[3]} said {said!r} ({proc.poll()}), not {word or 'a line'!r}")
+            raise RuntimeError(f"PUB1's {proc.args!r} said {said!r} ({proc.poll()}), not {word or 'a line'!r}")
 
 
 def _served(size_mib: int, steps: range) -> dict[int, dict[str, Any]]:
@@ -282,6 +282,6 @@ def _bare_ranks(size_mib: int, index: int, count: int, metas: list[str]) -> None
 
 if __name__ == "__main__":
     if sys.argv[1] == "rank":
-        _rank(sys.argv[2], *(int(a) for a in sys.argv[3:7]), sys.argv[7])
+        _rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
     else:
         _bare_ranks(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
