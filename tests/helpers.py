@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import queue
+import random
 import socket
 import subprocess
 import threading
@@ -259,10 +260,25 @@ def closed_by_server(sock: socket.socket, timeout: float | None = None) -> bool:
 S3_KEY, S3_SECRET = "weightsvc-test", "weightsvc-test-secret"  # the identity SeaweedS3 accepts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port() -> int:
+    """A loopback port for a process that must be told its port before it binds it (SeaweedFS, `vllm
+    serve`, torch.distributed's store). Below the kernel's ephemeral range: a port bound to 0 there and
+    let go could be taken, before its process binds it, by any of the thousands of connections the suites
+    beside each other make (each gets an ephemeral port); below it only another such pick can take it, and
+    picking at random among ~17,000 ports makes that as unlikely as a collision can be."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(100):
+        port = random.randrange(PORTS_FROM, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # (in use)
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{PORTS_FROM}, {low}) after 100 tries")
+
+
+PORTS_FROM = 15000
 
 
 class SeaweedS3:
@@ -271,7 +287,7 @@ class SeaweedS3:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -286,7 +302,7 @@ class SeaweedS3:
         config = self.workdir / "s3.json"
         config.write_text(json.dumps({"identities": [{"name": "test", "credentials": [
             {"accessKey": S3_KEY, "secretKey": S3_SECRET}], "actions": ["Admin", "Read", "Write", "List"]}]}))
-        ports = {f"-{name}": _free_port() for name in ("master.port", "master.port.grpc", "volume.port",
+        ports = {f"-{name}": free_port() for name in ("master.port", "master.port.grpc", "volume.port",
                                                        "volume.port.grpc", "filer.port", "filer.port.grpc",
                                                        "s3.port.grpc", "s3.port.iceberg", "s3.port.lance")}
         self.proc = subprocess.Popen(

@@ -13,7 +13,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.engines.engines import PROMPTS
+from tests.helpers import free_port
 
 START_TIMEOUT_S = 600.0
 # A generation of 16 tokens takes seconds on a busy 2-core machine; past this it is hung, and the
@@ -35,12 +35,6 @@ BACKEND = '{"backend": "weightsvc"}'
 # 2-core machine can take that long: such a server is started once more (its log kept beside). Any
 # other failure to start fails the test.
 START_RACE = "assert addresses.coordinator_input is not None"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = 120.0) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch.multiprocessing as mp
 from tests.conftest import serving
 from tests.engines.engines import checkpoint, masters, served_checkpoint, step
 from tests.engines.serving import following, vllm_serve
-from tests.helpers import same_bits
+from tests.helpers import free_port, same_bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.integrations.vllm.plugin import NIXL_BACKEND
 from weightsvc.rounding import ExportSpec
@@ -87,12 +86,6 @@ def _publish_home(rank: int, port: int, target: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def nixl_reads(srv: BackgroundServer, model: str) -> float:
     text = urllib.request.urlopen(f"{srv.http_url}/metrics", timeout=30).read().decode()
     found = re.search(rf'^weightsvc_nixl_reads_total{{model="{model}"}} (\S+)$', text, re.M)
@@ -107,7 +100,7 @@ def test_two_fsdp_ranks_publish_workers_read_their_slices_over_nixl_and_answer_a
     start = checkpoint(module, tmp_path / "v0")
     step(module, 1)  # (HOME's masters: the ranks publish them)
     away = {n: t.clone() for n, t in step(module, 2).items()}
-    mp.spawn(_publish_home, args=(_free_port(), lending.grpc_target), nprocs=RANKS, join=True)
+    mp.spawn(_publish_home, args=(free_port(), lending.grpc_target), nprocs=RANKS, join=True)
     with serving(rounding="sr") as tcp_only, LearnerClient(lending.grpc_target) as learner, \
             LearnerClient(tcp_only.grpc_target) as other:
         learner.push(AWAY_VERSION, away, model=AWAY)

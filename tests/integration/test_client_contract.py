@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import save_file
 
 from tests.conftest import make_masters, serving, start_server, target
-from tests.helpers import assert_served, same_bits, small_step
+from tests.helpers import assert_served, free_port, same_bits, small_step
 from weightsvc.client import (
     ClientInfo,
     GrpcInferenceClient,
@@ -167,9 +166,7 @@ def test_ack_returns_latest_and_lists_the_client(learner: LearnerClient, client:
 
 
 def test_watch_reconnects_across_a_server_restart(data_dir: Path, transport: str) -> None:
-    with socket.socket() as probe:  # a port the restarted server can bind again
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # a port the restarted server binds again (out of the range connections take theirs from)
     ports = {"grpc_port": port} if transport == "grpc" else {"http_port": port}
     srv = start_server(data_dir=data_dir, **ports)
     events: queue.Queue[int] = queue.Queue()

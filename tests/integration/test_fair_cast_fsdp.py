@@ -4,7 +4,6 @@ service's served copy of the masters they push, bit for bit, step after step."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,17 +11,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import serving
-from tests.helpers import same_bits
+from tests.helpers import free_port, same_bits
 from tests.unit.test_fair_cast import TOKENS, Tiny
 from weightsvc.rounding import ExportSpec
 
 RANKS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: int, wide: bool) -> None:
@@ -100,7 +93,7 @@ def _rank(rank: int, port: int, target: str, format: str, rounding: str, seed: i
 def test_two_ranks_gather_the_services_served_copy(format: str, rounding: str, seed: int, wide: bool) -> None:
     """`wide`: FSDP's param_dtype fp32, the gathered bf16 copied into the unsharded parameter."""
     with serving(format=format, rounding=rounding, seed=seed) as srv:
-        mp.spawn(_rank, args=(_free_port(), srv.grpc_target, format, rounding, seed, wide), nprocs=RANKS, join=True)
+        mp.spawn(_rank, args=(free_port(), srv.grpc_target, format, rounding, seed, wide), nprocs=RANKS, join=True)
 
 
 def test_scaled_formats_and_ef_are_refused_before_sharding() -> None:

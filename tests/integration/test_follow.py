@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.conftest import ServeProcess, serving
-from tests.helpers import closed_by_server
+from tests.helpers import closed_by_server, free_port
 from weightsvc import LearnerClient
 from weightsvc.server.server import BackgroundServer
 
@@ -144,9 +144,7 @@ class Follow:
     """A `weightsvc follow` process; its log lines (JSON) read as they come."""
 
     def __init__(self, engine: str, target: str, *args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "weightsvc", "follow", "--engine", engine, "--target",
                                       target, "--model", "policy", "--listen", f"127.0.0.1:{port}", "--client-id",
@@ -206,9 +204,7 @@ def failures(url: str, stage: str) -> float:
 
 
 def test_an_unreachable_engine_is_reported_and_retried(service: BackgroundServer) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        engine = f"http://127.0.0.1:{s.getsockname()[1]}"
+    engine = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on
     with Follow(engine, service.grpc_target) as follower:
         failed = follower.event("failed")
         assert failed["stage"] == "connect" and failed["engine"] == engine and failed["model"] == "policy"

@@ -12,7 +12,6 @@ import itertools
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import ServeProcess, make_masters, serving
-from tests.helpers import same_bits
+from tests.helpers import free_port, same_bits
 from weightsvc import InferenceClient, LearnerClient
 from weightsvc.cli._server import WEIGHTSVC_CMD
 from weightsvc.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -294,9 +293,7 @@ def served_bytes(srv: ServeProcess, version: int | str = "latest") -> int:
 def two_sources(nixl_installed: None) -> Iterator[tuple[ServeProcess, ServeProcess]]:
     """An upstream and a relay of it, both lending over NIXL, each naming the other as a source (the
     relay's port is chosen first: the upstream names it before it listens)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     upstream = ServeProcess("--nixl", "--nixl-sources", f"127.0.0.1:{port}")
     try:
         relay = ServeProcess("--nixl", "--relay-from", upstream.target, "--grpc-port", str(port))

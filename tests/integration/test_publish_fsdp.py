@@ -11,7 +11,6 @@ arrive together however slowly each process started; the server waits `--push-ra
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Iterator
 
 import pytest
@@ -22,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from tests.conftest import ServeProcess
-from tests.helpers import same_bits
+from tests.helpers import free_port, same_bits
 from tests.unit.test_fair_cast import TOKENS, Tiny
 from weightsvc import InferenceClient
 from weightsvc.errors import NotFound
@@ -52,12 +51,6 @@ def copier(nixl_installed: None) -> Iterator[ServeProcess]:
     srv = ServeProcess("--nixl")
     yield srv
     srv.stop()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _fsdp(spec: ExportSpec) -> tuple[Gated, ServedVersion, list[FSDPModule]]:
@@ -122,7 +115,7 @@ def _publish_rank(rank: int, port: int, target: str) -> None:
 
 def test_two_fsdp_ranks_publish_the_copy_their_forward_runs_on_bit_for_bit_the_services_export(
         copier: ServeProcess) -> None:
-    mp.spawn(_publish_rank, args=(_free_port(), copier.target), nprocs=RANKS, join=True)
+    mp.spawn(_publish_rank, args=(free_port(), copier.target), nprocs=RANKS, join=True)
 
 
 def _other_spec_rank(rank: int, port: int, target: str) -> None:
@@ -152,7 +145,7 @@ def _other_spec_rank(rank: int, port: int, target: str) -> None:
 
 def test_fsdp_ranks_whose_spec_is_not_the_servers_are_refused_naming_model_step_and_rank(
         copier: ServeProcess) -> None:
-    mp.spawn(_other_spec_rank, args=(_free_port(), copier.target), nprocs=RANKS, join=True)
+    mp.spawn(_other_spec_rank, args=(free_port(), copier.target), nprocs=RANKS, join=True)
     with InferenceClient(copier.target) as client, pytest.raises(NotFound):
         client.versions("other-spec")
 
