@@ -267,6 +267,8 @@ def free_port() -> int:
     beside each other make (each gets an ephemeral port); below it only another such pick can take it, and
     picking at random among ~17,000 ports makes that as unlikely as a collision can be."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if low < PORTS_FROM + 1000:  # (a machine whose connections take ports from everywhere: any will do)
+        low = 65536
     for _ in range(100):
         port = random.randrange(PORTS_FROM, low)
         with socket.socket() as s:
